@@ -1,0 +1,169 @@
+"""Benchmark plumbing shared by every `bench/*.py`: timing, ceilings, roofline, JSON results.
+
+Method (see METHOD.md of the device notes): warm up, time with CUDA graph replay (many calls
+per replay so launch gaps do not count) or CUDA events, take the median of several replays,
+rotate inputs when they would fit in L2, read clocks before and after, and always measure the
+ceilings (a device-to-device copy, dense GEMMs) in the same run as the thing compared to them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Peaks:
+    """Roofline ceilings. Defaults: what we measured on one H200 (issue 2); override per GPU."""
+
+    hbm_bytes_per_s: float = 4.2e12  # device-to-device copy, bytes read + written
+    bf16_flops: float = 763e12  # dense BF16 GEMM through torch
+    fp8_flops: float = 1307e12  # dense FP8 GEMM through torch._scaled_mm
+    nvlink_bytes_per_s: float = 391e9  # plain peer copy, one direction
+
+    def roofline_s(self, flops: float = 0.0, hbm_bytes: float = 0.0, nvl_bytes: float = 0.0,
+                   fp8: bool = True) -> float:
+        """max(flops / peak, bytes / HBM bandwidth, NVLink bytes / NVLink bandwidth)."""
+        rate = self.fp8_flops if fp8 else self.bf16_flops
+        return max(flops / rate, hbm_bytes / self.hbm_bytes_per_s,
+                   nvl_bytes / self.nvlink_bytes_per_s)
+
+
+def time_cuda_graph(fn: Callable[[], None], calls_per_replay: int = 20, replays: int = 15,
+                    warmup: int = 3) -> float:
+    """Median seconds per call of `fn`, captured `calls_per_replay` times in one CUDA graph."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # one eager call on the capture stream (lazy init)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls_per_replay):
+                fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls_per_replay)
+    return statistics.median(times)
+
+
+def time_events(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call of `fn` timed one call at a time with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = time_cuda_graph(lambda: dst.copy_(src), calls_per_replay=5, replays=10)
+    return 2 * nbytes / t
+
+
+def copy_ceiling(total_bytes: int, rotate: int = 1) -> float:
+    """Bytes/s of a device-to-device copy moving `total_bytes` (read + written), timed like a
+    kernel that moves as many bytes: the ceiling a memory-bound kernel of that size is held to."""
+    n = max(16, total_bytes // 2)
+    srcs = [torch.empty(n, dtype=torch.uint8, device="cuda").random_() for _ in range(rotate)]
+    dsts = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(rotate)]
+    state = {"i": 0}
+
+    def copy():
+        i = state["i"] = (state["i"] + 1) % rotate
+        dsts[i].copy_(srcs[i])
+
+    return 2 * n / time_cuda_graph(copy)
+
+
+def gpu_clocks() -> dict[str, str]:
+    """SM and memory clocks and temperature as nvidia-smi reports them now (no settings touched)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout
+        return {"nvidia_smi": out.strip()}
+    except (OSError, subprocess.SubprocessError):
+        return {"nvidia_smi": "unavailable"}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return os.environ.get("CUTE_MEGAMOE_COMMIT", "unknown")
+
+
+@dataclass
+class Results:
+    """One benchmark run: environment, ceilings and rows; saved as JSON under bench/results/."""
+
+    name: str
+    rows: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.meta.update(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            gpu=gpu, num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            torch=torch.__version__, python=platform.python_version(),
+            commit=os.environ.get("CUTE_MEGAMOE_COMMIT") or git_commit())
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+
+    def save(self, out_dir: Path | None = None) -> Path:
+        out_dir = Path(out_dir or os.environ.get("CUTE_MEGAMOE_RESULTS_DIR") or RESULTS_DIR)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = self.meta["date"].replace(":", "").replace("-", "")[:15]
+        path = out_dir / f"{self.name}-{stamp}.json"
+        path.write_text(json.dumps({"name": self.name, "meta": self.meta, "rows": self.rows},
+                                   indent=1))
+        return path
+
+    def table(self, columns: list[str]) -> str:
+        widths = [max(len(c), *(len(_fmt(r.get(c))) for r in self.rows)) for c in columns]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+        for r in self.rows:
+            lines.append("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
+        return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,343 @@
+"""The symmetric buffer one Mega MoE layer works in, and the user-visible views into it.
+
+Each rank allocates one uint8 buffer laid out by :class:`~cute_megamoe.layout.MegaMoELayout`.
+With several ranks it comes from ``torch.distributed._symmetric_memory`` so that every rank can
+load from and store into every peer's copy over NVLink: the kernels get one base pointer per
+rank (:attr:`SymmBuffer.buffer_ptrs`) and add a region's offset, which is the same on every rank.
+With one rank (``group=None`` or a group of size 1) it is a plain ``torch.zeros`` tensor, which
+may live on the CPU for host-side tests.
+
+The user copies each call's inputs into ``x[:n]``, ``x_sf[:n]``, ``topk_idx[:n]`` and
+``topk_weights[:n]`` before the call (as with DeepGEMM's ``SymmBuffer``). The buffer is zeroed
+once here; kernels reset the workspace counters they used before they exit, and
+:meth:`SymmBuffer.zero_workspace_` restores a clean workspace after a failed call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import RECIPES, REGION_NAMES, MegaMoELayout
+
+__all__ = ["SymmBuffer", "get_symm_buffer_for_mega_moe"]
+
+
+def _region_property(name: str) -> property:
+    def getter(self: SymmBuffer) -> torch.Tensor:
+        return self.view(name)
+
+    getter.__name__ = name
+    getter.__doc__ = f"View of the ``{name}`` region (see :mod:`cute_megamoe.layout.mega_moe`)."
+    return property(getter)
+
+
+def _is_process_group(group: object) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    return isinstance(group, torch.distributed.ProcessGroup)
+
+
+def _format_bytes(num_bytes: int) -> str:
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / (1 << 30):.2f} GiB"
+    return f"{num_bytes / (1 << 20):.2f} MiB"
+
+
+class SymmBuffer:
+    """One rank's Mega MoE buffer: the allocation, peer pointers and typed region views.
+
+    Prefer :func:`get_symm_buffer_for_mega_moe`. Attributes: ``layout``, ``rank``,
+    ``num_ranks``, ``group`` (None for one process), ``buffer`` (1-D uint8 tensor of
+    ``layout.num_bytes`` bytes), ``buffer_ptrs`` (base address of the buffer on every rank,
+    indexed by rank), ``handle`` (the symmetric-memory handle; None with one rank), and one
+    view property per region (``x``, ``x_sf``, ..., ``combine`` and the workspace regions).
+    A region the recipe lacks (``x_sf`` and friends for ``bf16xbf16``) raises
+    :class:`~cute_megamoe.layout.AbsentRegionError` on access.
+    """
+
+    def __init__(
+        self,
+        group: torch.distributed.ProcessGroup | None,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        hidden: int,
+        intermediate_hidden: int,
+        mma_type: str = "fp8xfp4",
+        device: torch.device | str | int | None = None,
+    ) -> None:
+        if group is not None and not _is_process_group(group):
+            raise TypeError(
+                f"group must be None or a torch.distributed.ProcessGroup, got "
+                f"{type(group).__name__}"
+            )
+        if group is None:
+            rank, num_ranks = 0, 1
+        else:
+            rank, num_ranks = group.rank(), group.size()
+        if isinstance(num_experts, int) and not isinstance(num_experts, bool):
+            if num_experts % num_ranks != 0:
+                raise ValueError(
+                    f"num_experts ({num_experts}) must be a multiple of the group size "
+                    f"({num_ranks})"
+                )
+        # The layout calls it `recipe`; this API (DeepGEMM's) calls it `mma_type`.
+        if not isinstance(mma_type, str):
+            raise TypeError(f"mma_type must be a str, got {type(mma_type).__name__}")
+        if mma_type not in RECIPES:
+            raise ValueError(f"mma_type must be one of {RECIPES}, got {mma_type!r}")
+        layout = MegaMoELayout(
+            num_ranks=num_ranks,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            num_topk=num_topk,
+            hidden=hidden,
+            intermediate_hidden=intermediate_hidden,
+            recipe=mma_type,
+        )
+
+        self.layout: MegaMoELayout = layout
+        self.group = group
+        self.rank: int = rank
+        self.num_ranks: int = num_ranks
+        self.handle: object | None = None
+        if num_ranks == 1:
+            dev = torch.device("cuda" if device is None else device)
+            buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device=dev)
+            buffer_ptrs = [buffer.data_ptr()]
+        else:
+            buffer, self.handle, buffer_ptrs = self._alloc_symmetric(device)
+        self.buffer: torch.Tensor | None = buffer
+        self.buffer_ptrs: list[int] = buffer_ptrs
+        self._views: dict[str, torch.Tensor] = {
+            name: layout.view(buffer, name) for name in REGION_NAMES if layout.has(name)
+        }
+
+    # ------------------------------------------------------------------ allocation
+
+    def _cuda_device(self, device: torch.device | str | int | None) -> torch.device:
+        if not torch.cuda.is_available():
+            raise RuntimeError("a multi-rank SymmBuffer needs CUDA (symmetric memory)")
+        current = torch.device("cuda", torch.cuda.current_device())
+        if device is None:
+            return current
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device with several ranks, got {dev}")
+        if dev.index is not None and dev.index != current.index:
+            raise ValueError(
+                f"device ({dev}) must be the current CUDA device ({current}); call "
+                f"torch.cuda.set_device first"
+            )
+        return current
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group))
+        if "nccl" in backend:
+            # Name the device so NCCL does not guess it (and does not warn).
+            dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=self.group)
+
+    def _alloc_symmetric(
+        self, device: torch.device | str | int | None
+    ) -> tuple[torch.Tensor, object, list[int]]:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        dev = self._cuda_device(device)
+        group = self.group
+        assert group is not None
+        buffer = symm_mem.empty(self.layout.num_bytes, dtype=torch.uint8, device=dev)
+        handle = symm_mem.rendezvous(buffer, group.group_name)
+        handle_rank = getattr(handle, "rank", self.rank)
+        handle_size = getattr(handle, "world_size", self.num_ranks)
+        if handle_rank != self.rank or handle_size != self.num_ranks:
+            raise RuntimeError(
+                f"symmetric-memory handle says rank {handle_rank}/{handle_size}, the group says "
+                f"{self.rank}/{self.num_ranks}"
+            )
+        # `handle.buffer_ptrs` are the bases of the symmetric *allocation* on each rank. Since
+        # torch 2.9 `symm_mem.empty` may carve the tensor out of a pooled allocation, so the
+        # tensor can start `handle.offset` bytes in; peers find it at the same offset only if
+        # every rank's offset agrees, which we check rather than assume.
+        bases = [int(p) for p in handle.buffer_ptrs]
+        local_offset = buffer.data_ptr() - bases[self.rank]
+        reported = getattr(handle, "offset", local_offset)
+        if reported != local_offset:
+            raise RuntimeError(
+                f"symmetric-memory offset mismatch: handle.offset={reported}, "
+                f"data_ptr - buffer_ptrs[rank]={local_offset}"
+            )
+        offsets: list[object] = [None] * self.num_ranks
+        dist.all_gather_object(offsets, local_offset, group=group)
+        if any(o != local_offset for o in offsets):
+            raise RuntimeError(
+                f"the buffer sits at different offsets inside the symmetric allocation on "
+                f"different ranks ({offsets}); allocate it on every rank in the same order, or "
+                f"set TORCH_SYMMMEM_IMPLICIT_POOL=0"
+            )
+        buffer_ptrs = [base + local_offset for base in bases]
+
+        buffer.zero_()
+        # Every rank's zero-fill must land before any peer's first kernel writes into it.
+        torch.cuda.synchronize(dev)
+        self._barrier()
+        torch.cuda.synchronize(dev)
+        return buffer, handle, buffer_ptrs
+
+    # ------------------------------------------------------------------ views
+
+    def view(self, name: str) -> torch.Tensor:
+        """The typed view of region ``name`` (the same tensor the property returns)."""
+        if self.buffer is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        v = self._views.get(name)
+        if v is None:
+            self.layout.region(name)  # raises AbsentRegionError / KeyError
+            raise AssertionError(name)  # pragma: no cover - every present region has a view
+        return v
+
+    def has(self, name: str) -> bool:
+        """Whether region ``name`` exists for this buffer's recipe."""
+        return self.layout.has(name)
+
+    # Workspace regions.
+    barrier = _region_property("barrier")
+    expert_send_count = _region_property("expert_send_count")
+    expert_recv_count = _region_property("expert_recv_count")
+    expert_recv_count_sum = _region_property("expert_recv_count_sum")
+    l1_pool_block_ready = _region_property("l1_pool_block_ready")
+    l2_pool_block_ready = _region_property("l2_pool_block_ready")
+    src_token_topk_idx = _region_property("src_token_topk_idx")
+    token_src_metadata = _region_property("token_src_metadata")
+    # Data regions.
+    x = _region_property("x")
+    x_sf = _region_property("x_sf")
+    topk_idx = _region_property("topk_idx")
+    topk_weights = _region_property("topk_weights")
+    l1_acts = _region_property("l1_acts")
+    l1_acts_sf = _region_property("l1_acts_sf")
+    l1_topk_weights = _region_property("l1_topk_weights")
+    l2_acts = _region_property("l2_acts")
+    l2_acts_sf = _region_property("l2_acts_sf")
+    combine = _region_property("combine")
+
+    # ------------------------------------------------------------------ shape parameters
+
+    @property
+    def recipe(self) -> str:
+        return self.layout.recipe
+
+    mma_type = recipe
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.layout.num_local_experts
+
+    @property
+    def num_max_tokens_per_rank(self) -> int:
+        """The value asked for; the views hold ``num_tokens`` (aligned) rows."""
+        return self.layout.num_max_tokens_per_rank
+
+    @property
+    def num_tokens(self) -> int:
+        """Token rows of ``x`` and friends: ``num_max_tokens_per_rank`` aligned to 128."""
+        return self.layout.num_tokens
+
+    @property
+    def num_topk(self) -> int:
+        return self.layout.num_topk
+
+    @property
+    def hidden(self) -> int:
+        return self.layout.hidden
+
+    @property
+    def intermediate_hidden(self) -> int:
+        return self.layout.intermediate_hidden
+
+    @property
+    def num_bytes(self) -> int:
+        return self.layout.num_bytes
+
+    @property
+    def device(self) -> torch.device:
+        if self.buffer is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        return self.buffer.device
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def zero_workspace_(self) -> SymmBuffer:
+        """Zero every workspace region (recovery after a failed or interrupted call).
+
+        Data regions are left alone. Call it only while no kernel uses the buffer. With several
+        ranks it is collective: every rank must call it, and it returns after all have zeroed,
+        so no peer's next call can write into a workspace that is still being cleared.
+        """
+        if self.buffer is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        self.buffer[: self.layout.workspace_nbytes].zero_()
+        if self.num_ranks > 1:
+            torch.cuda.synchronize(self.buffer.device)
+            self._barrier()
+            torch.cuda.synchronize(self.buffer.device)
+        return self
+
+    def destroy(self) -> None:
+        """Drop the buffer, views, handle and group references (the memory is freed once no
+        other reference remains). Any later view access raises ``RuntimeError``."""
+        self._views = {}
+        self.handle = None
+        self.buffer = None
+        self.buffer_ptrs = []
+        self.group = None
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        state = "" if self.buffer is not None else ", destroyed"
+        device = f", device={self.buffer.device}" if self.buffer is not None else ""
+        return (
+            f"SymmBuffer(rank={self.rank}, num_ranks={self.num_ranks}, recipe={lay.recipe!r}, "
+            f"num_experts={lay.num_experts}, num_max_tokens_per_rank="
+            f"{lay.num_max_tokens_per_rank} (T={lay.num_tokens}), num_topk={lay.num_topk}, "
+            f"hidden={lay.hidden}, intermediate_hidden={lay.intermediate_hidden}, "
+            f"size={_format_bytes(lay.num_bytes)}{device}{state})"
+        )
+
+
+def get_symm_buffer_for_mega_moe(
+    group: torch.distributed.ProcessGroup | None,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    num_topk: int,
+    hidden: int,
+    intermediate_hidden: int,
+    mma_type: str = "fp8xfp4",
+    device: torch.device | str | int | None = None,
+) -> SymmBuffer:
+    """Allocate (collectively, with several ranks) and zero the buffer for a Mega MoE layer.
+
+    DeepGEMM's function name and argument order. ``group=None`` means one process and one rank
+    (all experts local); ``device`` defaults to CUDA and may be ``'cpu'`` then. With a process
+    group of several ranks every rank must call this with the same arguments, after
+    ``torch.cuda.set_device``; the buffer lives on the current CUDA device. ``mma_type`` is one
+    of ``'fp8xfp4'``, ``'fp8xfp8'``, ``'bf16xbf16'``.
+    """
+    return SymmBuffer(
+        group,
+        num_experts,
+        num_max_tokens_per_rank,
+        num_topk,
+        hidden,
+        intermediate_hidden,
+        mma_type=mma_type,
+        device=device,
+    )

@@ -1,0 +1,188 @@
+"""Launch heuristics: SM count, BLOCK_M and experts per wave. PROVISIONAL.
+
+These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp``,
+summarised in ``docs/reference-deepgemm-megamoe.md`` section 7) in spirit, restricted to the
+block sizes our kernels implement. The thresholds are starting points, not measurements: they
+are to be re-tuned with the benchmarks once the kernels run. All functions are pure except
+:func:`get_num_sms` / :func:`get_arch`, which read the CUDA device when there is one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .utils import ceil_div
+
+__all__ = [
+    "BLOCK_M_CANDIDATES",
+    "DEFAULT_NUM_SMS",
+    "expected_tokens_per_expert",
+    "experts_per_wave",
+    "get_arch",
+    "get_num_sms",
+    "normalize_arch",
+    "select_block_m",
+]
+
+#: SMs of an H100 / H200 SXM, the default when no GPU is visible.
+DEFAULT_NUM_SMS = 132
+
+#: BLOCK_M values each architecture's kernels implement.
+BLOCK_M_CANDIDATES: dict[str, tuple[int, ...]] = {
+    "sm90": (64, 128),
+    "sm100": (16, 32, 64, 128, 192),
+}
+
+# select_block_m thresholds: (largest expected tokens per expert, BLOCK_M), first match wins;
+# above the last threshold the largest candidate is used. The +0.5 keeps an exact integer
+# expectation (e.g. 16 tokens) on the smaller block, as DeepGEMM does.
+#
+# sm100 (DeepGEMM's table 7.1 without BM=96, which we do not implement): up to 8.5 -> 16,
+# up to 16.5 -> 32, then 64 up to 64.5 (DeepGEMM's 96 range; 64 pads less than 128 and gives
+# twice the tiles), 128 up to 96.5, else 192 (prefill, large-EP decode).
+# sm90 (wgmma, 64 rows per consumer warpgroup): 64 up to 64.5, else 128.
+_BLOCK_M_THRESHOLDS: dict[str, tuple[tuple[float, int], ...]] = {
+    "sm90": ((64.5, 64),),
+    "sm100": ((8.5, 16), (16.5, 32), (64.5, 64), (96.5, 128)),
+}
+
+
+def normalize_arch(arch: str) -> str:
+    """``'sm_90a'``, ``'sm90a'``, ``'sm90'`` -> ``'sm90'``; likewise for sm100."""
+    if not isinstance(arch, str):
+        raise TypeError(f"arch must be a str, got {type(arch).__name__}")
+    key = arch.lower().replace("_", "")
+    if key.endswith("a") or key.endswith("f"):
+        key = key[:-1]
+    if key not in BLOCK_M_CANDIDATES:
+        raise ValueError(f"arch must be one of {tuple(BLOCK_M_CANDIDATES)}, got {arch!r}")
+    return key
+
+
+def get_num_sms(
+    device: torch.device | str | int | None = None, default: int = DEFAULT_NUM_SMS
+) -> int:
+    """Number of SMs of ``device`` (the current CUDA device if None); ``default`` without CUDA."""
+    if not torch.cuda.is_available():
+        return default
+    if device is None:
+        device = torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def get_arch(device: torch.device | str | int | None = None, default: str = "sm90") -> str:
+    """``'sm90'`` or ``'sm100'`` for ``device`` (current CUDA device); ``default`` without CUDA.
+
+    Compute capability 9.x maps to sm90, 10.x to sm100; others raise ``ValueError``.
+    """
+    if not torch.cuda.is_available():
+        return normalize_arch(default)
+    if device is None:
+        device = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm90"
+    if major == 10:  # sm_100 and its family (sm_103)
+        return "sm100"
+    raise ValueError(f"no Mega MoE kernels for compute capability {major}.{minor}")
+
+
+def expected_tokens_per_expert(
+    num_tokens: int, num_ranks: int, num_topk: int, num_experts: int
+) -> float:
+    """Expected (token, slot) pairs per expert under uniform routing: ``n * R * K / E``.
+
+    ``num_tokens`` is this call's tokens per rank. Equivalently ``n * K / E_l``.
+    """
+    if num_experts < 1 or num_ranks < 1:
+        raise ValueError("num_experts and num_ranks must be >= 1")
+    if num_tokens < 0 or num_topk < 0:
+        raise ValueError("num_tokens and num_topk must be >= 0")
+    return num_tokens * num_ranks * num_topk / num_experts
+
+
+def select_block_m(expected_tokens_per_expert: float, arch: str) -> int:
+    """BLOCK_M for a call with this many expected tokens per expert (see the thresholds above).
+
+    Small experts get small blocks (less padding, more tiles to spread over the SMs); large
+    experts get the largest block (fewer weight re-reads per token).
+    """
+    key = normalize_arch(arch)
+    if expected_tokens_per_expert < 0 or math.isnan(expected_tokens_per_expert):
+        raise ValueError(
+            f"expected_tokens_per_expert must be >= 0, got {expected_tokens_per_expert}"
+        )
+    for limit, block_m in _BLOCK_M_THRESHOLDS[key]:
+        if expected_tokens_per_expert <= limit:
+            return block_m
+    return BLOCK_M_CANDIDATES[key][-1]
+
+
+def experts_per_wave(
+    num_tokens: int,
+    num_topk: int,
+    num_local_experts: int,
+    intermediate_hidden: int,
+    block_m: int,
+    num_sms: int,
+    block_n: int = 128,
+    max_experts_per_wave: int | None = None,
+) -> int:
+    """How many local experts one wave covers (DeepGEMM's rule, reference doc section 7.3).
+
+    A wave's L2 tiles may start as soon as their rows' L1 tiles finish, so a wave must hold
+    enough L1 tiles to keep every SM busy, but a smaller wave keeps the weights of fewer experts
+    hot in L2 cache. With ``e = n * K / E_l`` expected tokens per local expert and
+    ``l1 = max(ceil(ceil(e) / BM), 1) * (2I / BN)`` expected L1 tiles per expert:
+
+    * ``m_min = ceil(2 * S / l1)`` experts fill all SMs twice (imbalance factor 2); with fewer
+      than one expected token per expert, ``m_min = E_l`` (one wave of everything);
+    * ``m_max = max_experts_per_wave`` (a pool capacity cap; our pool holds every expert, so it
+      defaults to ``E_l``); if ``m_min >= m_max`` return ``m_max``;
+    * if one expert alone fills the GPU (``l1 >= S``) return ``m_min``;
+    * otherwise pick ``E_w`` in ``[m_min, min(m_max, 2 * m_min)]`` maximising the last wave's
+      fill ``tail = 1 if E_l % E_w == 0 else (E_l % E_w) / E_w`` (first maximum wins).
+    """
+    for name, value in (
+        ("num_topk", num_topk),
+        ("num_local_experts", num_local_experts),
+        ("intermediate_hidden", intermediate_hidden),
+        ("block_m", block_m),
+        ("num_sms", num_sms),
+        ("block_n", block_n),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if (2 * intermediate_hidden) % block_n != 0:
+        raise ValueError(
+            f"2 * intermediate_hidden ({2 * intermediate_hidden}) must be a multiple of "
+            f"block_n ({block_n})"
+        )
+    m_max = num_local_experts if max_experts_per_wave is None else max_experts_per_wave
+    if not 1 <= m_max <= num_local_experts:
+        raise ValueError(
+            f"max_experts_per_wave must be in [1, {num_local_experts}], got {max_experts_per_wave}"
+        )
+
+    e = num_tokens * num_topk / num_local_experts
+    l1 = max(ceil_div(math.ceil(e), block_m), 1) * (2 * intermediate_hidden // block_n)
+    m_min = num_local_experts if e < 1 else ceil_div(2 * num_sms, l1)
+    if m_min >= m_max:
+        return m_max
+    if l1 >= num_sms:
+        return m_min
+
+    def tail(ew: int) -> float:
+        rem = num_local_experts % ew
+        return 1.0 if rem == 0 else rem / ew
+
+    best, best_tail = m_min, -1.0
+    for ew in range(m_min, min(m_max, 2 * m_min) + 1):
+        t = tail(ew)
+        if t > best_tail:
+            best, best_tail = ew, t
+    return best

@@ -1,0 +1,1 @@
+"""Device-side helpers shared by the kernels (PTX-level building blocks)."""

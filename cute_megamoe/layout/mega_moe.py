@@ -1,0 +1,437 @@
+"""Byte layout of the Mega MoE symmetric buffer: every region's offset, size, dtype and shape.
+
+One call of the Mega MoE layer works inside a single uint8 allocation per rank. With several
+ranks the allocation is *symmetric*: every rank allocates the same number of bytes and lays them
+out identically, so a peer's copy of any region lives at ``peer_base + region.offset``. This
+module is the one place that decides where each byte lives (design.md section 3: "a kernel file
+never computes an address by hand that ``layout`` owns"). It is pure host-side arithmetic: no
+GPU, no allocation. :class:`MegaMoELayout` computes the regions from the shape parameters and
+:meth:`MegaMoELayout.view` turns a region into a torch view of a uint8 buffer.
+
+Notation: ``R`` ranks, ``E`` experts (``E_l = E / R`` local to each rank), top-k ``K``, hidden
+``H``, intermediate ``I``, ``T = align(num_max_tokens_per_rank, 128)`` token slots per rank,
+``P`` pool rows (below).
+
+Pool sizing. Tokens routed to this rank's experts are pulled into a *pool*: expert-major, each
+expert padded to a multiple of the GEMM block size ``BM``. At most ``R * T`` tokens reach this
+rank and each names at most ``min(K, E_l)`` of its local experts (the valid entries of one token's
+top-k row name distinct experts, as ``torch.topk`` guarantees), so there are at most
+``R * T * min(K, E_l)`` routed rows; padding adds at most ``BM - 1`` rows per expert. Sizing the
+padding for ``block_m_max = 256``, the largest ``BM`` any kernel may use, lets one buffer serve
+every block size::
+
+    P = align(R * T * min(K, E_l) + E_l * (block_m_max - 1), block_m_max)
+
+and since ``BM >= 16`` always, the pool never has more than ``P // 16`` blocks.
+
+Regions, back to back in this order, each starting at a multiple of 128 bytes (TMA needs 128 B
+aligned global addresses; padding is only ever *between* regions). "Local" means only this rank
+touches it; "remote-written" means peers store into it over NVLink through their symmetric
+pointers; "read by peers" means peers load from it.
+
+Workspace (zeroed once at allocation; every kernel resets what it used before it exits, so the
+next call starts clean without a host memset):
+
+``barrier`` int32 [64]
+    Grid-barrier counters and cross-rank-barrier counters/signals. The kernels define the slot
+    assignment. Written and read by all CTAs of this rank; the cross-rank signal slots are
+    remote-written by peers.
+``expert_send_count`` int64 [E]
+    Per *global* expert: every CTA of this rank atomically adds ``(1 << 32) | its_count``; the
+    returned old value's low 32 bits are the CTA's first slot for that expert (an exclusive
+    prefix over CTAs in atomic order) and the high 32 bits count arrivals, so one atomic both
+    allocates and tells "all CTAs have reported". Local.
+``expert_recv_count`` int64 [R, E_l]
+    Row ``r`` is written by source rank ``r`` with a plain remote store: ``(1 << 32) | count`` for
+    each of this rank's local experts. The high bits say "published", so a zeroed slot is never
+    mistaken for a count of zero. Remote-written, read by this rank's pull warps.
+``expert_recv_count_sum`` int64 [E_l]
+    Each source rank atomically adds its per-expert total with a system-scope atomic; the high
+    half counts contributors, the low half the tokens this local expert receives. Remote-written,
+    read by every local role that needs expert sizes (scheduler, pull).
+``l1_pool_block_ready`` int32 [P // 16]
+    Per pool block: rows pulled so far (pull warps release-add, the L1 GEMM producer acquires).
+    Local.
+``l2_pool_block_ready`` int32 [P // 16]
+    Per pool block: L1 epilogue tiles finished (L1 epilogue release-adds, the L2 GEMM producer
+    acquires). Local.
+``src_token_topk_idx`` int32 [E_l, R, T]
+    For each (local expert, source rank, slot): ``token * K + k`` on the source rank. Written by
+    the *source* rank's dispatch warps through the symmetric pointer (remote-written), read by
+    this rank's pull warps. ``T`` slots per (expert, source rank) suffice: the slots for one
+    (expert, source rank) pair hold that source rank's (token, k) pairs routed to that expert;
+    a source rank has at most ``T`` tokens and a token names a given expert at most once, so at
+    most ``T`` slots are ever used. (DeepGEMM allocates ``R * T`` slots here, ``R`` times more
+    than needed: 8x the bytes for EP8.)
+``token_src_metadata`` int32 [P, 4]
+    Per pool row ``{source rank, token, topk slot, unused}``: where the row's L2 result goes back
+    to. Written by the pull warps, read by the L2 epilogue. Local. Indexed by pool row, so it is
+    never overwritten within a call.
+
+Data:
+
+``x`` [T, H] (float8_e4m3fn, or bfloat16 for ``bf16xbf16``)
+    Input tokens, copied in by the user before each call (only the first ``n`` rows are read).
+    Read by peers (pull).
+``x_sf`` [T, H / 128] (absent for ``bf16xbf16``)
+    Input scales, token-major. ``fp8xfp4``: int32, four UE8M0 bytes per int32 (per-32 scales,
+    byte ``g % 4`` of word ``g // 4`` holds K-group ``g``). ``fp8xfp8``: float32, one per 128
+    features. User-filled, read by peers.
+``topk_idx`` int64 [T, K]
+    Routing (-1 = masked). User-filled, read locally by the dispatch warps.
+``topk_weights`` float32 [T, K]
+    Routing weights. User-filled, read by peers (the pull copies the weight with the row).
+``l1_acts`` [P, H] (dtype of ``x``)
+    L1 GEMM input pool, written by the pull warps, read by the L1 GEMM. Local.
+``l1_acts_sf`` [P, H / 128] strides (1, P) (dtype of ``x_sf``; absent for ``bf16xbf16``)
+    Pool scales, MN-major (pool row fastest) as the GEMM's scale loads want. Local.
+``l1_topk_weights`` float32 [P]
+    Routing weight of each pool row, written by the pull, read by the L1 epilogue. Local.
+``l2_acts`` [P, I] (dtype of ``x``)
+    L2 GEMM input pool, written by the L1 epilogue (SwiGLU, weight, requantization). Local.
+``l2_acts_sf`` [P, I / 128] strides (1, P) (int32 for ``fp8xfp4``, float32 for ``fp8xfp8``;
+    absent for ``bf16xbf16``). Written by the L1 epilogue. Local.
+``combine`` bfloat16 [K, T, H]
+    ``combine[k, t]`` is the L2 output of this rank's token ``t``, slot ``k``. Remote-written by
+    the L2 epilogue of the rank that owns the expert; read locally by the combine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..utils import align
+
+__all__ = [
+    "BLOCK_M_MAX",
+    "DATA_REGION_NAMES",
+    "MAX_NUM_RANKS",
+    "MAX_NUM_TOPK",
+    "MIN_BLOCK_M",
+    "NUM_BARRIER_SLOTS",
+    "RECIPES",
+    "REGION_ALIGNMENT",
+    "REGION_NAMES",
+    "TOKEN_ALIGNMENT",
+    "WORKSPACE_REGION_NAMES",
+    "AbsentRegionError",
+    "MegaMoELayout",
+    "Region",
+]
+
+#: Token slots per rank are rounded up to this (the largest power of two the kernels tile by).
+TOKEN_ALIGNMENT = 128
+#: The largest BLOCK_M any kernel may use; the pool's per-expert padding is sized for it.
+BLOCK_M_MAX = 256
+#: The smallest BLOCK_M any kernel may use; bounds the number of pool blocks.
+MIN_BLOCK_M = 16
+#: Every region starts at a multiple of this many bytes (TMA global addresses).
+REGION_ALIGNMENT = 128
+#: int32 slots of the ``barrier`` region.
+NUM_BARRIER_SLOTS = 64
+#: Limits inherited from DeepGEMM (72 = one NVL72 domain; 32 = one warp's lanes over top-k).
+MAX_NUM_RANKS = 72
+MAX_NUM_TOPK = 32
+#: Supported (activation x weight) recipes.
+RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
+
+WORKSPACE_REGION_NAMES = (
+    "barrier",
+    "expert_send_count",
+    "expert_recv_count",
+    "expert_recv_count_sum",
+    "l1_pool_block_ready",
+    "l2_pool_block_ready",
+    "src_token_topk_idx",
+    "token_src_metadata",
+)
+DATA_REGION_NAMES = (
+    "x",
+    "x_sf",
+    "topk_idx",
+    "topk_weights",
+    "l1_acts",
+    "l1_acts_sf",
+    "l1_topk_weights",
+    "l2_acts",
+    "l2_acts_sf",
+    "combine",
+)
+#: Every region name a layout may have, in layout order (SF regions are absent for bf16xbf16).
+REGION_NAMES = WORKSPACE_REGION_NAMES + DATA_REGION_NAMES
+
+
+class AbsentRegionError(LookupError):
+    """Raised when a region that exists for other recipes is absent from this layout."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One contiguous byte range of the buffer and the tensor it holds.
+
+    ``strides`` are in elements (torch convention); ``nbytes`` is exactly the bytes the tensor
+    spans (no padding). ``workspace`` tells workspace regions from data regions.
+    """
+
+    name: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    workspace: bool = False
+
+    @property
+    def end(self) -> int:
+        """One past the region's last byte."""
+        return self.offset + self.nbytes
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class MegaMoELayout:
+    """Where every region of one rank's Mega MoE buffer lives (see the module docstring).
+
+    Construct with the shape parameters; all other fields are derived. Two layouts built from
+    the same parameters are equal, and every rank of a group builds the same one.
+    """
+
+    num_ranks: int
+    num_experts: int
+    num_max_tokens_per_rank: int
+    num_topk: int
+    hidden: int
+    intermediate_hidden: int
+    recipe: str = "fp8xfp4"
+
+    # Derived (filled in by __post_init__).
+    num_local_experts: int = field(init=False)
+    num_tokens: int = field(init=False)
+    block_m_max: int = field(init=False)
+    num_pool_rows: int = field(init=False)
+    num_pool_blocks_max: int = field(init=False)
+    act_dtype: torch.dtype = field(init=False)
+    sf_dtype: torch.dtype | None = field(init=False)
+    regions: tuple[Region, ...] = field(init=False, repr=False)
+    workspace_nbytes: int = field(init=False)
+    num_bytes: int = field(init=False)
+    _index: dict[str, Region] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        r = _check_int("num_ranks", self.num_ranks)
+        e = _check_int("num_experts", self.num_experts)
+        m = _check_int("num_max_tokens_per_rank", self.num_max_tokens_per_rank)
+        k = _check_int("num_topk", self.num_topk)
+        h = _check_int("hidden", self.hidden)
+        i = _check_int("intermediate_hidden", self.intermediate_hidden)
+        if not isinstance(self.recipe, str):
+            raise TypeError(f"recipe must be a str, got {type(self.recipe).__name__}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if not 1 <= r <= MAX_NUM_RANKS:
+            raise ValueError(f"num_ranks must be in [1, {MAX_NUM_RANKS}], got {r}")
+        if e < 1:
+            raise ValueError(f"num_experts must be >= 1, got {e}")
+        if e % r != 0:
+            raise ValueError(f"num_experts ({e}) must be a multiple of num_ranks ({r})")
+        if m < 1:
+            raise ValueError(f"num_max_tokens_per_rank must be >= 1, got {m}")
+        if not 1 <= k <= MAX_NUM_TOPK:
+            raise ValueError(f"num_topk must be in [1, {MAX_NUM_TOPK}], got {k}")
+        if k > e:
+            raise ValueError(f"num_topk ({k}) must not exceed num_experts ({e})")
+        if h < 1 or h % 128 != 0:
+            raise ValueError(f"hidden must be a positive multiple of 128, got {h}")
+        if i < 1 or i % 128 != 0:
+            raise ValueError(f"intermediate_hidden must be a positive multiple of 128, got {i}")
+
+        e_l = e // r
+        t = align(m, TOKEN_ALIGNMENT)
+        p = align(r * t * min(k, e_l) + e_l * (BLOCK_M_MAX - 1), BLOCK_M_MAX)
+        num_pool_blocks = p // MIN_BLOCK_M
+
+        if self.recipe == "bf16xbf16":
+            act_dtype, sf_dtype = torch.bfloat16, None
+        elif self.recipe == "fp8xfp4":
+            act_dtype, sf_dtype = torch.float8_e4m3fn, torch.int32
+        else:
+            act_dtype, sf_dtype = torch.float8_e4m3fn, torch.float32
+
+        # (name, dtype, shape, strides or None for row-major); None dtype = absent.
+        specs: list[tuple[str, torch.dtype | None, tuple[int, ...], tuple[int, ...] | None]] = [
+            ("barrier", torch.int32, (NUM_BARRIER_SLOTS,), None),
+            ("expert_send_count", torch.int64, (e,), None),
+            ("expert_recv_count", torch.int64, (r, e_l), None),
+            ("expert_recv_count_sum", torch.int64, (e_l,), None),
+            ("l1_pool_block_ready", torch.int32, (num_pool_blocks,), None),
+            ("l2_pool_block_ready", torch.int32, (num_pool_blocks,), None),
+            ("src_token_topk_idx", torch.int32, (e_l, r, t), None),
+            ("token_src_metadata", torch.int32, (p, 4), None),
+            ("x", act_dtype, (t, h), None),
+            ("x_sf", sf_dtype, (t, h // 128), None),
+            ("topk_idx", torch.int64, (t, k), None),
+            ("topk_weights", torch.float32, (t, k), None),
+            ("l1_acts", act_dtype, (p, h), None),
+            ("l1_acts_sf", sf_dtype, (p, h // 128), (1, p)),
+            ("l1_topk_weights", torch.float32, (p,), None),
+            ("l2_acts", act_dtype, (p, i), None),
+            ("l2_acts_sf", sf_dtype, (p, i // 128), (1, p)),
+            ("combine", torch.bfloat16, (k, t, h), None),
+        ]
+        regions: list[Region] = []
+        cursor = 0
+        workspace_end = 0
+        for name, dtype, shape, strides in specs:
+            if dtype is None:
+                continue
+            offset = align(cursor, REGION_ALIGNMENT)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * itemsize
+            is_ws = name in WORKSPACE_REGION_NAMES
+            regions.append(
+                Region(
+                    name=name,
+                    offset=offset,
+                    nbytes=nbytes,
+                    dtype=dtype,
+                    shape=shape,
+                    strides=strides if strides is not None else _contiguous_strides(shape),
+                    workspace=is_ws,
+                )
+            )
+            cursor = offset + nbytes
+            if is_ws:
+                workspace_end = cursor
+
+        sets = object.__setattr__
+        sets(self, "num_local_experts", e_l)
+        sets(self, "num_tokens", t)
+        sets(self, "block_m_max", BLOCK_M_MAX)
+        sets(self, "num_pool_rows", p)
+        sets(self, "num_pool_blocks_max", num_pool_blocks)
+        sets(self, "act_dtype", act_dtype)
+        sets(self, "sf_dtype", sf_dtype)
+        sets(self, "regions", tuple(regions))
+        # The workspace is the prefix [0, workspace_nbytes): it ends where the first data region
+        # starts, so zeroing that prefix clears the workspace (and only inter-region padding).
+        sets(self, "workspace_nbytes", align(workspace_end, REGION_ALIGNMENT))
+        sets(self, "num_bytes", align(cursor, REGION_ALIGNMENT))
+        sets(self, "_index", {reg.name: reg for reg in regions})
+
+    # ------------------------------------------------------------------ lookups
+
+    @property
+    def has_sf(self) -> bool:
+        """True when the recipe carries scale factors (the ``*_sf`` regions exist)."""
+        return self.sf_dtype is not None
+
+    @property
+    def workspace_regions(self) -> tuple[Region, ...]:
+        return tuple(reg for reg in self.regions if reg.workspace)
+
+    @property
+    def data_regions(self) -> tuple[Region, ...]:
+        return tuple(reg for reg in self.regions if not reg.workspace)
+
+    def has(self, name: str) -> bool:
+        """Whether this layout has region ``name`` (SF regions are absent for bf16xbf16)."""
+        return name in self._index
+
+    def region(self, name: str) -> Region:
+        """The region called ``name``.
+
+        Raises :class:`AbsentRegionError` for a known region this recipe lacks and ``KeyError``
+        for an unknown name.
+        """
+        reg = self._index.get(name)
+        if reg is not None:
+            return reg
+        if name in REGION_NAMES:
+            raise AbsentRegionError(
+                f"region {name!r} is absent from a layout with recipe {self.recipe!r}"
+            )
+        raise KeyError(f"unknown region {name!r}; known: {', '.join(REGION_NAMES)}")
+
+    def offset(self, name: str) -> int:
+        """Byte offset of region ``name`` from the buffer start."""
+        return self.region(name).offset
+
+    def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        """A typed view of region ``name`` inside ``buffer`` (1-D contiguous uint8, this layout).
+
+        The view aliases the buffer's bytes: writes through it land in the buffer.
+        """
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"buffer must be a torch.Tensor, got {type(buffer).__name__}")
+        if buffer.dtype != torch.uint8:
+            raise TypeError(f"buffer must have dtype torch.uint8, got {buffer.dtype}")
+        if buffer.dim() != 1 or (buffer.numel() > 1 and buffer.stride(0) != 1):
+            raise ValueError(
+                f"buffer must be 1-D and contiguous, got shape {tuple(buffer.shape)} "
+                f"strides {tuple(buffer.stride())}"
+            )
+        if buffer.numel() < self.num_bytes:
+            raise ValueError(
+                f"buffer has {buffer.numel()} bytes, this layout needs {self.num_bytes}"
+            )
+        reg = self.region(name)
+        typed = buffer.narrow(0, reg.offset, reg.nbytes).view(reg.dtype)
+        return typed.as_strided(reg.shape, reg.strides)
+
+    # ------------------------------------------------------------------ printing
+
+    def summary(self) -> str:
+        """A table of every region (offset, shape, dtype, MiB) with workspace and total sizes."""
+        mib = 1 << 20
+        head = (
+            f"MegaMoELayout(recipe={self.recipe}, R={self.num_ranks}, E={self.num_experts}, "
+            f"E_l={self.num_local_experts}, T={self.num_tokens} "
+            f"(from {self.num_max_tokens_per_rank}), K={self.num_topk}, H={self.hidden}, "
+            f"I={self.intermediate_hidden}, P={self.num_pool_rows})"
+        )
+        rows = [head, f"  {'region':<22} {'offset':>14} {'shape':<24} {'dtype':<14} {'MiB':>11}"]
+        for reg in self.regions:
+            dtype = str(reg.dtype).removeprefix("torch.")
+            shape = "x".join(str(s) for s in reg.shape)
+            if reg.strides != _contiguous_strides(reg.shape):
+                shape += " (MN-major)"
+            rows.append(
+                f"  {reg.name:<22} {reg.offset:>14} {shape:<24} {dtype:<14} "
+                f"{reg.nbytes / mib:>11.3f}"
+            )
+        rows.append(
+            f"  {'workspace':<22} {'':>14} {'':<24} {'':<14} {self.workspace_nbytes / mib:>11.3f}"
+        )
+        rows.append(
+            f"  {'total':<22} {'':>14} {'':<24} {'':<14} {self.num_bytes / mib:>11.3f}"
+            f"  ({self.num_bytes / (1 << 30):.3f} GiB)"
+        )
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.summary()

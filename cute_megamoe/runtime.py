@@ -1,0 +1,77 @@
+"""Host runtime: arch detection, torch -> CuTe argument conversion, the compiled-kernel cache.
+
+Kernels are compiled once per static configuration (recipe, shapes that are baked in, arch) and
+kept in a process-wide dict; `cute.compile` itself never caches. Tensors are passed to kernels
+as raw `cute.Pointer`s plus integer sizes: building a pointer costs far less per call than a
+DLPack conversion, and the kernels know their layouts statically.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Hashable
+
+import torch
+
+ARCH_BY_MAJOR = {9: "sm_90a", 10: "sm_100a"}
+_COMPILED: dict[Hashable, object] = {}
+
+
+def get_arch(device: torch.device | int | None = None) -> str:
+    """The CuTe DSL target for a CUDA device: `sm_90a` (Hopper) or `sm_100a` (Blackwell)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("a CUDA GPU is required to run the kernels (none is available)")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in ARCH_BY_MAJOR:
+        raise ValueError(
+            f"device: compute capability {major}.{minor} is not supported "
+            f"(supported: 9.0 Hopper, 10.x Blackwell)")
+    return ARCH_BY_MAJOR[major]
+
+
+@functools.cache
+def cutlass_dtype(torch_dtype: torch.dtype):
+    import cutlass
+
+    table = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
+        torch.uint8: cutlass.Uint8,
+        torch.int8: cutlass.Int8,
+    }
+    return table[torch_dtype]
+
+
+def as_ptr(tensor: torch.Tensor, align: int = 16):
+    """A `cute.Pointer` to the first element of `tensor` (global memory, `align` bytes assumed)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(cutlass_dtype(tensor.dtype), tensor.data_ptr(), cute.AddressSpace.gmem,
+                    assumed_align=align)
+
+
+def current_stream():
+    from cuda.bindings import driver
+
+    return driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
+    """The compiled function for `key`, compiling it with `build()` on first use."""
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = build()
+    return fn
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """A boolean `CUTE_MEGAMOE_*` environment switch ("1"/"true"/"yes" are true)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")

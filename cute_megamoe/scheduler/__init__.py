@@ -1,0 +1,29 @@
+"""The persistent tile scheduler: which (expert, m-block, n-block) each CTA does next.
+
+:mod:`cute_megamoe.scheduler.host_model` is the pure-Python model the device scheduler must
+agree with (pool block offsets, tile order, the persistent-grid walk).
+"""
+
+from .host_model import (
+    HostMegaMoETileScheduler,
+    HostTileScheduler,
+    Tile,
+    assign_tiles,
+    grouped_gemm_tiles,
+    mega_moe_tile_sequence,
+    num_m_blocks,
+    pool_block_offsets,
+    waves,
+)
+
+__all__ = [
+    "HostMegaMoETileScheduler",
+    "HostTileScheduler",
+    "Tile",
+    "assign_tiles",
+    "grouped_gemm_tiles",
+    "mega_moe_tile_sequence",
+    "num_m_blocks",
+    "pool_block_offsets",
+    "waves",
+]

@@ -1,0 +1,282 @@
+"""Host model of the persistent tile scheduler: which (expert, m-block, n-block) each CTA does.
+
+The device scheduler never materialises a tile list: each CTA starts at linear tile index
+``cta``, advances by the grid size, and finds its tile by subtracting whole experts' tile counts
+(design.md section 3; DeepGEMM ``scheduler/mega_moe.cuh``). This module is the pure-Python
+statement of the same order, used by tests (every tile exactly once, pool offsets, valid rows)
+and by kernel tests as the expected schedule. It never touches data.
+
+Conventions (the kernels must agree):
+
+* The pool is expert-major; expert ``e`` occupies ``ceil(count[e] / BM)`` blocks starting at
+  pool block ``pool_block_offsets(...)[e]`` (an exclusive prefix sum), rows padded to ``BM``.
+* One grouped GEMM's tiles run expert-major, then m-block, then n-block (n fastest), so
+  consecutive tiles (and hence neighbouring CTAs) share the same activation rows.
+* The Mega MoE kernel groups local experts into waves of ``experts_per_wave`` and runs
+  ``L1(wave 0), L2(wave 0), L1(wave 1), L2(wave 1), ...``; CTA ``c`` of ``S`` takes positions
+  ``c, c + S, c + 2S, ...`` of that whole sequence, so the linear index carries over from one
+  phase to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..utils import ceil_div
+
+__all__ = [
+    "HostMegaMoETileScheduler",
+    "HostTileScheduler",
+    "Tile",
+    "assign_tiles",
+    "grouped_gemm_tiles",
+    "mega_moe_tile_sequence",
+    "num_m_blocks",
+    "pool_block_offsets",
+    "waves",
+]
+
+PHASE_L1 = "l1"
+PHASE_L2 = "l2"
+
+
+def _counts(expert_counts: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(expert_counts, torch.Tensor):
+        if expert_counts.dim() != 1:
+            raise ValueError(f"expert_counts must be 1-D, got shape {tuple(expert_counts.shape)}")
+        values = [int(v) for v in expert_counts.tolist()]
+    else:
+        values = []
+        for v in expert_counts:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"expert_counts must hold ints, got {type(v).__name__}")
+            values.append(v)
+    if any(v < 0 for v in values):
+        raise ValueError(f"expert_counts must be non-negative, got {values}")
+    return values
+
+
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _num_n_blocks(block_n: int, n: int, what: str = "n") -> int:
+    _positive("block_n", block_n)
+    _positive(what, n)
+    if n % block_n != 0:
+        raise ValueError(f"{what} ({n}) must be a multiple of block_n ({block_n})")
+    return n // block_n
+
+
+def num_m_blocks(count: int, block_m: int) -> int:
+    """Pool blocks of ``block_m`` rows one expert with ``count`` rows occupies."""
+    return ceil_div(count, block_m)
+
+
+def pool_block_offsets(expert_counts: Sequence[int] | torch.Tensor, block_m: int) -> list[int]:
+    """Exclusive prefix sum of ``ceil(count / block_m)``: length ``E_l + 1``.
+
+    ``offsets[e]`` is expert ``e``'s first pool block, ``offsets[E_l]`` the total block count.
+    """
+    _positive("block_m", block_m)
+    offsets = [0]
+    for c in _counts(expert_counts):
+        offsets.append(offsets[-1] + num_m_blocks(c, block_m))
+    return offsets
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One output tile of a grouped GEMM.
+
+    ``m_block`` counts within the expert, ``pool_block = offsets[expert] + m_block`` is the
+    block's index in the pool (rows ``pool_block * BM`` onwards), and ``valid_m`` is how many of
+    its ``BM`` rows hold real tokens (the rest is padding).
+    """
+
+    expert: int
+    m_block: int
+    n_block: int
+    pool_block: int
+    valid_m: int
+
+
+def _tiles_of_experts(
+    counts: list[int], offsets: list[int], experts: range, block_m: int, num_n: int
+) -> list[Tile]:
+    tiles = []
+    for e in experts:
+        count = counts[e]
+        for m in range(num_m_blocks(count, block_m)):
+            valid_m = min(block_m, count - m * block_m)
+            for nb in range(num_n):
+                tiles.append(Tile(e, m, nb, offsets[e] + m, valid_m))
+    return tiles
+
+
+def grouped_gemm_tiles(
+    expert_counts: Sequence[int] | torch.Tensor, block_m: int, block_n: int, n: int
+) -> list[Tile]:
+    """Every tile of one grouped GEMM with output width ``n``: expert, then m, then n (fastest)."""
+    counts = _counts(expert_counts)
+    num_n = _num_n_blocks(block_n, n)
+    offsets = pool_block_offsets(counts, block_m)
+    return _tiles_of_experts(counts, offsets, range(len(counts)), block_m, num_n)
+
+
+def assign_tiles(num_tiles: int, num_ctas: int) -> list[list[int]]:
+    """Persistent-grid assignment: CTA ``c`` takes tile indices ``c, c + S, c + 2S, ...``."""
+    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 0:
+        raise ValueError(f"num_tiles must be a non-negative int, got {num_tiles!r}")
+    _positive("num_ctas", num_ctas)
+    return [list(range(c, num_tiles, num_ctas)) for c in range(num_ctas)]
+
+
+def waves(num_local_experts: int, experts_per_wave: int) -> list[range]:
+    """Local experts grouped into consecutive waves of ``experts_per_wave`` (last may be short)."""
+    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int):
+        raise TypeError("num_local_experts must be an int")
+    if num_local_experts < 0:
+        raise ValueError(f"num_local_experts must be >= 0, got {num_local_experts}")
+    _positive("experts_per_wave", experts_per_wave)
+    return [
+        range(start, min(start + experts_per_wave, num_local_experts))
+        for start in range(0, num_local_experts, experts_per_wave)
+    ]
+
+
+def mega_moe_tile_sequence(
+    expert_counts: Sequence[int] | torch.Tensor,
+    block_m: int,
+    l1_block_n: int,
+    l1_n: int,
+    l2_block_n: int,
+    l2_n: int,
+    experts_per_wave: int,
+) -> list[tuple[str, Tile]]:
+    """The whole Mega MoE tile order: ``L1(w0), L2(w0), L1(w1), L2(w1), ...``.
+
+    Each phase lists its wave's tiles in :func:`grouped_gemm_tiles` order; entries are
+    ``('l1' | 'l2', Tile)``. ``l1_n`` is the L1 output width (``2 * I``), ``l2_n`` the L2 one
+    (``H``). Pool blocks are the same in both phases (L2 reads the rows L1 wrote).
+    """
+    counts = _counts(expert_counts)
+    num_n1 = _num_n_blocks(l1_block_n, l1_n, "l1_n")
+    num_n2 = _num_n_blocks(l2_block_n, l2_n, "l2_n")
+    offsets = pool_block_offsets(counts, block_m)
+    seq: list[tuple[str, Tile]] = []
+    for wave in waves(len(counts), experts_per_wave):
+        seq += [(PHASE_L1, t) for t in _tiles_of_experts(counts, offsets, wave, block_m, num_n1)]
+        seq += [(PHASE_L2, t) for t in _tiles_of_experts(counts, offsets, wave, block_m, num_n2)]
+    return seq
+
+
+class HostTileScheduler:
+    """Walks one CTA's tiles of a grouped GEMM the way the device scheduler does.
+
+    No tile list: a linear index starts at ``cta`` and advances by ``num_ctas``; the current
+    expert only moves forward, and whole experts' tile counts are subtracted from the index
+    until it falls inside one (with ``ceil(count / BM)`` read per expert, as the device reads
+    its cached expert sizes). Yields :class:`Tile` in the order of
+    ``[grouped_gemm_tiles(...)[i] for i in assign_tiles(...)[cta]]``.
+    """
+
+    def __init__(
+        self,
+        expert_counts: Sequence[int] | torch.Tensor,
+        block_m: int,
+        block_n: int,
+        n: int,
+        num_ctas: int,
+        cta: int,
+    ) -> None:
+        self.counts = _counts(expert_counts)
+        self.block_m = _positive("block_m", block_m)
+        self.num_n_blocks = _num_n_blocks(block_n, n)
+        self.num_ctas = _positive("num_ctas", num_ctas)
+        if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
+            raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+        self.cta = cta
+
+    def __iter__(self) -> Iterator[Tile]:
+        block_idx = self.cta  # index relative to the current expert's first tile
+        expert = 0
+        pool_offset = 0  # pool_block_offsets(...)[expert], accumulated as experts are passed
+        num_experts = len(self.counts)
+        while expert < num_experts:
+            m_blocks = num_m_blocks(self.counts[expert], self.block_m)
+            expert_tiles = m_blocks * self.num_n_blocks
+            if block_idx >= expert_tiles:
+                block_idx -= expert_tiles
+                pool_offset += m_blocks
+                expert += 1
+                continue
+            m, nb = divmod(block_idx, self.num_n_blocks)
+            valid_m = min(self.block_m, self.counts[expert] - m * self.block_m)
+            yield Tile(expert, m, nb, pool_offset + m, valid_m)
+            block_idx += self.num_ctas
+
+
+class HostMegaMoETileScheduler:
+    """One CTA's walk over the whole Mega MoE sequence (waves, L1 then L2), device-style.
+
+    The linear index carries across phases: when a wave's L1 tiles are exhausted the index
+    keeps its remainder and the walk restarts at the wave's first expert for L2; when L2 is
+    exhausted it continues with L1 of the next wave. Yields ``(phase, Tile)`` in the order of
+    ``[mega_moe_tile_sequence(...)[i] for i in assign_tiles(...)[cta]]``.
+    """
+
+    def __init__(
+        self,
+        expert_counts: Sequence[int] | torch.Tensor,
+        block_m: int,
+        l1_block_n: int,
+        l1_n: int,
+        l2_block_n: int,
+        l2_n: int,
+        experts_per_wave: int,
+        num_ctas: int,
+        cta: int,
+    ) -> None:
+        self.counts = _counts(expert_counts)
+        self.block_m = _positive("block_m", block_m)
+        self.num_n = {
+            PHASE_L1: _num_n_blocks(l1_block_n, l1_n, "l1_n"),
+            PHASE_L2: _num_n_blocks(l2_block_n, l2_n, "l2_n"),
+        }
+        self.experts_per_wave = _positive("experts_per_wave", experts_per_wave)
+        self.num_ctas = _positive("num_ctas", num_ctas)
+        if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
+            raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+        self.cta = cta
+
+    def __iter__(self) -> Iterator[tuple[str, Tile]]:
+        block_idx = self.cta
+        num_experts = len(self.counts)
+        wave_start = 0
+        wave_pool_offset = 0  # first pool block of the wave's first expert
+        while wave_start < num_experts:
+            wave_end = min(wave_start + self.experts_per_wave, num_experts)
+            for phase in (PHASE_L1, PHASE_L2):
+                num_n = self.num_n[phase]
+                expert, pool_offset = wave_start, wave_pool_offset
+                while expert < wave_end:
+                    m_blocks = num_m_blocks(self.counts[expert], self.block_m)
+                    if block_idx >= m_blocks * num_n:
+                        block_idx -= m_blocks * num_n
+                        pool_offset += m_blocks
+                        expert += 1
+                        continue
+                    m, nb = divmod(block_idx, num_n)
+                    valid_m = min(self.block_m, self.counts[expert] - m * self.block_m)
+                    yield phase, Tile(expert, m, nb, pool_offset + m, valid_m)
+                    block_idx += self.num_ctas
+            wave_pool_offset = pool_offset
+            wave_start = wave_end
