@@ -18,9 +18,9 @@ def pytest_collection_modifyitems(config, items):
     skip_multi = pytest.mark.skip(reason="needs 2+ CUDA GPUs")
     skip_sm100 = pytest.mark.skip(reason="needs a Blackwell (sm_100) GPU")
     for item in items:
-        if "gpu" in item.keywords and gpus == 0:
+        if item.get_closest_marker("gpu") and gpus == 0:
             item.add_marker(skip_gpu)
-        if "multigpu" in item.keywords and gpus < 2:
+        if item.get_closest_marker("multigpu") and gpus < 2:
             item.add_marker(skip_multi)
-        if "sm100" in item.keywords and major != 10:
+        if item.get_closest_marker("sm100") and major != 10:
             item.add_marker(skip_sm100)
