@@ -157,9 +157,10 @@ class Results:
 
     def table(self, columns: list[str]) -> str:
         widths = [max(len(c), *(len(_fmt(r.get(c))) for r in self.rows)) for c in columns]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+        pairs = list(zip(columns, widths, strict=True))
+        lines = ["  ".join(c.rjust(w) for c, w in pairs)]
         for r in self.rows:
-            lines.append("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
+            lines.append("  ".join(_fmt(r.get(c)).rjust(w) for c, w in pairs))
         return "\n".join(lines)
 
 

@@ -112,6 +112,9 @@ class SymmBuffer:
         self._views: dict[str, torch.Tensor] = {
             name: layout.view(buffer, name) for name in REGION_NAMES if layout.has(name)
         }
+        # Every rank's base address, on the buffer's device: the kernels' peer table.
+        self.peer_bases: torch.Tensor = torch.tensor(buffer_ptrs, dtype=torch.int64,
+                                                     device=buffer.device)
 
     # ------------------------------------------------------------------ allocation
 

@@ -413,7 +413,8 @@ def per_token_cast_to_fp4(
         raise ValueError("use_packed_ue8m0=True requires use_ue8m0=True")
     groups = _split_groups(x, gran_k)
     sf = _reference_scale(groups.abs().float().amax(dim=2), FP4_E2M1_MAX, use_ue8m0)
-    codes = quantize_e2m1(groups * (1.0 / sf.unsqueeze(2))).reshape(m, groups.shape[1] * gran_k)[:, :n]
+    codes = quantize_e2m1(groups * (1.0 / sf.unsqueeze(2)))
+    codes = codes.reshape(m, groups.shape[1] * gran_k)[:, :n]
     packed = pack_fp4(codes).contiguous()
     if use_packed_ue8m0:
         return packed, _pack_bytes_padded(sf.view(torch.int32) >> _F32_MANT_BITS)

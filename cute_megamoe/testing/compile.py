@@ -47,7 +47,8 @@ class CompiledArtifacts:
         return sum(n for op, n in self.sass_opcodes().items() if op.startswith(prefix))
 
     def resource_usage(self) -> dict[str, int]:
-        """Registers, stack frame, spill stores/loads and shared memory per kernel, from cuobjdump."""
+        """Registers, stack, local memory and static shared memory (max over kernels), from
+        cuobjdump."""
         tool = find_cuda_tool("cuobjdump")
         if tool is None or self.cubin is None:
             raise RuntimeError("cuobjdump or the cubin is not available")

@@ -1,0 +1,99 @@
+"""Public entry points: input checks, kernel choice per arch, compiled-kernel cache.
+
+Every check a user can fail raises `ValueError`/`TypeError` naming the argument, on the host,
+before anything is launched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buffer import SymmBuffer
+from .runtime import as_ptr, compiled_kernel, current_stream, env_flag, get_arch
+
+MAX_INT32 = 2**31 - 1
+
+
+def _check_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (strides {t.stride()})")
+    if t.numel() > 0 and t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name}: data pointer must be 16-byte aligned")
+    return t
+
+
+def check_routing(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
+    """Raise if any top-k index is outside [-1, num_experts). Synchronizes with the GPU."""
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"{name}: expert index {bad} is out of range (valid: -1 for a masked slot, "
+            f"or 0..{num_experts - 1})")
+
+
+def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, *, validate_routing: bool | None = None) -> None:
+    """Quantize `x` (BF16 `[n, hidden]`) into `sym_buffer.x` / `x_sf` and copy the routing.
+
+    One GPU kernel (`kernels/staging.py`), bit-exact with `quant.quantize_activations_for_recipe`
+    for the buffer's recipe. `validate_routing` (default: the `CUTE_MEGAMOE_CHECK_ROUTING`
+    switch, on unless set to 0) checks every expert index on the host first; it synchronizes
+    the stream, so hot loops that trust their router turn it off.
+    """
+    from .kernels.staging import InputStagingKernel
+
+    layout = sym_buffer.layout
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected 2 dims [num_tokens, hidden], got shape {tuple(x.shape)}")
+    n = x.shape[0]
+    if n > layout.num_tokens:
+        raise ValueError(
+            f"x: {n} tokens exceed the buffer's num_max_tokens_per_rank ({layout.num_tokens})")
+    device = sym_buffer.buffer.device
+    if device.type != "cuda":
+        raise ValueError(f"sym_buffer: must live on a CUDA device, not {device}")
+    _check_tensor("x", x, torch.bfloat16, (n, layout.hidden), device)
+    _check_tensor("topk_idx", topk_idx, torch.int64, (n, layout.num_topk), device)
+    _check_tensor("topk_weights", topk_weights, torch.float32, (n, layout.num_topk), device)
+    if n * layout.hidden > MAX_INT32:
+        raise ValueError(f"x: num_tokens * hidden = {n * layout.hidden} exceeds 2**31 - 1")
+    if validate_routing is None:
+        validate_routing = env_flag("CUTE_MEGAMOE_CHECK_ROUTING", default=True)
+    if validate_routing:
+        check_routing(topk_idx, layout.num_experts)
+    if n == 0:
+        return
+
+    arch = get_arch(device)
+    recipe = layout.recipe
+    kernel = InputStagingKernel(recipe, layout.hidden, layout.num_topk)
+    out_sf = sym_buffer.x_sf if recipe != "bf16xbf16" else sym_buffer.topk_weights  # unused
+    args = (as_ptr(x), as_ptr(topk_idx), as_ptr(topk_weights), as_ptr(sym_buffer.x),
+            as_ptr(out_sf), as_ptr(sym_buffer.topk_idx), as_ptr(sym_buffer.topk_weights))
+    key = ("staging", arch, recipe, layout.hidden, layout.num_topk)
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        return cute.compile(kernel, *args, cutlass.Int32(n), current_stream(),
+                            options=f"--gpu-arch {arch}")
+
+    fn = compiled_kernel(key, build)
+    import cutlass
+
+    fn(*args, cutlass.Int32(n), current_stream())

@@ -1,0 +1,1 @@
+"""CuTe DSL kernels: one file per op (arch-neutral) or per arch x op."""

@@ -1,0 +1,181 @@
+"""EP combine: send expert outputs back to their source ranks, then reduce over top-k.
+
+What it computes, on every rank (one cooperative launch per rank, all ranks concurrently):
+
+    for every received pool row (source rank s, token t, slot k) of this rank's experts:
+        combine_s[k, t, :] = expert_out[pool_row, :]            (BF16 row, over NVLink)
+    then, after all ranks have sent:
+    y[t, :] = bf16( sum over k ascending with topk_idx[t, k] >= 0 of f32(combine[k, t, :]) )
+
+The sum starts from 0 and adds in float32 with one rounding per add, in ascending k, so `y`
+depends neither on scheduling nor on where a token sat in the pool (bit-exact with
+`reference.combine_reference`). A token with every slot masked gets 0.
+
+How:
+1. Warp 0 rebuilds the pool prefix sums from `expert_recv_tokens` (as the dispatch did).
+2. Send: global warp g takes received rows g, g + G, ...; reads the row's TokenSrcMetadata and
+   moves the row with 1-D bulk copies, local pool -> shared -> the source rank's combine slot.
+3. Grid barrier (every store complete), cross-rank barrier by CTA 0 (system-scope release and
+   acquire, after a proxy fence so the bulk stores are ordered), grid barrier.
+4. Reduce: each thread owns 8 consecutive features (16 bytes) of one token, loads its K slots
+   in order and accumulates in float32, then stores 16 bytes of `y`.
+
+Constraints:
+* launched cooperatively, at most one CTA per SM; every rank launches it once per call;
+* `expert_out` is `[P, H]` BF16 in pool order (`P = layout.num_pool_rows`), with the pool
+  offsets of the dispatch that produced `expert_recv_tokens` (same `block_m`);
+* `topk_idx` in the buffer is this call's routing (the dispatch read the same rows).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+
+from ..layout.device import BufferRegions
+from ..layout.mega_moe import MegaMoELayout
+from .common.pool import NUM_STAGES, BulkRowPipeline, build_pool_prefix
+from .common.sync import GRID_BARRIER_SLOT, cross_rank_barrier, grid_barrier, spin_timeout_ns
+
+VEC = 8  # BF16 features per thread in the reduction (16 bytes)
+
+
+class CombineKernel:
+    """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
+
+    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 256):
+        self.layout = layout
+        self.regions = BufferRegions(layout)
+        self.block_m = block_m
+        self.num_threads = num_threads
+        self.num_warps = num_threads // 32
+        self.num_ranks = layout.num_ranks
+        self.num_local_experts = layout.num_local_experts
+        self.num_topk = layout.num_topk
+        self.num_tokens_max = layout.num_tokens
+        self.hidden = layout.hidden
+        self.row_bytes = layout.hidden * 2
+        self.rows = BulkRowPipeline(self.row_bytes)
+        self.timeout_ns = spin_timeout_ns()
+
+    @cute.jit
+    def __call__(
+        self,
+        peer_bases: cute.Tensor,  # Int64 [R]
+        rank: Int32,
+        num_tokens: Int32,
+        expert_out: cute.Pointer,  # BF16 [P, H], pool order
+        expert_recv_tokens: cute.Tensor,  # Int32 [E_l]
+        y: cute.Pointer,  # BF16 [num_tokens, H]
+        num_ctas: Int32,
+        stream,
+    ):
+        self.kernel(peer_bases, rank, num_tokens, expert_out, expert_recv_tokens, y).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+            cooperative=True)
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
+               expert_out: cute.Pointer, expert_recv_tokens: cute.Tensor, y: cute.Pointer):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        E_l, K = self.num_local_experts, self.num_topk
+        my_base = Int64(peer_bases[rank])
+        barrier = self.regions.ptr(my_base, "barrier")
+
+        smem = cutlass.memory.SmemAllocator()
+        expert_count = smem.allocate_tensor(Int32, cute.make_layout(E_l))
+        row_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
+        block_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
+        mbar = smem.allocate_array(Int64, self.num_warps * NUM_STAGES)
+        staging = smem.allocate_array(Uint8, self.num_warps * self.rows.stage_bytes,
+                                      byte_alignment=128)
+        e = tidx
+        while e < E_l:
+            expert_count[e] = expert_recv_tokens[e]
+            e += self.num_threads
+        if lane == 0:
+            for s in cutlass.range_constexpr(NUM_STAGES):
+                cute.arch.mbarrier_init(mbar + warp * NUM_STAGES + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if warp == 0:
+            build_pool_prefix(expert_count, row_start, block_start, E_l, self.block_m)
+        cute.arch.sync_threads()
+
+        # 2. send every received row back to combine[k][t] on its source rank
+        self.send(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
+                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes)
+
+        # 3. every rank has sent everything it owes
+        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
+        if bidx == 0:
+            cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"),
+                               Int32(self.num_ranks), self.timeout_ns)
+        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
+
+        # 4. reduce over top-k in ascending k, float32
+        combine = self.regions.ptr(my_base, "combine")
+        topk_idx = self.regions.ptr(my_base, "topk_idx")
+        vecs_per_token = self.hidden // VEC
+        num_vecs = num_tokens * vecs_per_token
+        v = bidx * self.num_threads + tidx
+        while v < num_vecs:
+            token = v // vecs_per_token
+            col = (v % vecs_per_token) * VEC
+            acc = cute.make_rmem_tensor((VEC,), Float32)
+            acc.fill(0.0)
+            for k in cutlass.range_constexpr(K):
+                if cute.arch.load(topk_idx + token * K + k, Int64) >= 0:
+                    row = cute.make_tensor(
+                        combine + (Int64(k * self.num_tokens_max + token) * self.hidden + col),
+                        cute.make_layout(VEC))
+                    part = cute.make_rmem_tensor((VEC,), BFloat16)
+                    cute.autovec_copy(row, part)
+                    acc.store(acc.load() + part.load().to(Float32))
+            out = cute.make_rmem_tensor((VEC,), BFloat16)
+            out.store(acc.load().to(BFloat16))
+            cute.autovec_copy(out, cute.make_tensor(y + (Int64(token) * self.hidden + col),
+                                                    cute.make_layout(VEC)))
+            v += num_ctas * self.num_threads
+
+    @cute.jit
+    def send(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
+             expert_out: cute.Pointer, row_start: cute.Tensor, block_start: cute.Tensor,
+             mbar: cute.Pointer, staging: cute.Pointer):
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        E_l = self.num_local_experts
+        num_rows = row_start[E_l]
+        row = bidx * self.num_warps + warp
+        stride = num_ctas * self.num_warps
+        metadata = self.regions.ptr(my_base, "token_src_metadata")
+        out_base = expert_out.toint()
+
+        expert = Int32(0)
+        job = Int32(0)
+        pending_dst = Int64(0)
+        pending_bytes = Int32(0)
+        while row < num_rows:
+            while row >= row_start[expert + 1]:
+                expert += 1
+            pool_row = block_start[expert] * self.block_m + row - row_start[expert]
+            src = cute.arch.load(metadata + pool_row * 4, Int32)
+            token = cute.arch.load(metadata + pool_row * 4 + 1, Int32)
+            topk = cute.arch.load(metadata + pool_row * 4 + 2, Int32)
+            dst_row = (Int64(peer_bases[src]) + self.regions.offset("combine")
+                       + Int64(topk * self.num_tokens_max + token) * self.row_bytes)
+            src_row = Int64(out_base) + Int64(pool_row) * self.row_bytes
+            for c in cutlass.range_constexpr(self.rows.num_chunks):
+                if lane == 0:
+                    job, pending_dst, pending_bytes = self.rows.push(
+                        job, pending_dst, pending_bytes, src_row + c * self.rows.chunk_bytes,
+                        dst_row + c * self.rows.chunk_bytes, Int32(self.rows.chunk_size(c)),
+                        mbar, staging)
+            row += stride
+        if lane == 0:
+            self.rows.drain(job, pending_dst, pending_bytes, mbar, staging)

@@ -1,0 +1,97 @@
+"""Pool bookkeeping and row movement shared by the dispatch (pull) and combine (send) kernels.
+
+* `build_pool_prefix`: from per-expert row counts in shared memory, the exclusive prefix sums
+  of rows (`row_start`) and of BM-blocks (`block_start`, i.e. `pool_block_offset`), by one warp.
+  Expert e's received row j lives at pool row `block_start[e] * BM + j`.
+* `BulkRowPipeline`: one warp moves rows chunk by chunk with 1-D bulk copies, global -> shared
+  -> global, through `NUM_STAGES` staging buffers: the load of chunk q is in flight while chunk
+  q - 1 is stored. Lane 0 issues everything; callers keep the pipeline state (`job`, the pending
+  chunk's destination and size) in their own loop variables.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8
+from cutlass.experimental import primitives as prims
+
+from .warp import warp_inclusive_sum
+
+NUM_STAGES = 2
+MAX_CHUNK_BYTES = 8192
+
+
+@cute.jit
+def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
+                      block_start: cute.Tensor, num_experts: cutlass.Constexpr,
+                      block_m: cutlass.Constexpr):
+    """Call from one whole warp; the CTA must sync before reading the results."""
+    lane = cute.arch.lane_idx()
+    row_carry = Int32(0)
+    block_carry = Int32(0)
+    for base in cutlass.range(0, num_experts, 32):
+        e = base + lane
+        count = Int32(0)
+        if e < num_experts:
+            count = expert_count[e]
+        row_incl = warp_inclusive_sum(count)
+        block_incl = warp_inclusive_sum((count + block_m - 1) // block_m)
+        if e < num_experts:
+            row_start[e + 1] = row_carry + row_incl
+            block_start[e + 1] = block_carry + block_incl
+        row_carry += cute.arch.shuffle_sync(row_incl, 31)
+        block_carry += cute.arch.shuffle_sync(block_incl, 31)
+    if lane == 0:
+        row_start[0] = 0
+        block_start[0] = 0
+
+
+class BulkRowPipeline:
+    """Chunked bulk copies of rows through per-warp shared-memory stages (see module doc)."""
+
+    def __init__(self, row_bytes: int):
+        self.row_bytes = row_bytes
+        self.num_chunks = -(-row_bytes // MAX_CHUNK_BYTES)
+        self.chunk_bytes = -(-row_bytes // self.num_chunks // 16) * 16
+        self.stage_bytes = NUM_STAGES * self.chunk_bytes
+
+    def chunk_size(self, c: int) -> int:
+        return min(self.chunk_bytes, self.row_bytes - c * self.chunk_bytes)
+
+    @cute.jit
+    def push(self, job: Int32, pending_dst: Int64, pending_bytes: Int32, src: Int64,
+             dst: Int64, nbytes: Int32, mbar: cute.Pointer, staging: cute.Pointer):
+        """Issue the load of one chunk (src -> stage) and the store of the previous one.
+
+        Lane 0 only. Returns the new (job, pending_dst, pending_bytes)."""
+        stage = job % NUM_STAGES
+        if job >= NUM_STAGES:
+            # the store that last used this stage must have finished reading it
+            cute.arch.cp_async_bulk_wait_group(NUM_STAGES - 2, read=True)
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, nbytes)
+        prims.cp_async_bulk_shared_cluster_global(
+            staging + stage * self.chunk_bytes,
+            cute.make_ptr(Uint8, src, cute.AddressSpace.gmem, assumed_align=16),
+            mbar + stage, nbytes)
+        if job >= 1:
+            self.store(job - 1, pending_dst, pending_bytes, mbar, staging)
+        return job + 1, dst, nbytes
+
+    @cute.jit
+    def drain(self, job: Int32, pending_dst: Int64, pending_bytes: Int32, mbar: cute.Pointer,
+              staging: cute.Pointer):
+        """Store the last pending chunk and wait until every store has completed (lane 0)."""
+        if job >= 1:
+            self.store(job - 1, pending_dst, pending_bytes, mbar, staging)
+        cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def store(self, job: Int32, dst: Int64, nbytes: Int32, mbar: cute.Pointer,
+              staging: cute.Pointer):
+        stage = job % NUM_STAGES
+        cute.arch.mbarrier_wait(mbar + stage, (job // NUM_STAGES) % 2)
+        prims.cp_async_bulk_global_shared_cta(
+            cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
+            staging + stage * self.chunk_bytes, nbytes)
+        cute.arch.cp_async_bulk_commit_group()

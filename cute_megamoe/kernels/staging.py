@@ -1,0 +1,169 @@
+"""Input staging: quantize BF16 activations straight into the symmetric buffer.
+
+What it computes (one launch per call, arch-neutral: compiled for sm_90a and sm_100a)::
+
+    fp8xfp4:   x_q[t, :], x_sf[t, :] = per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32,
+                                                              use_packed_ue8m0=True)
+    fp8xfp8:   x_q[t, :], x_sf[t, :] = per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=128)
+    bf16xbf16: x_q[t, :] = x[t, :]
+    and in every recipe: topk_idx, topk_weights copied next to the activations,
+
+bit-exact with `cute_megamoe.quant` (which is bit-exact with DeepGEMM's `deep_gemm/utils/math.py`).
+Other implementations do this on the host with several PyTorch ops per call; here it is one
+memory-bound pass that reads the BF16 rows once and writes FP8 rows and scales once.
+
+How:
+1. The activations are treated as one flat array (rows are contiguous and `hidden % 128 == 0`,
+   so a 128-element chunk never crosses a row and the chunk index is also the scale index).
+   Each thread owns 16 consecutive elements (two 16-byte loads); 8 consecutive lanes own one
+   128-element chunk, so a warp's loads cover 1 KiB of contiguous memory.
+2. Per-32 group amax is a butterfly over lane pairs, per-128 over 8 lanes. The scale is
+   `ceil_to_ue8m0(max(amax, 1e-4) / 448)` (a true float32 division, as the reference) and the
+   inverse scale is exact because the scale is a power of two; `cvt.rn.satfinite.e4m3x2.f32`
+   rounds like PyTorch's cast for every value in range (the scale keeps |x / s| <= 448).
+3. For the packed per-32 scales each lane shifts its group's UE8M0 byte into place and the
+   8 lanes of a chunk OR-reduce them; lane 0 of the chunk stores the int32 word.
+4. Each thread handles `vectors_per_thread` vectors per CTA with all loads issued before any
+   arithmetic, so enough bytes are in flight to approach the copy bandwidth.
+5. The routing (`topk_idx` int64, `topk_weights` f32) is copied by a grid-stride loop in the
+   same launch.
+
+Constraints:
+* `hidden % 128 == 0`; `num_tokens * hidden < 2**31`; all pointers 16-byte aligned;
+  rows contiguous (`x` is `[num_tokens, hidden]` row-major). The caller (`api.py`) checks these.
+* `num_tokens == 0` is not launched (nothing to do).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
+
+from .common.quant_math import ceil_ue8m0_biased_exponent, float_from_biased_exponent
+
+ELEMENTS_PER_THREAD = 16  # two 16-byte loads of BF16
+CHUNK = 128  # elements per scale word (packed per-32) or per scale (per-128)
+LANES_PER_CHUNK = CHUNK // ELEMENTS_PER_THREAD
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+class InputStagingKernel:
+    """Quantize (or copy) `x` into the buffer's `x`/`x_sf` and copy the routing."""
+
+    def __init__(self, recipe: str, hidden: int, num_topk: int, num_threads: int = 256,
+                 vectors_per_thread: int = 4):
+        if recipe not in ("fp8xfp4", "fp8xfp8", "bf16xbf16"):
+            raise ValueError(f"recipe: unsupported {recipe!r}")
+        if hidden % CHUNK != 0:
+            raise ValueError(f"hidden: must be a multiple of {CHUNK}, got {hidden}")
+        self.recipe = recipe
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.num_threads = num_threads
+        self.vectors_per_thread = vectors_per_thread
+        self.quantize = recipe != "bf16xbf16"
+        self.packed_ue8m0 = recipe == "fp8xfp4"
+        self.out_dtype = Float8E4M3FN if self.quantize else BFloat16
+        # per-32 groups span 2 lanes, per-128 groups span 8
+        self.group_shuffles = 1 if self.packed_ue8m0 else 3
+        self.vectors_per_cta = num_threads * vectors_per_thread
+
+    def grid_size(self, num_tokens: int) -> int:
+        num_vectors = num_tokens * self.hidden // ELEMENTS_PER_THREAD
+        return max(1, -(-num_vectors // self.vectors_per_cta))
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Pointer,
+        topk_idx: cute.Pointer,
+        topk_weights: cute.Pointer,
+        out_x: cute.Pointer,
+        out_sf: cute.Pointer,
+        out_topk_idx: cute.Pointer,
+        out_topk_weights: cute.Pointer,
+        num_tokens: Int32,
+        stream,
+    ):
+        num_vectors = num_tokens * (self.hidden // ELEMENTS_PER_THREAD)
+        num_routes = num_tokens * self.num_topk
+        vec_layout = cute.make_layout((ELEMENTS_PER_THREAD, num_vectors),
+                                      stride=(1, ELEMENTS_PER_THREAD))
+        g_x = cute.make_tensor(x, vec_layout)
+        g_out = cute.make_tensor(out_x, vec_layout)
+        g_sf = cute.make_tensor(out_sf, cute.make_layout(num_vectors // LANES_PER_CHUNK))
+        route_layout = cute.make_layout(num_routes)
+        g_idx = cute.make_tensor(topk_idx, route_layout)
+        g_w = cute.make_tensor(topk_weights, route_layout)
+        g_out_idx = cute.make_tensor(out_topk_idx, route_layout)
+        g_out_w = cute.make_tensor(out_topk_weights, route_layout)
+        num_ctas = (num_vectors + self.vectors_per_cta - 1) // self.vectors_per_cta
+        self.kernel(g_x, g_out, g_sf, g_idx, g_w, g_out_idx, g_out_w, num_vectors,
+                    num_routes).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        g_x: cute.Tensor,
+        g_out: cute.Tensor,
+        g_sf: cute.Tensor,
+        g_idx: cute.Tensor,
+        g_w: cute.Tensor,
+        g_out_idx: cute.Tensor,
+        g_out_w: cute.Tensor,
+        num_vectors: Int32,
+        num_routes: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+
+        # 1. issue every load first (indices clamped so all lanes take part in the shuffles)
+        regs = []
+        vec_ids = []
+        for u in cutlass.range_constexpr(self.vectors_per_thread):
+            vec = bidx * self.vectors_per_cta + u * self.num_threads + tidx
+            r = cute.make_rmem_tensor((ELEMENTS_PER_THREAD,), BFloat16)
+            cute.autovec_copy(g_x[None, cutlass.min(vec, num_vectors - 1)], r)
+            regs.append(r)
+            vec_ids.append(vec)
+
+        # 2. quantize and store
+        for u in cutlass.range_constexpr(self.vectors_per_thread):
+            vec = vec_ids[u]
+            out = cute.make_rmem_tensor((ELEMENTS_PER_THREAD,), self.out_dtype)
+            if cutlass.const_expr(self.quantize):
+                values = regs[u].load().to(Float32)
+                amax = abs(values).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+                for k in cutlass.range_constexpr(self.group_shuffles):
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
+                amax = cute.arch.fmax(amax, Float32(AMAX_FLOOR))
+                exponent = ceil_ue8m0_biased_exponent(amax / Float32(FP8_MAX))
+                # 2^(127 - e) = 1 / 2^(e - 127) exactly: e is in [1, 254] and never near 254
+                inv_scale = float_from_biased_exponent(254 - exponent)
+                out.store((values * inv_scale).to(Float8E4M3FN))
+                if cutlass.const_expr(self.packed_ue8m0):
+                    group = (lane % LANES_PER_CHUNK) // 2
+                    word = exponent << (group * 8)
+                    word = word | cute.arch.shuffle_sync_bfly(word, 2)
+                    word = word | cute.arch.shuffle_sync_bfly(word, 4)
+                    if lane % LANES_PER_CHUNK == 0 and vec < num_vectors:
+                        g_sf[vec // LANES_PER_CHUNK] = word
+                else:
+                    if lane % LANES_PER_CHUNK == 0 and vec < num_vectors:
+                        g_sf[vec // LANES_PER_CHUNK] = float_from_biased_exponent(exponent)
+            else:
+                out.store(regs[u].load())
+            if vec < num_vectors:
+                cute.autovec_copy(out, g_out[None, vec])
+
+        # 3. routing copy (small: num_tokens * num_topk elements)
+        i = bidx * self.num_threads + tidx
+        while i < num_routes:
+            g_out_idx[i] = Int64(g_idx[i])
+            g_out_w[i] = Float32(g_w[i])
+            i += nctas * self.num_threads

@@ -1,0 +1,226 @@
+"""Staged mode: the layer as separate kernels, with any expert computation between them.
+
+    result = staged.dispatch(buf, x, topk_idx, topk_weights)   # stage + count/scatter/pull
+    expert_out = my_experts(result)                             # [P, H] BF16 in pool order
+    y = staged.combine(buf, expert_out, result)                 # send back + top-k reduce
+
+`dispatch` and `combine` are collective: every rank of the buffer's group calls them, in the
+same order, once per call (also with 0 tokens). `staged_mega_moe` runs a whole layer with the
+expert GEMMs done by `torch._grouped_mm` (until our GEMM kernels replace them); it is the
+debugging path and the baseline the fused kernel must beat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import quant, reference
+from .api import _check_tensor, stage_inputs
+from .buffer import SymmBuffer
+from .heuristics import get_num_sms
+from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
+
+DEFAULT_BLOCK_M = 128
+
+
+@dataclass
+class DispatchResult:
+    """Where `dispatch` put this rank's received tokens (views into the symmetric buffer).
+
+    Pool rows are expert-major; local expert e owns rows
+    `[pool_block_offsets[e] * block_m, pool_block_offsets[e] * block_m + expert_recv_tokens[e])`
+    and the rest of its last block is padding (never written, never read back).
+    """
+
+    num_tokens: int  # tokens this rank staged (rows of its y)
+    block_m: int
+    expert_recv_tokens: torch.Tensor  # int32 [E_l], device
+    l1_acts: torch.Tensor  # [P, H] e4m3 or bf16
+    l1_acts_sf: torch.Tensor | None  # [P, H/128], MN-major
+    l1_topk_weights: torch.Tensor  # f32 [P]
+    token_src_metadata: torch.Tensor  # int32 [P, 4]: (source rank, token, slot, 0)
+
+    @property
+    def num_pool_rows(self) -> int:
+        return self.l1_acts.shape[0]
+
+    def pool_block_offsets(self) -> torch.Tensor:
+        """int32 [E_l + 1]: first pool block of each expert (exclusive prefix, on the device)."""
+        blocks = torch.div(self.expert_recv_tokens + self.block_m - 1, self.block_m,
+                           rounding_mode="floor")
+        return torch.nn.functional.pad(torch.cumsum(blocks, 0, dtype=torch.int32), (1, 0))
+
+    def pool_row_ends(self) -> torch.Tensor:
+        """int32 [E_l]: one past each expert's last (padded) pool row, the `offs` of
+        `torch._grouped_mm`."""
+        return (self.pool_block_offsets()[1:] * self.block_m).to(torch.int32)
+
+
+def _launch_grid(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
+    total = get_num_sms(sym_buffer.device)
+    if num_sms is None:
+        return total
+    if not 1 <= num_sms <= total:
+        raise ValueError(f"num_sms: expected 1..{total}, got {num_sms}")
+    return num_sms
+
+
+def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Tensor | None,
+             topk_weights: torch.Tensor | None, *, num_tokens: int | None = None,
+             block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
+             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+             validate_routing: bool | None = None) -> DispatchResult:
+    """Stage this rank's inputs (unless `x` is None: then `num_tokens` rows were staged into
+    the buffer already) and route every (token, slot) to its expert's pool. Collective."""
+    from .kernels.dispatch import DispatchKernel
+
+    layout = sym_buffer.layout
+    device = sym_buffer.device
+    e_l = layout.num_local_experts
+    has_stats = cumulative_local_expert_recv_stats is not None
+    if has_stats:
+        _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                      torch.int32, (e_l,), device)
+    if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
+        raise ValueError(f"block_m: expected a multiple of 16 in [16, {layout.block_m_max}], "
+                         f"got {block_m}")
+    num_ctas = _launch_grid(sym_buffer, num_sms)
+    if x is not None:
+        stage_inputs(sym_buffer, x, topk_idx, topk_weights, validate_routing=validate_routing)
+        num_tokens = x.shape[0]
+    elif num_tokens is None or not 0 <= num_tokens <= layout.num_tokens:
+        raise ValueError(f"num_tokens: with x=None give the staged row count (0.."
+                         f"{layout.num_tokens}), got {num_tokens}")
+    recv_tokens = torch.empty(e_l, dtype=torch.int32, device=device)
+    stats = cumulative_local_expert_recv_stats if has_stats else recv_tokens
+    arch = get_arch(device)
+    key = ("dispatch", arch, layout, block_m, has_stats)
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import from_dlpack
+
+        kernel = DispatchKernel(layout, block_m, has_stats=has_stats)
+        return cute.compile(kernel, from_dlpack(sym_buffer.peer_bases, assumed_align=16),
+                            cutlass.Int32(0), cutlass.Int32(0),
+                            from_dlpack(recv_tokens, assumed_align=4),
+                            from_dlpack(stats, assumed_align=4), cutlass.Int32(num_ctas),
+                            current_stream(), options=f"--gpu-arch {arch}")
+
+    fn = compiled_kernel(key, build)
+    import cutlass
+
+    fn(sym_buffer.peer_bases, cutlass.Int32(sym_buffer.rank), cutlass.Int32(num_tokens),
+       recv_tokens, stats, cutlass.Int32(num_ctas), current_stream())
+    return DispatchResult(
+        num_tokens=num_tokens, block_m=block_m, expert_recv_tokens=recv_tokens,
+        l1_acts=sym_buffer.l1_acts,
+        l1_acts_sf=sym_buffer.l1_acts_sf if layout.has_sf else None,
+        l1_topk_weights=sym_buffer.l1_topk_weights,
+        token_src_metadata=sym_buffer.token_src_metadata)
+
+
+def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor, dispatched: DispatchResult,
+            y: torch.Tensor | None = None, *, num_sms: int | None = None) -> torch.Tensor:
+    """Send `expert_out` (BF16 [P, H], pool order) back to the source ranks and reduce over
+    top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective."""
+    from .kernels.combine import CombineKernel
+
+    layout = sym_buffer.layout
+    device = sym_buffer.device
+    n = dispatched.num_tokens
+    _check_tensor("expert_out", expert_out, torch.bfloat16,
+                  (layout.num_pool_rows, layout.hidden), device)
+    if y is None:
+        y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
+    _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
+    num_ctas = _launch_grid(sym_buffer, num_sms)
+    arch = get_arch(device)
+    key = ("combine", arch, layout, dispatched.block_m)
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import from_dlpack
+
+        kernel = CombineKernel(layout, dispatched.block_m)
+        return cute.compile(kernel, from_dlpack(sym_buffer.peer_bases, assumed_align=16),
+                            cutlass.Int32(0), cutlass.Int32(0), as_ptr(expert_out),
+                            from_dlpack(dispatched.expert_recv_tokens, assumed_align=4),
+                            as_ptr(y), cutlass.Int32(num_ctas), current_stream(),
+                            options=f"--gpu-arch {arch}")
+
+    fn = compiled_kernel(key, build)
+    import cutlass
+
+    y_ptr = as_ptr(y) if n > 0 else as_ptr(expert_out)  # unused when n == 0
+    fn(sym_buffer.peer_bases, cutlass.Int32(sym_buffer.rank), cutlass.Int32(n),
+       as_ptr(expert_out), dispatched.expert_recv_tokens, y_ptr, cutlass.Int32(num_ctas),
+       current_stream())
+    return y
+
+
+# ----------------------------------------------------------------------------- torch experts
+
+@dataclass
+class TorchExpertWeights:
+    """This rank's expert weights dequantized to BF16 for `torch._grouped_mm`: `w1` [E_l, 2I, H]
+    (gate | up, not interleaved) and `w2` [E_l, H, I], contiguous; the GEMMs use their
+    transposed views (K-major B operands)."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+
+    @classmethod
+    def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str) -> TorchExpertWeights:
+        """From BF16 master weights [E_l, 2I, H] / [E_l, H, I]: quantize per recipe exactly as
+        the reference does, then dequantize (FP4 x 2^k is exact in BF16; FP8 with an f32
+        block scale rounds once to BF16)."""
+        def prep(w):
+            if recipe == "bf16xbf16":
+                return w
+            deq = quant.dequantize_weights_for_recipe(quant.quantize_weights_for_recipe(w, recipe),
+                                                      recipe)
+            return deq.to(torch.bfloat16)
+
+        return cls(prep(w1).contiguous(), prep(w2).contiguous())
+
+
+def torch_experts(dispatched: DispatchResult, weights: TorchExpertWeights, recipe: str,
+                  activation_clamp: float | None = None, fast_math: bool = True) -> torch.Tensor:
+    """The expert FFN over the pool with torch ops: BF16 [P, H] in pool order (padding rows
+    hold garbage and are never sent). Numerics follow the reference: L1 rounded to BF16, clamp,
+    SiLU, routing weight, requantization per recipe, L2 rounded to BF16."""
+    if recipe == "bf16xbf16":
+        acts = dispatched.l1_acts
+    else:
+        acts = quant.dequantize_activations_for_recipe(
+            (dispatched.l1_acts, dispatched.l1_acts_sf.contiguous()), recipe).to(torch.bfloat16)
+    offs = dispatched.pool_row_ends()
+    l1 = torch._grouped_mm(acts, weights.w1.transpose(1, 2), offs=offs).float()
+    h = reference.swiglu_reference(l1, dispatched.l1_topk_weights, activation_clamp, fast_math)
+    l2_in = reference.l2_input_reference(h, recipe).to(torch.bfloat16)
+    return torch._grouped_mm(l2_in, weights.w2.transpose(1, 2), offs=offs)
+
+
+def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
+                    topk_weights: torch.Tensor, weights: TorchExpertWeights, *,
+                    activation_clamp: float | None = None, fast_math: bool = True,
+                    block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
+                    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                    validate_routing: bool | None = None) -> torch.Tensor:
+    """One whole layer: our dispatch and combine kernels around torch expert GEMMs."""
+    dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, block_m=block_m,
+                          num_sms=num_sms,
+                          cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                          validate_routing=validate_routing)
+    expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
+                               fast_math)
+    return combine(sym_buffer, expert_out, dispatched, num_sms=num_sms)
+
+
+__all__ = ["DispatchResult", "TorchExpertWeights", "combine", "dispatch", "staged_mega_moe",
+           "torch_experts"]

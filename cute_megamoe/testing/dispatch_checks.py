@@ -1,0 +1,287 @@
+"""Checks of the dispatch and combine kernels against the reference, for 1..8 ranks.
+
+Used by the GPU tests (in-process for one rank, `torch.multiprocessing` workers for several)
+and runnable by hand: `python -m cute_megamoe.testing.dispatch_checks --ranks 2`.
+
+Every rank generates the same global problem from a seed (all ranks' inputs), runs the
+collective kernels on its own share, and compares with `reference.dispatch_reference` /
+`reference.combine_reference`: counts and the (source rank, token, slot) multiset per expert
+exactly, pool rows / scales / weights bit-exact with the source rows, combine bit-exact, stats
+exact; pool padding rows and `y` are poisoned before each call and checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import quant, reference
+
+ROUTINGS = ("random", "masked", "one_expert", "skewed")
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: tuple[int, ...]  # tokens per rank
+    routing: str = "random"
+    seed: int = 0
+
+
+def make_routing(n: int, num_experts: int, num_topk: int, routing: str,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.randn(n, num_experts, generator=gen)
+    if routing == "one_expert":
+        scores[:, 0] = float("inf")  # every token picks expert 0 (plus K - 1 others)
+    elif routing == "skewed":
+        scores[:, : max(1, num_experts // 16)] += 3.0
+    weights, idx = torch.topk(scores, num_topk, dim=-1, sorted=False)
+    weights = torch.rand(n, num_topk, generator=gen)
+    if routing == "masked":
+        mask = torch.rand(n, num_topk, generator=gen) < 0.3
+        mask[: max(1, n // 7)] = True  # some tokens fully masked
+        idx = idx.masked_fill(mask, -1)
+        weights = weights.masked_fill(mask, 0.0)
+    return idx.to(torch.int64), weights.float()
+
+
+def make_problem(case: Case, num_experts: int, num_topk: int, hidden: int):
+    gen = torch.Generator().manual_seed(case.seed)
+    xs, idxs, ws = [], [], []
+    for n in case.tokens:
+        x = torch.randn(n, hidden, generator=gen)
+        x *= torch.exp2(torch.randint(-8, 8, (n, 1), generator=gen).float())
+        xs.append(x.to(torch.bfloat16))
+        idx, w = make_routing(n, num_experts, num_topk, case.routing, gen)
+        idxs.append(idx)
+        ws.append(w)
+    return xs, idxs, ws
+
+
+def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch.Tensor,
+               stats_expected: torch.Tensor) -> None:
+    from .. import staged
+
+    layout = buf.layout
+    rank, num_ranks = buf.rank, buf.num_ranks
+    e_l, k_top, hidden = layout.num_local_experts, layout.num_topk, layout.hidden
+    assert len(case.tokens) == num_ranks
+    xs, idxs, ws = make_problem(case, layout.num_experts, k_top, hidden)
+    n = case.tokens[rank]
+
+    # poison what the kernels write
+    poison = {"l1_acts": 0xFF, "l1_topk_weights": 0xFF, "token_src_metadata": 0x7F}
+    if layout.has_sf:
+        poison["l1_acts_sf"] = 0xFF
+    for name, byte in poison.items():
+        buf.view(name).view(torch.uint8).fill_(byte)
+    buf.combine.view(torch.uint8).fill_(0xFF)
+
+    result = staged.dispatch(buf, xs[rank].to(device), idxs[rank].to(device),
+                             ws[rank].to(device), block_m=block_m,
+                             cumulative_local_expert_recv_stats=stats)
+    torch.cuda.synchronize(device)
+
+    # --- bookkeeping: counts and the (source, token, slot) multiset per expert
+    ref_count, ref_src_count, ref_pairs = reference.dispatch_reference(idxs, layout.num_experts)
+    mine = slice(rank * e_l, (rank + 1) * e_l)
+    recv = result.expert_recv_tokens.cpu().long()
+    assert torch.equal(recv, ref_count[mine].long()), (recv, ref_count[mine])
+    stats_expected += ref_count[mine].to(torch.int32)
+    assert torch.equal(stats.cpu(), stats_expected), "cumulative_local_expert_recv_stats"
+    offsets = result.pool_block_offsets().cpu().long()
+    meta = result.token_src_metadata.cpu()
+    rows_all = []
+    for e in range(e_l):
+        rows = offsets[e] * block_m + torch.arange(int(recv[e]))
+        got = meta[rows, :3].long()
+        got = got[torch.argsort(got[:, 0] * (1 << 40) + got[:, 1] * 64 + got[:, 2])]
+        want = ref_pairs[rank * e_l + e].long()
+        assert torch.equal(got, want), f"expert {e}: pairs differ"
+        assert bool((meta[rows, 3] == 0).all())
+        rows_all.append(rows)
+    rows = torch.cat(rows_all) if rows_all else torch.zeros(0, dtype=torch.long)
+
+    # --- pool rows: bit copies of the source rows, scales and weights
+    token_base = torch.tensor([0] + list(case.tokens)).cumsum(0)
+    src_rows = token_base[meta[rows, 0].long()] + meta[rows, 1].long()
+    x_all = torch.cat(xs).to(device)
+    if layout.recipe == "bf16xbf16":
+        xq_all, sf_all = x_all, None
+    else:
+        xq_all, sf_all = quant.quantize_activations_for_recipe(x_all, layout.recipe)
+    rows_d, src_d = rows.to(device), src_rows.to(device)
+    assert torch.equal(result.l1_acts[rows_d].view(torch.uint8),
+                       xq_all[src_d].view(torch.uint8)), "pool rows"
+    if sf_all is not None:
+        assert torch.equal(result.l1_acts_sf[rows_d].contiguous().view(torch.int32),
+                           sf_all[src_d].view(torch.int32)), "pool scales"
+    w_all = torch.cat(ws).to(device)
+    slots = meta[rows, 2].long().to(device)
+    assert torch.equal(result.l1_topk_weights[rows_d], w_all[src_d, slots]), "pool weights"
+    # padding and unused pool rows were not written
+    untouched = torch.ones(result.num_pool_rows, dtype=torch.bool, device=device)
+    untouched[rows_d] = False
+    assert bool((result.l1_acts[untouched].view(torch.uint8) == 0xFF).all()), "pool padding"
+
+    # --- combine: random expert outputs per (source rank, token, slot), reduced exactly
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    outs = [torch.randn(t, k_top, hidden, generator=gen).to(torch.bfloat16) for t in case.tokens]
+    out_all = torch.cat(outs).to(device)
+    expert_out = torch.full((layout.num_pool_rows, hidden), float("nan"), device=device,
+                            dtype=torch.bfloat16)
+    expert_out[rows_d] = out_all[src_d, slots]
+    y = torch.full((n, hidden), float("nan"), device=device, dtype=torch.bfloat16)
+    staged.combine(buf, expert_out, result, y)
+    torch.cuda.synchronize(device)
+    want_y = reference.combine_reference(outs[rank], idxs[rank]).to(device)
+    assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), "combine"
+
+
+def run_cases(rank: int, num_ranks: int, cases: list[Case], recipe: str, num_experts: int,
+              num_topk: int, hidden: int, block_m: int, group=None) -> int:
+    from ..buffer import get_symm_buffer_for_mega_moe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    max_tokens = max(max(c.tokens) for c in cases)
+    buf = get_symm_buffer_for_mega_moe(group, num_experts, max_tokens, num_topk, hidden, 256,
+                                       mma_type=recipe, device=device)
+    e_l = num_experts // num_ranks
+    stats = torch.randint(0, 100, (e_l,), dtype=torch.int32, device=device)
+    stats_expected = stats.cpu().clone()
+    for case in cases:
+        check_case(buf, case, block_m, device, stats, stats_expected)
+    buf.destroy()
+    return len(cases)
+
+
+def default_cases(num_ranks: int, seed: int = 0) -> list[Case]:
+    """Uneven and degenerate routings, back to back on one buffer."""
+    def toks(*per_rank):
+        return tuple(per_rank[r % len(per_rank)] for r in range(num_ranks))
+
+    return [
+        Case(toks(37, 129), "random", seed),
+        Case(toks(0, 211), "masked", seed + 1),
+        Case(toks(300, 1), "one_expert", seed + 2),
+        Case(toks(1, 1), "random", seed + 3),
+        Case(toks(513, 257), "skewed", seed + 4),
+        Case(toks(0, 0), "random", seed + 5),
+        Case(toks(1000, 999), "masked", seed + 6),
+        Case(toks(64, 65), "one_expert", seed + 7),
+        Case(toks(5, 300), "random", seed + 8),
+        Case(toks(777, 3), "skewed", seed + 9),
+    ]
+
+
+def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_experts: int, num_topk: int,
+            hidden: int, block_m: int, seed: int, mode: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
+                            device_id=torch.device("cuda", rank))
+    try:
+        if mode == "dispatch":
+            run_cases(rank, num_ranks, default_cases(num_ranks, seed), recipe, num_experts,
+                      num_topk, hidden, block_m, group=dist.group.WORLD)
+        else:
+            run_layer_cases(num_ranks, recipe, num_experts, num_topk, hidden, block_m, seed,
+                            group=dist.group.WORLD)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_multiprocess(num_ranks: int, recipe: str, num_experts: int, num_topk: int, hidden: int,
+                     block_m: int, seed: int = 0, port: int = 29517,
+                     mode: str = "dispatch") -> None:
+    """Spawn one process per GPU; `mode` is "dispatch" (exact kernel checks) or "layer"
+    (the staged layer against the reference)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(num_ranks, port, recipe, num_experts, num_topk, hidden, block_m,
+                            seed, mode), nprocs=num_ranks, join=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    p.add_argument("--recipe", default="fp8xfp4")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--block-m", type=int, default=64)
+    args = p.parse_args()
+    run_multiprocess(args.ranks, args.recipe, args.experts, args.topk, args.hidden,
+                     args.block_m)
+    print(f"ok: {args.ranks} ranks, {args.recipe}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ----------------------------------------------------------------------------- staged layer
+
+LAYER_TOLERANCE = {"fp8xfp4": 1e-2, "fp8xfp8": 2e-2, "bf16xbf16": 1e-2}
+
+
+def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
+                       activation_clamp: float | None = 10.0) -> float:
+    """The whole staged layer (our dispatch/combine around torch GEMMs) against the reference.
+
+    Returns ||y - y_ref|| / ||y_ref|| for this rank; raises when over the recipe's bound (the
+    torch GEMMs accumulate in FP32 in another order than the float64 reference, which can flip
+    BF16 roundings and FP8 requantization decisions; fp8xfp8 also rounds its block-scaled
+    weights to BF16 for torch)."""
+    from .. import staged
+
+    layout = buf.layout
+    rank, e_l, hidden = buf.rank, layout.num_local_experts, layout.hidden
+    xs, idxs, ws = make_problem(case, layout.num_experts, layout.num_topk, hidden)
+    gen = torch.Generator().manual_seed(case.seed + 7)
+    w1s = [(torch.randn(e_l, 2 * intermediate, hidden, generator=gen) / hidden**0.5)
+           .to(torch.bfloat16) for _ in case.tokens]
+    w2s = [(torch.randn(e_l, hidden, intermediate, generator=gen) / intermediate**0.5)
+           .to(torch.bfloat16) for _ in case.tokens]
+    dev = [t.to(device) for t in xs]
+    ref = reference.mega_moe_reference(
+        dev, [t.to(device) for t in idxs], [t.to(device) for t in ws],
+        [w.to(device) for w in w1s], [w.to(device) for w in w2s], recipe=layout.recipe,
+        activation_clamp=activation_clamp)
+    weights = staged.TorchExpertWeights.from_bf16(w1s[rank].to(device), w2s[rank].to(device),
+                                                  layout.recipe)
+    y = staged.staged_mega_moe(buf, dev[rank], idxs[rank].to(device), ws[rank].to(device),
+                               weights, activation_clamp=activation_clamp, block_m=block_m)
+    torch.cuda.synchronize(device)
+    want = ref.y[rank].float()
+    if want.numel() == 0:
+        assert y.numel() == 0
+        return 0.0
+    assert bool(torch.isfinite(y).all()), "non-finite output"
+    err = float((y.float() - want).norm() / want.norm().clamp_min(1e-30))
+    assert err < LAYER_TOLERANCE[layout.recipe], f"staged layer rel. error {err:.3g}"
+    return err
+
+
+def run_layer_cases(num_ranks: int, recipe: str, num_experts: int, num_topk: int, hidden: int,
+                    block_m: int, seed: int = 0, group=None, intermediate: int = 256) -> list:
+    from ..buffer import get_symm_buffer_for_mega_moe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def toks(*per_rank):
+        return tuple(per_rank[r % len(per_rank)] for r in range(num_ranks))
+
+    cases = [Case(toks(300, 41), "random", seed + 11), Case(toks(0, 129), "masked", seed + 12),
+             Case(toks(77, 1), "one_expert", seed + 13)]
+    buf = get_symm_buffer_for_mega_moe(group, num_experts, 300, num_topk, hidden, intermediate,
+                                       mma_type=recipe, device=device)
+    errors = [check_staged_layer(buf, c, intermediate, block_m, device) for c in cases]
+    buf.destroy()
+    return errors

@@ -1,0 +1,122 @@
+"""Dispatch (count -> prefix -> scatter -> pull) and combine kernels, and the staged layer.
+
+CPU: both kernels compile for sm_90a and sm_100a with the copies and atomics they need.
+GPU: bookkeeping, pool rows and combine checked exactly against the reference
+(`cute_megamoe.testing.dispatch_checks`), R = 1 in-process and R = 2 across two GPUs, with
+uneven, masked and degenerate routings, ten calls back to back on one buffer.
+"""
+
+import pytest
+import torch
+
+from cute_megamoe.quant import RECIPES
+
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2):
+    from cutlass import BFloat16, Int32, Int64
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    from cute_megamoe.kernels.combine import CombineKernel
+    from cute_megamoe.kernels.dispatch import DispatchKernel
+    from cute_megamoe.layout import MegaMoELayout
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    layout = MegaMoELayout(num_ranks, 256, 8192, 8, 7168, 2048, recipe)
+    peers = make_fake_compact_tensor(Int64, (num_ranks,), assumed_align=16)
+    counts = make_fake_compact_tensor(Int32, (layout.num_local_experts,), assumed_align=4)
+    if kind == "dispatch":
+        kernel = DispatchKernel(layout, 128, has_stats=True)
+        args = (peers, Int32(0), Int32(1), counts, counts, Int32(132), fake_stream())
+    else:
+        kernel = CombineKernel(layout, 128)
+        args = (peers, Int32(0), Int32(1), fake_ptr(BFloat16), counts, fake_ptr(BFloat16),
+                Int32(132), fake_stream())
+    return compile_for_arch(kernel, *args, arch=arch)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, monkeypatch):
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")  # no printf: no stack at all
+    art = _compile("dispatch", arch, recipe)
+    ptx = art.ptx
+    assert "atom.shared.cta.add.u32" in ptx or "atom.shared.add.u32" in ptx  # count / slots
+    assert "atom.global.add.u64" in ptx  # 64-bit (arrivals | count) prefix
+    assert "st.release.sys.global.b64" in ptx  # count publication to the expert's rank
+    assert "ld.acquire.sys.global.b64" in ptx  # ... read with acquire
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in ptx
+    assert "red.release.sys.global.add.s32" in ptx  # cross-rank barrier signal
+    if art.sass is not None:
+        assert art.count("UBLKCP.G.S") >= 1 and art.count("UBLKCP.S.G") >= 1
+        assert art.count("STL") == 0 and art.count("LDL") == 0
+        assert art.resource_usage()["STACK"] == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+def test_combine_compiles_with_wide_loads(arch, monkeypatch):
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    art = _compile("combine", arch, "fp8xfp4")
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in art.ptx
+    if art.sass is not None:
+        assert art.count("LDG.E.128") == 8  # one 16-byte load per top-k slot
+        assert art.count("STL") == 0 and art.count("LDL") == 0
+
+
+@pytest.mark.compile
+def test_stall_report_is_compiled_in_by_default():
+    art = _compile("dispatch", "sm_90a", "bf16xbf16")
+    assert "trap;" in art.ptx and "vprintf" in art.ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dispatch_combine_one_rank(recipe):
+    from cute_megamoe.testing.dispatch_checks import default_cases, run_cases
+
+    assert run_cases(0, 1, default_cases(1), recipe, num_experts=16, num_topk=4, hidden=1024,
+                     block_m=64) == 10
+
+
+@pytest.mark.gpu
+def test_dispatch_combine_one_rank_deepseek_shape():
+    from cute_megamoe.testing.dispatch_checks import Case, run_cases
+
+    cases = [Case((4096,), "random", 1), Case((17,), "masked", 2), Case((8192,), "skewed", 3)]
+    run_cases(0, 1, cases, "fp8xfp4", num_experts=256, num_topk=8, hidden=7168, block_m=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dispatch_combine_two_ranks(recipe):
+    from cute_megamoe.testing.dispatch_checks import run_multiprocess
+
+    run_multiprocess(2, recipe, num_experts=16, num_topk=4, hidden=1024, block_m=64,
+                     port=29511 + RECIPES.index(recipe))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_staged_layer_matches_reference_one_rank(recipe):
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.testing.dispatch_checks import Case, check_staged_layer
+
+    buf = get_symm_buffer_for_mega_moe(None, 8, 300, 4, 512, 256, mma_type=recipe)
+    for case in (Case((300,), "random", 11), Case((0,), "random", 12),
+                 Case((129,), "masked", 13), Case((77,), "one_expert", 14)):
+        check_staged_layer(buf, case, 256, 64, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_staged_layer_matches_reference_two_ranks(recipe):
+    from cute_megamoe.testing.dispatch_checks import run_multiprocess
+
+    run_multiprocess(2, recipe, num_experts=8, num_topk=4, hidden=512, block_m=64,
+                     port=29521 + RECIPES.index(recipe), mode="layer")
