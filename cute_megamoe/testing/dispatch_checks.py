@@ -76,7 +76,9 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
     if layout.has_sf:
         poison["l1_acts_sf"] = 0xFF
     for name, byte in poison.items():
-        buf.view(name).view(torch.uint8).fill_(byte)
+        view = buf.view(name)
+        view = view if view.is_contiguous() else view.t()  # MN-major scales
+        view.view(torch.uint8).fill_(byte)
     buf.combine.view(torch.uint8).fill_(0xFF)
 
     result = staged.dispatch(buf, xs[rank].to(device), idxs[rank].to(device),
