@@ -1,0 +1,145 @@
+"""Dispatch (+pull) and combine kernels on R GPUs against NCCL all_to_all_single, same run.
+
+For each payload recipe and tokens per rank (hidden 7168, top-8 of 256 experts by default):
+* our dispatch kernel (count, prefix, scatter, pull; inputs staged beforehand, not timed) and
+  our combine kernel (send back + top-k reduce), each timed with CUDA events around a loop of
+  calls, median over repeats, the max over ranks;
+* NCCL `all_to_all_single` moving the same bytes (each rank's routed rows, equal splits);
+* NVLink GB/s per direction = bytes that crossed from the peers into (dispatch) or out of
+  (combine) one rank, over the time.
+
+    python -m bench.bench_dispatch [--ranks 2] [--tokens 1,128,512,4096,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from bench.common import Results, gpu_clocks
+
+HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
+BLOCK_M = 128
+
+
+def _time(fn, iters: int, repeats: int = 7) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls, in seconds,
+    with every rank starting each repeat together; the max over ranks."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / iters)
+    t = torch.tensor([statistics.median(samples)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: list[str],
+            out_dir: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
+                            device_id=torch.device("cuda", rank))
+    from cute_megamoe import staged
+    from cute_megamoe.api import stage_inputs
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.testing.dispatch_checks import make_routing
+
+    res = Results("dispatch_combine", meta={
+        "ranks": num_ranks, "hidden": HIDDEN, "experts": NUM_EXPERTS, "topk": NUM_TOPK,
+        "clocks_before": gpu_clocks(), "timing": "CUDA events over a loop of calls, median "
+        "of 7 repeats, max over ranks; inputs staged once before timing"})
+    e_l = NUM_EXPERTS // num_ranks
+    for recipe in recipes:
+        buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, NUM_EXPERTS, max(tokens), NUM_TOPK,
+                                           HIDDEN, 2048, mma_type=recipe)
+        row_bytes = HIDDEN * (2 if recipe == "bf16xbf16" else 1)
+        extra = 4 + (HIDDEN // 128 * 4 if recipe != "bf16xbf16" else 0)  # weight + scales
+        for n in tokens:
+            gen = torch.Generator().manual_seed(1000 * rank + n)
+            idx, w = make_routing(n, NUM_EXPERTS, NUM_TOPK, "random", gen)
+            x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+            idx, w = idx.cuda(), w.cuda()
+            stage_inputs(buf, x, idx, w)
+            result = staged.dispatch(buf, None, None, None, num_tokens=n, block_m=BLOCK_M)
+            expert_out = torch.randn(buf.layout.num_pool_rows, HIDDEN, device="cuda",
+                                     dtype=torch.bfloat16)
+            y = torch.empty(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            iters = 20 if n <= 512 else 10
+            t_dispatch = _time(lambda b=buf, n=n: staged.dispatch(
+                b, None, None, None, num_tokens=n, block_m=BLOCK_M), iters)
+            t_combine = _time(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(b, o, r, y),
+                              iters)
+
+            # bytes that crossed NVLink: rows whose expert lives on another rank
+            dest = torch.where(idx >= 0, idx // e_l, -1)
+            sent = torch.bincount(dest[dest >= 0].flatten(), minlength=num_ranks).cpu()
+            remote_rows = int(sent.sum() - sent[rank])
+            stat = torch.tensor([remote_rows], device="cuda")
+            dist.all_reduce(stat, op=dist.ReduceOp.MAX)
+            remote_rows = int(stat)
+            nvl_dispatch = remote_rows * (row_bytes + extra)
+            nvl_combine = remote_rows * HIDDEN * 2
+
+            # NCCL all-to-all of the same bytes (each rank's routed rows, equal splits)
+            def a2a(nbytes, iters=iters):
+                per = max(16, -(-nbytes // num_ranks // 16) * 16)
+                src = torch.empty(per * num_ranks, dtype=torch.uint8, device="cuda")
+                dst = torch.empty_like(src)
+                return _time(lambda: dist.all_to_all_single(dst, src), iters)
+
+            routed = int((idx >= 0).sum())
+            t_nccl_d = a2a(routed * (row_bytes + extra))
+            t_nccl_c = a2a(routed * HIDDEN * 2)
+            res.add(recipe=recipe, tokens=n,
+                    dispatch_us=t_dispatch * 1e6, nccl_dispatch_us=t_nccl_d * 1e6,
+                    dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
+                    combine_us=t_combine * 1e6, nccl_combine_us=t_nccl_c * 1e6,
+                    combine_nvl_gbps=nvl_combine / t_combine / 1e9,
+                    speedup_dispatch=t_nccl_d / t_dispatch,
+                    speedup_combine=t_nccl_c / t_combine)
+        buf.destroy()
+        dist.barrier()
+    res.meta["clocks_after"] = gpu_clocks()
+    if rank == 0:
+        path = res.save(out_dir or None)
+        print(f"saved {path}")
+        print(res.table(["recipe", "tokens", "dispatch_us", "nccl_dispatch_us",
+                         "dispatch_nvl_gbps", "combine_us", "nccl_combine_us",
+                         "combine_nvl_gbps"]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    p.add_argument("--tokens", default="1,128,512,4096,8192")
+    p.add_argument("--recipes", default="fp8xfp4,bf16xbf16")
+    p.add_argument("--port", type=int, default=29533)
+    args = p.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    out_dir = os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", "")
+    mp.spawn(_worker, args=(args.ranks, args.port, tokens, args.recipes.split(","), out_dir),
+             nprocs=args.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
