@@ -3,7 +3,8 @@
 For each payload recipe and tokens per rank (hidden 7168, top-8 of 256 experts by default):
 * our dispatch kernel (count, prefix, scatter, pull; inputs staged beforehand, not timed) and
   our combine kernel (send back + top-k reduce), each timed with CUDA events around a loop of
-  calls, median over repeats, the max over ranks;
+  eager calls (host launch cost included when it dominates) and around CUDA-graph replays of
+  the same calls (device time only); median over repeats, the max over ranks;
 * NCCL `all_to_all_single` moving the same bytes (each rank's routed rows, equal splits);
 * NVLink GB/s per direction = bytes that crossed from the peers into (dispatch) or out of
   (combine) one rank, over the time.
@@ -48,6 +49,27 @@ def _time(fn, iters: int, repeats: int = 7) -> float:
     return float(t)
 
 
+def _time_graph(fn, iters: int, repeats: int = 7) -> float | None:
+    """Like `_time`, but `iters` calls captured in one CUDA graph (no host launch overhead);
+    None when the capture fails."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(iters):
+                    fn()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - report and fall back to eager timing
+        print(f"graph capture failed: {type(exc).__name__}: {exc}")
+        torch.cuda.synchronize()
+        return None
+    return _time(graph.replay, 1, repeats) / iters
+
+
 def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: list[str],
             out_dir: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -85,6 +107,10 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                 b, None, None, None, num_tokens=n, block_m=BLOCK_M), iters)
             t_combine = _time(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(b, o, r, y),
                               iters)
+            g_dispatch = _time_graph(lambda b=buf, n=n: staged.dispatch(
+                b, None, None, None, num_tokens=n, block_m=BLOCK_M), iters)
+            g_combine = _time_graph(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
+                b, o, r, y), iters)
 
             # bytes that crossed NVLink: rows whose expert lives on another rank
             dest = torch.where(idx >= 0, idx // e_l, -1)
@@ -108,6 +134,8 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
             t_nccl_c = a2a(routed * HIDDEN * 2)
             res.add(recipe=recipe, tokens=n,
                     dispatch_us=t_dispatch * 1e6, nccl_dispatch_us=t_nccl_d * 1e6,
+                    dispatch_graph_us=g_dispatch * 1e6 if g_dispatch else None,
+                    combine_graph_us=g_combine * 1e6 if g_combine else None,
                     dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
                     combine_us=t_combine * 1e6, nccl_combine_us=t_nccl_c * 1e6,
                     combine_nvl_gbps=nvl_combine / t_combine / 1e9,
@@ -119,9 +147,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
     if rank == 0:
         path = res.save(out_dir or None)
         print(f"saved {path}")
-        print(res.table(["recipe", "tokens", "dispatch_us", "nccl_dispatch_us",
-                         "dispatch_nvl_gbps", "combine_us", "nccl_combine_us",
-                         "combine_nvl_gbps"]))
+        print(res.table(["recipe", "tokens", "dispatch_us", "dispatch_graph_us",
+                         "nccl_dispatch_us", "dispatch_nvl_gbps", "combine_us",
+                         "combine_graph_us", "nccl_combine_us", "combine_nvl_gbps"]))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -78,22 +78,17 @@ def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
     if n == 0:
         return
 
+    import cutlass.cute as cute
+    from cutlass import Int32
+
     arch = get_arch(device)
     recipe = layout.recipe
-    kernel = InputStagingKernel(recipe, layout.hidden, layout.num_topk)
     out_sf = sym_buffer.x_sf if recipe != "bf16xbf16" else sym_buffer.topk_weights  # unused
     args = (as_ptr(x), as_ptr(topk_idx), as_ptr(topk_weights), as_ptr(sym_buffer.x),
-            as_ptr(out_sf), as_ptr(sym_buffer.topk_idx), as_ptr(sym_buffer.topk_weights))
-    key = ("staging", arch, recipe, layout.hidden, layout.num_topk)
-
-    def build():
-        import cutlass
-        import cutlass.cute as cute
-
-        return cute.compile(kernel, *args, cutlass.Int32(n), current_stream(),
-                            options=f"--gpu-arch {arch}")
-
-    fn = compiled_kernel(key, build)
-    import cutlass
-
-    fn(*args, cutlass.Int32(n), current_stream())
+            as_ptr(out_sf), as_ptr(sym_buffer.topk_idx), as_ptr(sym_buffer.topk_weights),
+            Int32(n), current_stream())
+    fn = compiled_kernel(
+        ("staging", arch, recipe, layout.hidden, layout.num_topk),
+        lambda: cute.compile(InputStagingKernel(recipe, layout.hidden, layout.num_topk), *args,
+                             options=f"--gpu-arch {arch}"))
+    fn(*args)

@@ -22,7 +22,15 @@ def get_arch(device: torch.device | int | None = None) -> str:
     """The CuTe DSL target for a CUDA device: `sm_90a` (Hopper) or `sm_100a` (Blackwell)."""
     if not torch.cuda.is_available():
         raise RuntimeError("a CUDA GPU is required to run the kernels (none is available)")
-    major, minor = torch.cuda.get_device_capability(device)
+    if isinstance(device, int):
+        return _arch_of(device)
+    index = None if device is None else torch.device(device).index
+    return _arch_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     if major not in ARCH_BY_MAJOR:
         raise ValueError(
             f"device: compute capability {major}.{minor} is not supported "

@@ -12,9 +12,12 @@ debugging path and the baseline the fused kernel must beat.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
+import cutlass.cute as cute
 import torch
+from cutlass import Int32
 
 from . import quant, reference
 from .api import _check_tensor, stage_inputs
@@ -58,12 +61,35 @@ class DispatchResult:
         return (self.pool_block_offsets()[1:] * self.block_m).to(torch.int32)
 
 
-def _launch_grid(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
-    total = get_num_sms(sym_buffer.device)
+class _BufferState:
+    """Per-buffer launch state built once: the arch, SM count, pointer arguments and the
+    per-expert count tensor (reused by every dispatch on the buffer, like the pool itself)."""
+
+    def __init__(self, sym_buffer: SymmBuffer):
+        device = sym_buffer.device
+        self.arch = get_arch(device)
+        self.num_sms = get_num_sms(device)
+        self.peer_bases = as_ptr(sym_buffer.peer_bases)
+        self.recv_tokens = torch.zeros(sym_buffer.layout.num_local_experts, dtype=torch.int32,
+                                       device=device)
+        self.recv_tokens_ptr = as_ptr(self.recv_tokens, align=4)
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(sym_buffer: SymmBuffer) -> _BufferState:
+    state = _STATES.get(sym_buffer)
+    if state is None:
+        state = _STATES[sym_buffer] = _BufferState(sym_buffer)
+    return state
+
+
+def _grid(state: _BufferState, num_sms: int | None) -> int:
     if num_sms is None:
-        return total
-    if not 1 <= num_sms <= total:
-        raise ValueError(f"num_sms: expected 1..{total}, got {num_sms}")
+        return state.num_sms
+    if not 1 <= num_sms <= state.num_sms:
+        raise ValueError(f"num_sms: expected 1..{state.num_sms}, got {num_sms}")
     return num_sms
 
 
@@ -73,50 +99,38 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
              validate_routing: bool | None = None) -> DispatchResult:
     """Stage this rank's inputs (unless `x` is None: then `num_tokens` rows were staged into
-    the buffer already) and route every (token, slot) to its expert's pool. Collective."""
+    the buffer already) and route every (token, slot) to its expert's pool. Collective.
+
+    The result views the buffer: it is valid until the next `dispatch` on the same buffer."""
     from .kernels.dispatch import DispatchKernel
 
     layout = sym_buffer.layout
-    device = sym_buffer.device
-    e_l = layout.num_local_experts
+    state = _state(sym_buffer)
     has_stats = cumulative_local_expert_recv_stats is not None
     if has_stats:
         _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                      torch.int32, (e_l,), device)
+                      torch.int32, (layout.num_local_experts,), sym_buffer.device)
     if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
         raise ValueError(f"block_m: expected a multiple of 16 in [16, {layout.block_m_max}], "
                          f"got {block_m}")
-    num_ctas = _launch_grid(sym_buffer, num_sms)
+    num_ctas = _grid(state, num_sms)
     if x is not None:
         stage_inputs(sym_buffer, x, topk_idx, topk_weights, validate_routing=validate_routing)
         num_tokens = x.shape[0]
     elif num_tokens is None or not 0 <= num_tokens <= layout.num_tokens:
         raise ValueError(f"num_tokens: with x=None give the staged row count (0.."
                          f"{layout.num_tokens}), got {num_tokens}")
-    recv_tokens = torch.empty(e_l, dtype=torch.int32, device=device)
-    stats = cumulative_local_expert_recv_stats if has_stats else recv_tokens
-    arch = get_arch(device)
-    key = ("dispatch", arch, layout, block_m, has_stats)
-
-    def build():
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import from_dlpack
-
-        kernel = DispatchKernel(layout, block_m, has_stats=has_stats)
-        return cute.compile(kernel, from_dlpack(sym_buffer.peer_bases, assumed_align=16),
-                            cutlass.Int32(0), cutlass.Int32(0),
-                            from_dlpack(recv_tokens, assumed_align=4),
-                            from_dlpack(stats, assumed_align=4), cutlass.Int32(num_ctas),
-                            current_stream(), options=f"--gpu-arch {arch}")
-
-    fn = compiled_kernel(key, build)
-    import cutlass
-
-    fn(sym_buffer.peer_bases, cutlass.Int32(sym_buffer.rank), cutlass.Int32(num_tokens),
-       recv_tokens, stats, cutlass.Int32(num_ctas), current_stream())
+    stats = (as_ptr(cumulative_local_expert_recv_stats, align=4) if has_stats
+             else state.recv_tokens_ptr)
+    args = (state.peer_bases, Int32(sym_buffer.rank), Int32(num_tokens), state.recv_tokens_ptr,
+            stats, Int32(num_ctas), current_stream())
+    fn = compiled_kernel(
+        ("dispatch", state.arch, layout, block_m, has_stats),
+        lambda: cute.compile(DispatchKernel(layout, block_m, has_stats=has_stats), *args,
+                             options=f"--gpu-arch {state.arch}"))
+    fn(*args)
     return DispatchResult(
-        num_tokens=num_tokens, block_m=block_m, expert_recv_tokens=recv_tokens,
+        num_tokens=num_tokens, block_m=block_m, expert_recv_tokens=state.recv_tokens,
         l1_acts=sym_buffer.l1_acts,
         l1_acts_sf=sym_buffer.l1_acts_sf if layout.has_sf else None,
         l1_topk_weights=sym_buffer.l1_topk_weights,
@@ -131,35 +145,24 @@ def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor, dispatched: Dispat
 
     layout = sym_buffer.layout
     device = sym_buffer.device
+    state = _state(sym_buffer)
     n = dispatched.num_tokens
     _check_tensor("expert_out", expert_out, torch.bfloat16,
                   (layout.num_pool_rows, layout.hidden), device)
     if y is None:
         y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
     _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
-    num_ctas = _launch_grid(sym_buffer, num_sms)
-    arch = get_arch(device)
-    key = ("combine", arch, layout, dispatched.block_m)
-
-    def build():
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import from_dlpack
-
-        kernel = CombineKernel(layout, dispatched.block_m)
-        return cute.compile(kernel, from_dlpack(sym_buffer.peer_bases, assumed_align=16),
-                            cutlass.Int32(0), cutlass.Int32(0), as_ptr(expert_out),
-                            from_dlpack(dispatched.expert_recv_tokens, assumed_align=4),
-                            as_ptr(y), cutlass.Int32(num_ctas), current_stream(),
-                            options=f"--gpu-arch {arch}")
-
-    fn = compiled_kernel(key, build)
-    import cutlass
-
-    y_ptr = as_ptr(y) if n > 0 else as_ptr(expert_out)  # unused when n == 0
-    fn(sym_buffer.peer_bases, cutlass.Int32(sym_buffer.rank), cutlass.Int32(n),
-       as_ptr(expert_out), dispatched.expert_recv_tokens, y_ptr, cutlass.Int32(num_ctas),
-       current_stream())
+    num_ctas = _grid(state, num_sms)
+    out_ptr = as_ptr(expert_out)
+    args = (state.peer_bases, Int32(sym_buffer.rank), Int32(n), out_ptr,
+            as_ptr(dispatched.expert_recv_tokens, align=4),
+            as_ptr(y) if n > 0 else out_ptr,  # y is not touched when n == 0
+            Int32(num_ctas), current_stream())
+    fn = compiled_kernel(
+        ("combine", state.arch, layout, dispatched.block_m),
+        lambda: cute.compile(CombineKernel(layout, dispatched.block_m), *args,
+                             options=f"--gpu-arch {state.arch}"))
+    fn(*args)
     return y
 
 

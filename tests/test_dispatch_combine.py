@@ -16,7 +16,6 @@ ARCHS = ("sm_90a", "sm_100a")
 
 def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2):
     from cutlass import BFloat16, Int32, Int64
-    from cutlass.cute.runtime import make_fake_compact_tensor
 
     from cute_megamoe.kernels.combine import CombineKernel
     from cute_megamoe.kernels.dispatch import DispatchKernel
@@ -24,8 +23,7 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2):
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
     layout = MegaMoELayout(num_ranks, 256, 8192, 8, 7168, 2048, recipe)
-    peers = make_fake_compact_tensor(Int64, (num_ranks,), assumed_align=16)
-    counts = make_fake_compact_tensor(Int32, (layout.num_local_experts,), assumed_align=4)
+    peers, counts = fake_ptr(Int64), fake_ptr(Int32, align=4)
     if kind == "dispatch":
         kernel = DispatchKernel(layout, 128, has_stats=True)
         args = (peers, Int32(0), Int32(1), counts, counts, Int32(132), fake_stream())

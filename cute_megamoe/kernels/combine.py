@@ -62,16 +62,19 @@ class CombineKernel:
     @cute.jit
     def __call__(
         self,
-        peer_bases: cute.Tensor,  # Int64 [R]
+        peer_bases: cute.Pointer,  # Int64 [R]
         rank: Int32,
         num_tokens: Int32,
         expert_out: cute.Pointer,  # BF16 [P, H], pool order
-        expert_recv_tokens: cute.Tensor,  # Int32 [E_l]
+        expert_recv_tokens: cute.Pointer,  # Int32 [E_l]
         y: cute.Pointer,  # BF16 [num_tokens, H]
         num_ctas: Int32,
         stream,
     ):
-        self.kernel(peer_bases, rank, num_tokens, expert_out, expert_recv_tokens, y).launch(
+        self.kernel(cute.make_tensor(peer_bases, cute.make_layout(self.num_ranks)), rank,
+                    num_tokens, expert_out,
+                    cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_local_experts)),
+                    y).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             cooperative=True)
 
@@ -92,6 +95,10 @@ class CombineKernel:
         row_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
         block_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
         mbar = smem.allocate_array(Int64, self.num_warps * NUM_STAGES)
+        # per warp: destination and size of each stage's chunk, waiting for its store
+        pending_dst = smem.allocate_tensor(Int64, cute.make_layout((NUM_STAGES, self.num_warps)))
+        pending_bytes = smem.allocate_tensor(Int32,
+                                             cute.make_layout((NUM_STAGES, self.num_warps)))
         staging = smem.allocate_array(Uint8, self.num_warps * self.rows.stage_bytes,
                                       byte_alignment=128)
         e = tidx
@@ -109,7 +116,8 @@ class CombineKernel:
 
         # 2. send every received row back to combine[k][t] on its source rank
         self.send(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
-                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes)
+                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes,
+                  pending_dst[None, warp], pending_bytes[None, warp])
 
         # 3. every rank has sent everything it owes
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
@@ -146,7 +154,8 @@ class CombineKernel:
     @cute.jit
     def send(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
              expert_out: cute.Pointer, row_start: cute.Tensor, block_start: cute.Tensor,
-             mbar: cute.Pointer, staging: cute.Pointer):
+             mbar: cute.Pointer, staging: cute.Pointer, pending_dst: cute.Tensor,
+             pending_bytes: cute.Tensor):
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         E_l = self.num_local_experts
@@ -158,8 +167,6 @@ class CombineKernel:
 
         expert = Int32(0)
         job = Int32(0)
-        pending_dst = Int64(0)
-        pending_bytes = Int32(0)
         while row < num_rows:
             while row >= row_start[expert + 1]:
                 expert += 1
@@ -172,10 +179,10 @@ class CombineKernel:
             src_row = Int64(out_base) + Int64(pool_row) * self.row_bytes
             for c in cutlass.range_constexpr(self.rows.num_chunks):
                 if lane == 0:
-                    job, pending_dst, pending_bytes = self.rows.push(
-                        job, pending_dst, pending_bytes, src_row + c * self.rows.chunk_bytes,
+                    job = self.rows.push(
+                        job, src_row + c * self.rows.chunk_bytes,
                         dst_row + c * self.rows.chunk_bytes, Int32(self.rows.chunk_size(c)),
-                        mbar, staging)
+                        mbar, staging, pending_dst, pending_bytes)
             row += stride
         if lane == 0:
-            self.rows.drain(job, pending_dst, pending_bytes, mbar, staging)
+            self.rows.drain(job, mbar, staging, pending_dst, pending_bytes)

@@ -94,15 +94,18 @@ class DispatchKernel:
     @cute.jit
     def __call__(
         self,
-        peer_bases: cute.Tensor,  # Int64 [R]: every rank's buffer base address
+        peer_bases: cute.Pointer,  # Int64 [R]: every rank's buffer base address
         rank: Int32,
         num_tokens: Int32,
-        expert_recv_tokens: cute.Tensor,  # Int32 [E_l], output
-        stats: cute.Tensor,  # Int32 [E_l], incremented when has_stats
+        expert_recv_tokens: cute.Pointer,  # Int32 [E_l], output
+        stats: cute.Pointer,  # Int32 [E_l], incremented when has_stats
         num_ctas: Int32,
         stream,
     ):
-        self.kernel(peer_bases, rank, num_tokens, expert_recv_tokens, stats).launch(
+        per_expert = cute.make_layout(self.num_local_experts)
+        self.kernel(cute.make_tensor(peer_bases, cute.make_layout(self.num_ranks)), rank,
+                    num_tokens, cute.make_tensor(expert_recv_tokens, per_expert),
+                    cute.make_tensor(stats, per_expert)).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             cooperative=True)
 
@@ -125,6 +128,10 @@ class DispatchKernel:
         row_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
         block_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
         mbar = smem.allocate_array(Int64, self.num_warps * NUM_STAGES)
+        # per warp: destination and size of each stage's chunk, waiting for its store
+        pending_dst = smem.allocate_tensor(Int64, cute.make_layout((NUM_STAGES, self.num_warps)))
+        pending_bytes = smem.allocate_tensor(Int32,
+                                             cute.make_layout((NUM_STAGES, self.num_warps)))
         staging = smem.allocate_array(Uint8, self.num_warps * self.rows.stage_bytes,
                                       byte_alignment=128)
 
@@ -154,11 +161,15 @@ class DispatchKernel:
 
         # 2. prefix: one 64-bit atomic per expert allocates this CTA's slots
         send_count = self.regions.ptr(my_base, "expert_send_count")
+        # (experts this CTA does not send to skip the atomic: the grid barrier, not the
+        # arrival count, tells when every CTA has reported)
         e = tidx
         while e < E:
-            old = cute.arch.atomic_add(send_count + e, Int64(expert_slot[e]) | (Int64(1) << 32),
-                                       sem="relaxed", scope="gpu")
-            expert_slot[e] = Int32(old & 0xFFFFFFFF)
+            if expert_slot[e] > 0:
+                old = cute.arch.atomic_add(send_count + e,
+                                           Int64(expert_slot[e]) | (Int64(1) << 32),
+                                           sem="relaxed", scope="gpu")
+                expert_slot[e] = Int32(old & 0xFFFFFFFF)
             e += self.num_threads
         cute.arch.sync_threads()
 
@@ -219,7 +230,8 @@ class DispatchKernel:
 
         # 6. pull the received rows into the pool
         self.pull(peer_bases, my_base, warp, lane, recv_count, row_start, block_start,
-                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes)
+                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes,
+                  pending_dst[None, warp], pending_bytes[None, warp])
 
         # 7. all pulls done -> reset the received counts, then meet the other ranks
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
@@ -234,7 +246,8 @@ class DispatchKernel:
     @cute.jit
     def pull(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
              recv_count: cute.Tensor, row_start: cute.Tensor, block_start: cute.Tensor,
-             mbar: cute.Pointer, staging: cute.Pointer):
+             mbar: cute.Pointer, staging: cute.Pointer, pending_dst: cute.Tensor,
+             pending_bytes: cute.Tensor):
         """Rows g, g + G, ... of the received rows (g = this warp's global index)."""
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -248,8 +261,6 @@ class DispatchKernel:
 
         expert = Int32(0)
         job = Int32(0)  # chunks issued by this warp so far
-        pending_dst = Int64(0)  # pool address of the chunk waiting in staging for its store
-        pending_bytes = Int32(0)
         while row < num_rows:
             while row >= row_start[expert + 1]:
                 expert += 1
@@ -289,13 +300,13 @@ class DispatchKernel:
             dst_row = my_base + self.regions.offset("l1_acts") + Int64(pool_row) * self.row_bytes
             for c in cutlass.range_constexpr(self.rows.num_chunks):
                 if lane == 0:
-                    job, pending_dst, pending_bytes = self.rows.push(
-                        job, pending_dst, pending_bytes, src_row + c * self.rows.chunk_bytes,
+                    job = self.rows.push(
+                        job, src_row + c * self.rows.chunk_bytes,
                         dst_row + c * self.rows.chunk_bytes, Int32(self.rows.chunk_size(c)),
-                        mbar, staging)
+                        mbar, staging, pending_dst, pending_bytes)
             row += stride
         if lane == 0:
-            self.rows.drain(job, pending_dst, pending_bytes, mbar, staging)
+            self.rows.drain(job, mbar, staging, pending_dst, pending_bytes)
 
     @cute.jit
     def peel_source(self, index: Int32, recv_count: cute.Tensor, expert: Int32):

@@ -4,9 +4,8 @@
   of rows (`row_start`) and of BM-blocks (`block_start`, i.e. `pool_block_offset`), by one warp.
   Expert e's received row j lives at pool row `block_start[e] * BM + j`.
 * `BulkRowPipeline`: one warp moves rows chunk by chunk with 1-D bulk copies, global -> shared
-  -> global, through `NUM_STAGES` staging buffers: the load of chunk q is in flight while chunk
-  q - 1 is stored. Lane 0 issues everything; callers keep the pipeline state (`job`, the pending
-  chunk's destination and size) in their own loop variables.
+  -> global, through `NUM_STAGES` staging buffers with `LOOKAHEAD` loads in flight. Lane 0
+  issues everything; callers keep the chunk counter `job` in a loop variable.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ from cutlass.experimental import primitives as prims
 
 from .warp import warp_inclusive_sum
 
-NUM_STAGES = 2
+NUM_STAGES = 3  # staging buffers per warp
+LOOKAHEAD = NUM_STAGES - 1  # chunk loads in flight per warp
 MAX_CHUNK_BYTES = 8192
 
 
@@ -48,7 +48,13 @@ def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
 
 
 class BulkRowPipeline:
-    """Chunked bulk copies of rows through per-warp shared-memory stages (see module doc)."""
+    """Chunked bulk copies of rows through per-warp shared-memory stages (see module doc).
+
+    Job q (a chunk) goes through stage q % NUM_STAGES: its load is issued at `push(q)` and its
+    store at `push(q + LOOKAHEAD)` (or `drain`), so LOOKAHEAD loads are in flight per warp while
+    stores proceed. Each warp owns `NUM_STAGES` staging buffers, mbarriers, and a small table of
+    pending destinations (`pending_dst`, `pending_bytes`), all in shared memory.
+    """
 
     def __init__(self, row_bytes: int):
         self.row_bytes = row_bytes
@@ -60,38 +66,40 @@ class BulkRowPipeline:
         return min(self.chunk_bytes, self.row_bytes - c * self.chunk_bytes)
 
     @cute.jit
-    def push(self, job: Int32, pending_dst: Int64, pending_bytes: Int32, src: Int64,
-             dst: Int64, nbytes: Int32, mbar: cute.Pointer, staging: cute.Pointer):
-        """Issue the load of one chunk (src -> stage) and the store of the previous one.
-
-        Lane 0 only. Returns the new (job, pending_dst, pending_bytes)."""
+    def push(self, job: Int32, src: Int64, dst: Int64, nbytes: Int32, mbar: cute.Pointer,
+             staging: cute.Pointer, pending_dst: cute.Tensor, pending_bytes: cute.Tensor):
+        """Lane 0: issue the load of chunk `job` (src -> its stage) and the store of chunk
+        `job - LOOKAHEAD`. Returns `job + 1`."""
         stage = job % NUM_STAGES
         if job >= NUM_STAGES:
-            # the store that last used this stage must have finished reading it
-            cute.arch.cp_async_bulk_wait_group(NUM_STAGES - 2, read=True)
+            # the last store issued is chunk job - NUM_STAGES, the previous user of this stage
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        pending_dst[stage] = dst
+        pending_bytes[stage] = nbytes
         cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, nbytes)
         prims.cp_async_bulk_shared_cluster_global(
             staging + stage * self.chunk_bytes,
             cute.make_ptr(Uint8, src, cute.AddressSpace.gmem, assumed_align=16),
             mbar + stage, nbytes)
-        if job >= 1:
-            self.store(job - 1, pending_dst, pending_bytes, mbar, staging)
-        return job + 1, dst, nbytes
+        if job >= LOOKAHEAD:
+            self.store(job - LOOKAHEAD, mbar, staging, pending_dst, pending_bytes)
+        return job + 1
 
     @cute.jit
-    def drain(self, job: Int32, pending_dst: Int64, pending_bytes: Int32, mbar: cute.Pointer,
-              staging: cute.Pointer):
-        """Store the last pending chunk and wait until every store has completed (lane 0)."""
-        if job >= 1:
-            self.store(job - 1, pending_dst, pending_bytes, mbar, staging)
+    def drain(self, job: Int32, mbar: cute.Pointer, staging: cute.Pointer,
+              pending_dst: cute.Tensor, pending_bytes: cute.Tensor):
+        """Lane 0: store the chunks still in flight and wait until every store has completed."""
+        first = job - LOOKAHEAD if job >= LOOKAHEAD else Int32(0)
+        for q in cutlass.range(first, job):
+            self.store(q, mbar, staging, pending_dst, pending_bytes)
         cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def store(self, job: Int32, dst: Int64, nbytes: Int32, mbar: cute.Pointer,
-              staging: cute.Pointer):
+    def store(self, job: Int32, mbar: cute.Pointer, staging: cute.Pointer,
+              pending_dst: cute.Tensor, pending_bytes: cute.Tensor):
         stage = job % NUM_STAGES
         cute.arch.mbarrier_wait(mbar + stage, (job // NUM_STAGES) % 2)
         prims.cp_async_bulk_global_shared_cta(
-            cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
-            staging + stage * self.chunk_bytes, nbytes)
+            cute.make_ptr(Uint8, pending_dst[stage], cute.AddressSpace.gmem, assumed_align=16),
+            staging + stage * self.chunk_bytes, pending_bytes[stage])
         cute.arch.cp_async_bulk_commit_group()
