@@ -138,7 +138,8 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
 
 
 def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor, dispatched: DispatchResult,
-            y: torch.Tensor | None = None, *, num_sms: int | None = None) -> torch.Tensor:
+            y: torch.Tensor | None = None, *, num_sms: int | None = None,
+            send_mode: str = "registers") -> torch.Tensor:
     """Send `expert_out` (BF16 [P, H], pool order) back to the source ranks and reduce over
     top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective."""
     from .kernels.combine import CombineKernel
@@ -159,8 +160,8 @@ def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor, dispatched: Dispat
             as_ptr(y) if n > 0 else out_ptr,  # y is not touched when n == 0
             Int32(num_ctas), current_stream())
     fn = compiled_kernel(
-        ("combine", state.arch, layout, dispatched.block_m),
-        lambda: cute.compile(CombineKernel(layout, dispatched.block_m), *args,
+        ("combine", state.arch, layout, dispatched.block_m, send_mode),
+        lambda: cute.compile(CombineKernel(layout, dispatched.block_m, send_mode=send_mode), *args,
                              options=f"--gpu-arch {state.arch}"))
     fn(*args)
     return y

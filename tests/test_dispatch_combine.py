@@ -14,7 +14,7 @@ from cute_megamoe.quant import RECIPES
 ARCHS = ("sm_90a", "sm_100a")
 
 
-def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2):
+def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: str = "registers"):
     from cutlass import BFloat16, Int32, Int64
 
     from cute_megamoe.kernels.combine import CombineKernel
@@ -28,7 +28,7 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2):
         kernel = DispatchKernel(layout, 128, has_stats=True)
         args = (peers, Int32(0), Int32(1), counts, counts, Int32(132), fake_stream())
     else:
-        kernel = CombineKernel(layout, 128)
+        kernel = CombineKernel(layout, 128, send_mode=send_mode)
         args = (peers, Int32(0), Int32(1), fake_ptr(BFloat16), counts, fake_ptr(BFloat16),
                 Int32(132), fake_stream())
     return compile_for_arch(kernel, *args, arch=arch)
@@ -56,12 +56,18 @@ def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, mon
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-def test_combine_compiles_with_wide_loads(arch, monkeypatch):
+@pytest.mark.parametrize("send_mode", ["registers", "bulk"])
+def test_combine_compiles_with_wide_accesses(arch, send_mode, monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    art = _compile("combine", arch, "fp8xfp4")
-    assert "cp.async.bulk.global.shared::cta.bulk_group" in art.ptx
+    art = _compile("combine", arch, "fp8xfp4", send_mode=send_mode)
+    has_bulk_store = "cp.async.bulk.global.shared::cta.bulk_group" in art.ptx
+    assert has_bulk_store == (send_mode == "bulk")
     if art.sass is not None:
-        assert art.count("LDG.E.128") == 8  # one 16-byte load per top-k slot
+        # reduce: one 16-byte load per top-k slot (K = 8); the registers send moves a
+        # 7168-feature BF16 row as 28 x 16 B per lane, unrolled
+        sends = 28 if send_mode == "registers" else 0
+        assert art.count("LDG.E.128") == 8 + sends
+        assert art.count("STG.E.128") == 1 + sends
         assert art.count("STL") == 0 and art.count("LDL") == 0
 
 

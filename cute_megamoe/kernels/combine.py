@@ -14,7 +14,9 @@ depends neither on scheduling nor on where a token sat in the pool (bit-exact wi
 How:
 1. Warp 0 rebuilds the pool prefix sums from `expert_recv_tokens` (as the dispatch did).
 2. Send: global warp g takes received rows g, g + G, ...; reads the row's TokenSrcMetadata and
-   moves the row with 1-D bulk copies, local pool -> shared -> the source rank's combine slot.
+   moves the row to the source rank's combine slot: by default with 16-byte loads into
+   registers and plain 16-byte stores to the peer (every lane keeps SEND_UNROLL vectors in
+   flight), or (`send_mode="bulk"`) with 1-D bulk copies through shared memory.
 3. Grid barrier (every store complete), cross-rank barrier by CTA 0 (system-scope release and
    acquire, after a proxy fence so the bulk stores are ordered), grid barrier.
 4. Reduce: each thread owns 8 consecutive features (16 bytes) of one token, loads its K slots
@@ -39,12 +41,18 @@ from .common.pool import NUM_STAGES, BulkRowPipeline, build_pool_prefix
 from .common.sync import GRID_BARRIER_SLOT, cross_rank_barrier, grid_barrier, spin_timeout_ns
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
+SEND_MODES = ("registers", "bulk")  # how rows cross to the source rank (see `send_*`)
+SEND_UNROLL = 4  # 16-byte vectors each lane loads before storing them (registers mode)
 
 
 class CombineKernel:
     """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
 
-    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 256):
+    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 256,
+                 send_mode: str = "registers"):
+        if send_mode not in SEND_MODES:
+            raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
+        self.send_mode = send_mode
         self.layout = layout
         self.regions = BufferRegions(layout)
         self.block_m = block_m
@@ -115,9 +123,13 @@ class CombineKernel:
         cute.arch.sync_threads()
 
         # 2. send every received row back to combine[k][t] on its source rank
-        self.send(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
-                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes,
-                  pending_dst[None, warp], pending_bytes[None, warp])
+        if cutlass.const_expr(self.send_mode == "bulk"):
+            self.send_bulk(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
+                           mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes,
+                           pending_dst[None, warp], pending_bytes[None, warp])
+        else:
+            self.send_registers(peer_bases, my_base, warp, lane, expert_out, row_start,
+                                block_start)
 
         # 3. every rank has sent everything it owes
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
@@ -152,7 +164,57 @@ class CombineKernel:
             v += num_ctas * self.num_threads
 
     @cute.jit
-    def send(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
+    def row_addresses(self, peer_bases: cute.Tensor, my_base: Int64, out_base: Int64,
+                      pool_row: Int32):
+        """(source address in `expert_out`, destination address in the source rank's
+        `combine[k][t]`) of a received pool row."""
+        metadata = self.regions.ptr(my_base, "token_src_metadata")
+        src = cute.arch.load(metadata + pool_row * 4, Int32)
+        token = cute.arch.load(metadata + pool_row * 4 + 1, Int32)
+        topk = cute.arch.load(metadata + pool_row * 4 + 2, Int32)
+        dst_row = (Int64(peer_bases[src]) + self.regions.offset("combine")
+                   + Int64(topk * self.num_tokens_max + token) * self.row_bytes)
+        return out_base + Int64(pool_row) * self.row_bytes, dst_row
+
+    @cute.jit
+    def send_registers(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
+                       expert_out: cute.Pointer, row_start: cute.Tensor,
+                       block_start: cute.Tensor):
+        """One warp per row: every lane loads SEND_UNROLL 16-byte vectors of the row, then
+        stores them to the peer (plain stores; the cross-rank barrier publishes them)."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        num_rows = row_start[self.num_local_experts]
+        row = bidx * self.num_warps + warp
+        vecs = self.row_bytes // 16
+        groups = -(-vecs // (32 * SEND_UNROLL))
+        out_base = Int64(expert_out.toint())
+        expert = Int32(0)
+        while row < num_rows:
+            while row >= row_start[expert + 1]:
+                expert += 1
+            pool_row = block_start[expert] * self.block_m + row - row_start[expert]
+            src_row, dst_row = self.row_addresses(peer_bases, my_base, out_base, pool_row)
+            for g in cutlass.range_constexpr(groups):
+                regs = []
+                for u in cutlass.range_constexpr(SEND_UNROLL):
+                    i = (g * SEND_UNROLL + u) * 32 + lane
+                    r = cute.make_rmem_tensor((VEC,), BFloat16)
+                    if i < vecs:
+                        cute.autovec_copy(self._vec(src_row + Int64(i) * 16), r)
+                    regs.append(r)
+                for u in cutlass.range_constexpr(SEND_UNROLL):
+                    i = (g * SEND_UNROLL + u) * 32 + lane
+                    if i < vecs:
+                        cute.autovec_copy(regs[u], self._vec(dst_row + Int64(i) * 16))
+            row += num_ctas * self.num_warps
+
+    def _vec(self, address: Int64) -> cute.Tensor:
+        return cute.make_tensor(cute.make_ptr(BFloat16, address, cute.AddressSpace.gmem,
+                                              assumed_align=16), cute.make_layout(VEC))
+
+    @cute.jit
+    def send_bulk(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
              expert_out: cute.Pointer, row_start: cute.Tensor, block_start: cute.Tensor,
              mbar: cute.Pointer, staging: cute.Pointer, pending_dst: cute.Tensor,
              pending_bytes: cute.Tensor):
@@ -162,8 +224,7 @@ class CombineKernel:
         num_rows = row_start[E_l]
         row = bidx * self.num_warps + warp
         stride = num_ctas * self.num_warps
-        metadata = self.regions.ptr(my_base, "token_src_metadata")
-        out_base = expert_out.toint()
+        out_base = Int64(expert_out.toint())
 
         expert = Int32(0)
         job = Int32(0)
@@ -171,12 +232,7 @@ class CombineKernel:
             while row >= row_start[expert + 1]:
                 expert += 1
             pool_row = block_start[expert] * self.block_m + row - row_start[expert]
-            src = cute.arch.load(metadata + pool_row * 4, Int32)
-            token = cute.arch.load(metadata + pool_row * 4 + 1, Int32)
-            topk = cute.arch.load(metadata + pool_row * 4 + 2, Int32)
-            dst_row = (Int64(peer_bases[src]) + self.regions.offset("combine")
-                       + Int64(topk * self.num_tokens_max + token) * self.row_bytes)
-            src_row = Int64(out_base) + Int64(pool_row) * self.row_bytes
+            src_row, dst_row = self.row_addresses(peer_bases, my_base, out_base, pool_row)
             for c in cutlass.range_constexpr(self.rows.num_chunks):
                 if lane == 0:
                     job = self.rows.push(
