@@ -19,8 +19,9 @@ How:
    flight), or (`send_mode="bulk"`) with 1-D bulk copies through shared memory.
 3. Grid barrier (every store complete), cross-rank barrier by CTA 0 (system-scope release and
    acquire, after a proxy fence so the bulk stores are ordered), grid barrier.
-4. Reduce: each thread owns 8 consecutive features (16 bytes) of one token, loads its K slots
-   in order and accumulates in float32, then stores 16 bytes of `y`.
+4. Reduce: each thread owns 8 consecutive features (16 bytes) of one token, loads all K slots
+   at once, then accumulates the valid ones in ascending k in float32 and stores 16 bytes of
+   `y`.
 
 Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;
@@ -138,29 +139,35 @@ class CombineKernel:
                                Int32(self.num_ranks), self.timeout_ns)
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
 
-        # 4. reduce over top-k in ascending k, float32
-        combine = self.regions.ptr(my_base, "combine")
+        # 4. reduce over top-k in ascending k, float32. All K slots are loaded before any add
+        # (a masked slot's stale row is loaded too and replaced by +0.0, which leaves the sum
+        # bit-identical to skipping it: the running sum starts at +0.0 and is never -0.0).
+        combine = my_base + self.regions.offset("combine")
         topk_idx = self.regions.ptr(my_base, "topk_idx")
+        y_base = Int64(y.toint())
         vecs_per_token = self.hidden // VEC
         num_vecs = num_tokens * vecs_per_token
         v = bidx * self.num_threads + tidx
         while v < num_vecs:
             token = v // vecs_per_token
             col = (v % vecs_per_token) * VEC
+            parts = []
+            for k in cutlass.range_constexpr(K):
+                part = cute.make_rmem_tensor((VEC,), BFloat16)
+                cute.autovec_copy(self._vec(
+                    combine + (Int64(k * self.num_tokens_max + token) * self.hidden + col) * 2),
+                    part)
+                parts.append(part)
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
             for k in cutlass.range_constexpr(K):
-                if cute.arch.load(topk_idx + token * K + k, Int64) >= 0:
-                    row = cute.make_tensor(
-                        combine + (Int64(k * self.num_tokens_max + token) * self.hidden + col),
-                        cute.make_layout(VEC))
-                    part = cute.make_rmem_tensor((VEC,), BFloat16)
-                    cute.autovec_copy(row, part)
-                    acc.store(acc.load() + part.load().to(Float32))
+                values = parts[k].load().to(Float32)
+                if cute.arch.load(topk_idx + token * K + k, Int64) < 0:
+                    values = cute.full_like(values, 0.0)
+                acc.store(acc.load() + values)
             out = cute.make_rmem_tensor((VEC,), BFloat16)
             out.store(acc.load().to(BFloat16))
-            cute.autovec_copy(out, cute.make_tensor(y + (Int64(token) * self.hidden + col),
-                                                    cute.make_layout(VEC)))
+            cute.autovec_copy(out, self._vec(y_base + (Int64(token) * self.hidden + col) * 2))
             v += num_ctas * self.num_threads
 
     @cute.jit
