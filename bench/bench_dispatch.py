@@ -71,7 +71,7 @@ def _time_graph(fn, iters: int, repeats: int = 7) -> float | None:
 
 
 def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: list[str],
-            out_dir: str) -> None:
+            out_dir: str, peer_gbps: float | None) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -84,8 +84,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
 
     res = Results("dispatch_combine", meta={
         "ranks": num_ranks, "hidden": HIDDEN, "experts": NUM_EXPERTS, "topk": NUM_TOPK,
-        "clocks_before": gpu_clocks(), "timing": "CUDA events over a loop of calls, median "
-        "of 7 repeats, max over ranks; inputs staged once before timing"})
+        "peer_copy_gbps": peer_gbps, "clocks_before": gpu_clocks(),
+        "timing": "CUDA events over a loop of eager calls and over CUDA-graph replays, median of "
+                  "7 repeats, max over ranks; inputs staged once before timing"})
     e_l = NUM_EXPERTS // num_ranks
     for recipe in recipes:
         buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, NUM_EXPERTS, max(tokens), NUM_TOPK,
@@ -142,6 +143,10 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                     dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
                     combine_us=t_combine * 1e6, nccl_combine_us=t_nccl_c * 1e6,
                     combine_nvl_gbps=nvl_combine / t_combine / 1e9,
+                    dispatch_vs_peer_copy=(nvl_dispatch / t_dispatch / 1e9 / peer_gbps
+                                           if peer_gbps else None),
+                    combine_vs_peer_copy=(nvl_combine / t_combine / 1e9 / peer_gbps
+                                          if peer_gbps else None),
                     speedup_dispatch=t_nccl_d / t_dispatch,
                     speedup_combine=t_nccl_c / t_combine)
         buf.destroy()
@@ -158,6 +163,27 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
     dist.destroy_process_group()
 
 
+def peer_copy_gbps(nbytes: int = 470 << 20) -> float:
+    """GB/s of one-direction copies from GPU 1 to GPU 0 (copy engine over NVLink), the ceiling
+    the kernels' per-direction NVLink rates are compared with."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1").random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    times = []
+    for _ in range(10):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def main() -> None:
     import torch.multiprocessing as mp
 
@@ -169,8 +195,11 @@ def main() -> None:
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     out_dir = os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", "")
-    mp.spawn(_worker, args=(args.ranks, args.port, tokens, args.recipes.split(","), out_dir),
-             nprocs=args.ranks, join=True)
+    peer = peer_copy_gbps() if args.ranks >= 2 else None
+    if peer is not None:
+        print(f"peer copy GPU1 -> GPU0: {peer:.0f} GB/s")
+    mp.spawn(_worker, args=(args.ranks, args.port, tokens, args.recipes.split(","), out_dir,
+                            peer), nprocs=args.ranks, join=True)
 
 
 if __name__ == "__main__":

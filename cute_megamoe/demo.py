@@ -1,0 +1,112 @@
+"""Run a small MoE layer end to end and print its error and time.
+
+    python -m cute_megamoe.demo [--recipe fp8xfp4] [--tokens 512] [--cpu]
+
+With a CUDA GPU (Hopper or Blackwell) the layer runs on our kernels where they exist - input
+staging, dispatch (count -> prefix -> scatter -> pull) and combine - with the expert GEMMs done
+by `torch._grouped_mm` (our grouped GEMM kernels are not written yet). Without a GPU (or with
+`--cpu`) it runs `mega_moe_reference`, the pure-PyTorch definition of the layer. Either way
+the output is compared with the same layer evaluated in float64 without any quantization (the
+error of the recipe itself) and with the reference (the error of the implementation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .reference import mega_moe_reference
+
+
+def float64_layer(x, topk_idx, topk_weights, w1, w2, clamp):
+    """The layer in float64 with no quantization and no intermediate rounding (one rank)."""
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    inter = w1.shape[1] // 2
+    for e in range(w1.shape[0]):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        acc = x[tok].double() @ w1[e].double().T
+        gate, up = acc[:, :inter], acc[:, inter:]
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        h = gate * torch.sigmoid(gate) * up * topk_weights[tok, slot].double()[:, None]
+        y.index_add_(0, tok, h @ w2[e].double().T)
+    return y
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="fp8xfp4", choices=["fp8xfp4", "fp8xfp8", "bf16xbf16"])
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--clamp", type=float, default=10.0)
+    p.add_argument("--cpu", action="store_true", help="run the reference even if a GPU exists")
+    args = p.parse_args()
+
+    use_gpu = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if use_gpu else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    n, e, k, h, i = args.tokens, args.experts, args.topk, args.hidden, args.intermediate
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16)
+    scores = torch.randn(n, e, generator=gen)
+    topk_w, topk_idx = torch.topk(scores.softmax(-1), k, dim=-1)
+    w1 = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(torch.bfloat16)
+    x, topk_idx, topk_w, w1, w2 = (t.to(device) for t in (x, topk_idx, topk_w, w1, w2))
+
+    def run_reference():
+        return mega_moe_reference([x], [topk_idx], [topk_w], [w1], [w2], recipe=args.recipe,
+                                  activation_clamp=args.clamp).y[0]
+
+    print(f"MoE layer: {n} tokens, {e} experts, top-{k}, hidden {h}, intermediate {i}, "
+          f"recipe {args.recipe}, device {device}")
+    ref = run_reference()
+    if use_gpu:
+        from . import staged
+        from .buffer import get_symm_buffer_for_mega_moe
+
+        buf = get_symm_buffer_for_mega_moe(None, e, n, k, h, i, mma_type=args.recipe)
+        weights = staged.TorchExpertWeights.from_bf16(w1, w2, args.recipe)
+
+        def run():
+            return staged.staged_mega_moe(buf, x, topk_idx, topk_w, weights,
+                                          activation_clamp=args.clamp, block_m=64,
+                                          validate_routing=False)
+
+        y = run()  # compiles the kernels
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        iters = 20
+        for _ in range(iters):
+            y = run()
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end) / 1e3 / iters
+        what = ("GPU: our staging, dispatch and combine kernels + torch._grouped_mm experts "
+                "(staged mode)")
+    else:
+        start = time.perf_counter()
+        y = run_reference()
+        elapsed = time.perf_counter() - start
+        what = "CPU: the pure-PyTorch reference (no GPU)"
+    exact = float64_layer(x, topk_idx, topk_w, w1, w2, args.clamp)
+    print(f"ran on {what}")
+    print(f"time per call: {elapsed * 1e3:.3f} ms")
+    print(f"relative error vs float64 without quantization: {rel_error(y, exact):.3e}")
+    print(f"relative error vs the reference (same numerics): {rel_error(y, ref):.3e}")
+
+
+if __name__ == "__main__":
+    main()
