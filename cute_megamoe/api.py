@@ -32,7 +32,8 @@ def _check_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ..
 
 
 def check_routing(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
-    """Raise if any top-k index is outside [-1, num_experts). Synchronizes with the GPU."""
+    """Raise if a top-k index is outside [-1, num_experts) or a token names one expert twice
+    (the buffer holds one slot per token per expert). Synchronizes with the GPU."""
     if topk_idx.numel() == 0:
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
@@ -41,6 +42,12 @@ def check_routing(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_id
         raise ValueError(
             f"{name}: expert index {bad} is out of range (valid: -1 for a masked slot, "
             f"or 0..{num_experts - 1})")
+    ordered = topk_idx.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(repeated.any()):
+        token = int(repeated.any(dim=1).nonzero()[0])
+        raise ValueError(f"{name}: token {token} names the same expert in two slots "
+                         f"({topk_idx[token].tolist()}); mask repeats with -1")
 
 
 def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,

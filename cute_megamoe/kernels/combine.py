@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
-from .common.pool import NUM_STAGES, BulkRowPipeline, build_pool_prefix
+from .common.pool import BulkRowPipeline, build_pool_prefix
 from .common.sync import GRID_BARRIER_SLOT, cross_rank_barrier, grid_barrier, spin_timeout_ns
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
@@ -103,20 +103,13 @@ class CombineKernel:
         expert_count = smem.allocate_tensor(Int32, cute.make_layout(E_l))
         row_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
         block_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
-        mbar = smem.allocate_array(Int64, self.num_warps * NUM_STAGES)
-        # per warp: destination and size of each stage's chunk, waiting for its store
-        pending_dst = smem.allocate_tensor(Int64, cute.make_layout((NUM_STAGES, self.num_warps)))
-        pending_bytes = smem.allocate_tensor(Int32,
-                                             cute.make_layout((NUM_STAGES, self.num_warps)))
-        staging = smem.allocate_array(Uint8, self.num_warps * self.rows.stage_bytes,
-                                      byte_alignment=128)
+        mbar, staging, pending_dst, pending_bytes = self.rows.for_warp(
+            self.rows.allocate(smem, self.num_warps), warp)
         e = tidx
         while e < E_l:
             expert_count[e] = expert_recv_tokens[e]
             e += self.num_threads
-        if lane == 0:
-            for s in cutlass.range_constexpr(NUM_STAGES):
-                cute.arch.mbarrier_init(mbar + warp * NUM_STAGES + s, 1)
+        self.rows.init_barriers(mbar, lane)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if warp == 0:
@@ -126,8 +119,7 @@ class CombineKernel:
         # 2. send every received row back to combine[k][t] on its source rank
         if cutlass.const_expr(self.send_mode == "bulk"):
             self.send_bulk(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
-                           mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes,
-                           pending_dst[None, warp], pending_bytes[None, warp])
+                           mbar, staging, pending_dst, pending_bytes)
         else:
             self.send_registers(peer_bases, my_base, warp, lane, expert_out, row_start,
                                 block_start)
@@ -240,12 +232,9 @@ class CombineKernel:
                 expert += 1
             pool_row = block_start[expert] * self.block_m + row - row_start[expert]
             src_row, dst_row = self.row_addresses(peer_bases, my_base, out_base, pool_row)
-            for c in cutlass.range_constexpr(self.rows.num_chunks):
-                if lane == 0:
-                    job = self.rows.push(
-                        job, src_row + c * self.rows.chunk_bytes,
-                        dst_row + c * self.rows.chunk_bytes, Int32(self.rows.chunk_size(c)),
-                        mbar, staging, pending_dst, pending_bytes)
+            if lane == 0:
+                job = self.rows.push_row(job, src_row, dst_row, mbar, staging, pending_dst,
+                                         pending_bytes)
             row += stride
         if lane == 0:
             self.rows.drain(job, mbar, staging, pending_dst, pending_bytes)

@@ -51,11 +51,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
-from .common.pool import NUM_STAGES, BulkRowPipeline, build_pool_prefix
+from .common.pool import BulkRowPipeline, build_pool_prefix
 from .common.sync import (
     GRID_BARRIER_SLOT,
     cross_rank_barrier,
@@ -127,21 +127,14 @@ class DispatchKernel:
         expert_count = smem.allocate_tensor(Int32, cute.make_layout(E_l))  # all sources
         row_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
         block_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
-        mbar = smem.allocate_array(Int64, self.num_warps * NUM_STAGES)
-        # per warp: destination and size of each stage's chunk, waiting for its store
-        pending_dst = smem.allocate_tensor(Int64, cute.make_layout((NUM_STAGES, self.num_warps)))
-        pending_bytes = smem.allocate_tensor(Int32,
-                                             cute.make_layout((NUM_STAGES, self.num_warps)))
-        staging = smem.allocate_array(Uint8, self.num_warps * self.rows.stage_bytes,
-                                      byte_alignment=128)
+        mbar, staging, pending_dst, pending_bytes = self.rows.for_warp(
+            self.rows.allocate(smem, self.num_warps), warp)
 
         e = tidx
         while e < E:
             expert_slot[e] = 0
             e += self.num_threads
-        if lane == 0:
-            for s in cutlass.range_constexpr(NUM_STAGES):
-                cute.arch.mbarrier_init(mbar + warp * NUM_STAGES + s, 1)
+        self.rows.init_barriers(mbar, lane)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -230,8 +223,7 @@ class DispatchKernel:
 
         # 6. pull the received rows into the pool
         self.pull(peer_bases, my_base, warp, lane, recv_count, row_start, block_start,
-                  mbar + warp * NUM_STAGES, staging + warp * self.rows.stage_bytes,
-                  pending_dst[None, warp], pending_bytes[None, warp])
+                  mbar, staging, pending_dst, pending_bytes)
 
         # 7. all pulls done -> reset the received counts, then meet the other ranks
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
@@ -298,12 +290,9 @@ class DispatchKernel:
             # the row itself: bulk copies peer -> shared -> pool
             src_row = src_base + self.regions.offset("x") + Int64(token) * self.row_bytes
             dst_row = my_base + self.regions.offset("l1_acts") + Int64(pool_row) * self.row_bytes
-            for c in cutlass.range_constexpr(self.rows.num_chunks):
-                if lane == 0:
-                    job = self.rows.push(
-                        job, src_row + c * self.rows.chunk_bytes,
-                        dst_row + c * self.rows.chunk_bytes, Int32(self.rows.chunk_size(c)),
-                        mbar, staging, pending_dst, pending_bytes)
+            if lane == 0:
+                job = self.rows.push_row(job, src_row, dst_row, mbar, staging, pending_dst,
+                                         pending_bytes)
             row += stride
         if lane == 0:
             self.rows.drain(job, mbar, staging, pending_dst, pending_bytes)

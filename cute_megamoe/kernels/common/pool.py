@@ -65,6 +65,29 @@ class BulkRowPipeline:
     def chunk_size(self, c: int) -> int:
         return min(self.chunk_bytes, self.row_bytes - c * self.chunk_bytes)
 
+    def allocate(self, smem, num_warps: int):
+        """Every warp's mbarriers, staging buffers and pending-store table (destination, size
+        per stage) in shared memory."""
+        mbar = smem.allocate_array(Int64, num_warps * NUM_STAGES)
+        pending_dst = smem.allocate_tensor(Int64, cute.make_layout((NUM_STAGES, num_warps)))
+        pending_bytes = smem.allocate_tensor(Int32, cute.make_layout((NUM_STAGES, num_warps)))
+        staging = smem.allocate_array(Uint8, num_warps * self.stage_bytes, byte_alignment=128)
+        return mbar, staging, pending_dst, pending_bytes
+
+    def for_warp(self, storage, warp: Int32):
+        """This warp's (mbarriers, staging, pending destinations, pending sizes)."""
+        mbar, staging, pending_dst, pending_bytes = storage
+        return (mbar + warp * NUM_STAGES, staging + warp * self.stage_bytes,
+                pending_dst[None, warp], pending_bytes[None, warp])
+
+    @cute.jit
+    def init_barriers(self, mbar: cute.Pointer, lane: Int32):
+        """Lane 0 initializes the warp's stage barriers (`mbar` from `for_warp`); the CTA must
+        fence (`mbarrier_init_fence`) and sync before use."""
+        if lane == 0:
+            for s in cutlass.range_constexpr(NUM_STAGES):
+                cute.arch.mbarrier_init(mbar + s, 1)
+
     @cute.jit
     def push(self, job: Int32, src: Int64, dst: Int64, nbytes: Int32, mbar: cute.Pointer,
              staging: cute.Pointer, pending_dst: cute.Tensor, pending_bytes: cute.Tensor):
@@ -84,6 +107,16 @@ class BulkRowPipeline:
         if job >= LOOKAHEAD:
             self.store(job - LOOKAHEAD, mbar, staging, pending_dst, pending_bytes)
         return job + 1
+
+    @cute.jit
+    def push_row(self, job: Int32, src_row: Int64, dst_row: Int64, mbar: cute.Pointer,
+                 staging: cute.Pointer, pending_dst: cute.Tensor, pending_bytes: cute.Tensor):
+        """Lane 0: `push` every chunk of one row. Returns the new `job`."""
+        for c in cutlass.range_constexpr(self.num_chunks):
+            job = self.push(job, src_row + c * self.chunk_bytes, dst_row + c * self.chunk_bytes,
+                            Int32(self.chunk_size(c)), mbar, staging, pending_dst,
+                            pending_bytes)
+        return job
 
     @cute.jit
     def drain(self, job: Int32, mbar: cute.Pointer, staging: cute.Pointer,
