@@ -82,7 +82,8 @@ def test_staging_is_bit_exact_with_quant(recipe, hidden):
     for n in (1, 37, 1000, cap, 0, 256):  # back to back, shrinking and growing
         _poison(buf)
         x = _random_activations(n, hidden, "cuda")
-        topk_idx = torch.randint(-1, num_experts, (n, num_topk), device="cuda")
+        topk_idx = torch.rand(n, num_experts, device="cuda").topk(num_topk, dim=1).indices
+        topk_idx = topk_idx.masked_fill(torch.rand(n, num_topk, device="cuda") < 0.2, -1)
         topk_w = torch.rand(n, num_topk, device="cuda")
         stage_inputs(buf, x, topk_idx, topk_w)
         torch.cuda.synchronize()
