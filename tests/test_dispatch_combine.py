@@ -1,9 +1,10 @@
 """Dispatch (count -> prefix -> scatter -> pull) and combine kernels, and the staged layer.
 
-CPU: both kernels compile for sm_90a and sm_100a with the copies and atomics they need.
-GPU: bookkeeping, pool rows and combine checked exactly against the reference
-(`cute_megamoe.testing.dispatch_checks`), R = 1 in-process and R = 2 across two GPUs, with
-uneven, masked and degenerate routings, ten calls back to back on one buffer.
+CPU: both kernels compile for sm_90a and sm_100a (R = 2 and 8) with the copies and atomics
+they need. GPU: bookkeeping, pool rows and combine checked exactly against the reference
+(`cute_megamoe.testing.dispatch_checks`), R = 1 in-process and R = 2, 4, 8 across GPUs (each
+skips without enough GPUs), with uneven, masked and degenerate routings, ten calls back to back
+on one buffer.
 """
 
 import pytest
@@ -36,10 +37,12 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: s
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, monkeypatch):
+@pytest.mark.parametrize("recipe,num_ranks", [("fp8xfp4", 2), ("fp8xfp8", 8),
+                                              ("bf16xbf16", 2), ("fp8xfp4", 8)])
+def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, num_ranks,
+                                                               monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")  # no printf: no stack at all
-    art = _compile("dispatch", arch, recipe)
+    art = _compile("dispatch", arch, recipe, num_ranks=num_ranks)
     ptx = art.ptx
     assert "atom.shared.cta.add.u32" in ptx or "atom.shared.add.u32" in ptx  # count / slots
     assert "atom.global.add.u64" in ptx  # 64-bit (arrivals | count) prefix
@@ -94,14 +97,21 @@ def test_dispatch_combine_one_rank_deepseek_shape():
     run_cases(0, 1, cases, "fp8xfp4", num_experts=256, num_topk=8, hidden=7168, block_m=128)
 
 
+def _need_gpus(num_ranks: int) -> None:
+    if torch.cuda.device_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} GPUs, {torch.cuda.device_count()} present")
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_dispatch_combine_two_ranks(recipe):
+def test_dispatch_combine_multi_rank(recipe, num_ranks):
     from cute_megamoe.testing.dispatch_checks import run_multiprocess
 
-    run_multiprocess(2, recipe, num_experts=16, num_topk=4, hidden=1024, block_m=64,
-                     port=29511 + RECIPES.index(recipe))
+    _need_gpus(num_ranks)
+    run_multiprocess(num_ranks, recipe, num_experts=16, num_topk=4, hidden=1024, block_m=64,
+                     port=29511 + 10 * num_ranks + RECIPES.index(recipe))
 
 
 @pytest.mark.gpu
@@ -118,9 +128,11 @@ def test_staged_layer_matches_reference_one_rank(recipe):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_staged_layer_matches_reference_two_ranks(recipe):
+def test_staged_layer_matches_reference_multi_rank(recipe, num_ranks):
     from cute_megamoe.testing.dispatch_checks import run_multiprocess
 
-    run_multiprocess(2, recipe, num_experts=8, num_topk=4, hidden=512, block_m=64,
-                     port=29521 + RECIPES.index(recipe), mode="layer")
+    _need_gpus(num_ranks)
+    run_multiprocess(num_ranks, recipe, num_experts=8, num_topk=4, hidden=512, block_m=64,
+                     port=29611 + 10 * num_ranks + RECIPES.index(recipe), mode="layer")
