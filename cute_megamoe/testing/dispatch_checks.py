@@ -287,3 +287,64 @@ def run_layer_cases(num_ranks: int, recipe: str, num_experts: int, num_topk: int
     errors = [check_staged_layer(buf, c, intermediate, block_m, device) for c in cases]
     buf.destroy()
     return errors
+
+
+# ----------------------------------------------------------------------------- torch baseline
+
+def check_baseline_layer(rank: int, num_ranks: int, case: Case, recipe: str, num_experts: int,
+                         num_topk: int, hidden: int, intermediate: int, device, group=None,
+                         activation_clamp: float | None = 10.0) -> float:
+    """`baseline.torch_moe_layer` against the reference (same tolerance as the staged layer)."""
+    from ..baseline import torch_moe_layer
+    from ..staged import TorchExpertWeights
+
+    e_l = num_experts // num_ranks
+    xs, idxs, ws = make_problem(case, num_experts, num_topk, hidden)
+    gen = torch.Generator().manual_seed(case.seed + 7)
+    w1s = [(torch.randn(e_l, 2 * intermediate, hidden, generator=gen) / hidden**0.5)
+           .to(torch.bfloat16) for _ in case.tokens]
+    w2s = [(torch.randn(e_l, hidden, intermediate, generator=gen) / intermediate**0.5)
+           .to(torch.bfloat16) for _ in case.tokens]
+    ref = reference.mega_moe_reference(xs, idxs, ws, w1s, w2s, recipe=recipe,
+                                       activation_clamp=activation_clamp)
+    weights = TorchExpertWeights.from_bf16(w1s[rank].to(device), w2s[rank].to(device), recipe)
+    y = torch_moe_layer(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device),
+                        weights, num_experts=num_experts, recipe=recipe,
+                        activation_clamp=activation_clamp, group=group)
+    want = ref.y[rank].float()
+    if want.numel() == 0:
+        assert y.numel() == 0
+        return 0.0
+    err = float((y.float().cpu() - want).norm() / want.norm().clamp_min(1e-30))
+    assert err < LAYER_TOLERANCE[recipe], f"baseline layer rel. error {err:.3g}"
+    return err
+
+
+def _baseline_worker(rank: int, num_ranks: int, port: int, recipe: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=num_ranks)
+    try:
+        cases = (Case((37,) * num_ranks, "random", 21),
+                 Case((0,) + (50,) * (num_ranks - 1), "masked", 22),
+                 Case((64,) * num_ranks, "one_expert", 23))
+        for case in cases:
+            check_baseline_layer(rank, num_ranks, case, recipe, 8, 2, 256, 128, device,
+                                 group=dist.group.WORLD)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_baseline_multiprocess(num_ranks: int, recipe: str, backend: str = "gloo",
+                              port: int = 29577) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_baseline_worker, args=(num_ranks, port, recipe, backend), nprocs=num_ranks,
+             join=True)
