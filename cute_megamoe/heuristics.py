@@ -4,7 +4,8 @@ These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_
 summarised in ``docs/reference-deepgemm-megamoe.md`` section 7) in spirit, restricted to the
 block sizes our kernels implement. The thresholds are starting points, not measurements: they
 are to be re-tuned with the benchmarks once the kernels run. All functions are pure except
-:func:`get_num_sms` / :func:`get_arch`, which read the CUDA device when there is one.
+:func:`get_num_sms`, which reads the CUDA device when there is one (the arch comes from
+`runtime.get_arch`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import math
 
 import torch
 
-from .utils import ceil_div
+from .utils import ceil_div, normalize_arch
 
 __all__ = [
     "BLOCK_M_CANDIDATES",
     "DEFAULT_NUM_SMS",
     "expected_tokens_per_expert",
     "experts_per_wave",
-    "get_arch",
     "get_num_sms",
     "normalize_arch",
     "select_block_m",
@@ -49,18 +49,6 @@ _BLOCK_M_THRESHOLDS: dict[str, tuple[tuple[float, int], ...]] = {
 }
 
 
-def normalize_arch(arch: str) -> str:
-    """``'sm_90a'``, ``'sm90a'``, ``'sm90'`` -> ``'sm90'``; likewise for sm100."""
-    if not isinstance(arch, str):
-        raise TypeError(f"arch must be a str, got {type(arch).__name__}")
-    key = arch.lower().replace("_", "")
-    if key.endswith("a") or key.endswith("f"):
-        key = key[:-1]
-    if key not in BLOCK_M_CANDIDATES:
-        raise ValueError(f"arch must be one of {tuple(BLOCK_M_CANDIDATES)}, got {arch!r}")
-    return key
-
-
 def get_num_sms(
     device: torch.device | str | int | None = None, default: int = DEFAULT_NUM_SMS
 ) -> int:
@@ -70,23 +58,6 @@ def get_num_sms(
     if device is None:
         device = torch.cuda.current_device()
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def get_arch(device: torch.device | str | int | None = None, default: str = "sm90") -> str:
-    """``'sm90'`` or ``'sm100'`` for ``device`` (current CUDA device); ``default`` without CUDA.
-
-    Compute capability 9.x maps to sm90, 10.x to sm100; others raise ``ValueError``.
-    """
-    if not torch.cuda.is_available():
-        return normalize_arch(default)
-    if device is None:
-        device = torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 9:
-        return "sm90"
-    if major == 10:  # sm_100 and its family (sm_103)
-        return "sm100"
-    raise ValueError(f"no Mega MoE kernels for compute capability {major}.{minor}")
 
 
 def expected_tokens_per_expert(

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_megamoe.utils import align, ceil_div
+from cute_megamoe.utils import align, ceil_div, normalize_arch
 
 __all__ = [
     "RECIPES",
@@ -125,7 +125,6 @@ _UE8M0_ZERO_BYTE_BITS = 0x00400000
 #: float32(1/448) = 0x3B124925 as a Python float (exact).
 _INV_FP8_E4M3_MAX_F32 = float(torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32).item())
 
-_ARCHES = ("sm90", "sm100")
 
 #: A bf16 weight tensor, or a (quantized weight, scale) pair.
 WeightPair = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -600,15 +599,6 @@ def untranspose_sf_for_utccp(sf: torch.Tensor) -> torch.Tensor:
     return _permute_rows(sf, src)
 
 
-def _normalize_arch(arch: str) -> str:
-    key = arch.lower().replace("_", "") if isinstance(arch, str) else arch
-    if isinstance(key, str) and key.endswith("a"):
-        key = key[:-1]
-    if key not in _ARCHES:
-        raise ValueError(f"arch must be one of {_ARCHES}, got {arch!r}")
-    return key
-
-
 def _unpack_pair(obj: object, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(obj, tuple) or len(obj) != 2:
         raise TypeError(f"{name} must be a (weight, scale) tuple")
@@ -711,7 +701,7 @@ def transform_weights_for_mega_moe(
     """
     if activation != "swiglu":
         raise ValueError(f"activation must be 'swiglu', got {activation!r}")
-    arch = _normalize_arch(arch)
+    arch = normalize_arch(arch)
     if isinstance(l1_weights, torch.Tensor):
         return _transform_bf16(l1_weights, l2_weights)
     w1, _ = _unpack_pair(l1_weights, "l1_weights")
