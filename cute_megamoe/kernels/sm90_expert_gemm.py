@@ -1,0 +1,442 @@
+"""Hopper (sm_90a) grouped GEMMs over the expert pool: L1 with the SwiGLU epilogue, and L2.
+
+What it computes, for every local expert ``e`` and every received row ``r`` of its pool rows
+``[block_start[e] * BM, block_start[e] * BM + count[e])`` (``count = expert_recv_tokens``):
+
+* ``phase="l1"``: ``acc = A[r] @ W1[e].T`` over ``K = H`` (``W1`` rows gate/up interleaved by 8,
+  see ``quant.interleave_gate_up``), then per feature ``f``: ``g, u = bf16(acc)`` of the gate and
+  up row, clamp (``g <= c``, ``-c <= u <= c``), ``h = silu(g) * u * topk_weight[r]``; written
+  as e4m3 with a power-of-two f32 scale per 128 features (``fp8xfp8``, bit-exact with
+  ``quant.requant_fp8_pow2`` given the same ``h``) or as BF16 (``bf16xbf16``) to the L2 pool.
+* ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order.
+
+FP8 (``fp8xfp8``): ``A`` is e4m3 with an f32 scale per row per 128 K (``A_sf`` MN-major,
+``[K/128, P]``), ``W`` is e4m3 with an f32 scale per 128 K and per group of 8 weight rows
+(``B_sf [E, K/128, N/8]``, from the 128x128 block scales, see ``expert_gemm.ExpertWeights``).
+Each 128-deep k-block is accumulated by WGMMA into a scratch accumulator that is then scaled by
+``sa[row] * sb[row group]`` and added in FP32 ("promotion", DeepGEMM's SM90 recipe).
+
+How: a persistent, warp-specialized kernel. Warp 0 (the producer warpgroup keeps 40 registers)
+walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert, m-block, n-block, with
+``block_start`` rebuilt in shared memory from the counts) and TMA-loads the A and B tiles of
+every k-block into a ring of stages (plus the stage's scale vectors with 1-D bulk copies), on one
+mbarrier per stage. ``BM / 64`` consumer warpgroups each own 64 rows of the tile, issue the WGMMAs
+(``m64n128``) and run the epilogue from registers with direct, row-predicated stores: pad rows
+beyond an expert's count are never written. An FP8 L1 tile is 256 columns (128 features, one
+requantization group) done in two 128-column passes; the first pass's ``h`` stays in registers.
+
+Constraints: ``BM`` in (64, 128); ``K`` a multiple of 128 (FP8) or 64 (BF16); ``N`` a multiple
+of the tile width (256 for FP8 L1, else 128); ``P`` a multiple of ``BM``; every tensor 16-byte
+aligned. Launched with at most one CTA per SM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives as prims
+from cutlass.utils import LayoutEnum
+
+from ..scheduler.device import ExpertTileScheduler
+from .common.pool import build_pool_prefix
+
+PHASES = ("l1", "l2")
+RECIPES = ("fp8xfp8", "bf16xbf16")
+WG_N = 128  # columns of one consumer warpgroup's WGMMA tile (one pass)
+SF_K = 128  # K extent of one FP8 scale
+SF_N = 8  # weight rows sharing one FP8 weight scale entry (the gate/up interleave unit)
+FP8_E4M3_MAX = 448.0
+SMEM_BUDGET = 227 * 1024 - 2048  # H100/H200 per-CTA shared memory, less the small arrays
+MAX_STAGES = 8
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+LOG2_E = 1.4426950408889634
+
+
+class Sm90ExpertGemmKernel:
+    """One grouped GEMM of the expert FFN over the pool (see module doc)."""
+
+    def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
+                 k: int, block_m: int, activation_clamp: float | None = None,
+                 fast_math: bool = True, num_stages: int | None = None):
+        if phase not in PHASES:
+            raise ValueError(f"phase: expected one of {PHASES}, got {phase!r}")
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe: sm90 grouped GEMMs support {RECIPES}, got {recipe!r}")
+        if block_m not in (64, 128):
+            raise ValueError(f"block_m: expected 64 or 128, got {block_m}")
+        self.phase, self.recipe = phase, recipe
+        self.is_fp8 = recipe == "fp8xfp8"
+        self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
+        self.block_m, self.block_k = block_m, (128 if self.is_fp8 else 64)
+        self.passes = 2 if (phase == "l1" and self.is_fp8) else 1
+        self.tile_n = WG_N * self.passes
+        self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
+        for name, value, mult in (("n", n, self.tile_n), ("k", k, self.block_k),
+                                  ("num_pool_rows", num_pool_rows, block_m)):
+            if value <= 0 or value % mult != 0:
+                raise ValueError(f"{name} ({value}) must be a positive multiple of {mult}")
+        if phase == "l1" and n % 16 != 0:
+            raise ValueError(f"l1: n = 2I ({n}) must be a multiple of 16 (gate/up interleave)")
+        self.num_n_blocks = n // self.tile_n
+        self.num_k_blocks = k // self.block_k
+        self.out_cols = n // 2 if phase == "l1" else n
+        if activation_clamp is not None and not (activation_clamp >= 0 and
+                                                 math.isfinite(activation_clamp)):
+            raise ValueError(f"activation_clamp must be None or finite >= 0, got "
+                             f"{activation_clamp}")
+        self.clamp = None if activation_clamp is None else float(activation_clamp)
+        self.fast_math = bool(fast_math)
+        self.num_mma_wgs = block_m // 64
+        self.num_threads = 128 * (1 + self.num_mma_wgs)
+        elt = self.ab_dtype.width // 8
+        self.sfa_len, self.sfb_len = block_m, WG_N // SF_N
+        stage_bytes = (block_m + WG_N) * self.block_k * elt
+        if self.is_fp8:
+            stage_bytes += (self.sfa_len + self.sfb_len) * 4
+        self.stage_tx_bytes = stage_bytes
+        fit = SMEM_BUDGET // (stage_bytes + 64)
+        self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
+        if not 2 <= self.num_stages <= fit:
+            raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
+        self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
+
+    # ------------------------------------------------------------------------------ host side
+    def _smem_layout(self, rows: int):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.block_k),
+            self.ab_dtype)
+        return cute.tile_to_shape(atom, (rows, self.block_k, self.num_stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Pointer,  # [P, K] e4m3 / bf16: the L1 or L2 pool
+        a_sf: cute.Pointer,  # f32 [K/128, P] (fp8)
+        b: cute.Pointer,  # [E, N, K] e4m3 / bf16
+        b_sf: cute.Pointer,  # f32 [E, K/128, N/8] (fp8)
+        expert_recv_tokens: cute.Pointer,  # Int32 [E]
+        topk_weights: cute.Pointer,  # f32 [P] (l1)
+        out: cute.Pointer,  # l1: [P, N/2] e4m3 / bf16; l2: bf16 [P, N]
+        out_sf: cute.Pointer,  # f32 [N/256, P] (l1 fp8)
+        num_ctas: Int32,
+        stream,
+    ):
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wgs, 1, 1),
+            tiler_mn=(64, WG_N))
+        a_layout = self._smem_layout(self.block_m)
+        b_layout = self._smem_layout(WG_N)
+        m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
+                                                   stride=(self.k, 1)))
+        m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
+                                                   stride=(self.k, 1)))
+        tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_layout, (None, None, 0)),
+            (self.block_m, self.block_k))
+        tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_layout, (None, None, 0)),
+            (WG_N, self.block_k))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, self.num_stages * 2]
+            block_start: cute.struct.MemRange[Int32, self.num_experts + 1]
+            row_start: cute.struct.MemRange[Int32, self.num_experts + 1]
+            sfa: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.num_stages * self.sfa_len], 16]
+            sfb: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.num_stages * self.sfb_len], 16]
+            sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_layout)],
+                                  1024]
+            sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
+                                  1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, a_layout, b_layout, a_sf, b_sf,
+                    cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
+                    topk_weights, out, out_sf).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
+
+    # ---------------------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor,
+               tma_b: cute.CopyAtom, m_b: cute.Tensor, a_layout: cute.ComposedLayout,
+               b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
+               expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
+               out_sf: cute.Pointer):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        sfa = storage.sfa.get_tensor(cute.make_layout((self.sfa_len, self.num_stages)))
+        sfb = storage.sfb.get_tensor(cute.make_layout((self.sfb_len, self.num_stages)))
+        sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.num_mma_wgs * 4),
+            tx_count=self.stage_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True)
+        if warp == 0:
+            build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
+                              self.block_m)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        num_tiles = self.scheduler.num_tiles(block_start)
+        wg = warp // 4
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.produce(tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf, b_sf, ab_pipe,
+                             block_start, row_start, num_tiles, bidx, grid, lane)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
+                         num_tiles, bidx, grid, wg - 1, warp % 4, lane, topk_weights, out,
+                         out_sf)
+
+    @cute.jit
+    def produce(self, tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
+                b_sf: cute.Pointer, ab_pipe, block_start, row_start, num_tiles: Int32,
+                bidx: Int32, grid: Int32, lane: Int32):
+        """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of every tile."""
+        g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
+        g_b = cute.local_tile(m_b, (WG_N, self.block_k), (None, None))
+        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                           cute.group_modes(sa, 0, 2), cute.group_modes(g_a, 0, 2))
+        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sb, 0, 2), cute.group_modes(g_b, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        b_blocks_per_expert = self.n // WG_N
+        sfb_row = self.n // SF_N
+        tile = bidx
+        expert = Int32(0)
+        while tile < num_tiles:
+            expert, _m, n_block, pool_block, _v = self.scheduler.tile(tile, expert, block_start,
+                                                                      row_start)
+            for p in cutlass.range_constexpr(self.passes):
+                b_block = expert * b_blocks_per_expert + n_block * self.passes + p
+                for kb in cutlass.range(self.num_k_blocks):
+                    ab_pipe.producer_acquire(state)
+                    bar = ab_pipe.producer_get_barrier(state)
+                    cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    cute.copy(tma_b, t_gb[(None, b_block, kb)], t_sb[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.is_fp8):
+                        if lane == 0:
+                            prims.cp_async_bulk_shared_cluster_global(
+                                sfa.iterator + state.index * self.sfa_len,
+                                a_sf + (Int64(kb) * self.num_pool_rows
+                                        + pool_block * self.block_m),
+                                bar, Int32(self.sfa_len * 4))
+                            prims.cp_async_bulk_shared_cluster_global(
+                                sfb.iterator + state.index * self.sfb_len,
+                                b_sf + ((Int64(expert) * self.num_k_blocks + kb) * sfb_row
+                                        + b_block % b_blocks_per_expert * self.sfb_len),
+                                bar, Int32(self.sfb_len * 4))
+                    ab_pipe.producer_commit(state)
+                    state.advance()
+            tile += grid
+        ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
+                num_tiles: Int32, bidx: Int32, grid: Int32, mma_wg: Int32, warp_in_wg: Int32,
+                lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
+                out_sf: cute.Pointer):
+        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile."""
+        thr_mma = tiled_mma.get_slice(mma_wg * 128)
+        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+        acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        part = cute.make_rmem_tensor(acc_shape, Float32)
+        num_k_phases = cute.size(t_ra, mode=[2])
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
+        # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its warpgroup tile.
+        row0 = 64 * mma_wg + 16 * warp_in_wg + lane // 4
+        col0 = 2 * (lane % 4)
+        h_prev = cute.make_rmem_tensor((2, 2, WG_N // 16), Float32)
+        tile = bidx
+        expert = Int32(0)
+        while tile < num_tiles:
+            expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+                tile, expert, block_start, row_start)
+            row_base = pool_block * self.block_m
+            for p in cutlass.range_constexpr(self.passes):
+                acc.fill(0.0)
+                for _kb in cutlass.range(self.num_k_blocks):
+                    ab_pipe.consumer_wait(state)
+                    warpgroup.fence()
+                    if cutlass.const_expr(self.is_fp8):
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        for kk in cutlass.range_constexpr(num_k_phases):
+                            cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
+                                      t_rb[(None, None, kk, state.index)], part)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    else:
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        for kk in cutlass.range_constexpr(num_k_phases):
+                            cute.gemm(tiled_mma, acc, t_ra[(None, None, kk, state.index)],
+                                      t_rb[(None, None, kk, state.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(self.is_fp8):
+                        sa0 = sfa[row0, state.index]
+                        sa1 = sfa[row0 + 8, state.index]
+                        sb_vals = cute.make_rmem_tensor((WG_N // 8,), Float32)
+                        for j in cutlass.range_constexpr(WG_N // 8):
+                            sb_vals[j] = sfb[j, state.index]
+                        ab_pipe.consumer_release(state)
+                        for j in cutlass.range_constexpr(WG_N // 8):
+                            s0 = sa0 * sb_vals[j]
+                            s1 = sa1 * sb_vals[j]
+                            for c in cutlass.range_constexpr(2):
+                                acc[c + 4 * j] += part[c + 4 * j] * s0
+                                acc[c + 2 + 4 * j] += part[c + 2 + 4 * j] * s1
+                    else:
+                        ab_pipe.consumer_release(state)
+                    state.advance()
+                if cutlass.const_expr(self.phase == "l2"):
+                    self.store_l2(acc, out, row_base, row0, col0, valid_m, n_block)
+                else:
+                    self.epilogue_l1(acc, h_prev, p, topk_weights, out, out_sf, row_base, row0,
+                                     col0, valid_m, n_block, lane)
+            tile += grid
+
+    @cute.jit
+    def store_l2(self, acc: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
+                 col0: Int32, valid_m: Int32, n_block: Int32):
+        """BF16 rows of the tile's valid rows, straight from the accumulator."""
+        vals = cute.make_rmem_tensor(acc.shape, BFloat16)
+        vals.store(acc.load().to(BFloat16))
+        for r in cutlass.range_constexpr(2):
+            row = row0 + 8 * r
+            if row < valid_m:
+                dst = out + (Int64(row_base + row) * self.n + n_block * WG_N + col0)
+                for j in cutlass.range_constexpr(WG_N // 8):
+                    pair = cute.make_tensor(dst + 8 * j, cute.make_layout(2))
+                    pair[0] = vals[4 * j + 2 * r]
+                    pair[1] = vals[4 * j + 2 * r + 1]
+
+    @cute.jit
+    def silu_mul(self, g: Float32, u: Float32) -> Float32:
+        """``silu(g) * u`` after the clamp; fast: ex2.approx and rcp.approx, else IEEE."""
+        if cutlass.const_expr(self.clamp is not None):
+            g = cutlass.min(g, Float32(self.clamp))
+            u = cutlass.max(cutlass.min(u, Float32(self.clamp)), Float32(-self.clamp))
+        silu = g
+        if cutlass.const_expr(self.fast_math):
+            silu = g * cute.arch.rcp_approx(1.0 + cute.arch.exp2(g * (-LOG2_E)))
+        else:
+            silu = g / (1.0 + cute.math.exp(-g))
+        return silu * u
+
+    @cute.jit
+    def epilogue_l1(self, acc: cute.Tensor, h_prev: cute.Tensor, p: cutlass.Constexpr,
+                    topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer,
+                    row_base: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
+                    lane: Int32):
+        """SwiGLU of one 128-column pass (64 features); FP8: requantize after the 2nd pass."""
+        rounded = cute.make_rmem_tensor(acc.shape, Float32)
+        rounded.store(acc.load().to(BFloat16).to(Float32))
+        w = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
+        h = cute.make_rmem_tensor((2, 2, WG_N // 16), Float32)  # (c, r, m)
+        for r in cutlass.range_constexpr(2):
+            weight = w[row0 + 8 * r]
+            for m in cutlass.range_constexpr(WG_N // 16):
+                for c in cutlass.range_constexpr(2):
+                    # gate in column group j = 2m, up in j = 2m + 1 (interleave by 8)
+                    h[c, r, m] = self.silu_mul(rounded[c + 2 * r + 8 * m],
+                                               rounded[c + 2 * r + 8 * m + 4]) * weight
+        if cutlass.const_expr(not self.is_fp8):
+            vals = cute.make_rmem_tensor(h.shape, BFloat16)
+            vals.store(h.load().to(BFloat16))
+            self.store_h(vals, out, row_base, row0, col0, valid_m, n_block * (WG_N // 2))
+        elif cutlass.const_expr(p == 0):
+            h_prev.store(h.load())
+        else:
+            self.requant_store(h_prev, h, out, out_sf, row_base, row0, col0, valid_m, n_block,
+                               lane)
+
+    @cute.jit
+    def requant_store(self, h0: cute.Tensor, h1: cute.Tensor, out: cute.Pointer,
+                      out_sf: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
+                      valid_m: Int32, n_block: Int32, lane: Int32):
+        """e4m3 with a power-of-two scale per row over the tile's 128 features (both passes):
+        ``e = exponent(amax / 448)`` rounded up, ``q = satfinite(h * 2^-e)``."""
+        q0 = cute.make_rmem_tensor(h0.shape, Float32)
+        q1 = cute.make_rmem_tensor(h1.shape, Float32)
+        inv_max = Float32(1.0 / FP8_E4M3_MAX)
+        for r in cutlass.range_constexpr(2):
+            amax = Float32(0.0)
+            for m in cutlass.range_constexpr(WG_N // 16):
+                for c in cutlass.range_constexpr(2):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(h0[c, r, m]),
+                                                               cute.math.absf(h1[c, r, m])))
+            # the row's 128 features are spread over the 4 lanes of a quad
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+            bits = (amax * inv_max).bitcast(Int32)
+            exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(Int32)
+            sf_inv = ((127 - exponent) << 23).bitcast(Float32)
+            for m in cutlass.range_constexpr(WG_N // 16):
+                for c in cutlass.range_constexpr(2):
+                    q0[c, r, m] = cutlass.max(cutlass.min(h0[c, r, m] * sf_inv,
+                                                          Float32(FP8_E4M3_MAX)),
+                                              Float32(-FP8_E4M3_MAX))
+                    q1[c, r, m] = cutlass.max(cutlass.min(h1[c, r, m] * sf_inv,
+                                                          Float32(FP8_E4M3_MAX)),
+                                              Float32(-FP8_E4M3_MAX))
+            row = row0 + 8 * r
+            if row < valid_m and lane % 4 == 0:
+                # 2^e as float32; a zero group (byte 0) is 2^-127, the subnormal 0x00400000
+                sf_bits = (exponent + 127) << 23
+                if exponent == -127:
+                    sf_bits = Int32(0x00400000)
+                sf = cute.make_tensor(out_sf + (Int64(n_block) * self.num_pool_rows + row_base),
+                                      cute.make_layout(self.block_m))
+                sf[row] = sf_bits.bitcast(Float32)
+        v0 = cute.make_rmem_tensor(h0.shape, Float8E4M3FN)
+        v1 = cute.make_rmem_tensor(h1.shape, Float8E4M3FN)
+        v0.store(q0.load().to(Float8E4M3FN))
+        v1.store(q1.load().to(Float8E4M3FN))
+        self.store_h(v0, out, row_base, row0, col0, valid_m, n_block * WG_N)
+        self.store_h(v1, out, row_base, row0, col0, valid_m, n_block * WG_N + WG_N // 2)
+
+    @cute.jit
+    def store_h(self, vals: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
+                col0: Int32, valid_m: Int32, feature_base: Int32):
+        """Features ``feature_base + 8 m + col0 + c`` of the thread's two rows (valid only)."""
+        for r in cutlass.range_constexpr(2):
+            row = row0 + 8 * r
+            if row < valid_m:
+                dst = out + (Int64(row_base + row) * self.out_cols + feature_base + col0)
+                for m in cutlass.range_constexpr(WG_N // 16):
+                    pair = cute.make_tensor(dst + 8 * m, cute.make_layout(2))
+                    pair[0] = vals[0, r, m]
+                    pair[1] = vals[1, r, m]

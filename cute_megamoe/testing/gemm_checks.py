@@ -1,0 +1,172 @@
+"""GPU checks of the grouped-GEMM expert FFN (`expert_gemm.expert_ffn`) against the reference.
+
+`make_pool_problem` builds a pool the way the dispatch lays it out (expert-major, each expert
+padded to `block_m` rows) from fresh random BF16 tokens, quantized per recipe; pad rows hold
+random garbage so a kernel that reads them into valid rows is caught. `check_expert_ffn` runs
+the kernels with poisoned outputs and compares with `reference.expert_ffn_reference` per expert
+(float64 GEMMs on the same dequantized operands):
+
+* every valid output row is written and finite, every pad row still holds the poison;
+* L1 (FP8): the requantization scale per (row, 128 features) equals the reference's except
+  where the reference's `amax / 448` sits within float32 rounding of a power of two; the e4m3
+  codes may differ by one step where the FP32 accumulation order flips a BF16 or e4m3
+  rounding (counted and bounded, never hidden);
+* L2: compared with the float64 product of *our* L2 input (isolates the L2 GEMM), and the
+  whole FFN with the reference end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import quant, reference
+from ..expert_gemm import ExpertWeights, expert_ffn
+from ..scheduler.host_model import pool_block_offsets
+
+#: Bounds per recipe: (L1 rel. error, L2-alone rel. error, end-to-end rel. error,
+#: fraction of L1 outputs allowed to differ from the reference by one rounding step).
+TOLERANCE = {
+    "fp8xfp8": (2e-2, 1e-2, 3e-2, 2e-2),
+    "bf16xbf16": (5e-3, 1e-2, 1e-2, 2e-2),
+}
+
+
+@dataclass
+class PoolProblem:
+    recipe: str
+    block_m: int
+    counts: list[int]
+    acts: torch.Tensor
+    acts_sf: torch.Tensor | None
+    x_deq: torch.Tensor  # f32 [P, H] (valid rows)
+    topk_weights: torch.Tensor
+    weights: ExpertWeights
+    w1_deq: torch.Tensor  # f32 [E, 2I, H], gate | up
+    w2_deq: torch.Tensor  # f32 [E, H, I]
+    row_of_expert: list[range] = field(default_factory=list)
+
+    @property
+    def num_pool_rows(self) -> int:
+        return self.acts.shape[0]
+
+
+def make_pool_problem(recipe: str, counts: list[int], block_m: int, hidden: int, inter: int,
+                      device, seed: int = 0, extra_blocks: int = 1) -> PoolProblem:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    e_l = len(counts)
+    offsets = pool_block_offsets(counts, block_m)
+    pool_rows = (offsets[-1] + extra_blocks) * block_m
+    x = (torch.randn(pool_rows, hidden, generator=gen) * 2).to(torch.bfloat16)
+    if recipe == "bf16xbf16":
+        acts, acts_sf = x.to(device), None
+        x_deq = acts.float()
+    else:
+        q, sf = quant.quantize_activations_for_recipe(x.to(device), recipe)
+        acts = q
+        acts_sf = sf.t().contiguous().t()  # [P, H/128] MN-major, as the pool holds it
+        x_deq = quant.dequantize_activations_for_recipe((q, sf), recipe).float()
+    topk_weights = torch.rand(pool_rows, generator=gen).to(device)
+    w1 = (torch.randn(e_l, 2 * inter, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e_l, hidden, inter, generator=gen) / inter**0.5).to(torch.bfloat16)
+    w1, w2 = w1.to(device), w2.to(device)
+    q1 = quant.quantize_weights_for_recipe(w1, recipe)
+    q2 = quant.quantize_weights_for_recipe(w2, recipe)
+    rows = [range(offsets[e] * block_m, offsets[e] * block_m + counts[e]) for e in range(e_l)]
+    return PoolProblem(
+        recipe=recipe, block_m=block_m, counts=list(counts), acts=acts, acts_sf=acts_sf,
+        x_deq=x_deq, topk_weights=topk_weights,
+        weights=ExpertWeights.from_quantized(q1, q2, recipe),
+        w1_deq=quant.dequantize_weights_for_recipe(q1, recipe).float(),
+        w2_deq=quant.dequantize_weights_for_recipe(q2, recipe).float(),
+        row_of_expert=rows)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if b.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check_expert_ffn(problem: PoolProblem, activation_clamp: float | None = None,
+                     fast_math: bool = True, num_sms: int | None = None) -> dict:
+    """Run `expert_ffn` on `problem` with poisoned outputs; assert the bounds; return stats."""
+    recipe, device = problem.recipe, problem.acts.device
+    fp8 = recipe == "fp8xfp8"
+    p_rows = problem.num_pool_rows
+    inter, hidden = problem.weights.intermediate, problem.weights.hidden
+    act_dtype = problem.acts.dtype
+    # poison: NaN everywhere (0x7F is NaN in e4m3fn, 0x7FFF in bf16)
+    l2_acts = torch.full((p_rows, inter), 0x7F if fp8 else 0x7FFF,
+                         dtype=torch.uint8 if fp8 else torch.int16, device=device).view(act_dtype)
+    l2_sf = torch.full((inter // 128, p_rows), float("nan"), device=device).t()
+    out = torch.full((p_rows, hidden), 0x7FFF, dtype=torch.int16,
+                     device=device).view(torch.bfloat16)
+    counts = torch.tensor(problem.counts, dtype=torch.int32, device=device)
+    expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights, counts, problem.weights,
+               block_m=problem.block_m, activation_clamp=activation_clamp, fast_math=fast_math,
+               l2_acts=l2_acts, l2_acts_sf=l2_sf if fp8 else None, out=out, num_sms=num_sms)
+    torch.cuda.synchronize(device)
+
+    valid = torch.zeros(p_rows, dtype=torch.bool, device=device)
+    for rows in problem.row_of_expert:
+        valid[rows.start:rows.stop] = True
+    assert bool(torch.isnan(out[~valid].float()).all()), "a pad row of out was written"
+    assert bool(torch.isnan(l2_acts[~valid].float()).all()), "a pad row of l2_acts was written"
+    l1_tol, l2_tol, e2e_tol, flip_tol = TOLERANCE[recipe]
+    stats = {"rows": int(valid.sum()), "l1_err": 0.0, "l2_err": 0.0, "e2e_err": 0.0,
+             "l1_flips": 0, "l1_big_flips": 0, "sf_mismatch": 0, "sf_near_tie": 0}
+    for e, rows in enumerate(problem.row_of_expert):
+        if len(rows) == 0:
+            continue
+        sl = slice(rows.start, rows.stop)
+        h_ref, l2_in_ref, o_ref = reference.expert_ffn_reference(
+            problem.x_deq[sl], problem.topk_weights[sl], problem.w1_deq[e], problem.w2_deq[e],
+            recipe, activation_clamp, fast_math)
+        ours_l2 = l2_acts[sl]
+        assert bool(torch.isfinite(out[sl].float()).all()), f"expert {e}: out not finite"
+        if fp8:
+            sf = l2_sf[sl]
+            assert bool(torch.isfinite(sf).all()), f"expert {e}: l2 scales not written"
+            l2_in = quant.cast_back_from_fp8(ours_l2, sf.contiguous(), 128).float()
+            _, sf_ref = quant.requant_fp8_pow2(h_ref, 128)
+            mismatch = sf != sf_ref
+            # a scale may differ only where amax / 448 is within float32 rounding of 2^k
+            amax = h_ref.abs().view(len(rows), -1, 128).amax(dim=2)
+            v = amax * (1.0 / 448.0)
+            near = (torch.log2(v) - torch.round(torch.log2(v))).abs() < 1e-2
+            stats["sf_mismatch"] += int(mismatch.sum())
+            stats["sf_near_tie"] += int((mismatch & near).sum())
+            assert bool((~mismatch | near).all()), f"expert {e}: requant scale mismatch"
+            # one e4m3 step: 2^-3 relative for normals, sf * 2^-9 for subnormals
+            step = torch.maximum(l2_in_ref.abs() * 2.0**-3,
+                                 sf.repeat_interleave(128, dim=1) * 2.0**-9)
+        else:
+            l2_in = ours_l2.float()
+            step = l2_in_ref.abs() * 2.0 ** -7
+        diff = (l2_in - l2_in_ref).abs()
+        stats["l1_flips"] += int((diff > 0).sum())
+        # more than one rounding step (plus slack for the accumulation order) is an error
+        stats["l1_big_flips"] += int((diff > 2.01 * step.clamp_min(1e-30)).sum())
+        stats["l1_err"] = max(stats["l1_err"], _rel(l2_in, l2_in_ref))
+        o_from_ours = (l2_in.double() @ problem.w2_deq[e].double().T).float()
+        stats["l2_err"] = max(stats["l2_err"], _rel(out[sl].float(), o_from_ours))
+        stats["e2e_err"] = max(stats["e2e_err"], _rel(out[sl].float(), o_ref.float()))
+    n_l1 = max(stats["rows"] * inter, 1)
+    stats["l1_flip_frac"] = stats["l1_flips"] / n_l1
+    assert stats["l1_big_flips"] <= 1e-3 * n_l1, f"L1 outputs off by > 1 step: {stats}"
+    assert stats["l1_flip_frac"] <= flip_tol, f"too many L1 rounding flips: {stats}"
+    assert stats["l1_err"] <= l1_tol, f"L1 error over {l1_tol}: {stats}"
+    assert stats["l2_err"] <= l2_tol, f"L2 error over {l2_tol}: {stats}"
+    assert stats["e2e_err"] <= e2e_tol, f"end-to-end error over {e2e_tol}: {stats}"
+    return stats
+
+
+#: Expert row-count patterns the tests and the GPU check script run (8 local experts).
+COUNT_PATTERNS = {
+    "random": [300, 41, 129, 1, 77, 256, 5, 200],
+    "skewed": [700, 3, 0, 1, 2, 0, 9, 4],
+    "sparse": [0, 1, 0, 5, 0, 0, 129, 1],
+    "empty": [0] * 8,
+}

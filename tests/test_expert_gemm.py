@@ -1,0 +1,165 @@
+"""Hopper grouped GEMMs over the expert pool (L1 + SwiGLU + requant, L2): `expert_gemm`.
+
+CPU: the weight preparation (compact FP8 weight scales) and, for every configuration the
+heuristics can choose (BLOCK_M 64 / 128, L1 / L2, fp8xfp8 / bf16xbf16), a compile for sm_90a
+whose SASS must show the tensor-core op (QGMMA / HGMMA), the TMA loads and setmaxnreg, and no
+local memory. GPU: `testing.gemm_checks.check_expert_ffn` against the float64 reference on fresh
+random pools with poisoned outputs, random / skewed / sparse / empty experts, both tile paths,
+clamp on and off, fast and precise SiLU, and a small grid (many tiles per CTA).
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from cute_megamoe import quant
+from cute_megamoe.expert_gemm import ExpertWeights, _compact_weight_sf
+
+RECIPES = ("fp8xfp8", "bf16xbf16")
+
+
+def test_weights_fp8_compact_scales_match_block_scales():
+    gen = torch.Generator().manual_seed(0)
+    e, inter, hidden = 2, 128, 256
+    w1 = torch.randn(e, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(e, hidden, inter, generator=gen).to(torch.bfloat16)
+    q1 = quant.quantize_weights_for_recipe(w1, "fp8xfp8")
+    q2 = quant.quantize_weights_for_recipe(w2, "fp8xfp8")
+    w = ExpertWeights.from_quantized(q1, q2, "fp8xfp8")
+    assert w.w1_sf.shape == (e, hidden // 128, 2 * inter // 8)
+    assert w.w2_sf.shape == (e, inter // 128, hidden // 8)
+    # entry (e, kb, g) is the block scale of weight row 8 g (interleaved rows for L1)
+    rows1 = quant.interleave_gate_up(torch.arange(2 * inter).view(1, -1, 1).expand(e, -1, 1))
+    for g in range(2 * inter // 8):
+        row = int(rows1[0, 8 * g, 0])
+        assert torch.equal(w.w1_sf[:, :, g], q1[1][:, row // 128, :])
+    for g in range(hidden // 8):
+        assert torch.equal(w.w2_sf[:, :, g], q2[1][:, 8 * g // 128, :])
+    u8 = torch.uint8
+    assert torch.equal(w.w1.view(u8), quant.interleave_gate_up(q1[0]).view(u8))
+    assert torch.equal(w.w2.view(u8), q2[0].view(u8))
+
+
+def test_weights_reject_per_row_scales_and_other_recipes():
+    sf = torch.ones(1, 16, 2)
+    sf[0, 3, 0] = 2.0  # differs inside the first group of 8 rows
+    with pytest.raises(ValueError, match="equal within every group"):
+        _compact_weight_sf(sf, "sf")
+    with pytest.raises(ValueError, match="fp8xfp8 and bf16xbf16"):
+        ExpertWeights.from_quantized(None, None, "fp8xfp4")
+
+
+def test_weights_bf16_interleaved():
+    w1 = torch.randn(2, 32, 128).to(torch.bfloat16)
+    w2 = torch.randn(2, 128, 16).to(torch.bfloat16)
+    w = ExpertWeights.from_bf16(w1, w2, "bf16xbf16")
+    assert w.w1_sf is None and torch.equal(w.w1, quant.interleave_gate_up(w1))
+
+
+def test_expert_ffn_rejects_cpu_tensors():
+    from cute_megamoe.expert_gemm import expert_ffn
+
+    w = ExpertWeights.from_bf16(torch.zeros(1, 32, 128, dtype=torch.bfloat16),
+                                torch.zeros(1, 128, 16, dtype=torch.bfloat16), "bf16xbf16")
+    with pytest.raises(ValueError, match="CUDA"):
+        expert_ffn(torch.zeros(64, 128, dtype=torch.bfloat16), None, torch.zeros(64),
+                   torch.zeros(1, dtype=torch.int32), w, block_m=64)
+
+
+# ------------------------------------------------------------------------------ compile (CPU)
+
+def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: int = 2048):
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
+
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
+    kernel = Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, block_m,
+                                  activation_clamp=10.0 if phase == "l1" else None)
+    ab = Float8E4M3FN if recipe == "fp8xfp8" else BFloat16
+    out = ab if phase == "l1" else BFloat16
+    args = (fake_ptr(ab), fake_ptr(Float32), fake_ptr(ab), fake_ptr(Float32), fake_ptr(Int32, 4),
+            fake_ptr(Float32), fake_ptr(out), fake_ptr(Float32), Int32(132), fake_stream())
+    return compile_for_arch(kernel, *args, arch="sm_90a")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
+    art = _compile(phase, recipe, block_m)
+    shape = "m64n128k32.f32.e4m3.e4m3" if recipe == "fp8xfp8" else "m64n128k16.f32.bf16.bf16"
+    assert f"wgmma.mma_async.sync.aligned.{shape}" in art.ptx
+    assert "setmaxnreg" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA" if recipe == "fp8xfp8" else "HGMMA") > 0
+    assert art.count("UTMALDG") > 0
+    assert art.count("USETMAXREG") == 2
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+# ---------------------------------------------------------------------------------- GPU checks
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm90 kernels need a Hopper GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("block_m", (64, 128))
+@pytest.mark.parametrize("pattern", ("random", "skewed", "sparse", "empty"))
+def test_expert_ffn_matches_reference(recipe, block_m, pattern):
+    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
+                                                  make_pool_problem)
+
+    device = _gpu()
+    problem = make_pool_problem(recipe, COUNT_PATTERNS[pattern], block_m, 512, 256, device,
+                                seed=zlib.crc32(f"{recipe}{block_m}{pattern}".encode()) % 1000)
+    check_expert_ffn(problem, activation_clamp=7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("clamp,fast_math,num_sms", [(None, True, 7), (3.0, False, 5),
+                                                     (None, False, None)])
+def test_expert_ffn_clamp_precise_small_grid(recipe, clamp, fast_math, num_sms):
+    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
+                                                  make_pool_problem)
+
+    device = _gpu()
+    problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 128, 1024, 512, device,
+                                seed=17)
+    check_expert_ffn(problem, activation_clamp=clamp, fast_math=fast_math, num_sms=num_sms)
+
+
+@pytest.mark.gpu
+def test_expert_ffn_rejects_bad_inputs():
+    from cute_megamoe.expert_gemm import expert_ffn
+    from cute_megamoe.testing.gemm_checks import make_pool_problem
+
+    device = _gpu()
+    p = make_pool_problem("fp8xfp8", [3, 0], 64, 256, 128, device)
+    counts = torch.tensor(p.counts, dtype=torch.int32, device=device)
+    args = (p.acts, p.acts_sf, p.topk_weights, counts, p.weights)
+    with pytest.raises(ValueError, match="block_m"):
+        expert_ffn(*args, block_m=96)
+    with pytest.raises(ValueError, match="acts_sf"):
+        expert_ffn(p.acts, None, p.topk_weights, counts, p.weights, block_m=64)
+    with pytest.raises(ValueError, match="acts_sf"):
+        expert_ffn(p.acts, p.acts_sf.contiguous(), p.topk_weights, counts, p.weights,
+                   block_m=64)
+    with pytest.raises(TypeError, match="expert_recv_tokens"):
+        expert_ffn(p.acts, p.acts_sf, p.topk_weights, counts.long(), p.weights, block_m=64)
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        expert_ffn(p.acts[:-1], p.acts_sf[:-1], p.topk_weights[:-1], counts, p.weights,
+                   block_m=64)
