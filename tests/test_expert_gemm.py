@@ -119,8 +119,7 @@ def _gpu():
 @pytest.mark.parametrize("block_m", (64, 128))
 @pytest.mark.parametrize("pattern", ("random", "skewed", "sparse", "empty"))
 def test_expert_ffn_matches_reference(recipe, block_m, pattern):
-    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
-                                                  make_pool_problem)
+    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem
 
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS[pattern], block_m, 512, 256, device,
@@ -133,8 +132,7 @@ def test_expert_ffn_matches_reference(recipe, block_m, pattern):
 @pytest.mark.parametrize("clamp,fast_math,num_sms", [(None, True, 7), (3.0, False, 5),
                                                      (None, False, None)])
 def test_expert_ffn_clamp_precise_small_grid(recipe, clamp, fast_math, num_sms):
-    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
-                                                  make_pool_problem)
+    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem
 
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 128, 1024, 512, device,
