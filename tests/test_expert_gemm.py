@@ -161,3 +161,16 @@ def test_expert_ffn_rejects_bad_inputs():
     with pytest.raises(ValueError, match="multiple of block_m"):
         expert_ffn(p.acts[:-1], p.acts_sf[:-1], p.topk_weights[:-1], counts, p.weights,
                    block_m=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_expert_ffn_deepseek_shape(recipe):
+    """H 7168, I 2048 (56 / 16 K-blocks, 16 / 32 L1 n-tiles, 56 L2 n-tiles)."""
+    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
+                                                  make_pool_problem)
+
+    device = _gpu()
+    problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 128, 7168, 2048, device,
+                                seed=5)
+    check_expert_ffn(problem, activation_clamp=10.0)

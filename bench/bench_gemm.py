@@ -1,0 +1,134 @@
+"""Grouped GEMMs alone on one GPU: our L1 (+ SwiGLU + requant) + L2 against torch, same run.
+
+For each (local experts, pairs per expert) and recipe: our `expert_ffn` (both kernels, at the
+BLOCK_M the heuristics pick and at the other one), torch's two grouped GEMMs on the same pairs
+per expert (`torch._scaled_grouped_mm` with rowwise scales for FP8, `torch._grouped_mm` for
+BF16; no SwiGLU or requantization, so torch does less work), and the weight-read floor: the
+time a device-to-device copy takes to move as many bytes as the weights hold, measured in the
+same process. All timed by CUDA-graph replay, median of replays.
+
+    python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graph
+from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
+from cute_megamoe.heuristics import select_block_m
+from cute_megamoe.utils import ceil_div
+
+DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
+
+
+def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeights:
+    if recipe == "bf16xbf16":
+        return ExpertWeights(recipe, torch.randn(e, 2 * inter, hidden, device="cuda",
+                                                 dtype=torch.bfloat16) * 0.02,
+                             torch.randn(e, hidden, inter, device="cuda",
+                                         dtype=torch.bfloat16) * 0.02)
+    fp8 = torch.float8_e4m3fn
+
+    def sf(*shape):
+        return torch.rand(*shape, device="cuda") * 1e-3 + 1e-3
+
+    return ExpertWeights(
+        recipe, torch.randn(e, 2 * inter, hidden, device="cuda").to(fp8),
+        torch.randn(e, hidden, inter, device="cuda").to(fp8),
+        sf(e, hidden // 128, 2 * inter // 8), sf(e, inter // 128, hidden // 8))
+
+
+def _ours(recipe, w: ExpertWeights, m: int, block_m: int):
+    e, hidden, inter = w.num_experts, w.hidden, w.intermediate
+    p_rows = e * ceil_div(m, block_m) * block_m
+    fp8 = recipe == "fp8xfp8"
+    acts = torch.randn(p_rows, hidden, device="cuda").to(
+        torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    acts_sf = torch.ones(hidden // 128, p_rows, device="cuda").t() if fp8 else None
+    topk = torch.rand(p_rows, device="cuda")
+    counts = torch.full((e,), m, dtype=torch.int32, device="cuda")
+    l2 = torch.empty(p_rows, inter, device="cuda", dtype=acts.dtype)
+    l2_sf = torch.empty(inter // 128, p_rows, device="cuda").t() if fp8 else None
+    out = torch.empty(p_rows, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
+                   l2_acts=l2, l2_acts_sf=l2_sf, out=out)
+
+    return run
+
+
+def _torch(recipe, w: ExpertWeights, m: int):
+    e, hidden, inter = w.num_experts, w.hidden, w.intermediate
+    rows = e * m
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
+    w1t, w2t = w.w1.transpose(1, 2), w.w2.transpose(1, 2)  # [E, K, N], K-major
+    if recipe == "bf16xbf16":
+        a1 = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        a2 = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            torch._grouped_mm(a1, w1t, offs=offs)
+            torch._grouped_mm(a2, w2t, offs=offs)
+
+        return run
+    fp8 = torch.float8_e4m3fn
+    a1 = torch.randn(rows, hidden, device="cuda").to(fp8)
+    a2 = torch.randn(rows, inter, device="cuda").to(fp8)
+    sa1, sa2 = torch.rand(rows, device="cuda"), torch.rand(rows, device="cuda")
+    sb1 = torch.rand(e, 2 * inter, device="cuda")
+    sb2 = torch.rand(e, hidden, device="cuda")
+
+    def run():
+        torch._scaled_grouped_mm(a1, w1t, sa1, sb1, offs=offs, out_dtype=torch.bfloat16)
+        torch._scaled_grouped_mm(a2, w2t, sa2, sb2, offs=offs, out_dtype=torch.bfloat16)
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="EXPERTSxPAIRS_PER_EXPERT,...")
+    p.add_argument("--recipes", default="fp8xfp8,bf16xbf16")
+    args = p.parse_args()
+    hidden, inter = args.hidden, args.inter
+    peaks = Peaks()
+    res = Results("gemm", meta={"hidden": hidden, "intermediate": inter,
+                                "clocks_before": gpu_clocks(),
+                                "note": "torch runs only the two GEMMs (no SwiGLU/requant)"})
+    for recipe in args.recipes.split(","):
+        fp8 = recipe == "fp8xfp8"
+        for cfg in args.configs.split(","):
+            e, m = (int(v) for v in cfg.split("x"))
+            w = _random_weights(recipe, e, hidden, inter)
+            weight_bytes = (w.w1.numel() + w.w2.numel()) * w.w1.element_size()
+            floor = weight_bytes / copy_ceiling(weight_bytes)
+            flops = 6 * e * m * hidden * inter
+            t_torch = time_cuda_graph(_torch(recipe, w, m), calls_per_replay=5, replays=9)
+            picked = select_block_m(m, "sm90")
+            for block_m in (64, 128):
+                t = time_cuda_graph(_ours(recipe, w, m, block_m), calls_per_replay=5,
+                                    replays=9)
+                roof = peaks.roofline_s(flops=flops, hbm_bytes=weight_bytes, fp8=fp8)
+                res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
+                        picked=block_m == picked, ours_us=t * 1e6, torch_us=t_torch * 1e6,
+                        speedup=t_torch / t, ours_tflops=flops / t / 1e12,
+                        torch_tflops=flops / t_torch / 1e12, weight_floor_us=floor * 1e6,
+                        ratio_to_floor=t / floor, ratio_to_roofline=t / roof)
+            del w
+            torch.cuda.empty_cache()
+    res.meta["clocks_after"] = gpu_clocks()
+    path = res.save()
+    print(f"saved {path}")
+    print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
+                     "torch_us", "speedup", "ours_tflops", "torch_tflops", "weight_floor_us",
+                     "ratio_to_floor"]))
+
+
+if __name__ == "__main__":
+    main()
