@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+COPY_CHUNK = 1 << 30  # bytes per torch copy in `copy_ceiling`
 
 
 @dataclass
@@ -95,7 +96,10 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 def copy_ceiling(total_bytes: int, rotate: int = 1) -> float:
     """Bytes/s of a device-to-device copy moving `total_bytes` (read + written), timed like a
-    kernel that moves as many bytes: the ceiling a memory-bound kernel of that size is held to."""
+    kernel that moves as many bytes: the ceiling a memory-bound kernel of that size is held to.
+
+    Copies go in chunks of at most COPY_CHUNK bytes: torch's copy kernel falls back to a slower
+    path past 2^31 elements (measured: 2.8 TB/s instead of 4.3 on an H200)."""
     n = max(16, total_bytes // 2)
     srcs = [torch.empty(n, dtype=torch.uint8, device="cuda").random_() for _ in range(rotate)]
     dsts = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(rotate)]
@@ -103,7 +107,8 @@ def copy_ceiling(total_bytes: int, rotate: int = 1) -> float:
 
     def copy():
         i = state["i"] = (state["i"] + 1) % rotate
-        dsts[i].copy_(srcs[i])
+        for start in range(0, n, COPY_CHUNK):
+            dsts[i][start:start + COPY_CHUNK].copy_(srcs[i][start:start + COPY_CHUNK])
 
     return 2 * n / time_cuda_graph(copy)
 

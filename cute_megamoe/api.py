@@ -99,3 +99,67 @@ def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
         lambda: cute.compile(InputStagingKernel(recipe, layout.hidden, layout.num_topk), *args,
                              options=f"--gpu-arch {arch}"))
     fn(*args)
+
+
+def _mega_moe(recipes: tuple[str, ...], name: str, y: torch.Tensor, weights,
+              sym_buffer: SymmBuffer, cumulative_local_expert_recv_stats, activation_clamp,
+              fast_math: bool, block_m: int | None) -> torch.Tensor:
+    from . import staged
+    from .expert_gemm import ExpertWeights
+    from .heuristics import expected_tokens_per_expert, select_block_m
+
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f"sym_buffer: expected a SymmBuffer, got {type(sym_buffer).__name__}")
+    if sym_buffer.recipe not in recipes:
+        raise ValueError(f"{name}: the buffer's recipe is {sym_buffer.recipe!r}; "
+                         f"{name} takes {recipes}")
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights: expected cute_megamoe.expert_gemm.ExpertWeights, got "
+                        f"{type(weights).__name__}")
+    layout = sym_buffer.layout
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise TypeError("y: expected a 2-D BF16 tensor [num_tokens, hidden]")
+    n = y.shape[0]
+    if n > layout.num_tokens:
+        raise ValueError(f"y: {n} tokens exceed the buffer's num_max_tokens_per_rank "
+                         f"({layout.num_tokens})")
+    _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), sym_buffer.device)
+    from .expert_gemm import SUPPORTED_RECIPES
+
+    arch = get_arch(sym_buffer.device)
+    if sym_buffer.recipe not in SUPPORTED_RECIPES.get(arch, ()):
+        raise ValueError(f"{name}: recipe {sym_buffer.recipe!r} has no grouped-GEMM kernels on "
+                         f"{arch} (supported: {SUPPORTED_RECIPES})")
+    if block_m is None:
+        expected = expected_tokens_per_expert(n, layout.num_ranks, layout.num_topk,
+                                              layout.num_experts)
+        block_m = select_block_m(expected, arch)
+    return staged.staged_mega_moe(
+        sym_buffer, None, None, None, weights, num_tokens=n, y=y,
+        activation_clamp=activation_clamp, fast_math=fast_math, block_m=block_m,
+        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+
+
+def fp8_mega_moe(y: torch.Tensor, weights, sym_buffer: SymmBuffer, *,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                 activation_clamp: float | None = None, fast_math: bool = True,
+                 block_m: int | None = None) -> torch.Tensor:
+    """One MoE layer with FP8 activations, on every rank of the buffer's group (collective).
+
+    The inputs are what `stage_inputs` put into `sym_buffer` (``len(y)`` tokens); the result
+    is written to ``y`` (BF16 ``[num_tokens, hidden]``) and returned. Staged mode: dispatch,
+    L1 (+ SwiGLU + requant), L2 and combine run as four kernels. ``weights`` is this rank's
+    `expert_gemm.ExpertWeights` (recipe ``fp8xfp8`` on Hopper). ``block_m`` defaults to the
+    heuristics' choice for the expected tokens per expert.
+    """
+    return _mega_moe(("fp8xfp8",), "fp8_mega_moe", y, weights, sym_buffer,
+                     cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m)
+
+
+def bf16_mega_moe(y: torch.Tensor, weights, sym_buffer: SymmBuffer, *,
+                  cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                  activation_clamp: float | None = None, fast_math: bool = True,
+                  block_m: int | None = None) -> torch.Tensor:
+    """`fp8_mega_moe` for the ``bf16xbf16`` recipe (BF16 activations and weights)."""
+    return _mega_moe(("bf16xbf16",), "bf16_mega_moe", y, weights, sym_buffer,
+                     cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m)

@@ -22,6 +22,7 @@ from cutlass import Int32
 from . import quant, reference
 from .api import _check_tensor, stage_inputs
 from .buffer import SymmBuffer
+from .expert_gemm import ExpertWeights
 from .heuristics import get_num_sms
 from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
 
@@ -73,6 +74,7 @@ class _BufferState:
         self.recv_tokens = torch.zeros(sym_buffer.layout.num_local_experts, dtype=torch.int32,
                                        device=device)
         self.recv_tokens_ptr = as_ptr(self.recv_tokens, align=4)
+        self.expert_out: torch.Tensor | None = None  # BF16 [P, H] of `kernel_experts`
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -195,36 +197,79 @@ class TorchExpertWeights:
 
 def torch_experts(dispatched: DispatchResult, weights: TorchExpertWeights, recipe: str,
                   activation_clamp: float | None = None, fast_math: bool = True) -> torch.Tensor:
-    """The expert FFN over the pool with torch ops: BF16 [P, H] in pool order (padding rows
-    hold garbage and are never sent). Numerics follow the reference: L1 rounded to BF16, clamp,
-    SiLU, routing weight, requantization per recipe, L2 rounded to BF16."""
+    """The expert FFN over the pool with torch ops: BF16 [P, H] in pool order (rows past the
+    last expert's blocks are zero, pad rows inside them hold garbage; neither is sent).
+    Numerics follow the reference: L1 rounded to BF16, clamp, SiLU, routing weight,
+    requantization per recipe, L2 rounded to BF16. Reads the pool size back to the host."""
+    offs = dispatched.pool_row_ends()
+    used = int(offs[-1]) if offs.numel() else 0  # only the blocks the dispatch filled
+    out = torch.zeros(dispatched.num_pool_rows, weights.w2.shape[1], dtype=torch.bfloat16,
+                      device=offs.device)
+    if used == 0:
+        return out
     if recipe == "bf16xbf16":
-        acts = dispatched.l1_acts
+        acts = dispatched.l1_acts[:used]
     else:
         acts = quant.dequantize_activations_for_recipe(
-            (dispatched.l1_acts, dispatched.l1_acts_sf.contiguous()), recipe).to(torch.bfloat16)
-    offs = dispatched.pool_row_ends()
+            (dispatched.l1_acts[:used], dispatched.l1_acts_sf[:used].contiguous()),
+            recipe).to(torch.bfloat16)
     l1 = torch._grouped_mm(acts, weights.w1.transpose(1, 2), offs=offs).float()
-    h = reference.swiglu_reference(l1, dispatched.l1_topk_weights, activation_clamp, fast_math)
+    h = reference.swiglu_reference(l1, dispatched.l1_topk_weights[:used], activation_clamp,
+                                   fast_math)
     l2_in = reference.l2_input_reference(h, recipe).to(torch.bfloat16)
-    return torch._grouped_mm(l2_in, weights.w2.transpose(1, 2), offs=offs)
+    out[:used] = torch._grouped_mm(l2_in, weights.w2.transpose(1, 2), offs=offs)
+    return out
 
 
-def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
-                    topk_weights: torch.Tensor, weights: TorchExpertWeights, *,
+def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: ExpertWeights,
+                   activation_clamp: float | None = None, fast_math: bool = True) -> torch.Tensor:
+    """The expert FFN over the pool on our grouped-GEMM kernels: L1 + SwiGLU + requant into
+    the buffer's L2 pool, then L2 into a per-buffer BF16 [P, H] tensor (reused by every call;
+    valid until the next call). No host synchronization."""
+    from .expert_gemm import expert_ffn
+
+    if weights.recipe != sym_buffer.recipe:
+        raise ValueError(f"weights: recipe {weights.recipe!r} does not match the buffer's "
+                         f"{sym_buffer.recipe!r}")
+    state = _state(sym_buffer)
+    if state.expert_out is None:
+        state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
+                                       dtype=torch.bfloat16, device=sym_buffer.device)
+    fp8 = sym_buffer.layout.has_sf
+    return expert_ffn(dispatched.l1_acts, dispatched.l1_acts_sf, dispatched.l1_topk_weights,
+                      dispatched.expert_recv_tokens, weights, block_m=dispatched.block_m,
+                      activation_clamp=activation_clamp, fast_math=fast_math,
+                      l2_acts=sym_buffer.l2_acts,
+                      l2_acts_sf=sym_buffer.l2_acts_sf if fp8 else None,
+                      out=state.expert_out, num_sms=state.num_sms)
+
+
+def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                    topk_weights: torch.Tensor | None,
+                    weights: TorchExpertWeights | ExpertWeights, *,
+                    num_tokens: int | None = None, y: torch.Tensor | None = None,
                     activation_clamp: float | None = None, fast_math: bool = True,
                     block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
                     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                     validate_routing: bool | None = None) -> torch.Tensor:
-    """One whole layer: our dispatch and combine kernels around torch expert GEMMs."""
-    dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, block_m=block_m,
-                          num_sms=num_sms,
+    """One whole layer: our dispatch and combine kernels around the expert FFN, on our
+    grouped-GEMM kernels (`ExpertWeights`) or torch ops (`TorchExpertWeights`). With `x=None`
+    the inputs were staged already (`num_tokens` rows). Collective."""
+    dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens=num_tokens,
+                          block_m=block_m, num_sms=num_sms,
                           cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                           validate_routing=validate_routing)
-    expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
-                               fast_math)
-    return combine(sym_buffer, expert_out, dispatched, num_sms=num_sms)
+    if isinstance(weights, ExpertWeights):
+        expert_out = kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
+                                    fast_math)
+    elif isinstance(weights, TorchExpertWeights):
+        expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
+                                   fast_math)
+    else:
+        raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
+                        f"{type(weights).__name__}")
+    return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms)
 
 
-__all__ = ["DispatchResult", "TorchExpertWeights", "combine", "dispatch", "staged_mega_moe",
-           "torch_experts"]
+__all__ = ["DispatchResult", "ExpertWeights", "TorchExpertWeights", "combine", "dispatch",
+           "kernel_experts", "staged_mega_moe", "torch_experts"]

@@ -114,16 +114,23 @@ def test_dispatch_combine_multi_rank(recipe, num_ranks):
                      port=29511 + 10 * num_ranks + RECIPES.index(recipe))
 
 
+GEMM_RECIPES = ("fp8xfp8", "bf16xbf16")  # recipes with Hopper grouped-GEMM kernels
+LAYER_PATHS = [(r, "torch") for r in RECIPES] + [(r, "kernels") for r in GEMM_RECIPES]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_staged_layer_matches_reference_one_rank(recipe):
+@pytest.mark.parametrize("recipe,experts", LAYER_PATHS)
+def test_staged_layer_matches_reference_one_rank(recipe, experts):
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.testing.dispatch_checks import Case, check_staged_layer
 
+    if experts == "kernels" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped-GEMM kernels run on Hopper")
     buf = get_symm_buffer_for_mega_moe(None, 8, 300, 4, 512, 256, mma_type=recipe)
-    for case in (Case((300,), "random", 11), Case((0,), "random", 12),
-                 Case((129,), "masked", 13), Case((77,), "one_expert", 14)):
-        check_staged_layer(buf, case, 256, 64, torch.device("cuda"))
+    for block_m in (64, 128) if experts == "kernels" else (64,):
+        for case in (Case((300,), "random", 11), Case((0,), "random", 12),
+                     Case((129,), "masked", 13), Case((77,), "one_expert", 14)):
+            check_staged_layer(buf, case, 256, block_m, torch.device("cuda"), experts=experts)
 
 
 @pytest.mark.gpu
@@ -136,3 +143,18 @@ def test_staged_layer_matches_reference_multi_rank(recipe, num_ranks):
     _need_gpus(num_ranks)
     run_multiprocess(num_ranks, recipe, num_experts=8, num_topk=4, hidden=512, block_m=64,
                      port=29611 + 10 * num_ranks + RECIPES.index(recipe), mode="layer")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("recipe", GEMM_RECIPES)
+def test_layer_on_gemm_kernels_matches_reference_multi_rank(recipe, num_ranks):
+    from cute_megamoe.testing.dispatch_checks import run_multiprocess
+
+    _need_gpus(num_ranks)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped-GEMM kernels run on Hopper")
+    run_multiprocess(num_ranks, recipe, num_experts=8, num_topk=4, hidden=512, block_m=128,
+                     port=29711 + 10 * num_ranks + GEMM_RECIPES.index(recipe),
+                     mode="layer_kernels")

@@ -193,7 +193,8 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_experts: int,
                       num_topk, hidden, block_m, group=dist.group.WORLD)
         else:
             run_layer_cases(num_ranks, recipe, num_experts, num_topk, hidden, block_m, seed,
-                            group=dist.group.WORLD)
+                            group=dist.group.WORLD,
+                            experts="kernels" if mode == "layer_kernels" else "torch")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -202,8 +203,9 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_experts: int,
 def run_multiprocess(num_ranks: int, recipe: str, num_experts: int, num_topk: int, hidden: int,
                      block_m: int, seed: int = 0, port: int = 29517,
                      mode: str = "dispatch") -> None:
-    """Spawn one process per GPU; `mode` is "dispatch" (exact kernel checks) or "layer"
-    (the staged layer against the reference)."""
+    """Spawn one process per GPU; `mode` is "dispatch" (exact kernel checks), "layer" (the
+    staged layer on torch GEMMs against the reference) or "layer_kernels" (the layer on our
+    grouped-GEMM kernels)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(num_ranks, port, recipe, num_experts, num_topk, hidden, block_m,
@@ -233,9 +235,14 @@ if __name__ == "__main__":
 LAYER_TOLERANCE = {"fp8xfp4": 1e-2, "fp8xfp8": 2e-2, "bf16xbf16": 1e-2}
 
 
+EXPERT_PATHS = ("torch", "kernels")
+
+
 def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
-                       activation_clamp: float | None = 10.0) -> float:
-    """The whole staged layer (our dispatch/combine around torch GEMMs) against the reference.
+                       activation_clamp: float | None = 10.0, experts: str = "torch") -> float:
+    """The whole staged layer against the reference: our dispatch/combine around torch GEMMs
+    (`experts="torch"`) or, through `stage_inputs` + `fp8_mega_moe` / `bf16_mega_moe`, around
+    our grouped-GEMM kernels (`experts="kernels"`).
 
     Returns ||y - y_ref|| / ||y_ref|| for this rank; raises when over the recipe's bound (the
     torch GEMMs accumulate in FP32 in another order than the float64 reference, which can flip
@@ -256,10 +263,23 @@ def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
         dev, [t.to(device) for t in idxs], [t.to(device) for t in ws],
         [w.to(device) for w in w1s], [w.to(device) for w in w2s], recipe=layout.recipe,
         activation_clamp=activation_clamp)
-    weights = staged.TorchExpertWeights.from_bf16(w1s[rank].to(device), w2s[rank].to(device),
-                                                  layout.recipe)
-    y = staged.staged_mega_moe(buf, dev[rank], idxs[rank].to(device), ws[rank].to(device),
-                               weights, activation_clamp=activation_clamp, block_m=block_m)
+    if experts == "torch":
+        weights = staged.TorchExpertWeights.from_bf16(w1s[rank].to(device),
+                                                      w2s[rank].to(device), layout.recipe)
+        y = staged.staged_mega_moe(buf, dev[rank], idxs[rank].to(device), ws[rank].to(device),
+                                   weights, activation_clamp=activation_clamp, block_m=block_m)
+    elif experts == "kernels":
+        from .. import api
+        from ..expert_gemm import ExpertWeights
+
+        weights = ExpertWeights.from_bf16(w1s[rank].to(device), w2s[rank].to(device),
+                                          layout.recipe)
+        api.stage_inputs(buf, dev[rank], idxs[rank].to(device), ws[rank].to(device))
+        y = torch.full_like(dev[rank], float("nan"))
+        layer = api.bf16_mega_moe if layout.recipe == "bf16xbf16" else api.fp8_mega_moe
+        layer(y, weights, buf, activation_clamp=activation_clamp, block_m=block_m)
+    else:
+        raise ValueError(f"experts: expected one of {EXPERT_PATHS}, got {experts!r}")
     torch.cuda.synchronize(device)
     want = ref.y[rank].float()
     if want.numel() == 0:
@@ -272,7 +292,8 @@ def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
 
 
 def run_layer_cases(num_ranks: int, recipe: str, num_experts: int, num_topk: int, hidden: int,
-                    block_m: int, seed: int = 0, group=None, intermediate: int = 256) -> list:
+                    block_m: int, seed: int = 0, group=None, intermediate: int = 256,
+                    experts: str = "torch") -> list:
     from ..buffer import get_symm_buffer_for_mega_moe
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -284,7 +305,8 @@ def run_layer_cases(num_ranks: int, recipe: str, num_experts: int, num_topk: int
              Case(toks(77, 1), "one_expert", seed + 13)]
     buf = get_symm_buffer_for_mega_moe(group, num_experts, 300, num_topk, hidden, intermediate,
                                        mma_type=recipe, device=device)
-    errors = [check_staged_layer(buf, c, intermediate, block_m, device) for c in cases]
+    errors = [check_staged_layer(buf, c, intermediate, block_m, device, experts=experts)
+              for c in cases]
     buf.destroy()
     return errors
 
