@@ -167,8 +167,7 @@ def test_expert_ffn_rejects_bad_inputs():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_expert_ffn_deepseek_shape(recipe):
     """H 7168, I 2048 (56 / 16 K-blocks, 16 / 32 L1 n-tiles, 56 L2 n-tiles)."""
-    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
-                                                  make_pool_problem)
+    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem
 
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 128, 7168, 2048, device,
