@@ -20,14 +20,16 @@ How: a persistent, warp-specialized kernel. Warp 0 (the producer warpgroup keeps
 walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert, m-block, n-block, with
 ``block_start`` rebuilt in shared memory from the counts) and TMA-loads the A and B tiles of
 every k-block into a ring of stages (plus the stage's scale vectors with 1-D bulk copies), on one
-mbarrier per stage. ``BM / 64`` consumer warpgroups each own 64 rows of the tile, issue the WGMMAs
-(``m64n128``) and run the epilogue from registers with direct, row-predicated stores: pad rows
-beyond an expert's count are never written. An FP8 L1 tile is 256 columns (128 features, one
-requantization group) done in two 128-column passes; the first pass's ``h`` stays in registers.
+mbarrier per stage. ``BM / 64`` consumer warpgroups each own 64 rows of the ``BM x BN`` tile
+(``BN`` = 256 when ``N`` allows, else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs, and run
+the epilogue from registers with direct, row-predicated stores: pad rows beyond an expert's
+count are never written. FP8 promotes chunk by chunk, so one 64-register scratch accumulator
+serves the whole tile; BF16 keeps one k-block of WGMMAs in flight. An L1 tile of 256 columns
+holds 128 features: exactly one requantization group per row.
 
 Constraints: ``BM`` in (64, 128); ``K`` a multiple of 128 (FP8) or 64 (BF16); ``N`` a multiple
-of the tile width (256 for FP8 L1, else 128); ``P`` a multiple of ``BM``; every tensor 16-byte
-aligned. Launched with at most one CTA per SM.
+of 128 (of 256 for FP8 L1); ``P`` a multiple of ``BM``; every tensor 16-byte aligned. Launched
+with at most one CTA per SM.
 """
 
 from __future__ import annotations
@@ -75,16 +77,19 @@ class Sm90ExpertGemmKernel:
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
         self.block_m, self.block_k = block_m, (128 if self.is_fp8 else 64)
-        self.passes = 2 if (phase == "l1" and self.is_fp8) else 1
-        self.tile_n = WG_N * self.passes
+        # 256 columns when N allows (half the A reloads); an FP8 L1 tile must hold one whole
+        # requantization group (128 features = 256 interleaved columns)
+        self.block_n = 2 * WG_N if (n % (2 * WG_N) == 0 or (phase == "l1" and self.is_fp8)) \
+            else WG_N
+        self.chunks = self.block_n // WG_N
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
-        for name, value, mult in (("n", n, self.tile_n), ("k", k, self.block_k),
+        for name, value, mult in (("n", n, self.block_n), ("k", k, self.block_k),
                                   ("num_pool_rows", num_pool_rows, block_m)):
             if value <= 0 or value % mult != 0:
                 raise ValueError(f"{name} ({value}) must be a positive multiple of {mult}")
         if phase == "l1" and n % 16 != 0:
             raise ValueError(f"l1: n = 2I ({n}) must be a multiple of 16 (gate/up interleave)")
-        self.num_n_blocks = n // self.tile_n
+        self.num_n_blocks = n // self.block_n
         self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
         if activation_clamp is not None and not (activation_clamp >= 0 and
@@ -96,8 +101,8 @@ class Sm90ExpertGemmKernel:
         self.num_mma_wgs = block_m // 64
         self.num_threads = 128 * (1 + self.num_mma_wgs)
         elt = self.ab_dtype.width // 8
-        self.sfa_len, self.sfb_len = block_m, WG_N // SF_N
-        stage_bytes = (block_m + WG_N) * self.block_k * elt
+        self.sfa_len, self.sfb_len = block_m, self.block_n // SF_N
+        stage_bytes = (block_m + self.block_n) * self.block_k * elt
         if self.is_fp8:
             stage_bytes += (self.sfa_len + self.sfb_len) * 4
         self.stage_tx_bytes = stage_bytes
@@ -108,11 +113,13 @@ class Sm90ExpertGemmKernel:
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
 
     # ------------------------------------------------------------------------------ host side
-    def _smem_layout(self, rows: int):
+    def _smem_layout(self, rows: int, slots: int):
+        """``slots`` swizzled K-major ``rows x BK`` tiles (B: chunk ``c`` of stage ``s`` is slot
+        ``s * chunks + c``)."""
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.block_k),
             self.ab_dtype)
-        return cute.tile_to_shape(atom, (rows, self.block_k, self.num_stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, self.block_k, slots), order=(0, 1, 2))
 
     @cute.jit
     def __call__(
@@ -132,8 +139,8 @@ class Sm90ExpertGemmKernel:
             self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wgs, 1, 1),
             tiler_mn=(64, WG_N))
-        a_layout = self._smem_layout(self.block_m)
-        b_layout = self._smem_layout(WG_N)
+        a_layout = self._smem_layout(self.block_m, self.num_stages)
+        b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
         m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
                                                    stride=(self.k, 1)))
         m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
@@ -236,29 +243,28 @@ class Sm90ExpertGemmKernel:
         while tile < num_tiles:
             expert, _m, n_block, pool_block, _v = self.scheduler.tile(tile, expert, block_start,
                                                                       row_start)
-            for p in cutlass.range_constexpr(self.passes):
-                b_block = expert * b_blocks_per_expert + n_block * self.passes + p
-                for kb in cutlass.range(self.num_k_blocks):
-                    ab_pipe.producer_acquire(state)
-                    bar = ab_pipe.producer_get_barrier(state)
-                    cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_b, t_gb[(None, b_block, kb)], t_sb[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    if cutlass.const_expr(self.is_fp8):
-                        if lane == 0:
-                            prims.cp_async_bulk_shared_cluster_global(
-                                sfa.iterator + state.index * self.sfa_len,
-                                a_sf + (Int64(kb) * self.num_pool_rows
-                                        + pool_block * self.block_m),
-                                bar, Int32(self.sfa_len * 4))
-                            prims.cp_async_bulk_shared_cluster_global(
-                                sfb.iterator + state.index * self.sfb_len,
-                                b_sf + ((Int64(expert) * self.num_k_blocks + kb) * sfb_row
-                                        + b_block % b_blocks_per_expert * self.sfb_len),
-                                bar, Int32(self.sfb_len * 4))
-                    ab_pipe.producer_commit(state)
-                    state.advance()
+            b_block = expert * b_blocks_per_expert + n_block * self.chunks
+            for kb in cutlass.range(self.num_k_blocks):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
+                          tma_bar_ptr=bar)
+                for c in cutlass.range_constexpr(self.chunks):
+                    cute.copy(tma_b, t_gb[(None, b_block + c, kb)],
+                              t_sb[(None, state.index * self.chunks + c)], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.is_fp8):
+                    if lane == 0:
+                        prims.cp_async_bulk_shared_cluster_global(
+                            sfa.iterator + state.index * self.sfa_len,
+                            a_sf + (Int64(kb) * self.num_pool_rows + pool_block * self.block_m),
+                            bar, Int32(self.sfa_len * 4))
+                        prims.cp_async_bulk_shared_cluster_global(
+                            sfb.iterator + state.index * self.sfb_len,
+                            b_sf + ((Int64(expert) * self.num_k_blocks + kb) * sfb_row
+                                    + n_block * self.sfb_len),
+                            bar, Int32(self.sfb_len * 4))
+                ab_pipe.producer_commit(state)
+                state.advance()
             tile += grid
         ab_pipe.producer_tail(state)
 
@@ -272,72 +278,87 @@ class Sm90ExpertGemmKernel:
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
         acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
-        acc = cute.make_rmem_tensor(acc_shape, Float32)
-        part = cute.make_rmem_tensor(acc_shape, Float32)
+        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
+        part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         num_k_phases = cute.size(t_ra, mode=[2])
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
-        # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its warpgroup tile.
+        # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its chunk.
         row0 = 64 * mma_wg + 16 * warp_in_wg + lane // 4
         col0 = 2 * (lane % 4)
-        h_prev = cute.make_rmem_tensor((2, 2, WG_N // 16), Float32)
         tile = bidx
         expert = Int32(0)
         while tile < num_tiles:
             expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, expert, block_start, row_start)
             row_base = pool_block * self.block_m
-            for p in cutlass.range_constexpr(self.passes):
-                acc.fill(0.0)
+            for c in cutlass.range_constexpr(self.chunks):
+                accs[c].fill(0.0)
+            if cutlass.const_expr(self.is_fp8):
                 for _kb in cutlass.range(self.num_k_blocks):
                     ab_pipe.consumer_wait(state)
-                    warpgroup.fence()
-                    if cutlass.const_expr(self.is_fp8):
+                    sa0 = sfa[row0, state.index]
+                    sa1 = sfa[row0 + 8, state.index]
+                    for c in cutlass.range_constexpr(self.chunks):
+                        warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kk in cutlass.range_constexpr(num_k_phases):
                             cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
-                                      t_rb[(None, None, kk, state.index)], part)
+                                      t_rb[(None, None, kk, state.index * self.chunks + c)],
+                                      part)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    else:
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        for kk in cutlass.range_constexpr(num_k_phases):
-                            cute.gemm(tiled_mma, acc, t_ra[(None, None, kk, state.index)],
-                                      t_rb[(None, None, kk, state.index)], acc)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    if cutlass.const_expr(self.is_fp8):
-                        sa0 = sfa[row0, state.index]
-                        sa1 = sfa[row0 + 8, state.index]
-                        sb_vals = cute.make_rmem_tensor((WG_N // 8,), Float32)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        # promotion: acc += part * sa[row] * sb[8-row group of the column]
                         for j in cutlass.range_constexpr(WG_N // 8):
-                            sb_vals[j] = sfb[j, state.index]
-                        ab_pipe.consumer_release(state)
-                        for j in cutlass.range_constexpr(WG_N // 8):
-                            s0 = sa0 * sb_vals[j]
-                            s1 = sa1 * sb_vals[j]
-                            for c in cutlass.range_constexpr(2):
-                                acc[c + 4 * j] += part[c + 4 * j] * s0
-                                acc[c + 2 + 4 * j] += part[c + 2 + 4 * j] * s1
-                    else:
-                        ab_pipe.consumer_release(state)
+                            scale_b = sfb[c * (WG_N // 8) + j, state.index]
+                            s0 = sa0 * scale_b
+                            s1 = sa1 * scale_b
+                            for cc in cutlass.range_constexpr(2):
+                                accs[c][cc + 4 * j] += part[cc + 4 * j] * s0
+                                accs[c][cc + 2 + 4 * j] += part[cc + 2 + 4 * j] * s1
+                    ab_pipe.consumer_release(state)
                     state.advance()
-                if cutlass.const_expr(self.phase == "l2"):
-                    self.store_l2(acc, out, row_base, row0, col0, valid_m, n_block)
-                else:
-                    self.epilogue_l1(acc, h_prev, p, topk_weights, out, out_sf, row_base, row0,
-                                     col0, valid_m, n_block, lane)
+            else:
+                # one k-block of WGMMAs stays in flight; its stage is released one step later
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range(self.num_k_blocks):
+                    ab_pipe.consumer_wait(state)
+                    warpgroup.fence()
+                    for c in cutlass.range_constexpr(self.chunks):
+                        for kk in cutlass.range_constexpr(num_k_phases):
+                            cute.gemm(tiled_mma, accs[c], t_ra[(None, None, kk, state.index)],
+                                      t_rb[(None, None, kk, state.index * self.chunks + c)],
+                                      accs[c])
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if kb > 0:
+                        ab_pipe.consumer_release(prev)
+                        prev.advance()
+                    state.advance()
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(prev)
+                prev.advance()
+            if cutlass.const_expr(self.phase == "l2"):
+                for c in cutlass.range_constexpr(self.chunks):
+                    self.store_l2(accs[c], out, row_base, row0, col0, valid_m,
+                                  n_block * self.block_n + c * WG_N)
+            else:
+                self.epilogue_l1(accs, topk_weights, out, out_sf, row_base, row0, col0,
+                                 valid_m, n_block, lane)
             tile += grid
 
     @cute.jit
     def store_l2(self, acc: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
-                 col0: Int32, valid_m: Int32, n_block: Int32):
-        """BF16 rows of the tile's valid rows, straight from the accumulator."""
+                 col0: Int32, valid_m: Int32, col_base: Int32):
+        """BF16 values of one 128-column chunk, valid rows only, straight from registers."""
         vals = cute.make_rmem_tensor(acc.shape, BFloat16)
         vals.store(acc.load().to(BFloat16))
         for r in cutlass.range_constexpr(2):
             row = row0 + 8 * r
             if row < valid_m:
-                dst = out + (Int64(row_base + row) * self.n + n_block * WG_N + col0)
+                dst = out + (Int64(row_base + row) * self.n + col_base + col0)
                 for j in cutlass.range_constexpr(WG_N // 8):
                     pair = cute.make_tensor(dst + 8 * j, cute.make_layout(2))
                     pair[0] = vals[4 * j + 2 * r]
@@ -357,37 +378,47 @@ class Sm90ExpertGemmKernel:
         return silu * u
 
     @cute.jit
-    def epilogue_l1(self, acc: cute.Tensor, h_prev: cute.Tensor, p: cutlass.Constexpr,
-                    topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer,
-                    row_base: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
-                    lane: Int32):
-        """SwiGLU of one 128-column pass (64 features); FP8: requantize after the 2nd pass."""
+    def swiglu_chunk(self, acc: cute.Tensor, w0: Float32, w1: Float32) -> cute.Tensor:
+        """``h [c, r, m]`` of one 128-column chunk: 64 features of the thread's two rows (gate in
+        column group ``j = 2m``, up in ``j = 2m + 1``: the interleave by 8)."""
         rounded = cute.make_rmem_tensor(acc.shape, Float32)
         rounded.store(acc.load().to(BFloat16).to(Float32))
-        w = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
-        h = cute.make_rmem_tensor((2, 2, WG_N // 16), Float32)  # (c, r, m)
+        h = cute.make_rmem_tensor((2, 2, WG_N // 16), Float32)
         for r in cutlass.range_constexpr(2):
-            weight = w[row0 + 8 * r]
+            weight = w0 if r == 0 else w1
             for m in cutlass.range_constexpr(WG_N // 16):
                 for c in cutlass.range_constexpr(2):
-                    # gate in column group j = 2m, up in j = 2m + 1 (interleave by 8)
                     h[c, r, m] = self.silu_mul(rounded[c + 2 * r + 8 * m],
                                                rounded[c + 2 * r + 8 * m + 4]) * weight
+        return h
+
+    @cute.jit
+    def epilogue_l1(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
+                    out_sf: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
+                    valid_m: Int32, n_block: Int32, lane: Int32):
+        """SwiGLU times the routing weight; BF16 out, or FP8 requantized over the tile's 128
+        features (both chunks) with one power-of-two scale per row."""
+        w = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
+        w0 = w[row0]
+        w1 = w[row0 + 8]
+        features = n_block * (self.block_n // 2)
         if cutlass.const_expr(not self.is_fp8):
-            vals = cute.make_rmem_tensor(h.shape, BFloat16)
-            vals.store(h.load().to(BFloat16))
-            self.store_h(vals, out, row_base, row0, col0, valid_m, n_block * (WG_N // 2))
-        elif cutlass.const_expr(p == 0):
-            h_prev.store(h.load())
+            for c in cutlass.range_constexpr(self.chunks):
+                h = self.swiglu_chunk(accs[c], w0, w1)
+                vals = cute.make_rmem_tensor(h.shape, BFloat16)
+                vals.store(h.load().to(BFloat16))
+                self.store_h(vals, out, row_base, row0, col0, valid_m,
+                             features + c * (WG_N // 2))
         else:
-            self.requant_store(h_prev, h, out, out_sf, row_base, row0, col0, valid_m, n_block,
-                               lane)
+            self.requant_store(self.swiglu_chunk(accs[0], w0, w1),
+                               self.swiglu_chunk(accs[1], w0, w1), out, out_sf, row_base,
+                               row0, col0, valid_m, n_block, lane)
 
     @cute.jit
     def requant_store(self, h0: cute.Tensor, h1: cute.Tensor, out: cute.Pointer,
                       out_sf: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
                       valid_m: Int32, n_block: Int32, lane: Int32):
-        """e4m3 with a power-of-two scale per row over the tile's 128 features (both passes):
+        """e4m3 with a power-of-two scale per row over the tile's 128 features (both chunks):
         ``e = exponent(amax / 448)`` rounded up, ``q = satfinite(h * 2^-e)``."""
         q0 = cute.make_rmem_tensor(h0.shape, Float32)
         q1 = cute.make_rmem_tensor(h1.shape, Float32)
