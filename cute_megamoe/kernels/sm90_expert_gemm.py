@@ -355,14 +355,27 @@ class Sm90ExpertGemmKernel:
         """BF16 values of one 128-column chunk, valid rows only, straight from registers."""
         vals = cute.make_rmem_tensor(acc.shape, BFloat16)
         vals.store(acc.load().to(BFloat16))
+        self.store_rows(vals, out, row_base, row0, valid_m, self.n, col_base + col0)
+
+    @cute.jit
+    def store_rows(self, vals: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
+                   valid_m: Int32, row_elems: cutlass.Constexpr, col: Int32):
+        """Store a thread's fragment ``vals`` (value ``c + 2 r + 4 g``: row ``row0 + 8 r``,
+        column ``col + 8 g + c``) to the valid rows of ``out`` (``row_elems`` per row), each
+        column pair as one 2- or 4-byte word."""
+        elt = vals.element_type.width // 8
+        word = Int32 if cutlass.const_expr(elt == 2) else cutlass.Int16
+        words = cute.recast_tensor(vals, word)  # word r + 2 g: the pair (c = 0, 1)
+        groups = cute.size(vals) // 4
         for r in cutlass.range_constexpr(2):
             row = row0 + 8 * r
             if row < valid_m:
-                dst = out + (Int64(row_base + row) * self.n + col_base + col0)
-                for j in cutlass.range_constexpr(WG_N // 8):
-                    pair = cute.make_tensor(dst + 8 * j, cute.make_layout(2))
-                    pair[0] = vals[4 * j + 2 * r]
-                    pair[1] = vals[4 * j + 2 * r + 1]
+                addr = out.toint() + (Int64(row_base + row) * row_elems + col) * elt
+                dst = cute.make_tensor(
+                    cute.make_ptr(word, addr, cute.AddressSpace.gmem, assumed_align=2 * elt),
+                    cute.make_layout(groups, stride=4))  # pair g is 8 columns on
+                for g in cutlass.range_constexpr(groups):
+                    dst[g] = words[r + 2 * g]
 
     @cute.jit
     def silu_mul(self, g: Float32, u: Float32) -> Float32:
@@ -463,11 +476,4 @@ class Sm90ExpertGemmKernel:
     def store_h(self, vals: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
                 col0: Int32, valid_m: Int32, feature_base: Int32):
         """Features ``feature_base + 8 m + col0 + c`` of the thread's two rows (valid only)."""
-        for r in cutlass.range_constexpr(2):
-            row = row0 + 8 * r
-            if row < valid_m:
-                dst = out + (Int64(row_base + row) * self.out_cols + feature_base + col0)
-                for m in cutlass.range_constexpr(WG_N // 16):
-                    pair = cute.make_tensor(dst + 8 * m, cute.make_layout(2))
-                    pair[0] = vals[0, r, m]
-                    pair[1] = vals[1, r, m]
+        self.store_rows(vals, out, row_base, row0, valid_m, self.out_cols, feature_base + col0)
