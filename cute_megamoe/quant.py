@@ -92,6 +92,7 @@ __all__ = [
     "unpack_fp4",
     "unpack_ue8m0_from_int",
     "untranspose_sf_for_utccp",
+    "weight_sf_for_sm100",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -597,6 +598,18 @@ def untranspose_sf_for_utccp(sf: torch.Tensor) -> torch.Tensor:
     local = s % UTCCP_ROWS
     src = s - local + 4 * (local % 32) + local // 32
     return _permute_rows(sf, src)
+
+
+def weight_sf_for_sm100(sf: torch.Tensor) -> torch.Tensor:
+    """The FP4 weight scales as the sm100 expert GEMM reads them: int32 ``[E, K/128, N]``.
+
+    ``sf`` is the ``int32 [E, N, K/128]`` scale tensor that :func:`transform_weights_for_mega_moe`
+    returns for ``arch="sm100"`` (rows already UTCCP-transposed, any strides). The result holds
+    the same words, MN-major and contiguous (DeepGEMM's physical layout), so the 128 rows of one
+    word form one 512-byte chunk the TMA can load as the block-scaled MMA's scale chunk.
+    """
+    _check_utccp(sf, "sf")
+    return sf.transpose(1, 2).contiguous()
 
 
 def _unpack_pair(obj: object, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,294 @@
+"""Blackwell block-scaled grouped GEMMs over the pool (`kernels.sm100_expert_gemm`).
+
+CPU: what the kernel's TMA reads (the layouts of `gmem_layouts`, evaluated here in plain torch
+index arithmetic on the real host-side tensors) dequantizes to exactly the reference operands:
+the FP4 weights and their UTCCP-ordered scales after `transform_weights_for_mega_moe(sm100)` +
+`weight_sf_for_sm100`, the pool's e4m3 tokens and plain MN-major scales under the kernel's row
+permutation, and the L1 epilogue's scale bytes as the L2 input. Compile: every configuration
+(BLOCK_M 64 / 128 / 256, 1-CTA and 2-CTA, L1 and L2) for sm_100a; the SASS must show the
+block-scaled MMA (UTCQMMA), the UTCCP scale copies, TMEM loads (LDTM), TMA loads, and no local
+memory. sm100: both GEMMs against the float64 reference on random pools with poisoned outputs
+(skips without a compute-capability-10 GPU).
+"""
+
+import pytest
+import torch
+
+from cute_megamoe import quant, reference
+from cute_megamoe.kernels.sm100_expert_gemm import (
+    Sm100ExpertGemmKernel,
+    gmem_layouts,
+    lane_to_group_row,
+)
+from cute_megamoe.scheduler.host_model import pool_block_offsets
+
+
+def _flat(shape, stride):
+    if isinstance(shape, tuple):
+        pairs = []
+        for s, d in zip(shape, stride, strict=True):
+            pairs += _flat(s, d)
+        return pairs
+    return [(shape, stride)]
+
+
+def _offset(layout, coords):
+    """Element offsets of a CuTe ``(shape, stride)`` at integer coordinate tensors, one per top
+    mode (each decomposed colexicographically over its sub-modes, as CuTe does)."""
+    shape, stride = layout
+    total = torch.zeros_like(coords[0])
+    for mode_shape, mode_stride, c in zip(shape, stride, coords, strict=True):
+        c = c.clone()
+        for s, d in _flat(mode_shape, mode_stride):
+            total += (c % s) * d
+            c = c // s
+    return total
+
+
+def _grid(*sizes):
+    return [t.reshape(-1) for t in torch.meshgrid(*[torch.arange(s) for s in sizes],
+                                                  indexing="ij")]
+
+
+def _ue8m0(byte: torch.Tensor) -> torch.Tensor:
+    return torch.where(byte == 0, torch.tensor(2.0 ** -127),
+                       (byte.to(torch.int32) << 23).view(torch.float32))
+
+
+def test_lane_to_group_row_is_the_utccp_row_order():
+    rows = [lane_to_group_row(m) for m in range(128)]
+    assert sorted(rows) == list(range(128))
+    # transpose_sf_for_utccp puts row m (= 32 j + i) at position 4 i + j
+    t = quant.transpose_sf_for_utccp(torch.arange(128, dtype=torch.int32).view(1, 128, 1))
+    assert all(int(t[0, rows[m], 0]) == m for m in range(128))
+
+
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_weights_as_the_kernel_reads_them_equal_the_reference(phase):
+    gen = torch.Generator().manual_seed(1)
+    e, inter, hidden = 2, 128, 256
+    w1 = (torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(e, hidden, inter, generator=gen) * 3.0).to(torch.bfloat16)
+    q1 = quant.quantize_weights_for_recipe(w1, "fp8xfp4")
+    q2 = quant.quantize_weights_for_recipe(w2, "fp8xfp4")
+    t1, t2 = quant.transform_weights_for_mega_moe(q1, q2, arch="sm100")
+    if phase == "l1":
+        (b, sf), n, k = t1, 2 * inter, hidden
+        expected = quant.interleave_gate_up(quant.dequantize_weights_for_recipe(q1, "fp8xfp4"))
+    else:
+        (b, sf), n, k = t2, hidden, inter
+        expected = quant.dequantize_weights_for_recipe(q2, "fp8xfp4")
+    b_sf = quant.weight_sf_for_sm100(sf)
+    assert b_sf.shape == (e, k // 128, n) and b_sf.is_contiguous()
+    _, _, lay_b, lay_sfb = gmem_layouts(128, k, n, e)
+    nn, kk, ee = _grid(n, k, e)
+    code_off = _offset(lay_b, (nn, kk, ee))
+    byte = b.contiguous().view(torch.uint8).reshape(-1)[code_off // 2].to(torch.int32)
+    code = torch.where(code_off % 2 == 0, byte & 0xF, byte >> 4)
+    scale = _ue8m0(b_sf.view(torch.uint8).reshape(-1)[_offset(lay_sfb, (nn, kk, ee))])
+    read = quant.fp4_codes_to_float(code) * scale
+    assert torch.equal(read, expected[ee, nn, kk])
+
+
+def test_pool_tokens_as_the_kernel_reads_them_equal_the_reference():
+    gen = torch.Generator().manual_seed(2)
+    p, hidden = 256, 384
+    x = (torch.randn(p, hidden, generator=gen) * torch.rand(p, 1, generator=gen) * 8)
+    q, sf = quant.quantize_activations_for_recipe(x.to(torch.bfloat16), "fp8xfp4")
+    deq = quant.dequantize_activations_for_recipe((q, sf), "fp8xfp4")
+    pool_sf = sf.t().contiguous()  # the l1_acts_sf region: [H/128, P], pool row fastest
+    lay_a, lay_sfa, _, _ = gmem_layouts(p, hidden, 128, 1)
+    mm, kk = _grid(p, hidden)
+    zero = torch.zeros_like(mm)
+    vals = q.view(torch.uint8).reshape(-1)[_offset(lay_a, (mm, kk, zero))]
+    scale = _ue8m0(pool_sf.view(torch.uint8).reshape(-1)[_offset(lay_sfa, (mm, kk, zero))])
+    read = vals.view(torch.float8_e4m3fn).float() * scale
+    rows = torch.tensor([128 * (m // 128) + lane_to_group_row(m % 128) for m in range(p)])
+    assert torch.equal(read, deq[rows[mm], kk])
+
+
+def test_l1_scale_bytes_are_the_l2_input_scales():
+    """The L1 epilogue writes byte ``e + 127`` of group ``g`` of pool row ``r`` at byte
+    ``((g // 4) * P + r) * 4 + g % 4`` of int32 ``[I/128, P]``; the L2 GEMM reads that buffer as
+    its SFA. Both must agree with ``requant_fp8_pow2(h, 32, use_packed_ue8m0=True)``."""
+    gen = torch.Generator().manual_seed(3)
+    p, inter = 128, 256
+    h = torch.randn(p, inter, generator=gen) * torch.rand(p, 1, generator=gen) * 30
+    h[5, 32:64] = 0.0  # an all-zero group: byte 0
+    q, sf_packed = quant.requant_fp8_pow2(h, 32, use_packed_ue8m0=True)
+    _, sf = quant.requant_fp8_pow2(h, 32)
+    byte = torch.where(sf == 2.0 ** -127, 0, sf.view(torch.int32) >> 23).to(torch.uint8)
+    written = torch.zeros(inter // 128 * p * 4, dtype=torch.uint8)
+    rr, gg = _grid(p, inter // 32)
+    written[((gg // 4) * p + rr) * 4 + gg % 4] = byte[rr, gg]
+    assert torch.equal(written.view(torch.int32).view(inter // 128, p), sf_packed.t())
+    lay_a, lay_sfa, _, _ = gmem_layouts(p, inter, 128, 1)
+    mm, kk = _grid(p, inter)
+    zero = torch.zeros_like(mm)
+    scale = _ue8m0(written[_offset(lay_sfa, (mm, kk, zero))])
+    vals = q.view(torch.uint8).reshape(-1)[_offset(lay_a, (mm, kk, zero))]
+    read = vals.view(torch.float8_e4m3fn).float() * scale
+    rows = torch.tensor([lane_to_group_row(m) for m in range(p)])
+    assert torch.equal(read, reference.l2_input_reference(h, "fp8xfp4")[rows[mm], kk])
+
+
+def test_rejects_bad_configurations():
+    with pytest.raises(ValueError, match="block_m"):
+        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256, 96)
+    with pytest.raises(ValueError, match="recipe"):
+        Sm100ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 256, 256, 128)
+    with pytest.raises(ValueError, match="num_pool_rows"):
+        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 64 * 3, 256, 256, 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Sm100ExpertGemmKernel("l1", "fp8xfp4", 4, 1024, 384, 256, 128)
+    with pytest.raises(ValueError, match="k"):
+        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 200, 128)
+
+
+# ------------------------------------------------------------------------------ compile (CPU)
+
+def _args(phase: str, ptrs=None, num_ctas: int = 148, stream=None):
+    from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Uint8
+
+    from cute_megamoe.testing.compile import fake_ptr, fake_stream
+
+    dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
+              Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
+    if ptrs is None:
+        ptrs = [fake_ptr(d, 4 if d in (Int32, Uint8) else 16) for d in dtypes]
+    return (*ptrs, Int32(num_ctas), fake_stream() if stream is None else stream)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("phase,block_m", [("l1", 64), ("l2", 64), ("l1", 128), ("l2", 128),
+                                           ("l1", 256), ("l2", 256)])
+def test_compiles_sm100_with_block_scaled_mma_and_no_spills(phase, block_m):
+    from cute_megamoe.testing.compile import compile_for_arch
+
+    inter, hidden = 2048, 7168
+    n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
+    kernel = Sm100ExpertGemmKernel(phase, "fp8xfp4", 32, 8192, n, k, block_m,
+                                   activation_clamp=10.0 if phase == "l1" else None)
+    art = compile_for_arch(kernel, *_args(phase), arch="sm_100a")
+    group = "cta_group::2" if block_m == 256 else "cta_group::1"
+    assert f"tcgen05.mma.{group}.kind::mxf8f6f4.block_scale.block32" in art.ptx
+    assert f"tcgen05.cp.{group}.32x128b.warpx4" in art.ptx
+    assert "tcgen05.ld.sync.aligned.32x32b" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    suffix = ".2CTA" if block_m == 256 else ""
+    ops = art.sass_opcodes()
+    assert ops[f"UTCQMMA{suffix}"] == 4  # 4 x K=32 per 128-deep k-block
+    assert art.count(f"UTCCP.T.S{suffix}") == 2  # SFA and SFB chunks
+    assert art.count("LDTM") == (2 if phase == "l1" else 4)  # 64 / 32 columns per load
+    assert art.count("UTMALDG") == 4
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    assert usage["REG"] <= 128, usage
+
+
+# ------------------------------------------------------------------------------- sm100 (GPU)
+
+COUNTS = {"random": [300, 41, 129, 1, 77, 256, 5, 200], "sparse": [0, 1, 0, 5, 0, 0, 129, 1],
+          "empty": [0] * 8}
+
+
+def _ptr(t: torch.Tensor, dtype, align: int = 16):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _launch(kernel, phase, tensors, num_ctas):
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Uint8
+
+    dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
+              Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
+    ptrs = [_ptr(t, d, 4 if d in (Int32, Uint8) else 16)
+            for t, d in zip(tensors, dtypes, strict=True)]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    args = _args(phase, ptrs, num_ctas, stream)
+    cute.compile(kernel, *args)(*args)
+
+
+@pytest.mark.sm100
+@pytest.mark.parametrize("block_m", (64, 128, 256))
+@pytest.mark.parametrize("pattern", ("random", "sparse", "empty"))
+@pytest.mark.parametrize("clamp,fast_math,small_grid", [(7.0, True, False), (None, False, True)])
+def test_sm100_expert_ffn_matches_reference(block_m, pattern, clamp, fast_math, small_grid):
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(block_m + len(pattern))
+    counts, hidden, inter = COUNTS[pattern], 512, 256
+    e = len(counts)
+    offsets = pool_block_offsets(counts, block_m)
+    rows_of = [range(offsets[i] * block_m, offsets[i] * block_m + counts[i]) for i in range(e)]
+    p = quant.align((offsets[-1] + 1) * block_m, 256)
+    x = (torch.randn(p, hidden, generator=gen) * 2).to(torch.bfloat16)
+    acts, acts_sf = quant.quantize_activations_for_recipe(x, "fp8xfp4")
+    x_deq = quant.dequantize_activations_for_recipe((acts, acts_sf), "fp8xfp4")
+    topk_w = torch.rand(p, generator=gen)
+    w1 = (torch.randn(e, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, hidden, inter, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    q1 = quant.quantize_weights_for_recipe(w1, "fp8xfp4")
+    q2 = quant.quantize_weights_for_recipe(w2, "fp8xfp4")
+    w1_deq = quant.dequantize_weights_for_recipe(q1, "fp8xfp4")
+    w2_deq = quant.dequantize_weights_for_recipe(q2, "fp8xfp4")
+    (b1, sf1), (b2, sf2) = quant.transform_weights_for_mega_moe(q1, q2, arch="sm100")
+
+    counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
+    l2_acts = torch.full((p, inter), 0x7F, dtype=torch.uint8, device=dev)  # e4m3 NaN
+    l2_sf = torch.full((inter // 128, p), -1, dtype=torch.int32, device=dev)  # UE8M0 NaN
+    out = torch.full((p, hidden), 0x7FFF, dtype=torch.int16, device=dev)  # bf16 NaN
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    num_ctas = 6 if small_grid else sms - sms % 2
+    kw = dict(activation_clamp=None, fast_math=fast_math)
+    l1 = Sm100ExpertGemmKernel("l1", "fp8xfp4", e, p, 2 * inter, hidden, block_m,
+                               activation_clamp=clamp, fast_math=fast_math)
+    l2 = Sm100ExpertGemmKernel("l2", "fp8xfp4", e, p, hidden, inter, block_m, **kw)
+    _launch(l1, "l1", (acts.to(dev), acts_sf.t().contiguous().to(dev), b1.to(dev),
+                       quant.weight_sf_for_sm100(sf1).to(dev), counts_t, topk_w.to(dev),
+                       l2_acts, l2_sf), num_ctas)
+    _launch(l2, "l2", (l2_acts, l2_sf, b2.to(dev), quant.weight_sf_for_sm100(sf2).to(dev),
+                       counts_t, topk_w.to(dev), out, l2_sf), num_ctas)
+    torch.cuda.synchronize()
+
+    l2_acts = l2_acts.cpu().view(torch.float8_e4m3fn)
+    l2_sf_rows = l2_sf.cpu().t().contiguous()  # [P, I/128] packed
+    out = out.cpu().view(torch.bfloat16)
+    valid = torch.zeros(p, dtype=torch.bool)
+    for rows in rows_of:
+        valid[rows.start:rows.stop] = True
+    assert bool(torch.isnan(out[~valid].float()).all()), "a pad row of out was written"
+    assert bool(torch.isnan(l2_acts[~valid].float()).all()), "a pad row of l2_acts was written"
+    assert bool((l2_sf_rows[~valid] == -1).all()), "a pad row's L2 scales were written"
+    flips = big = total = 0
+    for i, rows in enumerate(rows_of):
+        if len(rows) == 0:
+            continue
+        sl = slice(rows.start, rows.stop)
+        h_ref, l2_in_ref, o_ref = reference.expert_ffn_reference(
+            x_deq[sl], topk_w[sl], w1_deq[i], w2_deq[i], "fp8xfp4", clamp, fast_math)
+        l2_in = quant.cast_back_from_fp8(l2_acts[sl], l2_sf_rows[sl], 32,
+                                         use_packed_ue8m0=True)
+        _, sf_ref = quant.requant_fp8_pow2(h_ref, 32)
+        sf_ours = quant.unpack_ue8m0_from_int(l2_sf_rows[sl])[:, : inter // 32]
+        amax = h_ref.abs().view(len(rows), -1, 32).amax(dim=2) / 448.0
+        near = (torch.log2(amax) - torch.round(torch.log2(amax))).abs() < 1e-2
+        assert bool(((sf_ours == sf_ref) | near).all()), f"expert {i}: requant scale mismatch"
+        step = torch.maximum(l2_in_ref.abs() * 2.0 ** -3,
+                             sf_ours.repeat_interleave(32, dim=1) * 2.0 ** -9)
+        diff = (l2_in - l2_in_ref).abs()
+        flips += int((diff > 0).sum())
+        big += int((diff > 2.01 * step).sum())
+        total += diff.numel()
+        o_ours = (l2_in.double() @ w2_deq[i].double().T)
+        rel = (out[sl].double() - o_ours).norm() / o_ours.norm().clamp_min(1e-30)
+        assert rel <= 1e-2, f"expert {i}: L2 error {rel}"
+        rel = (out[sl].double() - o_ref.double()).norm() / o_ref.double().norm().clamp_min(1e-30)
+        assert rel <= 3e-2, f"expert {i}: end-to-end error {rel}"
+    assert big <= 1e-3 * max(total, 1), f"L1 outputs off by > 1 e4m3 step: {big} / {total}"
+    assert flips <= 2e-2 * max(total, 1), f"too many L1 rounding flips: {flips} / {total}"
