@@ -1,10 +1,14 @@
-"""The whole layer on R GPUs: our staged layer (staging + dispatch + combine kernels around
-torch grouped GEMMs) against the PyTorch-only baseline (NCCL all-to-all + the same torch
-grouped GEMMs), same inputs, same run. Eager calls timed with CUDA events (the baseline needs a
-host synchronization for its split sizes, so it cannot be graph-captured), median of repeats,
-max over ranks.
+"""The whole layer on R GPUs, same inputs, same run:
 
-    python -m bench.bench_layer [--tokens 128,1024,4096] [--recipe bf16xbf16]
+* `ours`: every step on our kernels (staging, dispatch, L1 + SwiGLU + requant, L2, combine;
+  `staged_mega_moe` with `ExpertWeights`, BLOCK_M from the heuristics), eager and CUDA graph;
+* `staged_torch`: our staging/dispatch/combine kernels around torch grouped GEMMs;
+* `torch_baseline`: PyTorch only (NCCL all-to-all + the same torch grouped GEMMs).
+
+Eager calls are timed with CUDA events (the two torch paths read sizes back to the host, so
+they cannot be graph-captured), median of repeats, max over ranks.
+
+    python -m bench.bench_layer [--tokens 128,1024,4096] [--recipe fp8xfp8]
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.bench_dispatch import _time
+from bench.bench_dispatch import _time, _time_graph
 from bench.common import Results, gpu_clocks
 
 
@@ -28,13 +32,20 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     from cute_megamoe import staged
     from cute_megamoe.baseline import torch_moe_layer
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.expert_gemm import ExpertWeights
+    from cute_megamoe.heuristics import expected_tokens_per_expert, select_block_m
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     e_l = experts // num_ranks
     gen = torch.Generator().manual_seed(rank)
-    w1 = (torch.randn(e_l, 2 * inter, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e_l, hidden, inter, generator=gen) / inter**0.5).to(torch.bfloat16)
-    weights = staged.TorchExpertWeights.from_bf16(w1.cuda(), w2.cuda(), recipe)
+    wgen = torch.Generator(device="cuda").manual_seed(rank)
+    w1 = (torch.randn(e_l, 2 * inter, hidden, generator=wgen, device="cuda")
+          / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e_l, hidden, inter, generator=wgen, device="cuda")
+          / inter**0.5).to(torch.bfloat16)
+    weights = staged.TorchExpertWeights.from_bf16(w1, w2, recipe)
+    kernel_weights = ExpertWeights.from_bf16(w1, w2, recipe)
+    del w1, w2
     buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, experts, max(tokens), topk, hidden,
                                        inter, mma_type=recipe)
     res = Results("layer", meta={"ranks": num_ranks, "recipe": recipe, "experts": experts,
@@ -45,7 +56,14 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).cuda()
         idx, w = idx.cuda(), w.cuda()
 
-        def ours(x=x, idx=idx, w=w):
+        block_m = select_block_m(expected_tokens_per_expert(n, num_ranks, topk, experts),
+                                 "sm90")
+
+        def ours(x=x, idx=idx, w=w, block_m=block_m):
+            staged.staged_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
+                                   block_m=block_m, validate_routing=False)
+
+        def staged_torch(x=x, idx=idx, w=w):
             staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
                                    validate_routing=False)
 
@@ -53,14 +71,19 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             torch_moe_layer(x, idx, w, weights, num_experts=experts, recipe=recipe,
                             activation_clamp=10.0, group=dist.group.WORLD)
 
-        t_ours, t_base = _time(ours, 5), _time(base, 5)
+        t_ours, t_graph = _time(ours, 5), _time_graph(ours, 5)
+        t_staged, t_base = _time(staged_torch, 5), _time(base, 5)
         flops = 2 * int((idx >= 0).sum()) * 3 * hidden * inter
-        res.add(tokens=n, staged_us=t_ours * 1e6, torch_baseline_us=t_base * 1e6,
-                speedup=t_base / t_ours, staged_tflops=flops / t_ours / 1e12)
+        best = min(t_ours, t_graph or t_ours)
+        res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
+                ours_graph_us=None if t_graph is None else t_graph * 1e6,
+                staged_torch_us=t_staged * 1e6, torch_baseline_us=t_base * 1e6,
+                speedup_vs_baseline=t_base / best, ours_tflops=flops / best / 1e12)
     res.meta["clocks_after"] = gpu_clocks()
     if rank == 0:
         print(f"saved {res.save(out_dir or None)}")
-        print(res.table(["tokens", "staged_us", "torch_baseline_us", "speedup", "staged_tflops"]))
+        print(res.table(["tokens", "block_m", "ours_us", "ours_graph_us", "staged_torch_us",
+                         "torch_baseline_us", "speedup_vs_baseline", "ours_tflops"]))
     buf.destroy()
     dist.barrier()
     dist.destroy_process_group()
@@ -72,11 +95,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     p.add_argument("--tokens", default="128,1024,4096")
-    p.add_argument("--recipe", default="bf16xbf16")
-    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--recipe", default="fp8xfp8")
+    p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--port", type=int, default=29544)
     a = p.parse_args()
     mp.spawn(_worker, args=(a.ranks, a.port, [int(t) for t in a.tokens.split(",")], a.recipe,
