@@ -5,9 +5,9 @@ BLOCK_M the heuristics pick and at the other one), torch's two grouped GEMMs on 
 per expert (`torch._scaled_grouped_mm` with rowwise scales for FP8, `torch._grouped_mm` for
 BF16; no SwiGLU or requantization, so torch does less work), and the weight-read floor: the
 weight bytes at the device-to-device copy bandwidth (bytes read + written per second of a
-copy moving min(weight bytes, 2 GiB), measured in the same process; torch copies of several
-GiB run slower, 2.8 instead of 4.3 TB/s, and would flatter us). All timed by CUDA-graph
-replay, median of replays.
+copy moving min(weight bytes, 2 GiB) in 256 MiB pieces, measured in the same process; torch
+copies of 1 GiB or more run at 2.8 instead of 4.2 TB/s and would flatter us). All timed by
+CUDA-graph replay, median of replays.
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
