@@ -1,13 +1,15 @@
 """Run a small MoE layer end to end and print its error and time.
 
-    python -m cute_megamoe.demo [--recipe fp8xfp4] [--tokens 512] [--cpu]
+    python -m cute_megamoe.demo [--recipe fp8xfp8] [--tokens 512] [--cpu]
 
-With a CUDA GPU (Hopper or Blackwell) the layer runs on our kernels where they exist - input
-staging, dispatch (count -> prefix -> scatter -> pull) and combine - with the expert GEMMs done
-by `torch._grouped_mm` (our grouped GEMM kernels are not written yet). Without a GPU (or with
-`--cpu`) it runs `mega_moe_reference`, the pure-PyTorch definition of the layer. Either way
-the output is compared with the same layer evaluated in float64 without any quantization (the
-error of the recipe itself) and with the reference (the error of the implementation).
+With a CUDA GPU the layer runs on our kernels where they exist: on Hopper with the fp8xfp8
+(default there) or bf16xbf16 recipe every step is ours (input staging, dispatch, the L1/L2
+grouped GEMMs with the SwiGLU epilogue, combine: `fp8_mega_moe` / `bf16_mega_moe`); otherwise
+the expert GEMMs are `torch._grouped_mm` between our staging/dispatch/combine kernels. Without
+a GPU (or with `--cpu`) it runs `mega_moe_reference`, the pure-PyTorch definition of the layer
+(default recipe fp8xfp4, DeepGEMM's). Either way the output is compared with the same layer
+evaluated in float64 without any quantization (the error of the recipe itself) and with the
+reference (the error of the implementation).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="fp8xfp4", choices=["fp8xfp4", "fp8xfp8", "bf16xbf16"])
+    p.add_argument("--recipe", default=None, choices=["fp8xfp4", "fp8xfp8", "bf16xbf16"],
+                   help="default: fp8xfp8 on a Hopper GPU, else fp8xfp4")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--topk", type=int, default=4)
@@ -56,6 +59,9 @@ def main() -> None:
 
     use_gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if use_gpu else "cpu")
+    hopper = use_gpu and torch.cuda.get_device_capability()[0] == 9
+    if args.recipe is None:
+        args.recipe = "fp8xfp8" if hopper else "fp8xfp4"
     gen = torch.Generator().manual_seed(0)
     n, e, k, h, i = args.tokens, args.experts, args.topk, args.hidden, args.intermediate
     x = torch.randn(n, h, generator=gen).to(torch.bfloat16)
@@ -73,16 +79,28 @@ def main() -> None:
           f"recipe {args.recipe}, device {device}")
     ref = run_reference()
     if use_gpu:
-        from . import staged
+        from . import api, staged
         from .buffer import get_symm_buffer_for_mega_moe
+        from .expert_gemm import SUPPORTED_RECIPES, ExpertWeights
+        from .runtime import get_arch
 
         buf = get_symm_buffer_for_mega_moe(None, e, n, k, h, i, mma_type=args.recipe)
-        weights = staged.TorchExpertWeights.from_bf16(w1, w2, args.recipe)
+        ours = args.recipe in SUPPORTED_RECIPES.get(get_arch(device), ())
+        if ours:
+            weights = ExpertWeights.from_bf16(w1, w2, args.recipe)
+            layer = api.fp8_mega_moe if args.recipe == "fp8xfp8" else api.bf16_mega_moe
+            y_out = torch.empty_like(x)
 
-        def run():
-            return staged.staged_mega_moe(buf, x, topk_idx, topk_w, weights,
-                                          activation_clamp=args.clamp, block_m=64,
-                                          validate_routing=False)
+            def run():
+                api.stage_inputs(buf, x, topk_idx, topk_w, validate_routing=False)
+                return layer(y_out, weights, buf, activation_clamp=args.clamp)
+        else:
+            weights = staged.TorchExpertWeights.from_bf16(w1, w2, args.recipe)
+
+            def run():
+                return staged.staged_mega_moe(buf, x, topk_idx, topk_w, weights,
+                                              activation_clamp=args.clamp, block_m=64,
+                                              validate_routing=False)
 
         y = run()  # compiles the kernels
         torch.cuda.synchronize()
@@ -94,8 +112,9 @@ def main() -> None:
         end.record()
         end.synchronize()
         elapsed = start.elapsed_time(end) / 1e3 / iters
-        what = ("GPU: our staging, dispatch and combine kernels + torch._grouped_mm experts "
-                "(staged mode)")
+        what = ("GPU: every step on our kernels (staging, dispatch, grouped GEMMs, combine)"
+                if ours else "GPU: our staging, dispatch and combine kernels + "
+                "torch._grouped_mm experts (staged mode)")
     else:
         start = time.perf_counter()
         y = run_reference()
