@@ -84,6 +84,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 
 from ..scheduler.device import ExpertTileScheduler
 from .common.pool import build_pool_prefix
+from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
 PHASES = ("l1", "l2")
 RECIPES = ("fp8xfp4",)
@@ -92,8 +93,6 @@ TILE_N = 128  # weight rows per tile (L1: 64 features = two requant groups)
 BLOCK_K = 128  # K per stage: one packed scale word (4 x 32) per row
 SF_VEC = 32
 ROW_GROUP = 128  # token rows per CTA-level MMA tile / scale chunk
-FP8_E4M3_MAX = 448.0
-LOG2_E = 1.4426950408889634
 SMEM_CAPACITY = 232448  # sm_100 per-CTA shared memory (227 KB)
 SMEM_RESERVED = 2048  # barriers, TMEM pointer, scheduler prefix arrays, alignment
 MAX_STAGES = 8
@@ -574,16 +573,7 @@ class Sm100ExpertGemmKernel:
 
     @cute.jit
     def silu_mul(self, g: Float32, u: Float32) -> Float32:
-        """``silu(g) * u`` after the clamp; fast: ex2.approx and rcp.approx, else IEEE."""
-        if cutlass.const_expr(self.clamp is not None):
-            g = cutlass.min(g, Float32(self.clamp))
-            u = cutlass.max(cutlass.min(u, Float32(self.clamp)), Float32(-self.clamp))
-        silu = g
-        if cutlass.const_expr(self.fast_math):
-            silu = g * cute.arch.rcp_approx(1.0 + cute.arch.exp2(g * (-LOG2_E)))
-        else:
-            silu = g / (1.0 + cute.math.exp(-g))
-        return silu * u
+        return clamped_silu_mul(g, u, self.clamp, self.fast_math)
 
     @cute.jit
     def swiglu_requant_store(self, acc: cute.Tensor, weight: Float32, out: cute.Pointer,
@@ -599,8 +589,7 @@ class Sm100ExpertGemmKernel:
                 v = self.silu_mul(rounded[16 * b + r], rounded[16 * b + 8 + r]) * weight
                 h[8 * b + r] = v
                 amax = cute.arch.fmax(amax, cute.math.absf(v))
-        bits = (amax * Float32(1.0 / FP8_E4M3_MAX)).bitcast(Int32)
-        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(Int32)
+        exponent = requant_exponent(amax)
         sf_inv = ((127 - exponent) << 23).bitcast(Float32)
         q = cute.make_rmem_tensor((32,), Float32)
         for i in cutlass.range_constexpr(32):

@@ -47,18 +47,17 @@ from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
 from .common.pool import build_pool_prefix
+from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
 PHASES = ("l1", "l2")
 RECIPES = ("fp8xfp8", "bf16xbf16")
 WG_N = 128  # columns of one consumer warpgroup's WGMMA tile (one pass)
 SF_K = 128  # K extent of one FP8 scale
 SF_N = 8  # weight rows sharing one FP8 weight scale entry (the gate/up interleave unit)
-FP8_E4M3_MAX = 448.0
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 MAX_STAGES = 8
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-LOG2_E = 1.4426950408889634
 
 
 class Sm90ExpertGemmKernel:
@@ -379,16 +378,7 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def silu_mul(self, g: Float32, u: Float32) -> Float32:
-        """``silu(g) * u`` after the clamp; fast: ex2.approx and rcp.approx, else IEEE."""
-        if cutlass.const_expr(self.clamp is not None):
-            g = cutlass.min(g, Float32(self.clamp))
-            u = cutlass.max(cutlass.min(u, Float32(self.clamp)), Float32(-self.clamp))
-        silu = g
-        if cutlass.const_expr(self.fast_math):
-            silu = g * cute.arch.rcp_approx(1.0 + cute.arch.exp2(g * (-LOG2_E)))
-        else:
-            silu = g / (1.0 + cute.math.exp(-g))
-        return silu * u
+        return clamped_silu_mul(g, u, self.clamp, self.fast_math)
 
     @cute.jit
     def swiglu_chunk(self, acc: cute.Tensor, w0: Float32, w1: Float32) -> cute.Tensor:
@@ -435,7 +425,6 @@ class Sm90ExpertGemmKernel:
         ``e = exponent(amax / 448)`` rounded up, ``q = satfinite(h * 2^-e)``."""
         q0 = cute.make_rmem_tensor(h0.shape, Float32)
         q1 = cute.make_rmem_tensor(h1.shape, Float32)
-        inv_max = Float32(1.0 / FP8_E4M3_MAX)
         for r in cutlass.range_constexpr(2):
             amax = Float32(0.0)
             for m in cutlass.range_constexpr(WG_N // 16):
@@ -445,8 +434,7 @@ class Sm90ExpertGemmKernel:
             # the row's 128 features are spread over the 4 lanes of a quad
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
-            bits = (amax * inv_max).bitcast(Int32)
-            exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(Int32)
+            exponent = requant_exponent(amax)
             sf_inv = ((127 - exponent) << 23).bitcast(Float32)
             for m in cutlass.range_constexpr(WG_N // 16):
                 for c in cutlass.range_constexpr(2):
