@@ -149,10 +149,11 @@ def fp8_mega_moe(y: torch.Tensor, weights, sym_buffer: SymmBuffer, *,
     The inputs are what `stage_inputs` put into `sym_buffer` (``len(y)`` tokens); the result
     is written to ``y`` (BF16 ``[num_tokens, hidden]``) and returned. Staged mode: dispatch,
     L1 (+ SwiGLU + requant), L2 and combine run as four kernels. ``weights`` is this rank's
-    `expert_gemm.ExpertWeights` (recipe ``fp8xfp8`` on Hopper). ``block_m`` defaults to the
-    heuristics' choice for the expected tokens per expert.
+    `expert_gemm.ExpertWeights` (recipe ``fp8xfp8`` on Hopper; ``fp8xfp4`` on Blackwell, whose
+    kernels are compiled but were never run). ``block_m`` defaults to the heuristics' choice
+    for the expected tokens per expert.
     """
-    return _mega_moe(("fp8xfp8",), "fp8_mega_moe", y, weights, sym_buffer,
+    return _mega_moe(("fp8xfp8", "fp8xfp4"), "fp8_mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m)
 
 

@@ -85,10 +85,11 @@ def main() -> None:
         from .runtime import get_arch
 
         buf = get_symm_buffer_for_mega_moe(None, e, n, k, h, i, mma_type=args.recipe)
-        ours = args.recipe in SUPPORTED_RECIPES.get(get_arch(device), ())
+        arch = get_arch(device)
+        ours = args.recipe in SUPPORTED_RECIPES.get(arch, ())
         if ours:
-            weights = ExpertWeights.from_bf16(w1, w2, args.recipe)
-            layer = api.fp8_mega_moe if args.recipe == "fp8xfp8" else api.bf16_mega_moe
+            weights = ExpertWeights.from_bf16(w1, w2, args.recipe, arch=arch)
+            layer = api.bf16_mega_moe if args.recipe == "bf16xbf16" else api.fp8_mega_moe
             y_out = torch.empty_like(x)
 
             def run():

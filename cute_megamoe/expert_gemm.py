@@ -1,4 +1,4 @@
-"""The expert FFN over the pool on our grouped-GEMM kernels (Hopper: `kernels/sm90_expert_gemm`).
+"""The expert FFN over the pool on our grouped-GEMM kernels.
 
     weights = ExpertWeights.from_bf16(w1, w2, "fp8xfp8")        # once, at load time
     out = expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m=128)
@@ -8,6 +8,10 @@ pool block `pool_block_offsets(counts, block_m)[e]`, pad rows to a multiple of `
 `expert_ffn` runs L1 (gate/up GEMM + SwiGLU + routing weight + FP8 requantization into the L2
 pool) then L2, and returns BF16 `[P, H]` in pool order, pad rows unwritten. Everything is
 checked on the host before the first launch.
+
+Kernels per arch (`SUPPORTED_RECIPES`): Hopper `kernels/sm90_expert_gemm.py` (fp8xfp8,
+bf16xbf16; GPU-tested); Blackwell `kernels/sm100_expert_gemm.py` (fp8xfp4; compiled and
+SASS-checked for sm_100a, never run: no Blackwell GPU was available).
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ from .heuristics import get_num_sms
 from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
 
 #: Recipes with grouped-GEMM kernels, per arch.
-SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16")}
-BLOCK_MS = (64, 128)
-SF_N = 8  # weight rows per FP8 weight-scale entry the kernels read
+SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4",)}
+#: BLOCK_M values the kernels implement, per arch.
+BLOCK_MS = {"sm_90a": (64, 128), "sm_100a": (64, 128, 256)}
+SF_N = 8  # weight rows per FP8 weight-scale entry the sm90 kernels read
+
+_ACT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.float8_e4m3fn,
+              "bf16xbf16": torch.bfloat16}
+_ACT_SF_DTYPE = {"fp8xfp8": torch.float32, "fp8xfp4": torch.int32}  # per 128 K / 4 x UE8M0
 
 
 def _compact_weight_sf(rows_sf: torch.Tensor, name: str) -> torch.Tensor:
-    """Per-row f32 scales ``[E, N, K/128]`` -> the kernels' ``[E, K/128, N/8]`` (one entry per 8
-    rows; raises if the 8 rows of a group disagree, i.e. the scales were not 128x128 blocks)."""
+    """Per-row f32 scales ``[E, N, K/128]`` -> the sm90 kernels' ``[E, K/128, N/8]`` (one entry
+    per 8 rows; raises if the 8 rows of a group disagree, i.e. not 128x128 block scales)."""
     num_experts, n, kb = rows_sf.shape
     groups = rows_sf.view(num_experts, n // SF_N, SF_N, kb)
     if not bool((groups == groups[:, :, :1]).all()):
@@ -40,11 +49,16 @@ def _compact_weight_sf(rows_sf: torch.Tensor, name: str) -> torch.Tensor:
 
 @dataclass
 class ExpertWeights:
-    """One rank's expert weights as the grouped GEMMs read them.
+    """One rank's expert weights as the grouped GEMMs of ``arch`` read them.
 
-    ``w1`` ``[E_l, 2I, H]`` with gate/up rows interleaved by 8, ``w2`` ``[E_l, H, I]`` (e4m3 or
-    bf16, contiguous); for ``fp8xfp8`` ``w1_sf`` ``[E_l, H/128, 2I/8]`` and ``w2_sf``
-    ``[E_l, I/128, H/8]`` f32 (the 128x128 block scales, one entry per 8 rows, K-block major).
+    ``w1`` ``[E_l, 2I, H]`` with gate/up rows interleaved by 8 and ``w2`` ``[E_l, H, I]``:
+
+    * ``fp8xfp8`` (sm_90a): e4m3, with ``w1_sf`` ``[E_l, H/128, 2I/8]`` and ``w2_sf``
+      ``[E_l, I/128, H/8]`` f32 (the 128x128 block scales, one entry per 8 rows, K-block major);
+    * ``bf16xbf16`` (sm_90a): bf16, no scales;
+    * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
+      ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
+      word, UTCCP row order, MN-major: ``quant.weight_sf_for_sm100``).
     """
 
     recipe: str
@@ -52,6 +66,7 @@ class ExpertWeights:
     w2: torch.Tensor
     w1_sf: torch.Tensor | None = None
     w2_sf: torch.Tensor | None = None
+    arch: str = "sm_90a"
 
     @property
     def num_experts(self) -> int:
@@ -59,45 +74,86 @@ class ExpertWeights:
 
     @property
     def hidden(self) -> int:
-        return self.w1.shape[2]
+        return self.w1.shape[2] * (2 if self.recipe == "fp8xfp4" else 1)
 
     @property
     def intermediate(self) -> int:
         return self.w1.shape[1] // 2
 
     @classmethod
-    def from_quantized(cls, l1_weights, l2_weights, recipe: str) -> ExpertWeights:
+    def from_quantized(cls, l1_weights, l2_weights, recipe: str,
+                       arch: str = "sm_90a") -> ExpertWeights:
         """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved)."""
-        if recipe not in ("fp8xfp8", "bf16xbf16"):
-            raise ValueError(f"recipe: grouped GEMMs implement fp8xfp8 and bf16xbf16, "
-                             f"got {recipe!r}")
-        l1, l2 = quant.transform_weights_for_mega_moe(l1_weights, l2_weights, arch="sm90")
+        if arch not in SUPPORTED_RECIPES or recipe not in SUPPORTED_RECIPES[arch]:
+            raise ValueError(f"recipe {recipe!r} has no grouped-GEMM kernels on {arch!r} "
+                             f"(supported: {SUPPORTED_RECIPES})")
+        l1, l2 = quant.transform_weights_for_mega_moe(l1_weights, l2_weights, arch=arch)
         if recipe == "bf16xbf16":
             if not isinstance(l1, torch.Tensor) or l1.dtype != torch.bfloat16:
                 raise TypeError("bf16xbf16 weights must be bf16 tensors")
-            return cls(recipe, l1.contiguous(), l2.contiguous())
-        if not isinstance(l1, tuple) or l1[0].dtype != torch.float8_e4m3fn:
-            raise TypeError("fp8xfp8 weights must be (e4m3, f32 scale) pairs")
-        return cls(recipe, l1[0].contiguous(), l2[0].contiguous(),
-                   _compact_weight_sf(l1[1], "l1_weights[1]"),
-                   _compact_weight_sf(l2[1], "l2_weights[1]"))
+            return cls(recipe, l1.contiguous(), l2.contiguous(), arch=arch)
+        want = torch.float8_e4m3fn if recipe == "fp8xfp8" else torch.int8
+        if not isinstance(l1, tuple) or l1[0].dtype != want:
+            raise TypeError(f"{recipe} weights must be ({want}, scale) pairs")
+        if recipe == "fp8xfp8":
+            sf1 = _compact_weight_sf(l1[1], "l1_weights[1]")
+            sf2 = _compact_weight_sf(l2[1], "l2_weights[1]")
+        else:
+            sf1, sf2 = quant.weight_sf_for_sm100(l1[1]), quant.weight_sf_for_sm100(l2[1])
+        return cls(recipe, l1[0].contiguous(), l2[0].contiguous(), sf1, sf2, arch=arch)
 
     @classmethod
-    def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str) -> ExpertWeights:
+    def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str,
+                  arch: str = "sm_90a") -> ExpertWeights:
         """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does."""
         return cls.from_quantized(quant.quantize_weights_for_recipe(w1, recipe),
-                                  quant.quantize_weights_for_recipe(w2, recipe), recipe)
+                                  quant.quantize_weights_for_recipe(w2, recipe), recipe, arch)
+
+
+def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
+                n: int, k: int, block_m: int, activation_clamp: float | None = None,
+                fast_math: bool = True):
+    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
+    eight pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out,
+    out_sf)`` (what `expert_ffn` passes; the compile tests use the same plan)."""
+    from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Uint8
+
+    clamp = activation_clamp if phase == "l1" else None
+    if arch == "sm_90a":
+        from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
+
+        ab = Float8E4M3FN if recipe == "fp8xfp8" else BFloat16
+        dtypes = (ab, Float32, ab, Float32, Int32, Float32, ab if phase == "l1" else BFloat16,
+                  Float32)
+    elif arch == "sm_100a":
+        from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
+
+        dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
+                  Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
+    else:
+        raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
+    kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
+                    activation_clamp=clamp, fast_math=fast_math)
+    return kernel, dtypes
 
 
 def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, int, int]:
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights: expected ExpertWeights, got {type(weights).__name__}")
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
-    fp8 = weights.recipe == "fp8xfp8"
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    recipe = weights.recipe
+    if recipe == "fp8xfp4":
+        _check_tensor("weights.w1", weights.w1, torch.int8, (e_l, 2 * inter, hidden // 2), device)
+        _check_tensor("weights.w2", weights.w2, torch.int8, (e_l, hidden, inter // 2), device)
+        _check_tensor("weights.w1_sf", weights.w1_sf, torch.int32,
+                      (e_l, hidden // 128, 2 * inter), device)
+        _check_tensor("weights.w2_sf", weights.w2_sf, torch.int32, (e_l, inter // 128, hidden),
+                      device)
+        return e_l, hidden, inter
+    dtype = _ACT_DTYPE[recipe]
     _check_tensor("weights.w1", weights.w1, dtype, (e_l, 2 * inter, hidden), device)
     _check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter), device)
-    if fp8:
+    if recipe == "fp8xfp8":
         _check_tensor("weights.w1_sf", weights.w1_sf, torch.float32,
                       (e_l, hidden // 128, 2 * inter // SF_N), device)
         _check_tensor("weights.w2_sf", weights.w2_sf, torch.float32,
@@ -105,13 +161,16 @@ def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, i
     return e_l, hidden, inter
 
 
-def _check_mn_major(name: str, t: torch.Tensor, rows: int, cols: int, device) -> None:
-    """A ``[rows, cols]`` f32 view of a contiguous ``[cols, rows]`` tensor (strides (1, rows))."""
-    _check_tensor(name, t.t(), torch.float32, (cols, rows), device)
+def _check_mn_major(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, cols: int,
+                    device) -> None:
+    """A ``[rows, cols]`` view of a contiguous ``[cols, rows]`` tensor (strides (1, rows))."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _check_tensor(name, t.t(), dtype, (cols, rows), device)
 
 
-def _sf_view(rows: int, cols: int, device) -> torch.Tensor:
-    return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
+def _sf_view(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(cols, rows, dtype=dtype, device=device).t()
 
 
 def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: torch.Tensor,
@@ -122,16 +181,15 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc).
 
     Args:
-        acts: ``[P, H]`` e4m3 (fp8xfp8) or bf16 pool rows, ``P`` a multiple of ``block_m``.
-        acts_sf: f32 ``[P, H/128]`` with strides ``(1, P)`` (fp8xfp8), else None.
+        acts: ``[P, H]`` e4m3 (fp8 recipes) or bf16 pool rows, ``P`` a multiple of ``block_m``.
+        acts_sf: the activation scales, ``[P, H/128]`` with strides ``(1, P)``: f32
+            (fp8xfp8) or int32 with four UE8M0 bytes (fp8xfp4); None for bf16xbf16.
         topk_weights: f32 ``[P]``, the routing weight of each pool row.
         expert_recv_tokens: int32 ``[E_l]`` rows per expert (on the device).
-        weights: `ExpertWeights` of the same recipe as ``acts``.
-        l2_acts, l2_acts_sf, out: optional outputs (the L2 pool ``[P, I]``, its f32 scales
+        weights: `ExpertWeights` of the same recipe as ``acts``, prepared for this GPU's arch.
+        l2_acts, l2_acts_sf, out: optional outputs (the L2 pool ``[P, I]``, its scales
             ``[P, I/128]`` strides ``(1, P)``, and ``[P, H]`` bf16); allocated when None.
     """
-    from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
     device = acts.device
@@ -142,11 +200,12 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     if arch not in SUPPORTED_RECIPES or recipe not in SUPPORTED_RECIPES[arch]:
         raise ValueError(f"expert_ffn: no grouped-GEMM kernels for recipe {recipe!r} on {arch} "
                          f"(supported: {SUPPORTED_RECIPES})")
+    if weights.arch != arch:
+        raise ValueError(f"weights: prepared for {weights.arch}, this GPU is {arch}")
     e_l, hidden, inter = _check_weights(weights, device)
-    if block_m not in BLOCK_MS:
-        raise ValueError(f"block_m: expected one of {BLOCK_MS}, got {block_m}")
-    fp8 = recipe == "fp8xfp8"
-    act_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    if block_m not in BLOCK_MS[arch]:
+        raise ValueError(f"block_m: expected one of {BLOCK_MS[arch]} on {arch}, got {block_m}")
+    act_dtype, sf_dtype = _ACT_DTYPE[recipe], _ACT_SF_DTYPE.get(recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:
         raise ValueError(f"acts: expected shape [P, {hidden}], got {tuple(acts.shape)}")
     pool_rows = acts.shape[0]
@@ -156,57 +215,65 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     _check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
     _check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
     _check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
-    if fp8:
+    if sf_dtype is not None:
         if acts_sf is None:
-            raise ValueError("acts_sf: required for fp8xfp8")
-        _check_mn_major("acts_sf", acts_sf, pool_rows, hidden // 128, device)
+            raise ValueError(f"acts_sf: required for {recipe}")
+        _check_mn_major("acts_sf", acts_sf, sf_dtype, pool_rows, hidden // 128, device)
     elif acts_sf is not None:
         raise ValueError("acts_sf: must be None for bf16xbf16")
     if l2_acts is None:
         l2_acts = torch.empty(pool_rows, inter, dtype=act_dtype, device=device)
     _check_tensor("l2_acts", l2_acts, act_dtype, (pool_rows, inter), device)
-    if fp8:
+    if sf_dtype is not None:
         if l2_acts_sf is None:
-            l2_acts_sf = _sf_view(pool_rows, inter // 128, device)
-        _check_mn_major("l2_acts_sf", l2_acts_sf, pool_rows, inter // 128, device)
+            l2_acts_sf = _sf_view(pool_rows, inter // 128, sf_dtype, device)
+        _check_mn_major("l2_acts_sf", l2_acts_sf, sf_dtype, pool_rows, inter // 128, device)
     if out is None:
         out = torch.empty(pool_rows, hidden, dtype=torch.bfloat16, device=device)
     _check_tensor("out", out, torch.bfloat16, (pool_rows, hidden), device)
+    if arch == "sm_100a":
+        for name, t in (("l2_acts", l2_acts), ("out", out)):
+            if t.data_ptr() % 64 != 0:  # the sm100 epilogue stores 32- / 64-byte row chunks
+                raise ValueError(f"{name}: data pointer must be 64-byte aligned on {arch}")
     grid = get_num_sms(device) if num_sms is None else num_sms
+    if block_m == 256:
+        grid -= grid % 2  # 2-CTA clusters
 
-    counts = as_ptr(expert_recv_tokens, align=4)
+    from cutlass import Int32
+
     stream = current_stream()
-    dummy = as_ptr(topk_weights)
     for phase in ("l1", "l2"):
         if phase == "l1":
             n, k = 2 * inter, hidden
-            args = (as_ptr(acts), as_ptr(acts_sf) if fp8 else dummy, as_ptr(weights.w1),
-                    as_ptr(weights.w1_sf) if fp8 else dummy, counts, as_ptr(topk_weights),
-                    as_ptr(l2_acts), as_ptr(l2_acts_sf) if fp8 else dummy)
+            tensors = (acts, acts_sf, weights.w1, weights.w1_sf, expert_recv_tokens,
+                       topk_weights, l2_acts, l2_acts_sf)
         else:
             n, k = hidden, inter
-            args = (as_ptr(l2_acts), as_ptr(l2_acts_sf) if fp8 else dummy, as_ptr(weights.w2),
-                    as_ptr(weights.w2_sf) if fp8 else dummy, counts, dummy, as_ptr(out), dummy)
-        clamp = activation_clamp if phase == "l1" else None
-        args = (*args, _int32(grid), stream)
-        key = ("sm90_expert_gemm", phase, recipe, e_l, pool_rows, n, k, block_m, clamp,
-               bool(fast_math))
+            tensors = (l2_acts, l2_acts_sf, weights.w2, weights.w2_sf, expert_recv_tokens,
+                       None, out, None)
+        key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
+               activation_clamp if phase == "l1" else None, bool(fast_math))
+        plan = {}
 
-        def build(phase=phase, n=n, k=k, clamp=clamp, args=args):
+        def build(phase=phase, n=n, k=k, plan=plan):
+            plan["kernel"], plan["dtypes"] = gemm_kernel(arch, recipe, phase, e_l, pool_rows, n,
+                                                         k, block_m, activation_clamp,
+                                                         fast_math)
+            return plan
+
+        entry = compiled_kernel(key + ("plan",), build)
+        # an unused pointer argument points at topk_weights (never dereferenced)
+        args = (*(as_ptr(topk_weights if t is None else t, align=4 if i == 4 else 16, dtype=d)
+                  for i, (t, d) in enumerate(zip(tensors, entry["dtypes"], strict=True))),
+                Int32(grid), stream)
+
+        def compile_it(entry=entry, args=args):
             import cutlass.cute as cute
 
-            kernel = Sm90ExpertGemmKernel(phase, recipe, e_l, pool_rows, n, k, block_m,
-                                          activation_clamp=clamp, fast_math=fast_math)
-            return cute.compile(kernel, *args, options=f"--gpu-arch {arch}")
+            return cute.compile(entry["kernel"], *args, options=f"--gpu-arch {arch}")
 
-        compiled_kernel(key, build)(*args)
+        compiled_kernel(key, compile_it)(*args)
     return out
 
 
-def _int32(value: int):
-    from cutlass import Int32
-
-    return Int32(value)
-
-
-__all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "expert_ffn"]
+__all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "expert_ffn", "gemm_kernel"]

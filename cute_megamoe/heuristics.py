@@ -29,23 +29,23 @@ __all__ = [
 #: SMs of an H100 / H200 SXM, the default when no GPU is visible.
 DEFAULT_NUM_SMS = 132
 
-#: BLOCK_M values each architecture's kernels implement.
+#: BLOCK_M values each architecture's grouped-GEMM kernels implement.
 BLOCK_M_CANDIDATES: dict[str, tuple[int, ...]] = {
     "sm90": (64, 128),
-    "sm100": (16, 32, 64, 128, 192),
+    "sm100": (64, 128, 256),
 }
 
 # select_block_m thresholds: (largest expected tokens per expert, BLOCK_M), first match wins;
 # above the last threshold the largest candidate is used. The +0.5 keeps an exact integer
 # expectation (e.g. 16 tokens) on the smaller block, as DeepGEMM does.
 #
-# sm100 (DeepGEMM's table 7.1 without BM=96, which we do not implement): up to 8.5 -> 16,
-# up to 16.5 -> 32, then 64 up to 64.5 (DeepGEMM's 96 range; 64 pads less than 128 and gives
-# twice the tiles), 128 up to 96.5, else 192 (prefill, large-EP decode).
-# sm90 (wgmma, 64 rows per consumer warpgroup): 64 up to 64.5, else 128.
+# sm100 (our tcgen05 kernel: BM 64 runs a 128-row MMA and keeps half, BM 256 is a 2-CTA pair;
+# DeepGEMM's 16/32/96/192 blocks are not implemented): 64 up to 64.5, 128 up to 128.5, else 256.
+# sm90 (wgmma, 64 rows per consumer warpgroup): 64 up to 64.5, else 128 (measured: BM 64 wins
+# up to 64 pairs per expert, BM 128 from 256, docs/performance.md).
 _BLOCK_M_THRESHOLDS: dict[str, tuple[tuple[float, int], ...]] = {
     "sm90": ((64.5, 64),),
-    "sm100": ((8.5, 16), (16.5, 32), (64.5, 64), (96.5, 128)),
+    "sm100": ((64.5, 64), (128.5, 128)),
 }
 
 

@@ -54,13 +54,14 @@ def cutlass_dtype(torch_dtype: torch.dtype):
     return table[torch_dtype]
 
 
-def as_ptr(tensor: torch.Tensor, align: int = 16):
-    """A `cute.Pointer` to the first element of `tensor` (global memory, `align` bytes assumed)."""
+def as_ptr(tensor: torch.Tensor, align: int = 16, dtype=None):
+    """A `cute.Pointer` to the first element of `tensor` (global memory, `align` bytes assumed),
+    typed as `tensor`'s dtype or as the CuTe `dtype` given (e.g. packed FP4 / UE8M0 bytes)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(cutlass_dtype(tensor.dtype), tensor.data_ptr(), cute.AddressSpace.gmem,
-                    assumed_align=align)
+    return make_ptr(dtype or cutlass_dtype(tensor.dtype), tensor.data_ptr(),
+                    cute.AddressSpace.gmem, assumed_align=align)
 
 
 def current_stream():

@@ -46,8 +46,22 @@ def test_weights_reject_per_row_scales_and_other_recipes():
     sf[0, 3, 0] = 2.0  # differs inside the first group of 8 rows
     with pytest.raises(ValueError, match="equal within every group"):
         _compact_weight_sf(sf, "sf")
-    with pytest.raises(ValueError, match="fp8xfp8 and bf16xbf16"):
+    with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_90a'"):
         ExpertWeights.from_quantized(None, None, "fp8xfp4")
+    with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_100a'"):
+        ExpertWeights.from_quantized(None, None, "fp8xfp8", arch="sm_100a")
+
+
+def test_weights_fp4_for_sm100():
+    gen = torch.Generator().manual_seed(1)
+    e, inter, hidden = 2, 128, 256
+    w1 = torch.randn(e, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(e, hidden, inter, generator=gen).to(torch.bfloat16)
+    w = ExpertWeights.from_bf16(w1, w2, "fp8xfp4", arch="sm_100a")
+    assert (w.hidden, w.intermediate, w.arch) == (hidden, inter, "sm_100a")
+    assert w.w1.dtype == torch.int8 and w.w1.shape == (e, 2 * inter, hidden // 2)
+    assert w.w1_sf.shape == (e, hidden // 128, 2 * inter) and w.w1_sf.is_contiguous()
+    assert w.w2_sf.shape == (e, inter // 128, hidden) and w.w2_sf.is_contiguous()
 
 
 def test_weights_bf16_interleaved():
@@ -69,20 +83,19 @@ def test_expert_ffn_rejects_cpu_tensors():
 
 # ------------------------------------------------------------------------------ compile (CPU)
 
-def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: int = 2048):
-    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
+def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: int = 2048,
+             arch: str = "sm_90a"):
+    """Compile exactly what `expert_ffn` launches (`gemm_kernel`'s kernel and pointer types)."""
+    from cutlass import Int32
 
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.expert_gemm import gemm_kernel
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
     n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
-    kernel = Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, block_m,
-                                  activation_clamp=10.0 if phase == "l1" else None)
-    ab = Float8E4M3FN if recipe == "fp8xfp8" else BFloat16
-    out = ab if phase == "l1" else BFloat16
-    args = (fake_ptr(ab), fake_ptr(Float32), fake_ptr(ab), fake_ptr(Float32), fake_ptr(Int32, 4),
-            fake_ptr(Float32), fake_ptr(out), fake_ptr(Float32), Int32(132), fake_stream())
-    return compile_for_arch(kernel, *args, arch="sm_90a")
+    kernel, dtypes = gemm_kernel(arch, recipe, phase, 32, 8192, n, k, block_m,
+                                 activation_clamp=10.0)
+    args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
+    return compile_for_arch(kernel, *args, Int32(132), fake_stream(), arch=arch)
 
 
 @pytest.mark.compile
@@ -102,6 +115,23 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     assert art.count("STL") == 0 and art.count("LDL") == 0
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_expert_ffn_plan_compiles_for_sm100(phase):
+    """The sm_100a plan `expert_ffn` uses on Blackwell (fp8xfp4): block-scaled MMA present."""
+    art = _compile(phase, "fp8xfp4", 128, arch="sm_100a")
+    assert "kind::mxf8f6f4.block_scale" in art.ptx
+    if art.sass is not None:
+        assert art.count("UTCQMMA") > 0 and art.count("STL") == 0
+
+
+def test_gemm_kernel_rejects_unknown_arch():
+    from cute_megamoe.expert_gemm import gemm_kernel
+
+    with pytest.raises(ValueError, match="sm_80"):
+        gemm_kernel("sm_80", "bf16xbf16", "l1", 8, 1024, 512, 256, 64)
 
 
 # ---------------------------------------------------------------------------------- GPU checks
@@ -151,6 +181,10 @@ def test_expert_ffn_rejects_bad_inputs():
     args = (p.acts, p.acts_sf, p.topk_weights, counts, p.weights)
     with pytest.raises(ValueError, match="block_m"):
         expert_ffn(*args, block_m=96)
+    with pytest.raises(ValueError, match="prepared for sm_100a"):
+        bad = ExpertWeights(p.weights.recipe, p.weights.w1, p.weights.w2, p.weights.w1_sf,
+                            p.weights.w2_sf, arch="sm_100a")
+        expert_ffn(p.acts, p.acts_sf, p.topk_weights, counts, bad, block_m=64)
     with pytest.raises(ValueError, match="acts_sf"):
         expert_ffn(p.acts, None, p.topk_weights, counts, p.weights, block_m=64)
     with pytest.raises(ValueError, match="acts_sf"):
@@ -173,3 +207,15 @@ def test_expert_ffn_deepseek_shape(recipe):
     problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 128, 7168, 2048, device,
                                 seed=5)
     check_expert_ffn(problem, activation_clamp=10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_expert_ffn_narrow_tiles(recipe):
+    """H 640: the L2 GEMM (N = H) falls back to 128-column tiles; I 384 gives 3 L1 tiles."""
+    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
+                                                  make_pool_problem)
+
+    device = _gpu()
+    problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 64, 640, 384, device, seed=9)
+    check_expert_ffn(problem, activation_clamp=None, num_sms=11)

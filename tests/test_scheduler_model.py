@@ -169,11 +169,10 @@ def test_scheduler_argument_checks():
 
 def test_heuristics_block_m():
     assert expected_tokens_per_expert(64, 8, 6, 384) == 8.0
-    assert select_block_m(0.1, "sm100") == 16
-    assert select_block_m(16.0, "sm100") == 32
-    assert select_block_m(32.0, "sm100") == 64
+    assert select_block_m(0.1, "sm100") == 64
+    assert select_block_m(64.0, "sm100") == 64
     assert select_block_m(96.0, "sm100") == 128
-    assert select_block_m(1024.0, "sm_100a") == 192
+    assert select_block_m(1024.0, "sm_100a") == 256
     assert select_block_m(8.0, "sm90") == 64
     assert select_block_m(1024.0, "sm90a") == 128
     for arch in ("sm90", "sm100"):
