@@ -213,8 +213,7 @@ def test_expert_ffn_deepseek_shape(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_expert_ffn_narrow_tiles(recipe):
     """H 640: the L2 GEMM (N = H) falls back to 128-column tiles; I 384 gives 3 L1 tiles."""
-    from cute_megamoe.testing.gemm_checks import (COUNT_PATTERNS, check_expert_ffn,
-                                                  make_pool_problem)
+    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem
 
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 64, 640, 384, device, seed=9)
