@@ -1,0 +1,112 @@
+"""The device tile scheduler (`scheduler.device.ExpertTileScheduler`) against the host model.
+
+A small kernel lets every CTA walk its tiles exactly as the grouped GEMMs do (pool prefix built
+in shared memory from the per-expert counts, then `tile()` for indices cta, cta + S, ...) and
+record (expert, m-block, n-block, pool block, valid rows) per tile. CPU: it compiles for both
+arches. GPU: the record equals `HostTileScheduler` for every CTA, on uneven, empty and skewed
+counts and grids smaller and larger than the tile count.
+"""
+
+import pytest
+import torch
+
+FIELDS = 5  # expert, m_block, n_block, pool_block, valid_m
+
+
+def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.common.pool import build_pool_prefix
+    from cute_megamoe.scheduler.device import ExpertTileScheduler
+
+    class WalkKernel:
+        def __init__(self):
+            self.scheduler = ExpertTileScheduler(num_experts, block_m, num_n)
+
+        @cute.jit
+        def __call__(self, counts: cute.Pointer, out: cute.Pointer, num_ctas: Int32, stream):
+            self.kernel(cute.make_tensor(counts, cute.make_layout(num_experts)), out).launch(
+                grid=[num_ctas, 1, 1], block=[32, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, counts: cute.Tensor, out: cute.Pointer):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            smem = cutlass.memory.SmemAllocator()
+            block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+            row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+            build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
+            cute.arch.sync_threads()
+            record = cute.make_tensor(out + bidx * (max_tiles * FIELDS),
+                                      cute.make_layout(max_tiles * FIELDS))
+            if tidx == 0:
+                num_tiles = self.scheduler.num_tiles(block_start)
+                tile = bidx
+                expert = Int32(0)
+                i = Int32(0)
+                while tile < num_tiles:
+                    expert, m_block, n_block, pool_block, valid_m = self.scheduler.tile(
+                        tile, expert, block_start, row_start)
+                    if i < max_tiles:
+                        record[i * FIELDS + 0] = expert
+                        record[i * FIELDS + 1] = m_block
+                        record[i * FIELDS + 2] = n_block
+                        record[i * FIELDS + 3] = pool_block
+                        record[i * FIELDS + 4] = valid_m
+                    i += 1
+                    tile += grid
+
+    return WalkKernel()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ("sm_90a", "sm_100a"))
+def test_walk_kernel_compiles(arch):
+    from cutlass import Int32
+
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    art = compile_for_arch(_walk_kernel(8, 64, 3, 16), fake_ptr(Int32, 4), fake_ptr(Int32, 4),
+                           Int32(4), fake_stream(), arch=arch, keep_sass=False)
+    assert "st.global" in art.ptx
+
+
+CASES = [
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132),
+    ([0, 0, 0, 0], 64, 3, 5),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,block_m,num_n,num_ctas", CASES)
+def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas):
+    import cutlass.cute as cute
+
+    from cute_megamoe.runtime import as_ptr, current_stream
+    from cute_megamoe.scheduler.host_model import HostTileScheduler
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from cutlass import Int32
+
+    max_tiles = 64
+    kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles)
+    dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out = torch.full((num_ctas, max_tiles, FIELDS), -1, dtype=torch.int32, device="cuda")
+    args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas),
+            current_stream())
+    cute.compile(kernel, *args)(*args)
+    got = out.cpu()
+    for cta in range(num_ctas):
+        want = [(t.expert, t.m_block, t.n_block, t.pool_block, t.valid_m)
+                for t in HostTileScheduler(counts, block_m, 128, num_n * 128, num_ctas,
+                                           cta)]
+        assert len(want) <= max_tiles
+        rows = [tuple(r) for r in got[cta].tolist() if r[0] != -1]
+        assert rows == want, f"cta {cta}"
