@@ -51,8 +51,7 @@ from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
 PHASES = ("l1", "l2")
 RECIPES = ("fp8xfp8", "bf16xbf16")
-WG_N = 128  # columns of one consumer warpgroup's WGMMA tile (one pass)
-SF_K = 128  # K extent of one FP8 scale
+WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 SF_N = 8  # weight rows sharing one FP8 weight scale entry (the gate/up interleave unit)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 MAX_STAGES = 8
