@@ -10,8 +10,8 @@ pool) then L2, and returns BF16 `[P, H]` in pool order, pad rows unwritten. Ever
 checked on the host before the first launch.
 
 Kernels per arch (`SUPPORTED_RECIPES`): Hopper `kernels/sm90_expert_gemm.py` (fp8xfp8,
-bf16xbf16; GPU-tested); Blackwell `kernels/sm100_expert_gemm.py` (fp8xfp4; compiled and
-SASS-checked for sm_100a, never run: no Blackwell GPU was available).
+bf16xbf16; GPU-tested); Blackwell `kernels/sm100_expert_gemm.py` (fp8xfp4, bf16xbf16; compiled
+and SASS-checked for sm_100a, never run: no Blackwell GPU was available).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .heuristics import get_num_sms
 from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
 
 #: Recipes with grouped-GEMM kernels, per arch.
-SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4",)}
+SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4", "bf16xbf16")}
 #: BLOCK_M values the kernels implement, per arch.
 BLOCK_MS = {"sm_90a": (64, 128), "sm_100a": (64, 128, 256)}
 SF_N = 8  # weight rows per FP8 weight-scale entry the sm90 kernels read
@@ -55,7 +55,7 @@ class ExpertWeights:
 
     * ``fp8xfp8`` (sm_90a): e4m3, with ``w1_sf`` ``[E_l, H/128, 2I/8]`` and ``w2_sf``
       ``[E_l, I/128, H/8]`` f32 (the 128x128 block scales, one entry per 8 rows, K-block major);
-    * ``bf16xbf16`` (sm_90a): bf16, no scales;
+    * ``bf16xbf16`` (sm_90a, sm_100a): bf16, no scales;
     * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
       ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
       word, UTCCP row order, MN-major: ``quant.weight_sf_for_sm100``).
@@ -128,8 +128,11 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     elif arch == "sm_100a":
         from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
 
-        dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
-                  Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
+        if recipe == "bf16xbf16":  # no scales: a_sf, b_sf, out_sf point at topk_weights
+            dtypes = (BFloat16, Float32, BFloat16, Float32, Int32, Float32, BFloat16, Float32)
+        else:
+            dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
+                      Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,

@@ -1,26 +1,32 @@
-"""Blackwell block-scaled grouped GEMMs over the pool (`kernels.sm100_expert_gemm`).
+"""Blackwell grouped GEMMs over the pool (`kernels.sm100_expert_gemm`): fp8xfp4 and bf16xbf16.
 
 CPU: what the kernel's TMA reads (the layouts of `gmem_layouts`, evaluated here in plain torch
 index arithmetic on the real host-side tensors) dequantizes to exactly the reference operands:
 the FP4 weights and their UTCCP-ordered scales after `transform_weights_for_mega_moe(sm100)` +
 `weight_sf_for_sm100`, the pool's e4m3 tokens and plain MN-major scales under the kernel's row
-permutation, and the L1 epilogue's scale bytes as the L2 input. Compile: every configuration
-(BLOCK_M 64 / 128 / 256, 1-CTA and 2-CTA, L1 and L2) for sm_100a; the SASS must show the
-block-scaled MMA (UTCQMMA), the UTCCP scale copies, TMEM loads (LDTM), TMA loads, and no local
-memory. sm100: both GEMMs against the float64 reference on random pools with poisoned outputs
-(skips without a compute-capability-10 GPU).
+permutation, the L1 epilogue's scale bytes as the L2 input, and the BF16 weights / tokens of
+`ExpertWeights.from_bf16(..., "bf16xbf16", arch="sm_100a")`. Compile: every configuration
+(BLOCK_M 64 / 128 / 256, 1-CTA and 2-CTA, L1 and L2) of both recipes for sm_100a; the SASS must
+show the MMA (block-scaled UTCQMMA with the UTCCP scale copies; BF16 UTCHMMA, `kind::f16`, and
+no scale traffic), TMEM loads (LDTM), TMA loads, and no local memory; the BF16 ones are built by
+`expert_gemm.gemm_kernel`, exactly what `expert_ffn` launches. sm100: `expert_ffn` against the
+float64 reference on random pools with poisoned outputs, both recipes (skips without a
+compute-capability-10 GPU).
 """
 
 import pytest
 import torch
 
 from cute_megamoe import quant, reference
+from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.kernels.sm100_expert_gemm import (
     Sm100ExpertGemmKernel,
     gmem_layouts,
     lane_to_group_row,
 )
 from cute_megamoe.scheduler.host_model import pool_block_offsets
+
+RECIPES = ("fp8xfp4", "bf16xbf16")
 
 
 def _flat(shape, stride):
@@ -132,11 +138,39 @@ def test_l1_scale_bytes_are_the_l2_input_scales():
     assert torch.equal(read, reference.l2_input_reference(h, "fp8xfp4")[rows[mm], kk])
 
 
+def test_bf16_operands_as_the_kernel_reads_them_equal_the_reference():
+    """bf16xbf16: the weights of `ExpertWeights.from_bf16(arch="sm_100a")` read through the B
+    layout are the interleaved master weights; the pool tokens read through the (row-permuted)
+    A layout are pool row ``lane_to_group_row`` of each 128-row group."""
+    gen = torch.Generator().manual_seed(4)
+    e, inter, hidden, p = 2, 64, 192, 256
+    w1 = torch.randn(e, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(e, hidden, inter, generator=gen).to(torch.bfloat16)
+    w = ExpertWeights.from_bf16(w1, w2, "bf16xbf16", arch="sm_100a")
+    assert w.w1_sf is None and w.w2_sf is None and (w.hidden, w.intermediate) == (hidden, inter)
+    for b, expected in ((w.w1, quant.interleave_gate_up(w1)), (w.w2, w2)):
+        n, k = b.shape[1:]
+        _, _, lay_b, _ = gmem_layouts(p, k, n, e)
+        nn, kk, ee = _grid(n, k, e)
+        read = b.reshape(-1)[_offset(lay_b, (nn, kk, ee))]
+        assert torch.equal(read, expected[ee, nn, kk])
+    x = torch.randn(p, hidden, generator=gen).to(torch.bfloat16)
+    lay_a, _, _, _ = gmem_layouts(p, hidden, 128, 1)
+    mm, kk = _grid(p, hidden)
+    read = x.reshape(-1)[_offset(lay_a, (mm, kk, torch.zeros_like(mm)))]
+    rows = torch.tensor([128 * (m // 128) + lane_to_group_row(m % 128) for m in range(p)])
+    assert torch.equal(read, x[rows[mm], kk])
+
+
 def test_rejects_bad_configurations():
     with pytest.raises(ValueError, match="block_m"):
         Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256, 96)
     with pytest.raises(ValueError, match="recipe"):
-        Sm100ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 256, 256, 128)
+        Sm100ExpertGemmKernel("l2", "fp8xfp8", 4, 1024, 256, 256, 128)
+    with pytest.raises(ValueError, match="k"):
+        Sm100ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 256, 96, 128)  # K % 64
+    # bf16 L1 tiles hold 64 features: N = 2I needs only to be a multiple of 128
+    assert Sm100ExpertGemmKernel("l1", "bf16xbf16", 4, 1024, 384, 192, 128).num_k_blocks == 3
     with pytest.raises(ValueError, match="num_pool_rows"):
         Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 64 * 3, 256, 256, 64)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -188,107 +222,142 @@ def test_compiles_sm100_with_block_scaled_mma_and_no_spills(phase, block_m):
     assert usage["REG"] <= 128, usage
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("phase,block_m", [("l1", 64), ("l2", 64), ("l1", 128), ("l2", 128),
+                                           ("l1", 256), ("l2", 256)])
+def test_compiles_sm100_bf16_with_f16_mma_and_no_spills(phase, block_m):
+    """bf16xbf16 as `expert_ffn` launches it (`gemm_kernel`'s kernel and pointer dtypes)."""
+    from cutlass import Int32
+
+    from cute_megamoe.expert_gemm import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    inter, hidden = 2048, 7168
+    n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
+    kernel, dtypes = gemm_kernel("sm_100a", "bf16xbf16", phase, 32, 8192, n, k, block_m,
+                                 activation_clamp=10.0)
+    assert kernel.block_k == 64 and kernel.num_stages >= 4
+    args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
+    art = compile_for_arch(kernel, *args, Int32(148), fake_stream(), arch="sm_100a")
+    group = "cta_group::2" if block_m == 256 else "cta_group::1"
+    assert f"tcgen05.mma.{group}.kind::f16" in art.ptx
+    assert "block_scale" not in art.ptx and "tcgen05.cp" not in art.ptx
+    assert "tcgen05.ld.sync.aligned.32x32b" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    suffix = ".2CTA" if block_m == 256 else ""
+    ops = art.sass_opcodes()
+    assert ops[f"UTCHMMA{suffix}"] == 4  # 4 x K=16 per 64-deep k-block
+    assert art.count("UTCQMMA") == 0 and art.count("UTCCP") == 0
+    assert art.count("LDTM") == (2 if phase == "l1" else 4)  # 64 / 32 columns per load
+    assert art.count("UTMALDG") == 2  # tokens and weights only
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    assert usage["REG"] <= 128, usage
+
+
 # ------------------------------------------------------------------------------- sm100 (GPU)
 
 COUNTS = {"random": [300, 41, 129, 1, 77, 256, 5, 200], "sparse": [0, 1, 0, 5, 0, 0, 129, 1],
           "empty": [0] * 8}
 
 
-def _ptr(t: torch.Tensor, dtype, align: int = 16):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _launch(kernel, phase, tensors, num_ctas):
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Uint8
-
-    dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
-              Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
-    ptrs = [_ptr(t, d, 4 if d in (Int32, Uint8) else 16)
-            for t, d in zip(tensors, dtypes, strict=True)]
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    args = _args(phase, ptrs, num_ctas, stream)
-    cute.compile(kernel, *args)(*args)
-
-
 @pytest.mark.sm100
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("block_m", (64, 128, 256))
 @pytest.mark.parametrize("pattern", ("random", "sparse", "empty"))
 @pytest.mark.parametrize("clamp,fast_math,small_grid", [(7.0, True, False), (None, False, True)])
-def test_sm100_expert_ffn_matches_reference(block_m, pattern, clamp, fast_math, small_grid):
+def test_sm100_expert_ffn_matches_reference(recipe, block_m, pattern, clamp, fast_math,
+                                            small_grid):
+    """`expert_ffn` on Blackwell (both GEMMs, pool tensors as it documents them) against the
+    float64 reference per expert, with every output poisoned so pad rows must stay untouched."""
+    from cute_megamoe.expert_gemm import expert_ffn
+    from cute_megamoe.testing.gemm_checks import TOLERANCE
+
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(block_m + len(pattern))
     counts, hidden, inter = COUNTS[pattern], 512, 256
     e = len(counts)
+    fp8 = recipe == "fp8xfp4"
     offsets = pool_block_offsets(counts, block_m)
     rows_of = [range(offsets[i] * block_m, offsets[i] * block_m + counts[i]) for i in range(e)]
     p = quant.align((offsets[-1] + 1) * block_m, 256)
     x = (torch.randn(p, hidden, generator=gen) * 2).to(torch.bfloat16)
-    acts, acts_sf = quant.quantize_activations_for_recipe(x, "fp8xfp4")
-    x_deq = quant.dequantize_activations_for_recipe((acts, acts_sf), "fp8xfp4")
     topk_w = torch.rand(p, generator=gen)
     w1 = (torch.randn(e, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, hidden, inter, generator=gen) / inter ** 0.5).to(torch.bfloat16)
-    q1 = quant.quantize_weights_for_recipe(w1, "fp8xfp4")
-    q2 = quant.quantize_weights_for_recipe(w2, "fp8xfp4")
-    w1_deq = quant.dequantize_weights_for_recipe(q1, "fp8xfp4")
-    w2_deq = quant.dequantize_weights_for_recipe(q2, "fp8xfp4")
-    (b1, sf1), (b2, sf2) = quant.transform_weights_for_mega_moe(q1, q2, arch="sm100")
-
-    counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
-    l2_acts = torch.full((p, inter), 0x7F, dtype=torch.uint8, device=dev)  # e4m3 NaN
-    l2_sf = torch.full((inter // 128, p), -1, dtype=torch.int32, device=dev)  # UE8M0 NaN
-    out = torch.full((p, hidden), 0x7FFF, dtype=torch.int16, device=dev)  # bf16 NaN
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    num_ctas = 6 if small_grid else sms - sms % 2
-    kw = dict(activation_clamp=None, fast_math=fast_math)
-    l1 = Sm100ExpertGemmKernel("l1", "fp8xfp4", e, p, 2 * inter, hidden, block_m,
-                               activation_clamp=clamp, fast_math=fast_math)
-    l2 = Sm100ExpertGemmKernel("l2", "fp8xfp4", e, p, hidden, inter, block_m, **kw)
-    _launch(l1, "l1", (acts.to(dev), acts_sf.t().contiguous().to(dev), b1.to(dev),
-                       quant.weight_sf_for_sm100(sf1).to(dev), counts_t, topk_w.to(dev),
-                       l2_acts, l2_sf), num_ctas)
-    _launch(l2, "l2", (l2_acts, l2_sf, b2.to(dev), quant.weight_sf_for_sm100(sf2).to(dev),
-                       counts_t, topk_w.to(dev), out, l2_sf), num_ctas)
+    q1 = quant.quantize_weights_for_recipe(w1, recipe)
+    q2 = quant.quantize_weights_for_recipe(w2, recipe)
+    w1_deq = quant.dequantize_weights_for_recipe(q1, recipe).float()
+    w2_deq = quant.dequantize_weights_for_recipe(q2, recipe).float()
+    weights = ExpertWeights.from_quantized(q1, q2, recipe, arch="sm_100a")
+    weights.w1, weights.w2 = weights.w1.to(dev), weights.w2.to(dev)
+    if fp8:
+        weights.w1_sf, weights.w2_sf = weights.w1_sf.to(dev), weights.w2_sf.to(dev)
+        acts, sf = quant.quantize_activations_for_recipe(x, recipe)
+        x_deq = quant.dequantize_activations_for_recipe((acts, sf), recipe)
+        acts_sf = sf.t().contiguous().to(dev).t()  # [P, H/128] int32, strides (1, P)
+        l2_acts = torch.full((p, inter), 0x7F, dtype=torch.uint8, device=dev)  # e4m3 NaN
+        l2_acts = l2_acts.view(torch.float8_e4m3fn)
+        l2_sf = torch.full((inter // 128, p), -1, dtype=torch.int32, device=dev).t()  # UE8M0 NaN
+    else:
+        acts, acts_sf, x_deq = x, None, x.float()
+        l2_acts = torch.full((p, inter), 0x7FFF, dtype=torch.int16, device=dev)  # bf16 NaN
+        l2_acts = l2_acts.view(torch.bfloat16)
+        l2_sf = None
+    out = torch.full((p, hidden), 0x7FFF, dtype=torch.int16, device=dev).view(torch.bfloat16)
+    expert_ffn(acts.to(dev), acts_sf, topk_w.to(dev), torch.tensor(counts, dtype=torch.int32,
+                                                                   device=dev),
+               weights, block_m=block_m, activation_clamp=clamp, fast_math=fast_math,
+               l2_acts=l2_acts, l2_acts_sf=l2_sf, out=out, num_sms=6 if small_grid else None)
     torch.cuda.synchronize()
 
-    l2_acts = l2_acts.cpu().view(torch.float8_e4m3fn)
-    l2_sf_rows = l2_sf.cpu().t().contiguous()  # [P, I/128] packed
-    out = out.cpu().view(torch.bfloat16)
+    l2_acts, out = l2_acts.cpu(), out.cpu()
     valid = torch.zeros(p, dtype=torch.bool)
     for rows in rows_of:
         valid[rows.start:rows.stop] = True
     assert bool(torch.isnan(out[~valid].float()).all()), "a pad row of out was written"
     assert bool(torch.isnan(l2_acts[~valid].float()).all()), "a pad row of l2_acts was written"
-    assert bool((l2_sf_rows[~valid] == -1).all()), "a pad row's L2 scales were written"
+    if fp8:
+        l2_sf_rows = l2_sf.cpu().contiguous()  # [P, I/128] packed
+        assert bool((l2_sf_rows[~valid] == -1).all()), "a pad row's L2 scales were written"
+    # fp8xfp4: no L1 relative bound (the e4m3 steps are counted instead)
+    l1_tol, l2_tol, e2e_tol, flip_tol = TOLERANCE[recipe] if not fp8 else (
+        None, 1e-2, 3e-2, 2e-2)
     flips = big = total = 0
     for i, rows in enumerate(rows_of):
         if len(rows) == 0:
             continue
         sl = slice(rows.start, rows.stop)
         h_ref, l2_in_ref, o_ref = reference.expert_ffn_reference(
-            x_deq[sl], topk_w[sl], w1_deq[i], w2_deq[i], "fp8xfp4", clamp, fast_math)
-        l2_in = quant.cast_back_from_fp8(l2_acts[sl], l2_sf_rows[sl], 32,
-                                         use_packed_ue8m0=True)
-        _, sf_ref = quant.requant_fp8_pow2(h_ref, 32)
-        sf_ours = quant.unpack_ue8m0_from_int(l2_sf_rows[sl])[:, : inter // 32]
-        amax = h_ref.abs().view(len(rows), -1, 32).amax(dim=2) / 448.0
-        near = (torch.log2(amax) - torch.round(torch.log2(amax))).abs() < 1e-2
-        assert bool(((sf_ours == sf_ref) | near).all()), f"expert {i}: requant scale mismatch"
-        step = torch.maximum(l2_in_ref.abs() * 2.0 ** -3,
-                             sf_ours.repeat_interleave(32, dim=1) * 2.0 ** -9)
+            x_deq[sl], topk_w[sl], w1_deq[i], w2_deq[i], recipe, clamp, fast_math)
+        assert bool(torch.isfinite(out[sl].float()).all()), f"expert {i}: out not finite"
+        if fp8:
+            l2_in = quant.cast_back_from_fp8(l2_acts[sl], l2_sf_rows[sl], 32,
+                                             use_packed_ue8m0=True)
+            _, sf_ref = quant.requant_fp8_pow2(h_ref, 32)
+            sf_ours = quant.unpack_ue8m0_from_int(l2_sf_rows[sl])[:, : inter // 32]
+            amax = h_ref.abs().view(len(rows), -1, 32).amax(dim=2) / 448.0
+            near = (torch.log2(amax) - torch.round(torch.log2(amax))).abs() < 1e-2
+            assert bool(((sf_ours == sf_ref) | near).all()), f"expert {i}: requant scale mismatch"
+            # one e4m3 step: 2^-3 relative for normals, sf * 2^-9 for subnormals
+            step = torch.maximum(l2_in_ref.abs() * 2.0 ** -3,
+                                 sf_ours.repeat_interleave(32, dim=1) * 2.0 ** -9)
+        else:
+            l2_in = l2_acts[sl].float()  # h as BF16
+            step = l2_in_ref.abs() * 2.0 ** -7  # one BF16 step
+            rel = (l2_in.double() - l2_in_ref.double()).norm() / \
+                l2_in_ref.double().norm().clamp_min(1e-30)
+            assert rel <= l1_tol, f"expert {i}: L1 error {rel}"
         diff = (l2_in - l2_in_ref).abs()
         flips += int((diff > 0).sum())
-        big += int((diff > 2.01 * step).sum())
+        big += int((diff > 2.01 * step.clamp_min(1e-30)).sum())
         total += diff.numel()
         o_ours = (l2_in.double() @ w2_deq[i].double().T)
         rel = (out[sl].double() - o_ours).norm() / o_ours.norm().clamp_min(1e-30)
-        assert rel <= 1e-2, f"expert {i}: L2 error {rel}"
+        assert rel <= l2_tol, f"expert {i}: L2 error {rel}"
         rel = (out[sl].double() - o_ref.double()).norm() / o_ref.double().norm().clamp_min(1e-30)
-        assert rel <= 3e-2, f"expert {i}: end-to-end error {rel}"
-    assert big <= 1e-3 * max(total, 1), f"L1 outputs off by > 1 e4m3 step: {big} / {total}"
-    assert flips <= 2e-2 * max(total, 1), f"too many L1 rounding flips: {flips} / {total}"
+        assert rel <= e2e_tol, f"expert {i}: end-to-end error {rel}"
+    assert big <= 1e-3 * max(total, 1), f"L1 outputs off by > 1 rounding step: {big} / {total}"
+    assert flips <= flip_tol * max(total, 1), f"too many L1 rounding flips: {flips} / {total}"

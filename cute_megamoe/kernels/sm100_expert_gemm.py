@@ -1,19 +1,21 @@
-"""Blackwell (sm_100a) grouped GEMMs over the expert pool, FP8 x FP4 block-scaled: L1 with the
-SwiGLU epilogue, and L2.
+"""Blackwell (sm_100a) grouped GEMMs over the expert pool: L1 with the SwiGLU epilogue, and L2;
+FP8 x FP4 block-scaled (``fp8xfp4``) or BF16 x BF16 (``bf16xbf16``).
 
 What it computes (same pool conventions and epilogue math as ``sm90_expert_gemm``), for every
 local expert ``e`` and every received row ``r`` of its pool rows
 ``[block_start[e] * BM, block_start[e] * BM + count[e])`` (``count = expert_recv_tokens``):
 
-* ``phase="l1"``: ``acc = A[r] @ W1[e].T`` over ``K = H`` with ``A`` e4m3 and ``W1`` e2m1, both
-  scaled by UE8M0 factors per 32 K (``fp8xfp4``, the DeepGEMM recipe); ``W1`` rows gate/up
-  interleaved by 8 (``quant.interleave_gate_up``). Per feature ``f``: ``g, u = bf16(acc)`` of the
-  gate and up row, clamp (``g <= c``, ``-c <= u <= c``), ``h = silu(g) * u * topk_weight[r]``;
-  written as e4m3 with a UE8M0 scale per 32 features (bit-exact with
-  ``quant.requant_fp8_pow2(h, 32, use_packed_ue8m0=True)`` given the same ``h``).
+* ``phase="l1"``: ``acc = A[r] @ W1[e].T`` over ``K = H``; ``W1`` rows gate/up interleaved by 8
+  (``quant.interleave_gate_up``). Per feature ``f``: ``g, u = bf16(acc)`` of the gate and up
+  row, clamp (``g <= c``, ``-c <= u <= c``), ``h = silu(g) * u * topk_weight[r]``; written
+  as e4m3 with a UE8M0 scale per 32 features (``fp8xfp4``: bit-exact with
+  ``quant.requant_fp8_pow2(h, 32, use_packed_ue8m0=True)`` given the same ``h``) or as BF16
+  (``bf16xbf16``).
 * ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order.
 
-Operands in global memory (``P`` pool rows, ``N`` weight rows, ``K`` reduction, ``E`` experts):
+``fp8xfp4`` (the DeepGEMM recipe): ``A`` e4m3 and ``W`` e2m1, both scaled by UE8M0 factors per
+32 K. Operands in global memory (``P`` pool rows, ``N`` weight rows, ``K`` reduction, ``E``
+experts):
 
 * ``a`` e4m3 ``[P, K]`` row-major (the L1 or L2 pool), ``a_sf`` int32 ``[K/128, P]``: the pool's
   packed UE8M0 scales, MN-major (byte ``g % 4`` of word ``[g // 4, r]`` scales K-group ``g`` of
@@ -25,20 +27,27 @@ Operands in global memory (``P`` pool rows, ``N`` weight rows, ``K`` reduction, 
 * l1 outputs: ``out`` e4m3 ``[P, N/2]``, ``out_sf`` int32 ``[N/256, P]`` (MN-major, the L2
   input's ``a_sf``); l2 output: ``out`` bf16 ``[P, N]``. ``topk_weights`` f32 ``[P]``.
 
+``bf16xbf16``: ``a`` bf16 ``[P, K]``, ``b`` bf16 ``[E, N, K]`` (what
+``transform_weights_for_mega_moe`` returns for BF16 weights), l1 ``out`` bf16 ``[P, N/2]`` (the
+L2 pool ``h``), l2 ``out`` bf16 ``[P, N]``; no scales: ``a_sf``, ``b_sf`` and ``out_sf`` are
+never read or written.
+
 How (a persistent, warp-specialized kernel; 6 warps; ``tcgen05`` everywhere):
 
 1. Warp 5 (TMA) walks this CTA's (cluster's) tiles with ``scheduler.device.ExpertTileScheduler``
-   (``block_start`` rebuilt in shared memory by ``build_pool_prefix``) and TMA-loads per 128-deep
-   k-block the token tile (e4m3), the weight tile (e2m1, unpacked to one byte per code in shared
-   memory by the TMA), and both scale tiles into a ring of stages.
-2. Warp 4 (MMA) copies the stage's scales to tensor memory (``tcgen05.cp`` 32x128b.warpx4, i.e.
-   UTCCP) and issues ``tcgen05.mma ... kind::mxf8f6f4.block_scale`` (4 x K=32) into one of two
-   FP32 accumulators in tensor memory (128 lanes x 128 columns each), so the epilogue of a tile
-   overlaps the MMAs of the next. ``tcgen05.commit`` releases stages and publishes accumulators.
+   (``block_start`` rebuilt in shared memory by ``build_pool_prefix``) and TMA-loads per k-block
+   (128 deep for ``fp8xfp4``, 64 for ``bf16xbf16``: 128 bytes of a row either way) the token
+   tile, the weight tile (e2m1 unpacked to one byte per code in shared memory by the TMA) and,
+   block-scaled only, both scale tiles into a ring of stages.
+2. Warp 4 (MMA) issues ``tcgen05.mma`` into one of two FP32 accumulators in tensor memory (128
+   lanes x 128 columns each), so the epilogue of a tile overlaps the MMAs of the next:
+   ``fp8xfp4`` first copies the stage's scales to tensor memory (``tcgen05.cp`` 32x128b.warpx4,
+   i.e. UTCCP), then ``kind::mxf8f6f4.block_scale`` (4 x K=32); ``bf16xbf16`` ``kind::f16``
+   (4 x K=16). ``tcgen05.commit`` releases stages and publishes accumulators.
 3. Warps 0-3 (epilogue) read the accumulator with ``tcgen05.ld`` (32x32b: thread = one tile row,
-   all columns) and do the SwiGLU/requant (L1; a requant group of 32 features = 64 interleaved
-   columns sits in one thread, so no shuffles) or the BF16 cast (L2), then store rows straight
-   to global memory, predicated on the row being valid: pad rows are never written.
+   all columns) and do the SwiGLU (L1; 32 features = 64 interleaved columns sit in one thread,
+   so no shuffles; then the requant or the BF16 cast) or the BF16 cast (L2), then store rows
+   straight to global memory, predicated on the row being valid: pad rows are never written.
 
 Row permutation (why the pool's plain MN-major scales can be TMA-loaded): the block-scaled MMA
 wants the scales of 128 tile rows as one 512-byte chunk in which row ``m`` sits at word
@@ -46,18 +55,20 @@ wants the scales of 128 tile rows as one 512-byte chunk in which row ``m`` sits 
 rows permuted: tile row ``m`` of a 128-row group is pool row ``4 * (m % 32) + m // 32`` of that
 group, so the group's plain scale words (pool row order) are already that chunk. Accumulator
 lane ``m`` therefore holds pool row ``4 * (m % 32) + m // 32``; the epilogue maps it back.
+``bf16xbf16`` keeps the same permutation (it costs nothing: the TMA box is the same 128 rows of
+128 bytes) so both recipes share the load addressing and the epilogue.
 
 Configurations: ``BM = 128`` (1 CTA, MMA 128x128), ``BM = 256`` (2-CTA pair, cluster 2x1,
 ``cta_group::2`` MMA 256x128, each CTA loads 128 token rows and 64 weight rows), ``BM = 64``
 (1 CTA: the block-scaled MMA has no M = 64, so the MMA runs on the 128-row group holding the
 block and half of its rows are discarded; only worth it for small experts, where the weight
-reads dominate).
+reads dominate; ``bf16xbf16`` does the same, to keep one accumulator layout).
 
-Constraints: ``recipe="fp8xfp4"`` only (BF16 ``kind::f16`` is not implemented here); ``K`` a
-multiple of 128; ``N`` a multiple of 128 (L1: ``N = 2I``); ``P`` a multiple of 128 and of
-``BM``; every tensor 16-byte aligned and ``out`` 64-byte aligned (32- / 64-byte row-chunk stores;
-``layout`` regions are 128-byte aligned). Launched with at most one CTA
-per SM (the kernel allocates 512 TMEM columns) and, for ``BM = 256``, an even grid.
+Constraints: ``K`` a multiple of 128 (``fp8xfp4``) or 64 (``bf16xbf16``); ``N`` a multiple of 128
+(``fp8xfp4`` L1: of 256, ``N = 2I``, I/128 scale words); ``P`` a multiple of 128 and of ``BM``;
+every tensor 16-byte aligned and ``out`` 64-byte aligned (32- / 64-byte row-chunk stores;
+``layout`` regions are 128-byte aligned). Launched with at most one CTA per SM (the kernel
+allocates 512 / 256 TMEM columns) and, for ``BM = 256``, an even grid.
 """
 
 from __future__ import annotations
@@ -87,14 +98,16 @@ from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
 PHASES = ("l1", "l2")
-RECIPES = ("fp8xfp4",)
+RECIPES = ("fp8xfp4", "bf16xbf16")
 BLOCK_MS = (64, 128, 256)
 TILE_N = 128  # weight rows per tile (L1: 64 features = two requant groups)
-BLOCK_K = 128  # K per stage: one packed scale word (4 x 32) per row
+BLOCK_K = 128  # fp8xfp4 K per stage: one packed scale word (4 x 32) per row
+BLOCK_K_BF16 = 64  # bf16xbf16 K per stage: 128 bytes per row (one 128B swizzle atom)
 SF_VEC = 32
 ROW_GROUP = 128  # token rows per CTA-level MMA tile / scale chunk
 SMEM_CAPACITY = 232448  # sm_100 per-CTA shared memory (227 KB)
-SMEM_RESERVED = 2048  # barriers, TMEM pointer, scheduler prefix arrays, alignment
+SMEM_RESERVED = 8192  # barriers, TMEM pointer, 1 KB static, 1024-byte alignment of each buffer
+# (on sm90 a 2 KB margin overflowed the 227 KB limit by 2 KB once the buffers were aligned)
 MAX_STAGES = 8
 NUM_ACC_STAGES = 2
 
@@ -114,14 +127,16 @@ def lane_to_group_row(m: int) -> int:
 
 def gmem_layouts(p: int, k: int, n: int, e: int):
     """``(shape, stride)`` of the four operands as the kernel's TMA sees them, in elements
-    (A: e4m3, SFA / SFB: UE8M0 bytes, B: e2m1 codes). Coordinates: A / SFA ``(m, k, 1)`` with
-    ``m = i + 32 j + 128 q`` the permuted tile row; B / SFB ``(n, k, expert)``.
+    (A: e4m3 or bf16, SFA / SFB: UE8M0 bytes, B: e2m1 codes or bf16; ``bf16xbf16`` uses only A
+    and B). Coordinates: A / SFA ``(m, k, 1)`` with ``m = i + 32 j + 128 q`` the permuted tile
+    row; B / SFB ``(n, k, expert)``.
 
     * A: tile row ``i + 32 j`` of group ``q`` is pool row ``128 q + 4 i + j`` of ``[P, K]``.
     * SFA: its scale, byte ``g % 4`` of word ``[g // 4, 128 q + 4 i + j]`` of int32
       ``[K/128, P]``; these byte offsets (``16 i + 4 j + g % 4`` inside a 512-byte chunk) are the
       block-scaled MMA's scale-chunk order, so no transpose is needed.
-    * B: packed e2m1 ``[E, N, K/2]`` (code ``2 c + h`` of byte ``c``: low nibble first).
+    * B: packed e2m1 ``[E, N, K/2]`` (code ``2 c + h`` of byte ``c``: low nibble first), or
+      bf16 ``[E, N, K]``.
     * SFB: int32 ``[E, K/128, N]`` with the UTCCP row order (weight row ``i + 32 j`` of group
       ``q`` at ``128 q + 4 i + j``, as ``quant.transpose_sf_for_utccp`` leaves it).
     """
@@ -137,7 +152,7 @@ def gmem_layouts(p: int, k: int, n: int, e: int):
 
 
 class Sm100ExpertGemmKernel:
-    """One grouped GEMM of the expert FFN over the pool, tcgen05 block-scaled (see module doc)."""
+    """One grouped GEMM of the expert FFN over the pool, tcgen05 (see module doc)."""
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
@@ -149,6 +164,9 @@ class Sm100ExpertGemmKernel:
         if block_m not in BLOCK_MS:
             raise ValueError(f"block_m: expected one of {BLOCK_MS}, got {block_m}")
         self.phase, self.recipe = phase, recipe
+        self.block_scaled = recipe == "fp8xfp4"
+        self.ab_dtype = Float8E4M3FN if self.block_scaled else BFloat16
+        self.block_k = BLOCK_K if self.block_scaled else BLOCK_K_BF16
         self.block_m = block_m
         self.use_2cta = block_m == 256
         self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta else tcgen05.CtaGroup.ONE
@@ -156,17 +174,16 @@ class Sm100ExpertGemmKernel:
         self.cluster_size = 2 if self.use_2cta else 1
         self.mma_tiler_mn = (2 * ROW_GROUP if self.use_2cta else ROW_GROUP, TILE_N)
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
-        for name, value, mult in (("n", n, TILE_N), ("k", k, BLOCK_K),
+        for name, value, mult in (("n", n, TILE_N), ("k", k, self.block_k),
                                   ("num_pool_rows", num_pool_rows, max(block_m, ROW_GROUP))):
             if value <= 0 or value % mult != 0:
                 raise ValueError(f"{name} ({value}) must be a positive multiple of {mult}")
-        if phase == "l1" and n % 256 != 0:
+        if self.block_scaled and phase == "l1" and n % 256 != 0:
             raise ValueError(f"l1: n = 2I ({n}) must be a multiple of 256 (I/128 scale words)")
         if num_experts <= 0:
             raise ValueError(f"num_experts must be positive, got {num_experts}")
         self.num_n_blocks = n // TILE_N
-        self.num_k_blocks = k // BLOCK_K
-        self.sf_words = k // BLOCK_K
+        self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
         if activation_clamp is not None and not (activation_clamp >= 0 and
                                                  math.isfinite(activation_clamp)):
@@ -176,9 +193,13 @@ class Sm100ExpertGemmKernel:
         self.fast_math = bool(fast_math)
         # epilogue sub-tile: L1 reads 64 columns (one requant group of 32 features), L2 32
         self.epi_cols = 64 if phase == "l1" else 32
-        # one stage: A 128 x 128 e4m3, B (128 or 64) x 128 codes (a byte each), scale chunks
+        # one stage: fp8xfp4 A 128 x 128 e4m3, B (128 or 64) x 128 codes (a byte each), scale
+        # chunks; bf16xbf16 A 128 x 64 and B (128 or 64) x 64 bf16
         b_rows = TILE_N // self.cluster_size
-        stage_bytes = ROW_GROUP * BLOCK_K + b_rows * BLOCK_K + 2 * 512
+        if self.block_scaled:
+            stage_bytes = ROW_GROUP * BLOCK_K + b_rows * BLOCK_K + 2 * 512
+        else:
+            stage_bytes = (ROW_GROUP + b_rows) * BLOCK_K_BF16 * 2
         prefix_bytes = 2 * 4 * (num_experts + 1)
         fit = (SMEM_CAPACITY - SMEM_RESERVED - prefix_bytes) // stage_bytes
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
@@ -190,54 +211,67 @@ class Sm100ExpertGemmKernel:
     def _setup(self):
         """Tiled MMAs, shared-memory layouts and TMEM column budget (needs the traced dtypes)."""
         k_major = OperandMajorMode.K
-        self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            Float8E4M3FN, Float4E2M1FN, k_major, k_major, Float8E8M0FNU, SF_VEC,
-            self.cta_group, self.mma_tiler_mn)
-        # SFB is always a whole 128-row chunk per CTA, copied by a 1-CTA view of the MMA
-        self.mma_tiler_mn_sfb = (self.mma_tiler_mn[0] // self.cluster_size, TILE_N)
-        self.tiled_mma_sfb = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            Float8E4M3FN, Float4E2M1FN, k_major, k_major, Float8E8M0FNU, SF_VEC,
-            tcgen05.CtaGroup.ONE, self.mma_tiler_mn_sfb)
+        self.mma_tiler = (*self.mma_tiler_mn, self.block_k)
+        if not self.block_scaled:
+            self.tiled_mma = sm100_utils.make_trivial_tiled_mma(
+                BFloat16, BFloat16, k_major, k_major, Float32, self.cta_group, self.mma_tiler_mn)
+            self.a_smem_layout = sm100_utils.make_smem_layout_a(
+                self.tiled_mma, self.mma_tiler, BFloat16, self.num_stages)
+            self.b_smem_layout = sm100_utils.make_smem_layout_b(
+                self.tiled_mma, self.mma_tiler, BFloat16, self.num_stages)
+            self.num_acc_tmem_cols = TILE_N * NUM_ACC_STAGES
+            self.num_tmem_cols = self.num_acc_tmem_cols
+        else:
+            self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+                Float8E4M3FN, Float4E2M1FN, k_major, k_major, Float8E8M0FNU, SF_VEC,
+                self.cta_group, self.mma_tiler_mn)
+            # SFB is always a whole 128-row chunk per CTA, copied by a 1-CTA view of the MMA
+            self.mma_tiler_mn_sfb = (self.mma_tiler_mn[0] // self.cluster_size, TILE_N)
+            self.tiled_mma_sfb = sm100_utils.make_blockscaled_trivial_tiled_mma(
+                Float8E4M3FN, Float4E2M1FN, k_major, k_major, Float8E8M0FNU, SF_VEC,
+                tcgen05.CtaGroup.ONE, self.mma_tiler_mn_sfb)
+            self.mma_tiler_sfb = (*self.mma_tiler_mn_sfb, BLOCK_K)
+            self.cluster_layout_sfb_vmnk = cute.tiled_divide(
+                cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma_sfb.thr_id.shape,))
+            self.a_smem_layout = sm100_utils.make_smem_layout_a(
+                self.tiled_mma, self.mma_tiler, Float8E4M3FN, self.num_stages)
+            # mixed FP8 x FP4: the FP4 operand lives as one byte per code in shared memory
+            self.b_smem_layout = sm100_utils.make_smem_layout_b(
+                self.tiled_mma, self.mma_tiler, cutlass.Int8, self.num_stages)
+            self.sfa_smem_layout = blockscaled_utils.make_smem_layout_sfa(
+                self.tiled_mma, self.mma_tiler, SF_VEC, self.num_stages)
+            self.sfb_smem_layout = blockscaled_utils.make_smem_layout_sfb(
+                self.tiled_mma, self.mma_tiler, SF_VEC, self.num_stages)
+            k_atoms = BLOCK_K // (SF_VEC * 4)
+            self.num_sfa_tmem_cols = (ROW_GROUP // 32) * 4 * k_atoms
+            self.num_sfb_tmem_cols = (TILE_N // 32) * 4 * k_atoms
+            self.num_acc_tmem_cols = TILE_N * NUM_ACC_STAGES
+            self.num_tmem_cols = 512
         mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
-        self.mma_tiler = (*self.mma_tiler_mn, BLOCK_K)
-        self.mma_tiler_sfb = (*self.mma_tiler_mn_sfb, BLOCK_K)
-        assert BLOCK_K % mma_k == 0
+        assert self.block_k % mma_k == 0
         self.cluster_layout_vmnk = cute.tiled_divide(
             cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma.thr_id.shape,))
-        self.cluster_layout_sfb_vmnk = cute.tiled_divide(
-            cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma_sfb.thr_id.shape,))
-        self.a_smem_layout = sm100_utils.make_smem_layout_a(
-            self.tiled_mma, self.mma_tiler, Float8E4M3FN, self.num_stages)
-        # mixed FP8 x FP4: the FP4 operand lives as one byte per code in shared memory
-        self.b_smem_layout = sm100_utils.make_smem_layout_b(
-            self.tiled_mma, self.mma_tiler, cutlass.Int8, self.num_stages)
-        self.sfa_smem_layout = blockscaled_utils.make_smem_layout_sfa(
-            self.tiled_mma, self.mma_tiler, SF_VEC, self.num_stages)
-        self.sfb_smem_layout = blockscaled_utils.make_smem_layout_sfb(
-            self.tiled_mma, self.mma_tiler, SF_VEC, self.num_stages)
-        k_atoms = BLOCK_K // (SF_VEC * 4)
-        self.num_sfa_tmem_cols = (ROW_GROUP // 32) * 4 * k_atoms
-        self.num_sfb_tmem_cols = (TILE_N // 32) * 4 * k_atoms
-        self.num_acc_tmem_cols = TILE_N * NUM_ACC_STAGES
-        self.num_tmem_cols = 512
 
     def _global_tensors(self, a, a_sf, b, b_sf):
-        """Token, weight and scale tensors with the (row-permuted) layouts of ``gmem_layouts``."""
+        """Token, weight and scale tensors with the (row-permuted) layouts of ``gmem_layouts``
+        (``bf16xbf16``: the scale tensors are None)."""
         specs = gmem_layouts(self.num_pool_rows, self.k, self.n, self.num_experts)
-        return tuple(cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
-                     for ptr, (shape, stride) in zip((a, a_sf, b, b_sf), specs, strict=True))
+        ptrs = (a, a_sf, b, b_sf) if self.block_scaled else (a, None, b, None)
+        return tuple(None if ptr is None else cute.make_tensor(
+            ptr, cute.make_layout(shape, stride=stride))
+            for ptr, (shape, stride) in zip(ptrs, specs, strict=True))
 
     @cute.jit
     def __call__(
         self,
-        a: cute.Pointer,  # e4m3 [P, K]: the L1 or L2 pool
-        a_sf: cute.Pointer,  # int32 [K/128, P] packed UE8M0 (pass as Float8E8M0FNU)
-        b: cute.Pointer,  # e2m1 [E, N, K/2] packed (Float4E2M1FN)
-        b_sf: cute.Pointer,  # int32 [E, K/128, N] packed UE8M0, UTCCP rows (Float8E8M0FNU)
+        a: cute.Pointer,  # [P, K] e4m3 / bf16: the L1 or L2 pool
+        a_sf: cute.Pointer,  # fp8xfp4: int32 [K/128, P] packed UE8M0 (pass as Float8E8M0FNU)
+        b: cute.Pointer,  # fp8xfp4: e2m1 [E, N, K/2] packed (Float4E2M1FN); bf16 [E, N, K]
+        b_sf: cute.Pointer,  # fp8xfp4: int32 [E, K/128, N] packed UE8M0, UTCCP rows
         expert_recv_tokens: cute.Pointer,  # Int32 [E]
         topk_weights: cute.Pointer,  # f32 [P] (l1)
-        out: cute.Pointer,  # l1: e4m3 [P, N/2]; l2: bf16 [P, N]
-        out_sf: cute.Pointer,  # l1: int32 [N/256, P] (pass as Uint8 bytes)
+        out: cute.Pointer,  # l1: e4m3 / bf16 [P, N/2]; l2: bf16 [P, N]
+        out_sf: cute.Pointer,  # fp8xfp4 l1: int32 [N/256, P] (pass as Uint8 bytes)
         num_ctas: Int32,
         stream,
     ):
@@ -245,9 +279,8 @@ class Sm100ExpertGemmKernel:
         m_a, m_sfa, m_b, m_sfb = self._global_tensors(a, a_sf, b, b_sf)
         a_smem_one = cute.slice_(self.a_smem_layout, (None, None, None, 0))
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, None, 0))
-        sfa_smem_one = cute.slice_(self.sfa_smem_layout, (None, None, None, 0))
-        sfb_smem_one = cute.slice_(self.sfb_smem_layout, (None, None, None, 0))
         cluster_shape = self.cluster_layout_vmnk.shape
+        b_internal = cutlass.Int8 if cutlass.const_expr(self.block_scaled) else None
         tma_a, tma_m_a = cute.nvgpu.make_tiled_tma_atom_A(
             sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn,
                                                     self.tiled_mma.thr_id),
@@ -256,75 +289,90 @@ class Sm100ExpertGemmKernel:
             sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn,
                                                     self.tiled_mma.thr_id),
             m_b, b_smem_one, self.mma_tiler, self.tiled_mma, cluster_shape,
-            internal_type=cutlass.Int8)
-        tma_sfa, tma_m_sfa = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn,
-                                                    self.tiled_mma.thr_id),
-            m_sfa, sfa_smem_one, self.mma_tiler, self.tiled_mma, cluster_shape,
-            internal_type=cutlass.Int16)
-        tma_sfb, tma_m_sfb = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100_utils.cluster_shape_to_tma_atom_SFB(self.cluster_shape_mn,
-                                                      self.tiled_mma.thr_id),
-            m_sfb, sfb_smem_one, self.mma_tiler_sfb, self.tiled_mma_sfb,
-            self.cluster_layout_sfb_vmnk.shape, internal_type=cutlass.Int16)
-        # bytes landing per stage, over the CTA pair (the FP4 tile counts its packed size)
-        self.stage_tx_bytes = (cute.size_in_bytes(Float8E4M3FN, a_smem_one)
-                               + cute.size_in_bytes(Float4E2M1FN, b_smem_one)
-                               + cute.size_in_bytes(Float8E8M0FNU, sfa_smem_one)
-                               + cute.size_in_bytes(Float8E8M0FNU, sfb_smem_one)
-                               ) * self.cluster_size
-
-        @cute.struct
-        class SharedStorage:
-            ab_full: cute.struct.MemRange[Int64, self.num_stages]
-            ab_empty: cute.struct.MemRange[Int64, self.num_stages]
-            acc_full: cute.struct.MemRange[Int64, NUM_ACC_STAGES]
-            acc_empty: cute.struct.MemRange[Int64, NUM_ACC_STAGES]
-            tmem_dealloc_mbar: Int64
-            tmem_holding_buf: Int32
-            block_start: cute.struct.MemRange[Int32, self.num_experts + 1]
-            row_start: cute.struct.MemRange[Int32, self.num_experts + 1]
-            sa: cute.struct.Align[cute.struct.MemRange[
-                Float8E4M3FN, cute.cosize(self.a_smem_layout.outer)], 1024]
-            sb: cute.struct.Align[cute.struct.MemRange[
-                cutlass.Int8, cute.cosize(self.b_smem_layout.outer)], 1024]
-            ssfa: cute.struct.Align[cute.struct.MemRange[
-                Float8E8M0FNU, cute.cosize(self.sfa_smem_layout)], 1024]
-            ssfb: cute.struct.Align[cute.struct.MemRange[
-                Float8E8M0FNU, cute.cosize(self.sfb_smem_layout)], 1024]
-
-        self.shared_storage = SharedStorage
-        self.kernel(self.tiled_mma, self.tiled_mma_sfb, tma_a, tma_m_a, tma_b, tma_m_b, tma_sfa,
-                    tma_m_sfa, tma_sfb, tma_m_sfb, self.cluster_layout_vmnk,
-                    self.cluster_layout_sfb_vmnk, self.a_smem_layout, self.b_smem_layout,
-                    self.sfa_smem_layout, self.sfb_smem_layout,
+            internal_type=b_internal)
+        # block-scaled only: the scale operands (None for bf16xbf16, never traced)
+        sf_args = (None, None, None, None, None, None, None, None)
+        if cutlass.const_expr(self.block_scaled):
+            sfa_smem_one = cute.slice_(self.sfa_smem_layout, (None, None, None, 0))
+            sfb_smem_one = cute.slice_(self.sfb_smem_layout, (None, None, None, 0))
+            tma_sfa, tma_m_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+                sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn,
+                                                        self.tiled_mma.thr_id),
+                m_sfa, sfa_smem_one, self.mma_tiler, self.tiled_mma, cluster_shape,
+                internal_type=cutlass.Int16)
+            tma_sfb, tma_m_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+                sm100_utils.cluster_shape_to_tma_atom_SFB(self.cluster_shape_mn,
+                                                          self.tiled_mma.thr_id),
+                m_sfb, sfb_smem_one, self.mma_tiler_sfb, self.tiled_mma_sfb,
+                self.cluster_layout_sfb_vmnk.shape, internal_type=cutlass.Int16)
+            sf_args = (self.tiled_mma_sfb, tma_sfa, tma_m_sfa, tma_sfb, tma_m_sfb,
+                       self.cluster_layout_sfb_vmnk, self.sfa_smem_layout, self.sfb_smem_layout)
+            # bytes landing per stage, over the CTA pair (the FP4 tile counts its packed size)
+            self.stage_tx_bytes = (cute.size_in_bytes(Float8E4M3FN, a_smem_one)
+                                   + cute.size_in_bytes(Float4E2M1FN, b_smem_one)
+                                   + cute.size_in_bytes(Float8E8M0FNU, sfa_smem_one)
+                                   + cute.size_in_bytes(Float8E8M0FNU, sfb_smem_one)
+                                   ) * self.cluster_size
+        else:
+            self.stage_tx_bytes = (cute.size_in_bytes(BFloat16, a_smem_one)
+                                   + cute.size_in_bytes(BFloat16, b_smem_one)
+                                   ) * self.cluster_size
+        self.shared_storage = self._shared_storage()
+        self.kernel(self.tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, self.cluster_layout_vmnk,
+                    self.a_smem_layout, self.b_smem_layout, *sf_args,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
                     topk_weights, out, out_sf).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1],
             cluster=(*self.cluster_shape_mn, 1), min_blocks_per_mp=1, stream=stream)
 
+    def _shared_storage(self):
+        """The shared-memory struct: barriers, TMEM pointer, scheduler prefix arrays and the
+        stage rings (operand tiles 1024-byte aligned for the 128B swizzle; scale tiles only
+        when block-scaled)."""
+        mem, align = cute.struct.MemRange, cute.struct.Align
+        a_type, b_type = (Float8E4M3FN, cutlass.Int8) if self.block_scaled else (BFloat16,
+                                                                                  BFloat16)
+        fields = {
+            "ab_full": mem[Int64, self.num_stages],
+            "ab_empty": mem[Int64, self.num_stages],
+            "acc_full": mem[Int64, NUM_ACC_STAGES],
+            "acc_empty": mem[Int64, NUM_ACC_STAGES],
+            "tmem_dealloc_mbar": Int64,
+            "tmem_holding_buf": Int32,
+            "block_start": mem[Int32, self.num_experts + 1],
+            "row_start": mem[Int32, self.num_experts + 1],
+            "sa": align[mem[a_type, cute.cosize(self.a_smem_layout.outer)], 1024],
+            "sb": align[mem[b_type, cute.cosize(self.b_smem_layout.outer)], 1024],
+        }
+        if self.block_scaled:
+            fields["ssfa"] = align[mem[Float8E8M0FNU, cute.cosize(self.sfa_smem_layout)], 1024]
+            fields["ssfb"] = align[mem[Float8E8M0FNU, cute.cosize(self.sfb_smem_layout)], 1024]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     # ---------------------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, tiled_mma_sfb: cute.TiledMma,
-               tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
-               tma_sfa: cute.CopyAtom, m_sfa: cute.Tensor, tma_sfb: cute.CopyAtom,
-               m_sfb: cute.Tensor, cluster_layout_vmnk: cute.Layout,
-               cluster_layout_sfb_vmnk: cute.Layout, a_smem_layout: cute.ComposedLayout,
-               b_smem_layout: cute.ComposedLayout, sfa_smem_layout: cute.Layout,
-               sfb_smem_layout: cute.Layout, expert_recv_tokens: cute.Tensor,
-               topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer):
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor,
+               tma_b: cute.CopyAtom, m_b: cute.Tensor, cluster_layout_vmnk: cute.Layout,
+               a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
+               # block-scaled only (None for bf16xbf16):
+               tiled_mma_sfb, tma_sfa, m_sfa, tma_sfb, m_sfb, cluster_layout_sfb_vmnk,
+               sfa_smem_layout, sfb_smem_layout,
+               expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
+               out_sf: cute.Pointer):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         if warp == TMA_WARP:
-            for atom in (tma_a, tma_b, tma_sfa, tma_sfb):
-                cpasync.prefetch_descriptor(atom)
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.block_scaled):
+                cpasync.prefetch_descriptor(tma_sfa)
+                cpasync.prefetch_descriptor(tma_sfb)
         cta_in_pair = bidx % self.cluster_size
         is_leader = cta_in_pair == 0
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cluster_layout_vmnk.get_flat_coord(cta_rank)
-        cluster_coord_sfb = cluster_layout_sfb_vmnk.get_flat_coord(cta_rank)
         first_tile = bidx // self.cluster_size
         tile_stride = grid // self.cluster_size
 
@@ -357,8 +405,14 @@ class Sm100ExpertGemmKernel:
 
         sa = storage.sa.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sb = storage.sb.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-        ssfa = storage.ssfa.get_tensor(sfa_smem_layout)
-        ssfb = storage.ssfb.get_tensor(sfb_smem_layout)
+        # the scale operands of the TMA warp and of the MMA warp (block-scaled only)
+        sf_load = sf_mma = None
+        if cutlass.const_expr(self.block_scaled):
+            ssfa = storage.ssfa.get_tensor(sfa_smem_layout)
+            ssfb = storage.ssfb.get_tensor(sfb_smem_layout)
+            sf_load = (tiled_mma_sfb, tma_sfa, m_sfa, tma_sfb, m_sfb, cluster_layout_sfb_vmnk,
+                       cluster_layout_sfb_vmnk.get_flat_coord(cta_rank), ssfa, ssfb)
+            sf_mma = (ssfa, ssfb)
 
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         t_acc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, NUM_ACC_STAGES))
@@ -368,14 +422,13 @@ class Sm100ExpertGemmKernel:
         num_tiles = self.scheduler.num_tiles(block_start)
 
         if warp == TMA_WARP:
-            self.load(tiled_mma, tiled_mma_sfb, tma_a, m_a, tma_b, m_b, tma_sfa, m_sfa, tma_sfb,
-                      m_sfb, cluster_layout_vmnk, cluster_layout_sfb_vmnk, cluster_coord,
-                      cluster_coord_sfb, sa, sb, ssfa, ssfb, ab_pipe, block_start, row_start,
-                      num_tiles, first_tile, tile_stride, cta_in_pair)
+            self.load(tiled_mma, tma_a, m_a, tma_b, m_b, cluster_layout_vmnk, cluster_coord, sa,
+                      sb, sf_load, ab_pipe, block_start, row_start, num_tiles, first_tile,
+                      tile_stride, cta_in_pair)
         if warp == MMA_WARP:
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(tiled_mma, sa, sb, ssfa, ssfb, t_acc_fake, acc_ptr, ab_pipe, acc_pipe,
+            self.mma(tiled_mma, sa, sb, sf_mma, t_acc_fake, acc_ptr, ab_pipe, acc_pipe,
                      block_start, row_start, num_tiles, first_tile, tile_stride, is_leader)
         if warp < MMA_WARP:
             tmem.allocate(self.num_tmem_cols)
@@ -399,47 +452,54 @@ class Sm100ExpertGemmKernel:
         return group
 
     @cute.jit
-    def load(self, tiled_mma, tiled_mma_sfb, tma_a, m_a, tma_b, m_b, tma_sfa, m_sfa, tma_sfb,
-             m_sfb, cluster_layout_vmnk, cluster_layout_sfb_vmnk, cluster_coord,
-             cluster_coord_sfb, sa, sb, ssfa, ssfb, ab_pipe, block_start, row_start,
-             num_tiles: Int32, first_tile: Int32, tile_stride: Int32, cta_in_pair: Int32):
-        """Warp ``TMA_WARP``: the four TMA loads of every k-block of every tile of this CTA."""
+    def load(self, tiled_mma, tma_a, m_a, tma_b, m_b, cluster_layout_vmnk, cluster_coord, sa, sb,
+             sf_load, ab_pipe, block_start, row_start, num_tiles: Int32, first_tile: Int32,
+             tile_stride: Int32, cta_in_pair: Int32):
+        """Warp ``TMA_WARP``: the TMA loads (tokens, weights and, block-scaled, their two scale
+        tiles) of every k-block of every tile of this CTA."""
         g_a = cute.local_tile(m_a, cute.slice_(self.mma_tiler, (None, 0, None)),
                               (None, None, None))
         g_b = cute.local_tile(m_b, cute.slice_(self.mma_tiler, (0, None, None)),
                               (None, None, None))
-        g_sfa = cute.local_tile(m_sfa, cute.slice_(self.mma_tiler, (None, 0, None)),
-                                (None, None, None))
-        g_sfb = cute.local_tile(m_sfb, cute.slice_(self.mma_tiler_sfb, (0, None, None)),
-                                (None, None, None))
         thr_mma = tiled_mma.get_slice(cluster_coord[0])
-        thr_mma_sfb = tiled_mma_sfb.get_slice(cluster_coord[0])
         a_cta = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
         b_cta = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
-        sfb_cta = cute.make_layout(cute.slice_(cluster_layout_sfb_vmnk, (0, None, 0, 0)).shape)
         t_sa, t_ga = cpasync.tma_partition(tma_a, cluster_coord[2], a_cta,
                                            cute.group_modes(sa, 0, 3),
                                            cute.group_modes(thr_mma.partition_A(g_a), 0, 3))
         t_sb, t_gb = cpasync.tma_partition(tma_b, cluster_coord[1], b_cta,
                                            cute.group_modes(sb, 0, 3),
                                            cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
-        t_ssfa, t_gsfa = cpasync.tma_partition(
-            tma_sfa, cluster_coord[2], a_cta, cute.group_modes(ssfa, 0, 3),
-            cute.group_modes(thr_mma.partition_A(g_sfa), 0, 3))
-        t_ssfb, t_gsfb = cpasync.tma_partition(
-            tma_sfb, cluster_coord_sfb[1], sfb_cta, cute.group_modes(ssfb, 0, 3),
-            cute.group_modes(thr_mma_sfb.partition_B(g_sfb), 0, 3))
-        t_ssfa, t_gsfa = cute.filter_zeros(t_ssfa), cute.filter_zeros(t_gsfa)
-        t_ssfb, t_gsfb = cute.filter_zeros(t_ssfb), cute.filter_zeros(t_gsfb)
-        # 2-CTA: the copies signal the leader's barrier; SFB goes to both CTAs (multicast)
-        mask_a = mask_b = mask_sfb = None
+        # 2-CTA: the copies signal the leader's barrier
+        mask_a = mask_b = None
         if cutlass.const_expr(self.use_2cta):
             mask_a = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cluster_coord,
                                                        mcast_mode=2)
             mask_b = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cluster_coord,
                                                        mcast_mode=1)
-            mask_sfb = cpasync.create_tma_multicast_mask(cluster_layout_sfb_vmnk,
-                                                         cluster_coord_sfb, mcast_mode=1)
+        if cutlass.const_expr(self.block_scaled):
+            (tiled_mma_sfb, tma_sfa, m_sfa, tma_sfb, m_sfb, cluster_layout_sfb_vmnk,
+             cluster_coord_sfb, ssfa, ssfb) = sf_load
+            g_sfa = cute.local_tile(m_sfa, cute.slice_(self.mma_tiler, (None, 0, None)),
+                                    (None, None, None))
+            g_sfb = cute.local_tile(m_sfb, cute.slice_(self.mma_tiler_sfb, (0, None, None)),
+                                    (None, None, None))
+            thr_mma_sfb = tiled_mma_sfb.get_slice(cluster_coord[0])
+            sfb_cta = cute.make_layout(
+                cute.slice_(cluster_layout_sfb_vmnk, (0, None, 0, 0)).shape)
+            t_ssfa, t_gsfa = cpasync.tma_partition(
+                tma_sfa, cluster_coord[2], a_cta, cute.group_modes(ssfa, 0, 3),
+                cute.group_modes(thr_mma.partition_A(g_sfa), 0, 3))
+            t_ssfb, t_gsfb = cpasync.tma_partition(
+                tma_sfb, cluster_coord_sfb[1], sfb_cta, cute.group_modes(ssfb, 0, 3),
+                cute.group_modes(thr_mma_sfb.partition_B(g_sfb), 0, 3))
+            t_ssfa, t_gsfa = cute.filter_zeros(t_ssfa), cute.filter_zeros(t_gsfa)
+            t_ssfb, t_gsfb = cute.filter_zeros(t_ssfb), cute.filter_zeros(t_gsfb)
+            # SFB goes to both CTAs of a pair (multicast)
+            mask_sfb = None
+            if cutlass.const_expr(self.use_2cta):
+                mask_sfb = cpasync.create_tma_multicast_mask(cluster_layout_sfb_vmnk,
+                                                             cluster_coord_sfb, mcast_mode=1)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile = first_tile
@@ -452,9 +512,10 @@ class Sm100ExpertGemmKernel:
             if cutlass.const_expr(not self.use_2cta):
                 m_tile = self.group_of_tile(pool_block, cta_in_pair)
             ga = t_ga[(None, m_tile, None, 0)]
-            gsfa = t_gsfa[(None, m_tile, None, 0)]
             gb = t_gb[(None, n_block, None, expert)]
-            gsfb = t_gsfb[(None, n_block, None, expert)]
+            if cutlass.const_expr(self.block_scaled):
+                gsfa = t_gsfa[(None, m_tile, None, 0)]
+                gsfb = t_gsfb[(None, n_block, None, expert)]
             for kb in cutlass.range(self.num_k_blocks, unroll=1):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
@@ -462,29 +523,35 @@ class Sm100ExpertGemmKernel:
                           mcast_mask=mask_a)
                 cute.copy(tma_b, gb[(None, kb)], t_sb[(None, state.index)], tma_bar_ptr=bar,
                           mcast_mask=mask_b)
-                cute.copy(tma_sfa, gsfa[(None, kb)], t_ssfa[(None, state.index)],
-                          tma_bar_ptr=bar, mcast_mask=mask_a)
-                cute.copy(tma_sfb, gsfb[(None, kb)], t_ssfb[(None, state.index)],
-                          tma_bar_ptr=bar, mcast_mask=mask_sfb)
+                if cutlass.const_expr(self.block_scaled):
+                    cute.copy(tma_sfa, gsfa[(None, kb)], t_ssfa[(None, state.index)],
+                              tma_bar_ptr=bar, mcast_mask=mask_a)
+                    cute.copy(tma_sfb, gsfb[(None, kb)], t_ssfb[(None, state.index)],
+                              tma_bar_ptr=bar, mcast_mask=mask_sfb)
                 state.advance()
             tile += tile_stride
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def mma(self, tiled_mma, sa, sb, ssfa, ssfb, t_acc_fake, acc_ptr, ab_pipe, acc_pipe,
+    def mma(self, tiled_mma, sa, sb, sf_mma, t_acc_fake, acc_ptr, ab_pipe, acc_pipe,
             block_start, row_start, num_tiles: Int32, first_tile: Int32, tile_stride: Int32,
             is_leader):
-        """Warp ``MMA_WARP`` (leader CTA issues): UTCCP the scales, block-scaled MMAs."""
+        """Warp ``MMA_WARP`` (leader CTA issues): block-scaled, UTCCP the scales then the
+        ``kind::mxf8f6f4`` MMAs; BF16, the ``kind::f16`` MMAs."""
         t_acc_base = cute.make_tensor(acc_ptr, t_acc_fake.layout)
-        sfa_ptr = cute.recast_ptr(acc_ptr + self.num_acc_tmem_cols, dtype=Float8E8M0FNU)
-        t_sfa = cute.make_tensor(sfa_ptr, blockscaled_utils.make_tmem_layout_sfa(
-            tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(ssfa.layout, (None, None, None, 0))))
-        sfb_ptr = cute.recast_ptr(acc_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols,
-                                  dtype=Float8E8M0FNU)
-        t_sfb = cute.make_tensor(sfb_ptr, blockscaled_utils.make_tmem_layout_sfb(
-            tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(ssfb.layout, (None, None, None, 0))))
-        s2t_sfa, s_sfa, d_sfa = self.s2t_partition(ssfa, t_sfa)
-        s2t_sfb, s_sfb, d_sfb = self.s2t_partition(ssfb, t_sfb)
+        if cutlass.const_expr(self.block_scaled):
+            ssfa, ssfb = sf_mma
+            sfa_ptr = cute.recast_ptr(acc_ptr + self.num_acc_tmem_cols, dtype=Float8E8M0FNU)
+            t_sfa = cute.make_tensor(sfa_ptr, blockscaled_utils.make_tmem_layout_sfa(
+                tiled_mma, self.mma_tiler, SF_VEC,
+                cute.slice_(ssfa.layout, (None, None, None, 0))))
+            sfb_ptr = cute.recast_ptr(
+                acc_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols, dtype=Float8E8M0FNU)
+            t_sfb = cute.make_tensor(sfb_ptr, blockscaled_utils.make_tmem_layout_sfb(
+                tiled_mma, self.mma_tiler, SF_VEC,
+                cute.slice_(ssfb.layout, (None, None, None, 0))))
+            s2t_sfa, s_sfa, d_sfa = self.s2t_partition(ssfa, t_sfa)
+            s2t_sfb, s_sfb, d_sfb = self.s2t_partition(ssfb, t_sfb)
         r_a = tiled_mma.make_fragment_A(sa)
         r_b = tiled_mma.make_fragment_B(sb)
 
@@ -502,11 +569,14 @@ class Sm100ExpertGemmKernel:
                 tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for _kb in cutlass.range(self.num_k_blocks, unroll=1):
                     ab_pipe.consumer_wait(ab_state)
-                    stage = (None, None, None, None, ab_state.index)
-                    cute.copy(s2t_sfa, s_sfa[stage], d_sfa)
-                    cute.copy(s2t_sfb, s_sfb[stage], d_sfb)
                     crd = (None, None, None, ab_state.index)
-                    cute.gemm(tiled_mma, t_acc, [r_a[crd], t_sfa], [r_b[crd], t_sfb], t_acc)
+                    if cutlass.const_expr(self.block_scaled):
+                        stage = (None, None, None, None, ab_state.index)
+                        cute.copy(s2t_sfa, s_sfa[stage], d_sfa)
+                        cute.copy(s2t_sfb, s_sfb[stage], d_sfb)
+                        cute.gemm(tiled_mma, t_acc, [r_a[crd], t_sfa], [r_b[crd], t_sfb], t_acc)
+                    else:
+                        cute.gemm(tiled_mma, t_acc, r_a[crd], r_b[crd], t_acc)
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                     ab_pipe.consumer_release(ab_state)
                     ab_state.advance()
@@ -562,9 +632,11 @@ class Sm100ExpertGemmKernel:
                 cute.copy(t2r, src[(None, None, None, 0, c, state.index)], acc)
                 cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before using acc
                 if valid:
-                    if cutlass.const_expr(self.phase == "l1"):
+                    if cutlass.const_expr(self.phase == "l1" and self.block_scaled):
                         self.swiglu_requant_store(acc, weight, out, out_sf, pool_row,
                                                   2 * n_block + c)
+                    elif cutlass.const_expr(self.phase == "l1"):
+                        self.swiglu_store_bf16(acc, weight, out, pool_row, 2 * n_block + c)
                     else:
                         self.store_bf16(acc, out, pool_row, n_block * TILE_N + c * 32)
             acc_pipe.consumer_release(state)
@@ -576,19 +648,38 @@ class Sm100ExpertGemmKernel:
         return clamped_silu_mul(g, u, self.clamp, self.fast_math)
 
     @cute.jit
-    def swiglu_requant_store(self, acc: cute.Tensor, weight: Float32, out: cute.Pointer,
-                             out_sf: cute.Pointer, pool_row: Int32, group: Int32):
-        """64 interleaved columns (gate 8, up 8, ...) -> 32 features of requant group
-        ``group``: BF16 rounding, clamp, SwiGLU, routing weight, UE8M0 scale, e4m3."""
+    def swiglu(self, acc: cute.Tensor, weight: Float32) -> cute.Tensor:
+        """64 interleaved columns (gate 8, up 8, ...) -> ``h`` of their 32 features: BF16
+        rounding of the accumulator, clamp, SwiGLU, times the routing weight."""
         rounded = cute.make_rmem_tensor(acc.shape, Float32)
         rounded.store(acc.load().to(BFloat16).to(Float32))
         h = cute.make_rmem_tensor((32,), Float32)
-        amax = Float32(0.0)
         for b in cutlass.range_constexpr(4):
             for r in cutlass.range_constexpr(8):
-                v = self.silu_mul(rounded[16 * b + r], rounded[16 * b + 8 + r]) * weight
-                h[8 * b + r] = v
-                amax = cute.arch.fmax(amax, cute.math.absf(v))
+                h[8 * b + r] = self.silu_mul(rounded[16 * b + r], rounded[16 * b + 8 + r]) * weight
+        return h
+
+    @cute.jit
+    def swiglu_store_bf16(self, acc: cute.Tensor, weight: Float32, out: cute.Pointer,
+                          pool_row: Int32, group: Int32):
+        """``bf16xbf16`` L1: features ``32 group ..`` of one row of ``h`` as BF16 (64 bytes)."""
+        h = self.swiglu(acc, weight)
+        vals = cute.make_rmem_tensor((32,), BFloat16)
+        vals.store(h.load().to(BFloat16))
+        dst = cute.make_ptr(BFloat16, out.toint() + (Int64(pool_row) * self.out_cols
+                                                     + group * 32) * 2,
+                            cute.AddressSpace.gmem, assumed_align=64)
+        cute.autovec_copy(vals, cute.make_tensor(dst, cute.make_layout(32)))
+
+    @cute.jit
+    def swiglu_requant_store(self, acc: cute.Tensor, weight: Float32, out: cute.Pointer,
+                             out_sf: cute.Pointer, pool_row: Int32, group: Int32):
+        """``fp8xfp4`` L1: 64 interleaved columns -> 32 features of requant group ``group``:
+        ``h`` (``swiglu``), UE8M0 scale, e4m3."""
+        h = self.swiglu(acc, weight)
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(32):
+            amax = cute.arch.fmax(amax, cute.math.absf(h[i]))
         exponent = requant_exponent(amax)
         sf_inv = ((127 - exponent) << 23).bitcast(Float32)
         q = cute.make_rmem_tensor((32,), Float32)
