@@ -73,8 +73,6 @@ allocates 512 / 256 TMEM columns) and, for ``BM = 256``, an even grid.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -94,10 +92,10 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from ..scheduler.device import ExpertTileScheduler
+from .common.gemm_config import check_gemm_config
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
-PHASES = ("l1", "l2")
 RECIPES = ("fp8xfp4", "bf16xbf16")
 BLOCK_MS = (64, 128, 256)
 TILE_N = 128  # weight rows per tile (L1: 64 features = two requant groups)
@@ -157,12 +155,6 @@ class Sm100ExpertGemmKernel:
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None):
-        if phase not in PHASES:
-            raise ValueError(f"phase: expected one of {PHASES}, got {phase!r}")
-        if recipe not in RECIPES:
-            raise ValueError(f"recipe: sm100 grouped GEMMs support {RECIPES}, got {recipe!r}")
-        if block_m not in BLOCK_MS:
-            raise ValueError(f"block_m: expected one of {BLOCK_MS}, got {block_m}")
         self.phase, self.recipe = phase, recipe
         self.block_scaled = recipe == "fp8xfp4"
         self.ab_dtype = Float8E4M3FN if self.block_scaled else BFloat16
@@ -174,10 +166,10 @@ class Sm100ExpertGemmKernel:
         self.cluster_size = 2 if self.use_2cta else 1
         self.mma_tiler_mn = (2 * ROW_GROUP if self.use_2cta else ROW_GROUP, TILE_N)
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
-        for name, value, mult in (("n", n, TILE_N), ("k", k, self.block_k),
-                                  ("num_pool_rows", num_pool_rows, max(block_m, ROW_GROUP))):
-            if value <= 0 or value % mult != 0:
-                raise ValueError(f"{name} ({value}) must be a positive multiple of {mult}")
+        self.clamp = check_gemm_config(
+            "sm100", phase, recipe, RECIPES, block_m, BLOCK_MS,
+            (("n", n, TILE_N), ("k", k, self.block_k),
+             ("num_pool_rows", num_pool_rows, max(block_m, ROW_GROUP))), activation_clamp)
         if self.block_scaled and phase == "l1" and n % 256 != 0:
             raise ValueError(f"l1: n = 2I ({n}) must be a multiple of 256 (I/128 scale words)")
         if num_experts <= 0:
@@ -185,11 +177,6 @@ class Sm100ExpertGemmKernel:
         self.num_n_blocks = n // TILE_N
         self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
-        if activation_clamp is not None and not (activation_clamp >= 0 and
-                                                 math.isfinite(activation_clamp)):
-            raise ValueError(f"activation_clamp must be None or finite >= 0, got "
-                             f"{activation_clamp}")
-        self.clamp = None if activation_clamp is None else float(activation_clamp)
         self.fast_math = bool(fast_math)
         # epilogue sub-tile: L1 reads 64 columns (one requant group of 32 features), L2 32
         self.epi_cols = 64 if phase == "l1" else 32

@@ -34,8 +34,6 @@ with at most one CTA per SM.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -46,10 +44,10 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
+from .common.gemm_config import check_gemm_config
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
-PHASES = ("l1", "l2")
 RECIPES = ("fp8xfp8", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 SF_N = 8  # weight rows sharing one FP8 weight scale entry (the gate/up interleave unit)
@@ -65,12 +63,6 @@ class Sm90ExpertGemmKernel:
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None):
-        if phase not in PHASES:
-            raise ValueError(f"phase: expected one of {PHASES}, got {phase!r}")
-        if recipe not in RECIPES:
-            raise ValueError(f"recipe: sm90 grouped GEMMs support {RECIPES}, got {recipe!r}")
-        if block_m not in (64, 128):
-            raise ValueError(f"block_m: expected 64 or 128, got {block_m}")
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -81,20 +73,14 @@ class Sm90ExpertGemmKernel:
             else WG_N
         self.chunks = self.block_n // WG_N
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
-        for name, value, mult in (("n", n, self.block_n), ("k", k, self.block_k),
-                                  ("num_pool_rows", num_pool_rows, block_m)):
-            if value <= 0 or value % mult != 0:
-                raise ValueError(f"{name} ({value}) must be a positive multiple of {mult}")
-        if phase == "l1" and n % 16 != 0:
-            raise ValueError(f"l1: n = 2I ({n}) must be a multiple of 16 (gate/up interleave)")
+        self.clamp = check_gemm_config(
+            "sm90", phase, recipe, RECIPES, block_m, (64, 128),
+            (("n", n, self.block_n), ("k", k, self.block_k),
+             ("num_pool_rows", num_pool_rows, block_m), ("num_experts", num_experts, 1)),
+            activation_clamp)
         self.num_n_blocks = n // self.block_n
         self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
-        if activation_clamp is not None and not (activation_clamp >= 0 and
-                                                 math.isfinite(activation_clamp)):
-            raise ValueError(f"activation_clamp must be None or finite >= 0, got "
-                             f"{activation_clamp}")
-        self.clamp = None if activation_clamp is None else float(activation_clamp)
         self.fast_math = bool(fast_math)
         self.num_mma_wgs = block_m // 64
         self.num_threads = 128 * (1 + self.num_mma_wgs)

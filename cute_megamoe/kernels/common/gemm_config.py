@@ -1,0 +1,31 @@
+"""Host-side checks shared by the grouped-GEMM kernels of every arch (`sm90_expert_gemm`,
+`sm100_expert_gemm`): the arguments every one of them takes, validated the same way."""
+
+from __future__ import annotations
+
+import math
+
+PHASES = ("l1", "l2")
+
+
+def check_gemm_config(arch: str, phase: str, recipe: str, recipes: tuple[str, ...],
+                      block_m: int, block_ms: tuple[int, ...],
+                      multiples: tuple[tuple[str, int, int], ...],
+                      activation_clamp: float | None) -> float | None:
+    """Raise ``ValueError`` naming the argument on a bad phase, recipe, ``block_m``, a size that
+    is not a positive multiple of what the kernel tiles it by (``(name, value, multiple)``), or
+    a clamp that is not None / finite >= 0. Returns the clamp as a float (or None)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase: expected one of {PHASES}, got {phase!r}")
+    if recipe not in recipes:
+        raise ValueError(f"recipe: {arch} grouped GEMMs support {recipes}, got {recipe!r}")
+    if block_m not in block_ms:
+        raise ValueError(f"block_m: expected one of {block_ms}, got {block_m}")
+    for name, value, mult in multiples:
+        if value <= 0 or value % mult != 0:
+            raise ValueError(f"{name} ({value}) must be a positive multiple of {mult}")
+    if activation_clamp is None:
+        return None
+    if not (activation_clamp >= 0 and math.isfinite(activation_clamp)):
+        raise ValueError(f"activation_clamp must be None or finite >= 0, got {activation_clamp}")
+    return float(activation_clamp)
