@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import Results
+from bench.common import Results, gpu_clocks
 from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem
 
 
 def main() -> None:
-    res = Results("gemm_accuracy", meta={"hidden": 7168, "intermediate": 2048})
+    res = Results("gemm_accuracy", meta={"hidden": 7168, "intermediate": 2048,
+                                         "clocks_before": gpu_clocks()})
     device = torch.device("cuda")
     for recipe in ("fp8xfp8", "bf16xbf16"):
         for block_m in (64, 128):
@@ -26,6 +27,7 @@ def main() -> None:
                                             2048, device, seed=block_m + len(pattern))
                 stats = check_expert_ffn(problem, activation_clamp=10.0)
                 res.add(recipe=recipe, block_m=block_m, pattern=pattern, **stats)
+    res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
     print(res.table(["recipe", "block_m", "pattern", "rows", "l1_err", "l2_err", "e2e_err",
                      "l1_flip_frac", "l1_big_flips", "sf_mismatch", "sf_near_tie"]))

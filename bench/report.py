@@ -23,18 +23,41 @@ COLUMNS = {
         ("dispatch_vs_peer_copy", "vs peer copy"), ("combine_graph_us", "combine us (graph)"),
         ("combine_us", "combine us (eager)"), ("nccl_combine_us", "NCCL a2a us"),
         ("combine_nvl_gbps", "combine NVL GB/s"), ("combine_vs_peer_copy", "vs peer copy")],
+    "gemm": [("recipe", "recipe"), ("experts", "experts"), ("pairs_per_expert", "pairs/expert"),
+             ("block_m", "BLOCK_M"), ("picked", "heuristic's pick"), ("ours_us", "ours us"),
+             ("torch_us", "torch us"), ("speedup", "torch / ours"),
+             ("ours_tflops", "ours TFLOPS"), ("torch_tflops", "torch TFLOPS"),
+             ("weight_floor_us", "weight floor us"), ("ratio_to_floor", "ours / floor")],
+    "gemm_accuracy": [("recipe", "recipe"), ("block_m", "BLOCK_M"), ("pattern", "routing"),
+                      ("rows", "rows"), ("l1_err", "L1 rel. err"), ("l2_err", "L2 rel. err"),
+                      ("e2e_err", "end-to-end rel. err"), ("l1_flip_frac", "L1 one-step flips"),
+                      ("l1_big_flips", "L1 > 1 step"), ("sf_mismatch", "scale mismatches"),
+                      ("sf_near_tie", "of which near-ties")],
+    "layer": [("tokens", "tokens/rank"), ("block_m", "BLOCK_M"), ("ours_us", "ours us (eager)"),
+              ("ours_graph_us", "ours us (graph)"), ("staged_torch_us", "staged torch us"),
+              ("torch_baseline_us", "torch baseline us"),
+              ("speedup_vs_baseline", "baseline / ours"), ("ours_tflops", "ours TFLOPS")],
 }
+PLOTTED = ("staging", "dispatch_combine")  # benches `plot` knows how to draw
 
 
-def newest(name: str, results_dir: Path = RESULTS_DIR) -> dict | None:
-    files = sorted(results_dir.glob(f"{name}-*.json"))
-    return json.loads(files[-1].read_text()) if files else None
+def newest(name: str, results_dir: Path = RESULTS_DIR) -> list[dict]:
+    """The newest result of bench `name` per recipe named in its meta (one for most benches;
+    `bench_layer` runs once per recipe)."""
+    found: dict[object, dict] = {}
+    for path in sorted(results_dir.glob(f"{name}-*.json")):
+        result = json.loads(path.read_text())
+        if result.get("name") == name:
+            found[result["meta"].get("recipe")] = result
+    return list(found.values())
 
 
 def _fmt(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
+        if v != 0 and abs(v) < 0.1:
+            return f"{v:.2g}"
         return f"{v:.2f}" if v < 10 else f"{v:.0f}"
     return str(v)
 
@@ -47,7 +70,8 @@ def markdown_table(result: dict) -> str:
         lines.append("| " + " | ".join(_fmt(row.get(key)) for key, _ in cols) + " |")
     meta = result["meta"]
     lines.append("")
-    lines.append(f"{meta['date']}, {meta['gpu']} x{meta.get('ranks', 1)}, commit "
+    recipe = f"recipe {meta['recipe']}, " if "recipe" in meta else ""
+    lines.append(f"{recipe}{meta['date']}, {meta['gpu']} x{meta.get('ranks', 1)}, commit "
                  f"{meta['commit']}, torch {meta['torch']}, clocks before/after: "
                  f"{meta.get('clocks_before', {}).get('nvidia_smi', '?')!r} / "
                  f"{meta.get('clocks_after', {}).get('nvidia_smi', '?')!r}")
@@ -93,12 +117,10 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args()
     for name in COLUMNS:
-        result = newest(name, args.results)
-        if result is None:
-            continue
-        print(f"### {name}\n\n{markdown_table(result)}\n")
-        if args.plot:
-            print(f"plot: {plot(result, args.plot)}\n")
+        for result in newest(name, args.results):
+            print(f"### {name}\n\n{markdown_table(result)}\n")
+            if args.plot and name in PLOTTED:
+                print(f"plot: {plot(result, args.plot)}\n")
 
 
 if __name__ == "__main__":
