@@ -6,8 +6,10 @@
 
 `dispatch` and `combine` are collective: every rank of the buffer's group calls them, in the
 same order, once per call (also with 0 tokens). `staged_mega_moe` runs a whole layer with the
-expert GEMMs done by `torch._grouped_mm` (until our GEMM kernels replace them); it is the
-debugging path and the baseline the fused kernel must beat.
+expert FFN on our grouped-GEMM kernels (`kernel_experts`, `expert_gemm.ExpertWeights`; what
+`fp8_mega_moe` / `bf16_mega_moe` call) or on torch ops (`torch_experts`,
+`TorchExpertWeights`, every recipe: the debugging path). It is the baseline the fused
+single-launch kernel must beat.
 """
 
 from __future__ import annotations
