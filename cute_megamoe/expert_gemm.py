@@ -23,7 +23,8 @@ import torch
 from . import quant
 from .api import _check_tensor
 from .heuristics import get_num_sms
-from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
+from .runtime import as_ptr, compiled_kernel, current_stream, env_flag, get_arch
+from .utils import ceil_div
 
 #: Recipes with grouped-GEMM kernels, per arch.
 SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4", "bf16xbf16")}
@@ -164,6 +165,19 @@ def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, i
     return e_l, hidden, inter
 
 
+def check_pool_capacity(expert_recv_tokens: torch.Tensor, block_m: int, pool_rows: int) -> None:
+    """Raise unless every count is >= 0 and the experts' padded blocks fit in the pool
+    (``sum(ceil(count / block_m)) * block_m <= pool_rows``); the kernels would write past the
+    pool otherwise. Reads the counts back to the host (synchronizes)."""
+    counts = [int(c) for c in expert_recv_tokens.tolist()]
+    if any(c < 0 for c in counts):
+        raise ValueError(f"expert_recv_tokens: counts must be >= 0, got {counts}")
+    need = sum(ceil_div(c, block_m) for c in counts) * block_m
+    if need > pool_rows:
+        raise ValueError(f"expert_recv_tokens: the experts need {need} pool rows in blocks of "
+                         f"{block_m}, the pool has {pool_rows}")
+
+
 def _check_mn_major(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, cols: int,
                     device) -> None:
     """A ``[rows, cols]`` view of a contiguous ``[cols, rows]`` tensor (strides (1, rows))."""
@@ -180,7 +194,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
                expert_recv_tokens: torch.Tensor, weights: ExpertWeights, *, block_m: int,
                activation_clamp: float | None = None, fast_math: bool = True,
                l2_acts: torch.Tensor | None = None, l2_acts_sf: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, num_sms: int | None = None,
+               validate_counts: bool | None = None) -> torch.Tensor:
     """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc).
 
     Args:
@@ -192,6 +207,10 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
         weights: `ExpertWeights` of the same recipe as ``acts``, prepared for this GPU's arch.
         l2_acts, l2_acts_sf, out: optional outputs (the L2 pool ``[P, I]``, its scales
             ``[P, I/128]`` strides ``(1, P)``, and ``[P, H]`` bf16); allocated when None.
+        validate_counts: check that the counts fit the pool (`check_pool_capacity`; a host
+            synchronization, so not inside CUDA-graph capture). Default: the
+            ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (on). The staged layer skips it: the dispatch
+            sizes the pool for the worst case.
     """
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
@@ -218,6 +237,10 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     _check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
     _check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
     _check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
+    if validate_counts is None:
+        validate_counts = env_flag("CUTE_MEGAMOE_CHECK_ROUTING", default=True)
+    if validate_counts:
+        check_pool_capacity(expert_recv_tokens, block_m, pool_rows)
     if sf_dtype is not None:
         if acts_sf is None:
             raise ValueError(f"acts_sf: required for {recipe}")
@@ -279,4 +302,5 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     return out
 
 
-__all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "expert_ffn", "gemm_kernel"]
+__all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "check_pool_capacity", "expert_ffn",
+           "gemm_kernel"]

@@ -71,6 +71,17 @@ def test_weights_bf16_interleaved():
     assert w.w1_sf is None and torch.equal(w.w1, quant.interleave_gate_up(w1))
 
 
+def test_check_pool_capacity():
+    from cute_megamoe.expert_gemm import check_pool_capacity
+
+    counts = torch.tensor([65, 0, 1], dtype=torch.int32)  # 2 + 0 + 1 blocks of 64
+    check_pool_capacity(counts, 64, 192)
+    with pytest.raises(ValueError, match="need 256 pool rows"):
+        check_pool_capacity(counts, 128, 192)
+    with pytest.raises(ValueError, match=">= 0"):
+        check_pool_capacity(torch.tensor([-1], dtype=torch.int32), 64, 64)
+
+
 def test_expert_ffn_rejects_cpu_tensors():
     from cute_megamoe.expert_gemm import expert_ffn
 
@@ -192,6 +203,9 @@ def test_expert_ffn_rejects_bad_inputs():
                    block_m=64)
     with pytest.raises(TypeError, match="expert_recv_tokens"):
         expert_ffn(p.acts, p.acts_sf, p.topk_weights, counts.long(), p.weights, block_m=64)
+    with pytest.raises(ValueError, match="pool rows in blocks"):
+        too_many = torch.tensor([p.acts.shape[0] + 1, 0], dtype=torch.int32, device=device)
+        expert_ffn(p.acts, p.acts_sf, p.topk_weights, too_many, p.weights, block_m=64)
     with pytest.raises(ValueError, match="multiple of block_m"):
         expert_ffn(p.acts[:-1], p.acts_sf[:-1], p.topk_weights[:-1], counts, p.weights,
                    block_m=64)
