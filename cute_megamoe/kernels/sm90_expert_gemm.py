@@ -21,11 +21,15 @@ walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert, m-bloc
 ``block_start`` rebuilt in shared memory from the counts) and TMA-loads the A and B tiles of
 every k-block into a ring of stages (plus the stage's scale vectors with 1-D bulk copies), on one
 mbarrier per stage. ``BM / 64`` consumer warpgroups each own 64 rows of the ``BM x BN`` tile
-(``BN`` = 256 when ``N`` allows, else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs, and run
-the epilogue from registers with direct, row-predicated stores: pad rows beyond an expert's
-count are never written. FP8 promotes chunk by chunk, so one 64-register scratch accumulator
-serves the whole tile; BF16 keeps one k-block of WGMMAs in flight. An L1 tile of 256 columns
-holds 128 features: exactly one requantization group per row.
+(``BN`` = 256 when ``N`` allows, else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs. FP8
+promotes chunk by chunk, so one 64-register scratch accumulator serves the whole tile; BF16 keeps
+one k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
+requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
+rows of the tile's output into its own padded shared-memory staging rows (conflict-free), and 16
+of its lanes send the valid rows to global memory with one 1-D bulk copy each, so the warp goes
+on to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
+writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
+tile). Pad rows beyond an expert's count are never written.
 
 Constraints: ``BM`` in (64, 128); ``K`` a multiple of 128 (FP8) or 64 (BF16); ``N`` a multiple
 of 128 (of 256 for FP8 L1); ``P`` a multiple of ``BM``; every tensor 16-byte aligned. Launched
@@ -38,7 +42,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
@@ -52,6 +56,8 @@ RECIPES = ("fp8xfp8", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 SF_N = 8  # weight rows sharing one FP8 weight scale entry (the gate/up interleave unit)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
+ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
+STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
@@ -85,12 +91,18 @@ class Sm90ExpertGemmKernel:
         self.num_mma_wgs = block_m // 64
         self.num_threads = 128 * (1 + self.num_mma_wgs)
         elt = self.ab_dtype.width // 8
+        out_elt = elt if phase == "l1" else 2
+        # bytes of one output row inside one tile, and the per-warp staging rows holding them
+        self.tile_row_bytes = (self.block_n // 2 if phase == "l1" else self.block_n) * out_elt
+        self.out_row_bytes = self.out_cols * out_elt
+        self.staging_stride = self.tile_row_bytes + STAGING_PAD
+        self.staging_bytes = 4 * self.num_mma_wgs * ROWS_PER_WARP * self.staging_stride
         self.sfa_len, self.sfb_len = block_m, self.block_n // SF_N
         stage_bytes = (block_m + self.block_n) * self.block_k * elt
         if self.is_fp8:
             stage_bytes += (self.sfa_len + self.sfb_len) * 4
         self.stage_tx_bytes = stage_bytes
-        fit = SMEM_BUDGET // (stage_bytes + 64)
+        fit = (SMEM_BUDGET - self.staging_bytes) // (stage_bytes + 64)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
         if not 2 <= self.num_stages <= fit:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
@@ -149,6 +161,7 @@ class Sm90ExpertGemmKernel:
                                   1024]
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
                                   1024]
+            staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes], 128]
 
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, a_layout, b_layout, a_sf, b_sf,
@@ -181,6 +194,7 @@ class Sm90ExpertGemmKernel:
         sfb = storage.sfb.get_tensor(cute.make_layout((self.sfb_len, self.num_stages)))
         sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        staging = storage.staging.data_ptr()
 
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
@@ -206,7 +220,7 @@ class Sm90ExpertGemmKernel:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, bidx, grid, wg - 1, warp % 4, lane, topk_weights, out,
-                         out_sf)
+                         out_sf, staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
 
     @cute.jit
     def produce(self, tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
@@ -256,8 +270,9 @@ class Sm90ExpertGemmKernel:
     def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                 num_tiles: Int32, bidx: Int32, grid: Int32, mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
-                out_sf: cute.Pointer):
-        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile."""
+                out_sf: cute.Pointer, staging: cute.Pointer):
+        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile;
+        ``staging``: this warp's shared-memory staging rows."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -269,7 +284,8 @@ class Sm90ExpertGemmKernel:
         prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
         # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its chunk.
-        row0 = 64 * mma_wg + 16 * warp_in_wg + lane // 4
+        warp_row0 = 64 * mma_wg + ROWS_PER_WARP * warp_in_wg
+        row0 = warp_row0 + lane // 4
         col0 = 2 * (lane % 4)
         tile = bidx
         expert = Int32(0)
@@ -285,6 +301,11 @@ class Sm90ExpertGemmKernel:
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
                     for c in cutlass.range_constexpr(self.chunks):
+                        # the chunk's weight scales are read while its WGMMAs run, and the
+                        # stage goes back to the producer before the last promotion
+                        scale_b = cute.make_rmem_tensor((WG_N // SF_N,), Float32)
+                        for j in cutlass.range_constexpr(WG_N // SF_N):
+                            scale_b[j] = sfb[c * (WG_N // SF_N) + j, state.index]
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kk in cutlass.range_constexpr(num_k_phases):
@@ -294,15 +315,15 @@ class Sm90ExpertGemmKernel:
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
+                        if cutlass.const_expr(c == self.chunks - 1):
+                            ab_pipe.consumer_release(state)
                         # promotion: acc += part * sa[row] * sb[8-row group of the column]
-                        for j in cutlass.range_constexpr(WG_N // 8):
-                            scale_b = sfb[c * (WG_N // 8) + j, state.index]
-                            s0 = sa0 * scale_b
-                            s1 = sa1 * scale_b
+                        for j in cutlass.range_constexpr(WG_N // SF_N):
+                            s0 = sa0 * scale_b[j]
+                            s1 = sa1 * scale_b[j]
                             for cc in cutlass.range_constexpr(2):
                                 accs[c][cc + 4 * j] += part[cc + 4 * j] * s0
                                 accs[c][cc + 2 + 4 * j] += part[cc + 2 + 4 * j] * s1
-                    ab_pipe.consumer_release(state)
                     state.advance()
             else:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
@@ -324,42 +345,59 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(prev)
                 prev.advance()
+            # the bulk stores of this warp's previous tile must have read the staging rows
+            if lane < ROWS_PER_WARP:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
             if cutlass.const_expr(self.phase == "l2"):
                 for c in cutlass.range_constexpr(self.chunks):
-                    self.store_l2(accs[c], out, row_base, row0, col0, valid_m,
-                                  n_block * self.block_n + c * WG_N)
+                    self.stage_l2(accs[c], staging, lane, c * WG_N + col0)
             else:
-                self.epilogue_l1(accs, topk_weights, out, out_sf, row_base, row0, col0,
+                self.epilogue_l1(accs, topk_weights, out_sf, staging, row_base, row0, col0,
                                  valid_m, n_block, lane)
+            self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane)
             tile += grid
+        cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def store_l2(self, acc: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
-                 col0: Int32, valid_m: Int32, col_base: Int32):
-        """BF16 values of one 128-column chunk, valid rows only, straight from registers."""
+    def stage_l2(self, acc: cute.Tensor, staging: cute.Pointer, lane: Int32, col: Int32):
+        """BF16 values of one 128-column chunk into the warp's staging rows."""
         vals = cute.make_rmem_tensor(acc.shape, BFloat16)
         vals.store(acc.load().to(BFloat16))
-        self.store_rows(vals, out, row_base, row0, valid_m, self.n, col_base + col0)
+        self.stage_rows(vals, staging, lane, col)
 
     @cute.jit
-    def store_rows(self, vals: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
-                   valid_m: Int32, row_elems: cutlass.Constexpr, col: Int32):
-        """Store a thread's fragment ``vals`` (value ``c + 2 r + 4 g``: row ``row0 + 8 r``,
-        column ``col + 8 g + c``) to the valid rows of ``out`` (``row_elems`` per row), each
-        column pair as one 2- or 4-byte word."""
+    def stage_rows(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32, col: Int32):
+        """Write a thread's fragment ``vals`` (value ``c + 2 r + 4 g``: warp row
+        ``lane / 4 + 8 r``, tile column ``col + 8 g + c``) into the staging rows, each column
+        pair as one 2- or 4-byte word."""
         elt = vals.element_type.width // 8
         word = Int32 if cutlass.const_expr(elt == 2) else cutlass.Int16
         words = cute.recast_tensor(vals, word)  # word r + 2 g: the pair (c = 0, 1)
         groups = cute.size(vals) // 4
         for r in cutlass.range_constexpr(2):
-            row = row0 + 8 * r
+            row_ptr = staging + (lane // 4 + 8 * r) * self.staging_stride + col * elt
+            dst = cute.make_tensor(cute.recast_ptr(row_ptr, dtype=word),
+                                   cute.make_layout(groups, stride=4))  # pair g: 8 columns on
+            for g in cutlass.range_constexpr(groups):
+                dst[g] = words[r + 2 * g]
+
+    @cute.jit
+    def flush_rows(self, staging: cute.Pointer, out: cute.Pointer, row_base: Int32,
+                   warp_row0: Int32, valid_m: Int32, n_block: Int32, lane: Int32):
+        """Send the warp's staged rows that hold received tokens to ``out``: lane ``i < 16``
+        bulk-copies row ``warp_row0 + i`` (one tile-wide row piece) if it is valid."""
+        cute.arch.fence_view_async_shared()  # staging writes -> visible to the bulk copies
+        cute.arch.sync_warp()
+        if lane < ROWS_PER_WARP:
+            row = warp_row0 + lane
             if row < valid_m:
-                addr = out.toint() + (Int64(row_base + row) * row_elems + col) * elt
-                dst = cute.make_tensor(
-                    cute.make_ptr(word, addr, cute.AddressSpace.gmem, assumed_align=2 * elt),
-                    cute.make_layout(groups, stride=4))  # pair g is 8 columns on
-                for g in cutlass.range_constexpr(groups):
-                    dst[g] = words[r + 2 * g]
+                dst = (out.toint() + Int64(row_base + row) * self.out_row_bytes
+                       + n_block * self.tile_row_bytes)
+                prims.cp_async_bulk_global_shared_cta(
+                    cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
+                    staging + lane * self.staging_stride, Int32(self.tile_row_bytes))
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def silu_mul(self, g: Float32, u: Float32) -> Float32:
@@ -381,30 +419,29 @@ class Sm90ExpertGemmKernel:
         return h
 
     @cute.jit
-    def epilogue_l1(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
-                    out_sf: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
+    def epilogue_l1(self, accs: list, topk_weights: cute.Pointer, out_sf: cute.Pointer,
+                    staging: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
                     valid_m: Int32, n_block: Int32, lane: Int32):
-        """SwiGLU times the routing weight; BF16 out, or FP8 requantized over the tile's 128
-        features (both chunks) with one power-of-two scale per row."""
+        """SwiGLU times the routing weight into the staging rows; BF16, or FP8 requantized
+        over the tile's 128 features (both chunks) with one power-of-two scale per row (the
+        scales go straight to ``out_sf``)."""
         w = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
         w0 = w[row0]
         w1 = w[row0 + 8]
-        features = n_block * (self.block_n // 2)
         if cutlass.const_expr(not self.is_fp8):
             for c in cutlass.range_constexpr(self.chunks):
                 h = self.swiglu_chunk(accs[c], w0, w1)
                 vals = cute.make_rmem_tensor(h.shape, BFloat16)
                 vals.store(h.load().to(BFloat16))
-                self.store_h(vals, out, row_base, row0, col0, valid_m,
-                             features + c * (WG_N // 2))
+                self.stage_rows(vals, staging, lane, c * (WG_N // 2) + col0)
         else:
             self.requant_store(self.swiglu_chunk(accs[0], w0, w1),
-                               self.swiglu_chunk(accs[1], w0, w1), out, out_sf, row_base,
+                               self.swiglu_chunk(accs[1], w0, w1), out_sf, staging, row_base,
                                row0, col0, valid_m, n_block, lane)
 
     @cute.jit
-    def requant_store(self, h0: cute.Tensor, h1: cute.Tensor, out: cute.Pointer,
-                      out_sf: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
+    def requant_store(self, h0: cute.Tensor, h1: cute.Tensor, out_sf: cute.Pointer,
+                      staging: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
                       valid_m: Int32, n_block: Int32, lane: Int32):
         """e4m3 with a power-of-two scale per row over the tile's 128 features (both chunks):
         ``e = exponent(amax / 448)`` rounded up, ``q = satfinite(h * 2^-e)``."""
@@ -442,11 +479,5 @@ class Sm90ExpertGemmKernel:
         v1 = cute.make_rmem_tensor(h1.shape, Float8E4M3FN)
         v0.store(q0.load().to(Float8E4M3FN))
         v1.store(q1.load().to(Float8E4M3FN))
-        self.store_h(v0, out, row_base, row0, col0, valid_m, n_block * WG_N)
-        self.store_h(v1, out, row_base, row0, col0, valid_m, n_block * WG_N + WG_N // 2)
-
-    @cute.jit
-    def store_h(self, vals: cute.Tensor, out: cute.Pointer, row_base: Int32, row0: Int32,
-                col0: Int32, valid_m: Int32, feature_base: Int32):
-        """Features ``feature_base + 8 m + col0 + c`` of the thread's two rows (valid only)."""
-        self.store_rows(vals, out, row_base, row0, valid_m, self.out_cols, feature_base + col0)
+        self.stage_rows(v0, staging, lane, col0)
+        self.stage_rows(v1, staging, lane, WG_N // 2 + col0)
