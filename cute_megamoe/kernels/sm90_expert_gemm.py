@@ -25,7 +25,8 @@ mbarrier per stage. ``BM / 64`` consumer warpgroups each own 64 rows of the ``BM
 promotes chunk by chunk, so one 64-register scratch accumulator serves the whole tile; BF16 keeps
 one k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
-rows of the tile's output into its own padded shared-memory staging rows (conflict-free), and 16
+rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
+tile rows, or one chunk at a time where that leaves room for one more pipeline stage), and 16
 of its lanes send the valid rows to global memory with one 1-D bulk copy each, so the warp goes
 on to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
 writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
@@ -92,16 +93,26 @@ class Sm90ExpertGemmKernel:
         self.num_threads = 128 * (1 + self.num_mma_wgs)
         elt = self.ab_dtype.width // 8
         out_elt = elt if phase == "l1" else 2
-        # bytes of one output row inside one tile, and the per-warp staging rows holding them
+        # bytes of one output row inside one tile
         self.tile_row_bytes = (self.block_n // 2 if phase == "l1" else self.block_n) * out_elt
         self.out_row_bytes = self.out_cols * out_elt
-        self.staging_stride = self.tile_row_bytes + STAGING_PAD
-        self.staging_bytes = 4 * self.num_mma_wgs * ROWS_PER_WARP * self.staging_stride
         self.sfa_len, self.sfb_len = block_m, self.block_n // SF_N
         stage_bytes = (block_m + self.block_n) * self.block_k * elt
         if self.is_fp8:
             stage_bytes += (self.sfa_len + self.sfb_len) * 4
         self.stage_tx_bytes = stage_bytes
+
+        def stages_fit(parts):  # pipeline stages left beside staging rows of 1/parts tile row
+            staging = self.staging_layout(parts)[1]
+            return min(MAX_STAGES, (SMEM_BUDGET - staging) // (stage_bytes + 64))
+
+        # The staging rows hold the whole tile row, or one chunk at a time when that saves a
+        # pipeline stage (the FP8 L1 requantization needs both chunks: always whole).
+        self.staging_parts = 1
+        if self.chunks > 1 and not (phase == "l1" and self.is_fp8) \
+                and stages_fit(self.chunks) > stages_fit(1):
+            self.staging_parts = self.chunks
+        self.staging_stride, self.staging_bytes = self.staging_layout(self.staging_parts)
         fit = (SMEM_BUDGET - self.staging_bytes) // (stage_bytes + 64)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
         if not 2 <= self.num_stages <= fit:
@@ -109,6 +120,12 @@ class Sm90ExpertGemmKernel:
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
 
     # ------------------------------------------------------------------------------ host side
+    def staging_layout(self, parts: int) -> tuple[int, int]:
+        """(row stride, total bytes) of the consumer warps' staging rows when they hold
+        ``1 / parts`` of a tile's output row."""
+        stride = self.tile_row_bytes // parts + STAGING_PAD
+        return stride, 4 * self.num_mma_wgs * ROWS_PER_WARP * stride
+
     def _smem_layout(self, rows: int, slots: int):
         """``slots`` swizzled K-major ``rows x BK`` tiles (B: chunk ``c`` of stage ``s`` is slot
         ``s * chunks + c``)."""
@@ -345,26 +362,63 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(prev)
                 prev.advance()
-            # the bulk stores of this warp's previous tile must have read the staging rows
-            if lane < ROWS_PER_WARP:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            if cutlass.const_expr(self.phase == "l2"):
-                for c in cutlass.range_constexpr(self.chunks):
-                    self.stage_l2(accs[c], staging, lane, c * WG_N + col0)
-            else:
-                self.epilogue_l1(accs, topk_weights, out_sf, staging, row_base, row0, col0,
-                                 valid_m, n_block, lane)
-            self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane)
+            self.epilogue(accs, topk_weights, out, out_sf, staging, row_base, warp_row0,
+                          row0, col0, valid_m, n_block, lane)
             tile += grid
         cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def stage_l2(self, acc: cute.Tensor, staging: cute.Pointer, lane: Int32, col: Int32):
-        """BF16 values of one 128-column chunk into the warp's staging rows."""
-        vals = cute.make_rmem_tensor(acc.shape, BFloat16)
-        vals.store(acc.load().to(BFloat16))
-        self.stage_rows(vals, staging, lane, col)
+    def epilogue(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
+                 out_sf: cute.Pointer, staging: cute.Pointer, row_base: Int32,
+                 warp_row0: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
+                 lane: Int32):
+        """One tile's output from the accumulators: L2 BF16, L1 SwiGLU (BF16 or FP8 with its
+        scales), through the staging rows (whole, or chunk by chunk, see ``staging_parts``)."""
+        self.wait_staging(lane)
+        if cutlass.const_expr(self.phase == "l1" and self.is_fp8):
+            w0, w1 = self.routing_weights(topk_weights, row_base, row0)
+            self.requant_stage(self.swiglu_chunk(accs[0], w0, w1),
+                               self.swiglu_chunk(accs[1], w0, w1), out_sf, staging, row_base,
+                               row0, col0, valid_m, n_block, lane)
+            self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane, 0,
+                            self.tile_row_bytes)
+        else:
+            w0, w1 = Float32(0.0), Float32(0.0)
+            if cutlass.const_expr(self.phase == "l1"):
+                w0, w1 = self.routing_weights(topk_weights, row_base, row0)
+            chunk_cols = WG_N // 2 if cutlass.const_expr(self.phase == "l1") else WG_N
+            part_bytes = self.tile_row_bytes // self.staging_parts
+            for c in cutlass.range_constexpr(self.chunks):
+                vals = cute.make_rmem_tensor(accs[c].shape if self.phase == "l2"
+                                             else (2, 2, WG_N // 16), BFloat16)
+                if cutlass.const_expr(self.phase == "l2"):
+                    vals.store(accs[c].load().to(BFloat16))
+                else:
+                    vals.store(self.swiglu_chunk(accs[c], w0, w1).load().to(BFloat16))
+                if cutlass.const_expr(self.staging_parts == 1):
+                    self.stage_rows(vals, staging, lane, c * chunk_cols + col0)
+                else:
+                    if cutlass.const_expr(c > 0):
+                        self.wait_staging(lane)
+                    self.stage_rows(vals, staging, lane, col0)
+                    self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane,
+                                    c * part_bytes, part_bytes)
+            if cutlass.const_expr(self.staging_parts == 1):
+                self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane, 0,
+                                self.tile_row_bytes)
+
+    @cute.jit
+    def wait_staging(self, lane: Int32):
+        """Until the warp's previous bulk stores have read the staging rows."""
+        if lane < ROWS_PER_WARP:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def routing_weights(self, topk_weights: cute.Pointer, row_base: Int32, row0: Int32):
+        """The routing weights of the thread's two rows."""
+        w = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
+        return w[row0], w[row0 + 8]
 
     @cute.jit
     def stage_rows(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32, col: Int32):
@@ -384,19 +438,21 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def flush_rows(self, staging: cute.Pointer, out: cute.Pointer, row_base: Int32,
-                   warp_row0: Int32, valid_m: Int32, n_block: Int32, lane: Int32):
+                   warp_row0: Int32, valid_m: Int32, n_block: Int32, lane: Int32,
+                   offset: cutlass.Constexpr, nbytes: cutlass.Constexpr):
         """Send the warp's staged rows that hold received tokens to ``out``: lane ``i < 16``
-        bulk-copies row ``warp_row0 + i`` (one tile-wide row piece) if it is valid."""
+        bulk-copies row ``warp_row0 + i`` (``nbytes`` from byte ``offset`` of the tile's row
+        piece) if it is valid."""
         cute.arch.fence_view_async_shared()  # staging writes -> visible to the bulk copies
         cute.arch.sync_warp()
         if lane < ROWS_PER_WARP:
             row = warp_row0 + lane
             if row < valid_m:
                 dst = (out.toint() + Int64(row_base + row) * self.out_row_bytes
-                       + n_block * self.tile_row_bytes)
+                       + n_block * self.tile_row_bytes + offset)
                 prims.cp_async_bulk_global_shared_cta(
                     cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
-                    staging + lane * self.staging_stride, Int32(self.tile_row_bytes))
+                    staging + lane * self.staging_stride, Int32(nbytes))
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -419,28 +475,7 @@ class Sm90ExpertGemmKernel:
         return h
 
     @cute.jit
-    def epilogue_l1(self, accs: list, topk_weights: cute.Pointer, out_sf: cute.Pointer,
-                    staging: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
-                    valid_m: Int32, n_block: Int32, lane: Int32):
-        """SwiGLU times the routing weight into the staging rows; BF16, or FP8 requantized
-        over the tile's 128 features (both chunks) with one power-of-two scale per row (the
-        scales go straight to ``out_sf``)."""
-        w = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
-        w0 = w[row0]
-        w1 = w[row0 + 8]
-        if cutlass.const_expr(not self.is_fp8):
-            for c in cutlass.range_constexpr(self.chunks):
-                h = self.swiglu_chunk(accs[c], w0, w1)
-                vals = cute.make_rmem_tensor(h.shape, BFloat16)
-                vals.store(h.load().to(BFloat16))
-                self.stage_rows(vals, staging, lane, c * (WG_N // 2) + col0)
-        else:
-            self.requant_store(self.swiglu_chunk(accs[0], w0, w1),
-                               self.swiglu_chunk(accs[1], w0, w1), out_sf, staging, row_base,
-                               row0, col0, valid_m, n_block, lane)
-
-    @cute.jit
-    def requant_store(self, h0: cute.Tensor, h1: cute.Tensor, out_sf: cute.Pointer,
+    def requant_stage(self, h0: cute.Tensor, h1: cute.Tensor, out_sf: cute.Pointer,
                       staging: cute.Pointer, row_base: Int32, row0: Int32, col0: Int32,
                       valid_m: Int32, n_block: Int32, lane: Int32):
         """e4m3 with a power-of-two scale per row over the tile's 128 features (both chunks):
