@@ -33,6 +33,8 @@ COLUMNS = {
                       ("e2e_err", "end-to-end rel. err"), ("l1_flip_frac", "L1 one-step flips"),
                       ("l1_big_flips", "L1 > 1 step"), ("sf_mismatch", "scale mismatches"),
                       ("sf_near_tie", "of which near-ties")],
+    "nvlink": [("op", "copy"), ("directions", "directions busy"), ("rank", "rank"),
+               ("gbps", "GB/s per direction")],
     "layer": [("tokens", "tokens/rank"), ("block_m", "BLOCK_M"), ("ours_us", "ours us (eager)"),
               ("ours_graph_us", "ours us (graph)"), ("staged_torch_us", "staged torch us"),
               ("torch_baseline_us", "torch baseline us"),
