@@ -59,16 +59,19 @@ def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, num
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("send_mode", ["registers", "bulk"])
+@pytest.mark.parametrize("send_mode", ["overlap", "registers", "bulk"])
 def test_combine_compiles_with_wide_accesses(arch, send_mode, monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     art = _compile("combine", arch, "fp8xfp4", send_mode=send_mode)
     has_bulk_store = "cp.async.bulk.global.shared::cta.bulk_group" in art.ptx
     assert has_bulk_store == (send_mode == "bulk")
+    # per-token arrival counts (overlap) or barrier signals: released at system scope, spun on
+    # with acquire
+    assert "red.release.sys.global.add.s32" in art.ptx and "ld.acquire.sys" in art.ptx
     if art.sass is not None:
-        # reduce: one 16-byte load per top-k slot (K = 8); the registers send moves a
+        # reduce: one 16-byte load per top-k slot (K = 8); the register copies move a
         # 7168-feature BF16 row as 28 x 16 B per lane, unrolled
-        sends = 28 if send_mode == "registers" else 0
+        sends = 0 if send_mode == "bulk" else 28
         assert art.count("LDG.E.128") == 8 + sends
         assert art.count("STG.E.128") == 1 + sends
         assert art.count("STL") == 0 and art.count("LDL") == 0

@@ -135,11 +135,18 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
     expert_out = torch.full((layout.num_pool_rows, hidden), float("nan"), device=device,
                             dtype=torch.bfloat16)
     expert_out[rows_d] = out_all[src_d, slots]
-    y = torch.full((n, hidden), float("nan"), device=device, dtype=torch.bfloat16)
-    staged.combine(buf, expert_out, result, y)
-    torch.cuda.synchronize(device)
     want_y = reference.combine_reference(outs[rank], idxs[rank]).to(device)
-    assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), "combine"
+    # (the combine buffer was poisoned before the dispatch; it is not re-poisoned between the
+    # two modes: a peer may already be sending its second-mode rows, the same values)
+    for send_mode in ("overlap", "registers"):
+        y = torch.full((n, hidden), float("nan"), device=device, dtype=torch.bfloat16)
+        staged.combine(buf, expert_out, result, y, send_mode=send_mode)
+        torch.cuda.synchronize(device)
+        assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), \
+            f"combine ({send_mode})"
+    # the combine left its tables and counters zeroed for the next call
+    assert not bool(buf.combine_pool_row.any()), "combine_pool_row not reset"
+    assert not bool(buf.combine_token_arrivals.any()), "combine_token_arrivals not reset"
 
 
 def run_cases(rank: int, num_ranks: int, cases: list[Case], recipe: str, num_experts: int,
