@@ -48,7 +48,7 @@ def expected_regions(r, e, m, k, h, i, recipe):
         "l2_pool_block_ready": (torch.int32, (p // 16,), (1,)),
         "src_token_topk_idx": (torch.int32, (e_l, r, t), (r * t, t, 1)),
         "token_src_metadata": (torch.int32, (p, 4), (4, 1)),
-        "combine_pool_row": (torch.int32, (t, r, k), (r * k, k, 1)),
+        "combine_pool_row": (torch.int32, (r, t, k), (t * k, k, 1)),
         "combine_token_arrivals": (torch.int32, (t,), (1,)),
         "x": (act, (t, h), (h, 1)),
         "x_sf": (sf, (t, h // 128), (h // 128, 1)),

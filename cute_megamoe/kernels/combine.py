@@ -13,14 +13,13 @@ depends neither on scheduling nor on where a token sat in the pool (bit-exact wi
 
 How (`send_mode="overlap"`, the default): the reduction runs while the rows are still moving.
 1. Warp 0 rebuilds the pool prefix sums from `expert_recv_tokens` (as the dispatch did).
-2. Every thread takes received rows and writes `combine_pool_row[t, s, k] = pool_row + 1` (the
+2. Every thread takes received rows and writes `combine_pool_row[s, t, k] = pool_row + 1` (the
    inverse of TokenSrcMetadata); grid barrier.
 3. Global warp g owns tokens t = g, g + G, ... in ascending order (G warps in the grid, the same
-   split on every rank). At step i it reads the table entries of token g + i G (one load per
-   32 // K source ranks, a ballot of the present ones), sends those rows (16-byte register
-   copies, plain stores to the peer), zeroes the entries, then publishes each source's count:
-   `__syncwarp`, `fence.acq_rel.sys`, one system-scope release add to
-   `combine_token_arrivals[t]` on that rank. At the same step it
+   split on every rank). At step i it sends, for every source rank s, the rows of token
+   g + i G that live here (16-byte register copies, plain stores to the peer), zeroes their
+   table entries, then publishes their number: `__syncwarp`, `fence.acq_rel.sys`, one
+   system-scope release add to `combine_token_arrivals[t]` on rank s. At the same step it
    reduces its own token g + (i - LAG) G: lane 0 waits (acquire) until that token's arrivals
    equal its valid top-k count and zeroes the counter; the warp then loads all K slots of 8
    features per lane and accumulates in ascending k. A warp only waits after sending all its
@@ -163,7 +162,7 @@ class CombineKernel:
             src = cute.arch.load(metadata + pool_row * 4, Int32)
             token = cute.arch.load(metadata + pool_row * 4 + 1, Int32)
             topk = cute.arch.load(metadata + pool_row * 4 + 2, Int32)
-            cute.arch.store(pool_row_of + (token * R + src) * K + topk, pool_row + 1)
+            cute.arch.store(pool_row_of + (src * T + token) * K + topk, pool_row + 1)
             row += num_ctas * self.num_threads
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
 
@@ -173,45 +172,32 @@ class CombineKernel:
         out_base = Int64(expert_out.toint())
         combine_offset = self.regions.offset("combine")
         arrivals_offset = self.regions.offset("combine_token_arrivals")
-        # one load covers the table entries of SOURCES_PER_LOAD source ranks (lane = s * K + k)
-        sources_per_load = 32 // K
         send_steps = (T - g + num_warps_total - 1) // num_warps_total
         step = Int32(0)
         while step < send_steps + LAG:
             t = g + step * num_warps_total
             if t < T:
-                for s0 in cutlass.range(0, R, sources_per_load):
-                    entries = pool_row_of + (t * R + s0) * K
-                    s = s0 + lane // K
-                    mine = lane < sources_per_load * K and s < R
-                    entry = Int32(0)
-                    if mine:
-                        entry = cute.arch.load(entries + lane, Int32)
-                    present = cute.arch.vote_ballot_sync(entry != 0)
-                    if present != 0:
-                        todo = present
-                        while todo != 0:
-                            j = Int32(31) - Int32(cute.arch.clz(todo & -todo))  # lowest set lane
-                            row_plus_1 = cute.arch.shuffle_sync(entry, j)
-                            self.copy_row(out_base + Int64(row_plus_1 - 1) * self.row_bytes,
-                                          Int64(peer_bases[s0 + j // K]) + combine_offset
-                                          + Int64((j % K) * T + t) * self.row_bytes, lane)
-                            todo &= todo - 1
-                        cute.arch.sync_warp()
+                for s in cutlass.range(R):
+                    entries = pool_row_of + (s * T + t) * K
+                    peer = Int64(peer_bases[s])
+                    count = Int32(0)
+                    for k in cutlass.range(K):
+                        entry = cute.arch.load(entries + k, Int32)
                         if entry != 0:
+                            self.copy_row(out_base + Int64(entry - 1) * self.row_bytes,
+                                          peer + combine_offset
+                                          + Int64(k * T + t) * self.row_bytes, lane)
+                            count += 1
+                    if count > 0:
+                        cute.arch.sync_warp()
+                        if lane < K:
                             cute.arch.store(entries + lane, Int32(0))
-                        # the first lane of each source publishes that source's row count
-                        if mine and lane % K == 0:
-                            count = cute.arch.popc(present)
-                            if cutlass.const_expr(K < 32):
-                                count = cute.arch.popc((present >> lane) & ((1 << K) - 1))
-                            if count > 0:
-                                cute.arch.fence_acq_rel_sys()
-                                cute.arch.red(
-                                    cute.make_ptr(Int32, Int64(peer_bases[s]) + arrivals_offset
-                                                  + 4 * t, cute.AddressSpace.gmem,
-                                                  assumed_align=4),
-                                    count, op="add", dtype="s32", sem="release", scope="sys")
+                        if lane == 0:
+                            cute.arch.fence_acq_rel_sys()
+                            cute.arch.red(cute.make_ptr(Int32, peer + arrivals_offset + 4 * t,
+                                                        cute.AddressSpace.gmem, assumed_align=4),
+                                          count, op="add", dtype="s32", sem="release",
+                                          scope="sys")
             if step >= LAG:
                 t_own = g + (step - LAG) * num_warps_total
                 if t_own < num_tokens:

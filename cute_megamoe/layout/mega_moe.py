@@ -67,11 +67,10 @@ next call starts clean without a host memset):
     Per pool row ``{source rank, token, topk slot, unused}``: where the row's L2 result goes back
     to. Written by the pull warps, read by the L2 epilogue. Local. Indexed by pool row, so it is
     never overwritten within a call.
-``combine_pool_row`` int32 [T, R, K]
-    The inverse of ``token_src_metadata``: ``pool row + 1`` of the received row (token, source
-    rank, topk slot), 0 for none; token-major, so one warp load reads a token's entries. Built
-    from the metadata at the start of the combine, which sends rows in token order from it and
-    zeroes every entry it used. Local.
+``combine_pool_row`` int32 [R, T, K]
+    The inverse of ``token_src_metadata``: ``pool row + 1`` of the received row (source rank,
+    token, topk slot), 0 for none. Built from the metadata at the start of the combine, which
+    sends rows in token order from it and zeroes every entry it used. Local.
 ``combine_token_arrivals`` int32 [T]
     Rows of this rank's token ``t`` that have landed in ``combine``: a sender stores a token's
     rows, then adds their number with a system-scope release. The combine reduces token ``t``
@@ -303,7 +302,7 @@ class MegaMoELayout:
             ("l2_pool_block_ready", torch.int32, (num_pool_blocks,), None),
             ("src_token_topk_idx", torch.int32, (e_l, r, t), None),
             ("token_src_metadata", torch.int32, (p, 4), None),
-            ("combine_pool_row", torch.int32, (t, r, k), None),
+            ("combine_pool_row", torch.int32, (r, t, k), None),
             ("combine_token_arrivals", torch.int32, (t,), None),
             ("x", act_dtype, (t, h), None),
             ("x_sf", sf_dtype, (t, h // 128), None),
