@@ -114,9 +114,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                 b, o, r, y), iters)
             g_combine_bulk = _time_graph(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
                 b, o, r, y, send_mode="bulk"), iters)
-            g_combine_pool_order = _time_graph(
+            g_combine_overlap = _time_graph(
                 lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
-                    b, o, r, y, send_mode="registers"), iters)
+                    b, o, r, y, send_mode="overlap"), iters)
 
             # bytes that crossed NVLink: rows whose expert lives on another rank
             dest = torch.where(idx >= 0, idx // e_l, -1)
@@ -143,8 +143,8 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                     dispatch_graph_us=g_dispatch * 1e6 if g_dispatch else None,
                     combine_graph_us=g_combine * 1e6 if g_combine else None,
                     combine_bulk_graph_us=g_combine_bulk * 1e6 if g_combine_bulk else None,
-                    combine_pool_order_graph_us=(g_combine_pool_order * 1e6
-                                                 if g_combine_pool_order else None),
+                    combine_overlap_graph_us=(g_combine_overlap * 1e6
+                                              if g_combine_overlap else None),
                     dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
                     combine_us=t_combine * 1e6, nccl_combine_us=t_nccl_c * 1e6,
                     combine_nvl_gbps=nvl_combine / t_combine / 1e9,
@@ -162,7 +162,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
         print(f"saved {path}")
         print(res.table(["recipe", "tokens", "dispatch_us", "dispatch_graph_us",
                          "nccl_dispatch_us", "dispatch_nvl_gbps", "combine_us",
-                         "combine_graph_us", "combine_pool_order_graph_us", "combine_bulk_graph_us",
+                         "combine_graph_us", "combine_overlap_graph_us", "combine_bulk_graph_us",
                          "nccl_combine_us",
                          "combine_nvl_gbps"]))
     dist.barrier()

@@ -21,7 +21,7 @@ COLUMNS = {
         ("dispatch_graph_us", "dispatch us (graph)"), ("dispatch_us", "dispatch us (eager)"),
         ("nccl_dispatch_us", "NCCL a2a us"), ("dispatch_nvl_gbps", "dispatch NVL GB/s"),
         ("dispatch_vs_peer_copy", "vs peer copy"), ("combine_graph_us", "combine us (graph)"),
-        ("combine_pool_order_graph_us", "pool-order combine us (graph)"),
+        ("combine_overlap_graph_us", "overlap-mode combine us (graph)"),
         ("combine_us", "combine us (eager)"), ("nccl_combine_us", "NCCL a2a us"),
         ("combine_nvl_gbps", "combine NVL GB/s"), ("combine_vs_peer_copy", "vs peer copy")],
     "gemm": [("recipe", "recipe"), ("experts", "experts"), ("pairs_per_expert", "pairs/expert"),

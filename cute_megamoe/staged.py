@@ -143,12 +143,13 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
 
 def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor, dispatched: DispatchResult,
             y: torch.Tensor | None = None, *, num_sms: int | None = None,
-            send_mode: str = "overlap") -> torch.Tensor:
+            send_mode: str = "registers") -> torch.Tensor:
     """Send `expert_out` (BF16 [P, H], pool order) back to the source ranks and reduce over
-    top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective. `send_mode`:
-    "overlap" (token-ordered sends, each token reduced as soon as its rows arrived), or the
-    pool-order sends "registers" / "bulk" followed by one barrier and the reduction (see
-    `kernels.combine`)."""
+    top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective. `send_mode`: the
+    pool-order sends "registers" / "bulk" followed by one barrier and the reduction, or
+    "overlap" (token-ordered sends, each token reduced as soon as its rows arrived; faster for
+    large batches, slower for small ones; see `kernels.combine`). Every rank must pass the
+    same mode."""
     from .kernels.combine import CombineKernel
 
     layout = sym_buffer.layout

@@ -11,8 +11,18 @@ The sum starts from 0 and adds in float32 with one rounding per add, in ascendin
 depends neither on scheduling nor on where a token sat in the pool (bit-exact with
 `reference.combine_reference`). A token with every slot masked gets 0.
 
-How (`send_mode="overlap"`, the default): the reduction runs while the rows are still moving.
+How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one barrier.
 1. Warp 0 rebuilds the pool prefix sums from `expert_recv_tokens` (as the dispatch did).
+2. Send: global warp g takes received rows g, g + G, ... and moves each to its source rank's
+   `combine[k, t]` (16-byte register copies, plain stores to the peer; or 1-D bulk copies
+   through shared memory).
+3. Grid barrier, cross-rank barrier by CTA 0 (system-scope release and acquire), grid barrier.
+4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates.
+
+`send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
+tokens per rank (no reduction pass after the sends), slower at small sizes (every warp walks
+its share of the token slots of the whole buffer), see docs/performance.md.
+1. As above.
 2. Every thread takes received rows and writes `combine_pool_row[s, t, k] = pool_row + 1` (the
    inverse of TokenSrcMetadata); grid barrier.
 3. Global warp g owns tokens t = g, g + G, ... in ascending order (G warps in the grid, the same
@@ -24,10 +34,7 @@ How (`send_mode="overlap"`, the default): the reduction runs while the rows are 
    equal its valid top-k count and zeroes the counter; the warp then loads all K slots of 8
    features per lane and accumulates in ascending k. A warp only waits after sending all its
    earlier tokens and only on a token sent LAG steps earlier, so waits never form a cycle.
-
-The pool-order modes send all rows first (global warp g takes received rows g, g + G, ...;
-`"registers"`: 16-byte register copies; `"bulk"`: 1-D bulk copies through shared memory), then
-meet at a grid and cross-rank barrier, then reduce with one thread per 8 features of a token.
+   Every rank must use the same mode in a call.
 
 Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;
@@ -54,7 +61,7 @@ from .common.sync import (
 )
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
-SEND_MODES = ("overlap", "registers", "bulk")  # see the module doc
+SEND_MODES = ("registers", "bulk", "overlap")  # see the module doc
 SEND_UNROLL = 4  # 16-byte vectors each lane loads before storing them (register copies)
 LAG = 1  # token steps a warp's reduction trails its sends (overlap mode)
 
@@ -63,7 +70,7 @@ class CombineKernel:
     """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
 
     def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 256,
-                 send_mode: str = "overlap"):
+                 send_mode: str = "registers"):
         if send_mode not in SEND_MODES:
             raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
         self.send_mode = send_mode
