@@ -40,7 +40,10 @@ Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;
 * `expert_out` is `[P, H]` BF16 in pool order (`P = layout.num_pool_rows`), with the pool
   offsets of the dispatch that produced `expert_recv_tokens` (same `block_m`);
-* `topk_idx` in the buffer is this call's routing (the dispatch read the same rows).
+* `topk_idx` in the buffer is this call's routing (the dispatch read the same rows);
+* between two combines on one buffer every rank runs a dispatch (as every layer call does): its
+  cross-rank barriers keep a fast rank from writing the next call's rows, or (overlap mode, which
+  has no barrier of its own) the next call's arrival counts, into a rank that is still reducing.
 """
 
 from __future__ import annotations
