@@ -132,6 +132,29 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
+def test_sm90_staging_and_stages_fit_shared_memory():
+    """The staged epilogue's rows and the pipeline stages share the 227 KB of shared memory:
+    whole tile rows where that costs no stage, one chunk at a time where it saves one."""
+    from cute_megamoe.kernels.sm90_expert_gemm import SMEM_BUDGET, Sm90ExpertGemmKernel
+
+    expect = {  # (phase, recipe, block_m) -> (staging parts, stages)
+        ("l1", "fp8xfp8", 128): (1, 4), ("l2", "fp8xfp8", 128): (1, 3),
+        ("l1", "bf16xbf16", 128): (2, 4), ("l2", "bf16xbf16", 128): (1, 3),
+        ("l1", "fp8xfp8", 64): (1, 5), ("l2", "bf16xbf16", 64): (2, 5),
+    }
+    for (phase, recipe, block_m), (parts, stages) in expect.items():
+        n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
+        kern = Sm90ExpertGemmKernel(phase, recipe, 32, 32768, n, k, block_m,
+                                    activation_clamp=10.0 if phase == "l1" else None)
+        assert (kern.staging_parts, kern.num_stages) == (parts, stages), (phase, recipe, block_m)
+        used = kern.staging_bytes + kern.num_stages * (kern.stage_tx_bytes + 64)
+        assert used <= SMEM_BUDGET
+        # staging rows: 16 per consumer warp, 16 bytes of padding, 16-byte aligned for the
+        # bulk copies
+        assert kern.staging_stride % 16 == 0
+        assert kern.staging_stride == kern.tile_row_bytes // parts + 16
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_expert_ffn_plan_compiles_for_sm100(phase):
