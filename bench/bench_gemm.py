@@ -40,7 +40,7 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
     return ExpertWeights(
         recipe, torch.randn(e, 2 * inter, hidden, device="cuda").to(fp8),
         torch.randn(e, hidden, inter, device="cuda").to(fp8),
-        sf(e, hidden // 128, 2 * inter // 8), sf(e, inter // 128, hidden // 8))
+        sf(e, hidden // 128, 2 * inter // 128), sf(e, inter // 128, hidden // 128))
 
 
 def _ours(recipe, w: ExpertWeights, m: int, block_m: int):

@@ -30,22 +30,25 @@ from .utils import ceil_div
 SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4", "bf16xbf16")}
 #: BLOCK_M values the kernels implement, per arch.
 BLOCK_MS = {"sm_90a": (64, 128), "sm_100a": (64, 128, 256)}
-SF_N = 8  # weight rows per FP8 weight-scale entry the sm90 kernels read
+SF_BLOCK = 128  # sm90 FP8 weight scales: one per SF_BLOCK x SF_BLOCK block
 
 _ACT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.float8_e4m3fn,
               "bf16xbf16": torch.bfloat16}
 _ACT_SF_DTYPE = {"fp8xfp8": torch.float32, "fp8xfp4": torch.int32}  # per 128 K / 4 x UE8M0
 
 
-def _compact_weight_sf(rows_sf: torch.Tensor, name: str) -> torch.Tensor:
-    """Per-row f32 scales ``[E, N, K/128]`` -> the sm90 kernels' ``[E, K/128, N/8]`` (one entry
-    per 8 rows; raises if the 8 rows of a group disagree, i.e. not 128x128 block scales)."""
+def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.Tensor:
+    """Per-row f32 scales ``[E, N, K/128]`` (L1: rows gate/up interleaved, as the transform
+    returns them) -> the sm90 kernels' 128x128 block scales ``[E, K/128, N/128]`` (L1: row
+    blocks of ``[gate | up]``). Raises unless the rows of every 128-row block agree."""
     num_experts, n, kb = rows_sf.shape
-    groups = rows_sf.view(num_experts, n // SF_N, SF_N, kb)
-    if not bool((groups == groups[:, :, :1]).all()):
-        raise ValueError(f"{name}: scales must be equal within every group of {SF_N} rows "
-                         f"(per-128x128-block scales)")
-    return groups[:, :, 0].transpose(1, 2).contiguous()
+    if gate_up:
+        rows_sf = quant.deinterleave_gate_up(rows_sf)
+    blocks = rows_sf.reshape(num_experts, n // SF_BLOCK, SF_BLOCK, kb)
+    if not bool((blocks == blocks[:, :, :1]).all()):
+        raise ValueError(f"{name}: scales must be equal within every block of {SF_BLOCK} rows "
+                         f"(per-{SF_BLOCK}x{SF_BLOCK}-block scales)")
+    return blocks[:, :, 0].transpose(1, 2).contiguous()
 
 
 @dataclass
@@ -54,8 +57,9 @@ class ExpertWeights:
 
     ``w1`` ``[E_l, 2I, H]`` with gate/up rows interleaved by 8 and ``w2`` ``[E_l, H, I]``:
 
-    * ``fp8xfp8`` (sm_90a): e4m3, with ``w1_sf`` ``[E_l, H/128, 2I/8]`` and ``w2_sf``
-      ``[E_l, I/128, H/8]`` f32 (the 128x128 block scales, one entry per 8 rows, K-block major);
+    * ``fp8xfp8`` (sm_90a): e4m3, with ``w1_sf`` ``[E_l, H/128, 2I/128]`` and ``w2_sf``
+      ``[E_l, I/128, H/128]`` f32: the 128x128 block scales, K-block major (``w1_sf`` row blocks
+      in ``[gate | up]`` order, i.e. before the interleave);
     * ``bf16xbf16`` (sm_90a, sm_100a): bf16, no scales;
     * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
       ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
@@ -97,8 +101,8 @@ class ExpertWeights:
         if not isinstance(l1, tuple) or l1[0].dtype != want:
             raise TypeError(f"{recipe} weights must be ({want}, scale) pairs")
         if recipe == "fp8xfp8":
-            sf1 = _compact_weight_sf(l1[1], "l1_weights[1]")
-            sf2 = _compact_weight_sf(l2[1], "l2_weights[1]")
+            sf1 = _block_weight_sf(l1[1], "l1_weights[1]", gate_up=True)
+            sf2 = _block_weight_sf(l2[1], "l2_weights[1]", gate_up=False)
         else:
             sf1, sf2 = quant.weight_sf_for_sm100(l1[1]), quant.weight_sf_for_sm100(l2[1])
         return cls(recipe, l1[0].contiguous(), l2[0].contiguous(), sf1, sf2, arch=arch)
@@ -159,9 +163,9 @@ def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, i
     _check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter), device)
     if recipe == "fp8xfp8":
         _check_tensor("weights.w1_sf", weights.w1_sf, torch.float32,
-                      (e_l, hidden // 128, 2 * inter // SF_N), device)
+                      (e_l, hidden // SF_BLOCK, 2 * inter // SF_BLOCK), device)
         _check_tensor("weights.w2_sf", weights.w2_sf, torch.float32,
-                      (e_l, inter // 128, hidden // SF_N), device)
+                      (e_l, inter // SF_BLOCK, hidden // SF_BLOCK), device)
     return e_l, hidden, inter
 
 

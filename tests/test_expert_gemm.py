@@ -14,38 +14,42 @@ import pytest
 import torch
 
 from cute_megamoe import quant
-from cute_megamoe.expert_gemm import ExpertWeights, _compact_weight_sf
+from cute_megamoe.expert_gemm import ExpertWeights, _block_weight_sf
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
 
 
-def test_weights_fp8_compact_scales_match_block_scales():
+def test_weights_fp8_block_scales_k_major_gate_up_order():
     gen = torch.Generator().manual_seed(0)
-    e, inter, hidden = 2, 128, 256
+    e, inter, hidden = 2, 256, 384
     w1 = torch.randn(e, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
     w2 = torch.randn(e, hidden, inter, generator=gen).to(torch.bfloat16)
     q1 = quant.quantize_weights_for_recipe(w1, "fp8xfp8")
     q2 = quant.quantize_weights_for_recipe(w2, "fp8xfp8")
     w = ExpertWeights.from_quantized(q1, q2, "fp8xfp8")
-    assert w.w1_sf.shape == (e, hidden // 128, 2 * inter // 8)
-    assert w.w2_sf.shape == (e, inter // 128, hidden // 8)
-    # entry (e, kb, g) is the block scale of weight row 8 g (interleaved rows for L1)
-    rows1 = quant.interleave_gate_up(torch.arange(2 * inter).view(1, -1, 1).expand(e, -1, 1))
-    for g in range(2 * inter // 8):
-        row = int(rows1[0, 8 * g, 0])
-        assert torch.equal(w.w1_sf[:, :, g], q1[1][:, row // 128, :])
-    for g in range(hidden // 8):
-        assert torch.equal(w.w2_sf[:, :, g], q2[1][:, 8 * g // 128, :])
+    # q*[1] are [E, N/128, K/128] block scales of the [gate | up] rows: the kernels read them
+    # K-block major, whatever the interleave of the weight rows
+    assert w.w1_sf.shape == (e, hidden // 128, 2 * inter // 128) and w.w1_sf.is_contiguous()
+    assert w.w2_sf.shape == (e, inter // 128, hidden // 128) and w.w2_sf.is_contiguous()
+    assert torch.equal(w.w1_sf, q1[1].transpose(1, 2))
+    assert torch.equal(w.w2_sf, q2[1].transpose(1, 2))
+    # the sm90 kernel's view of the same facts: gate/up groups of 8 rows, 128x128 blocks
+    from cute_megamoe import expert_gemm
+    from cute_megamoe.kernels import sm90_expert_gemm as k90
+
+    assert k90.GATE_UP_GROUP == quant.INTERLEAVE_GRAN
+    assert k90.SF_BLOCK == expert_gemm.SF_BLOCK == 128
     u8 = torch.uint8
     assert torch.equal(w.w1.view(u8), quant.interleave_gate_up(q1[0]).view(u8))
     assert torch.equal(w.w2.view(u8), q2[0].view(u8))
 
 
 def test_weights_reject_per_row_scales_and_other_recipes():
-    sf = torch.ones(1, 16, 2)
-    sf[0, 3, 0] = 2.0  # differs inside the first group of 8 rows
-    with pytest.raises(ValueError, match="equal within every group"):
-        _compact_weight_sf(sf, "sf")
+    sf = torch.ones(1, 256, 2)
+    sf[0, 3, 0] = 2.0  # differs inside the first block of 128 rows
+    for gate_up in (False, True):
+        with pytest.raises(ValueError, match="equal within every block"):
+            _block_weight_sf(sf, "sf", gate_up)
     with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_90a'"):
         ExpertWeights.from_quantized(None, None, "fp8xfp4")
     with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_100a'"):
