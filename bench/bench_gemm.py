@@ -21,6 +21,7 @@ import torch
 from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graph
 from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
 from cute_megamoe.heuristics import select_block_m
+from cute_megamoe.kernels.common.gemm_config import weight_sf_row_len
 from cute_megamoe.utils import ceil_div
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
@@ -40,7 +41,8 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
     return ExpertWeights(
         recipe, torch.randn(e, 2 * inter, hidden, device="cuda").to(fp8),
         torch.randn(e, hidden, inter, device="cuda").to(fp8),
-        sf(e, hidden // 128, 2 * inter // 128), sf(e, inter // 128, hidden // 128))
+        sf(e, hidden // 128, weight_sf_row_len(2 * inter)),
+        sf(e, inter // 128, weight_sf_row_len(hidden)))
 
 
 def _ours(recipe, w: ExpertWeights, m: int, block_m: int):

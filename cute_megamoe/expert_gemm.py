@@ -23,6 +23,7 @@ import torch
 from . import quant
 from .api import _check_tensor
 from .heuristics import get_num_sms
+from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
 from .runtime import as_ptr, compiled_kernel, current_stream, env_flag, get_arch
 from .utils import ceil_div
 
@@ -30,7 +31,6 @@ from .utils import ceil_div
 SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4", "bf16xbf16")}
 #: BLOCK_M values the kernels implement, per arch.
 BLOCK_MS = {"sm_90a": (64, 128), "sm_100a": (64, 128, 256)}
-SF_BLOCK = 128  # sm90 FP8 weight scales: one per SF_BLOCK x SF_BLOCK block
 
 _ACT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.float8_e4m3fn,
               "bf16xbf16": torch.bfloat16}
@@ -40,7 +40,8 @@ _ACT_SF_DTYPE = {"fp8xfp8": torch.float32, "fp8xfp4": torch.int32}  # per 128 K 
 def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.Tensor:
     """Per-row f32 scales ``[E, N, K/128]`` (L1: rows gate/up interleaved, as the transform
     returns them) -> the sm90 kernels' 128x128 block scales ``[E, K/128, N/128]`` (L1: row
-    blocks of ``[gate | up]``). Raises unless the rows of every 128-row block agree."""
+    blocks of ``[gate | up]``), each row padded to ``weight_sf_row_len(N)`` entries. Raises
+    unless the rows of every 128-row block agree."""
     num_experts, n, kb = rows_sf.shape
     if gate_up:
         rows_sf = quant.deinterleave_gate_up(rows_sf)
@@ -48,7 +49,9 @@ def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.T
     if not bool((blocks == blocks[:, :, :1]).all()):
         raise ValueError(f"{name}: scales must be equal within every block of {SF_BLOCK} rows "
                          f"(per-{SF_BLOCK}x{SF_BLOCK}-block scales)")
-    return blocks[:, :, 0].transpose(1, 2).contiguous()
+    block_sf = blocks[:, :, 0].transpose(1, 2)  # [E, K/128, N/128]
+    return torch.nn.functional.pad(block_sf, (0, weight_sf_row_len(n) - n // SF_BLOCK),
+                                   value=1.0).contiguous()
 
 
 @dataclass
@@ -59,7 +62,8 @@ class ExpertWeights:
 
     * ``fp8xfp8`` (sm_90a): e4m3, with ``w1_sf`` ``[E_l, H/128, 2I/128]`` and ``w2_sf``
       ``[E_l, I/128, H/128]`` f32: the 128x128 block scales, K-block major (``w1_sf`` row blocks
-      in ``[gate | up]`` order, i.e. before the interleave);
+      in ``[gate | up]`` order, i.e. before the interleave), the last dim padded up to a multiple
+      of 4 (16-byte rows; the pad is never read);
     * ``bf16xbf16`` (sm_90a, sm_100a): bf16, no scales;
     * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
       ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
@@ -163,9 +167,9 @@ def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, i
     _check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter), device)
     if recipe == "fp8xfp8":
         _check_tensor("weights.w1_sf", weights.w1_sf, torch.float32,
-                      (e_l, hidden // SF_BLOCK, 2 * inter // SF_BLOCK), device)
+                      (e_l, hidden // SF_BLOCK, weight_sf_row_len(2 * inter)), device)
         _check_tensor("weights.w2_sf", weights.w2_sf, torch.float32,
-                      (e_l, inter // SF_BLOCK, hidden // SF_BLOCK), device)
+                      (e_l, inter // SF_BLOCK, weight_sf_row_len(hidden)), device)
     return e_l, hidden, inter
 
 

@@ -11,32 +11,33 @@ What it computes, for every local expert ``e`` and every received row ``r`` of i
 * ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order.
 
 FP8 (``fp8xfp8``): ``A`` is e4m3 with an f32 scale per row per 128 K (``A_sf`` MN-major,
-``[K/128, P]``), ``W`` is e4m3 with its 128x128 block scales (``B_sf [E, K/128, N/128]`` f32,
-K-block major; for L1 the row blocks of the weight before the gate/up interleave: gate blocks,
-then up blocks, see ``expert_gemm.ExpertWeights``). Each 128-deep k-block is accumulated by
-WGMMA into a scratch accumulator that is then scaled by ``sa[row] * sb[block]`` and added in
-FP32 ("promotion", DeepGEMM's SM90 recipe). A 128-column chunk of an L1 tile holds 64 gate and
-64 up features of one gate and one up block, so it needs two weight scales (gate for the even
-8-column groups, up for the odd); an L2 chunk is one block.
+``[K/128, P]``), ``W`` is e4m3 with its 128x128 block scales (``B_sf [E, K/128, NB]`` f32,
+K-block major, ``NB`` = ``N/128`` rounded up to a multiple of 4 so that rows are 16-byte
+aligned; for L1 the row blocks of the weight before the gate/up interleave: gate blocks, then up
+blocks, see ``expert_gemm.ExpertWeights``). Each 128-deep k-block is accumulated by WGMMA into a
+scratch accumulator that is then scaled by ``sa[row] * sb[block]`` and added in FP32
+("promotion", DeepGEMM's SM90 recipe). A 128-column chunk of an L1 tile holds 64 gate and 64 up
+features of one gate and one up block, so it needs two weight scales (gate for the even 8-column
+groups, up for the odd); an L2 chunk is one block.
 
 How: a persistent, warp-specialized kernel. Warp 0 (the producer warpgroup keeps 40 registers)
 walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert, m-block, n-block, with
 ``block_start`` rebuilt in shared memory from the counts) and TMA-loads the A and B tiles of
-every k-block into a ring of stages (plus the stage's activation scales with a 1-D bulk copy),
-on one mbarrier per stage. ``BM / 64`` consumer warpgroups each own 64 rows of the ``BM x BN``
-tile (``BN`` = 256 when ``N`` allows, else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs.
-FP8 promotes chunk by chunk, so one 64-register scratch accumulator serves the whole tile; the
-consumers read the k-block's two weight scales per chunk from global memory before they wait for
-the stage (as DeepGEMM does; one scale per 8 weight rows, 16 loads and multiplies per chunk,
-cost 10-20 % of the FP8 throughput). BF16 keeps one k-block of WGMMAs in flight. An L1 tile of
-256 columns holds 128 features: exactly one requantization group per row. The epilogue is
-asynchronous: each consumer warp writes its 16 rows of the tile's output into its own padded
-shared-memory staging rows (conflict-free; whole tile rows, or one chunk at a time where that
-leaves room for one more pipeline stage), and 16 of its lanes send the valid rows to global
-memory with one 1-D bulk copy each, so the warp goes on to the next tile's WGMMAs while the
-stores drain (a direct store from the accumulator layout writes 16 bytes per row per instruction
-and stalled the tensor cores for a quarter of an L2 tile). Pad rows beyond an expert's count are
-never written.
+every k-block into a ring of stages (plus, with 1-D bulk copies, the activation scales of the
+tile's rows and the expert's row of weight block scales), on one mbarrier per stage. ``BM / 64``
+consumer warpgroups each own 64 rows of the ``BM x BN`` tile (``BN`` = 256 when ``N`` allows,
+else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs. FP8 promotes chunk by chunk, so one
+64-register scratch accumulator serves the whole tile, with two weight scales per chunk (one
+scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the FP8 throughput;
+a global load of the scales in the consumer loop stalled the WGMMA issue). BF16 keeps one
+k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
+requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
+rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
+tile rows, or one chunk at a time where that leaves room for one more pipeline stage), and 16 of
+its lanes send the valid rows to global memory with one 1-D bulk copy each, so the warp goes on
+to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
+writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
+tile). Pad rows beyond an expert's count are never written.
 
 Constraints: ``BM`` in (64, 128); ``K`` a multiple of 128 (FP8) or 64 (BF16); ``N`` a multiple
 of 128 (of 256 for FP8 L1); ``P`` a multiple of ``BM``; every tensor 16-byte aligned. Launched
@@ -55,18 +56,18 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
-from .common.gemm_config import check_gemm_config
+from .common.gemm_config import SF_BLOCK, check_gemm_config, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
-SF_BLOCK = 128  # FP8 weight scales: one per SF_BLOCK x SF_BLOCK block
-GATE_UP_GROUP = 8  # L1 weight rows: gate and up alternate in groups of 8 (quant.interleave_gate_up)
+GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
+
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -103,10 +104,11 @@ class Sm90ExpertGemmKernel:
         # bytes of one output row inside one tile
         self.tile_row_bytes = (self.block_n // 2 if phase == "l1" else self.block_n) * out_elt
         self.out_row_bytes = self.out_cols * out_elt
-        self.sfa_len = block_m
+        # activation scales of the tile's rows; the expert's weight block scales of the k-block
+        self.sfa_len, self.sfb_len = block_m, weight_sf_row_len(n)
         stage_bytes = (block_m + self.block_n) * self.block_k * elt
         if self.is_fp8:
-            stage_bytes += self.sfa_len * 4
+            stage_bytes += (self.sfa_len + self.sfb_len) * 4
         self.stage_tx_bytes = stage_bytes
 
         def stages_fit(parts):  # pipeline stages left beside staging rows of 1/parts tile row
@@ -147,7 +149,7 @@ class Sm90ExpertGemmKernel:
         a: cute.Pointer,  # [P, K] e4m3 / bf16: the L1 or L2 pool
         a_sf: cute.Pointer,  # f32 [K/128, P] (fp8)
         b: cute.Pointer,  # [E, N, K] e4m3 / bf16
-        b_sf: cute.Pointer,  # f32 [E, K/128, N/128] (fp8)
+        b_sf: cute.Pointer,  # f32 [E, K/128, weight_sf_row_len(N)] (fp8)
         expert_recv_tokens: cute.Pointer,  # Int32 [E]
         topk_weights: cute.Pointer,  # f32 [P] (l1)
         out: cute.Pointer,  # l1: [P, N/2] e4m3 / bf16; l2: bf16 [P, N]
@@ -179,6 +181,8 @@ class Sm90ExpertGemmKernel:
             row_start: cute.struct.MemRange[Int32, self.num_experts + 1]
             sfa: cute.struct.Align[
                 cute.struct.MemRange[Float32, self.num_stages * self.sfa_len], 16]
+            sfb: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.num_stages * self.sfb_len], 16]
             sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_layout)],
                                   1024]
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
@@ -213,6 +217,7 @@ class Sm90ExpertGemmKernel:
         block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
         row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
         sfa = storage.sfa.get_tensor(cute.make_layout((self.sfa_len, self.num_stages)))
+        sfb = storage.sfb.get_tensor(cute.make_layout((self.sfb_len, self.num_stages)))
         sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         staging = storage.staging.data_ptr()
@@ -235,19 +240,19 @@ class Sm90ExpertGemmKernel:
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.produce(tma_a, m_a, tma_b, m_b, sa, sb, sfa, a_sf, ab_pipe,
+                self.produce(tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf, b_sf, ab_pipe,
                              block_start, row_start, num_tiles, bidx, grid, lane)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(tiled_mma, sa, sb, sfa, b_sf, ab_pipe, block_start, row_start,
+            self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, bidx, grid, wg - 1, warp % 4, lane, topk_weights, out,
                          out_sf, staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
 
     @cute.jit
-    def produce(self, tma_a, m_a, tma_b, m_b, sa, sb, sfa, a_sf: cute.Pointer, ab_pipe,
-                block_start, row_start, num_tiles: Int32, bidx: Int32, grid: Int32,
-                lane: Int32):
-        """Warp 0: TMA-load the A/B tiles (and A's scales) of every k-block of every tile."""
+    def produce(self, tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
+                b_sf: cute.Pointer, ab_pipe, block_start, row_start, num_tiles: Int32,
+                bidx: Int32, grid: Int32, lane: Int32):
+        """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of every tile."""
         g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
         g_b = cute.local_tile(m_b, (WG_N, self.block_k), (None, None))
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
@@ -276,14 +281,17 @@ class Sm90ExpertGemmKernel:
                             sfa.iterator + state.index * self.sfa_len,
                             a_sf + (Int64(kb) * self.num_pool_rows + pool_block * self.block_m),
                             bar, Int32(self.sfa_len * 4))
+                        prims.cp_async_bulk_shared_cluster_global(
+                            sfb.iterator + state.index * self.sfb_len,
+                            b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
+                            bar, Int32(self.sfb_len * 4))
                 ab_pipe.producer_commit(state)
                 state.advance()
             tile += grid
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def consume(self, tiled_mma, sa, sb, sfa, b_sf: cute.Pointer, ab_pipe, block_start,
-                row_start,
+    def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                 num_tiles: Int32, bidx: Int32, grid: Int32, mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, staging: cute.Pointer):
@@ -312,12 +320,11 @@ class Sm90ExpertGemmKernel:
             for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
-                for kb in cutlass.range(self.num_k_blocks):
-                    # the weight scales load while the stage lands and the WGMMAs run
-                    scale_b = self.weight_scales(b_sf, expert, kb, n_block)
+                for _kb in cutlass.range(self.num_k_blocks):
                     ab_pipe.consumer_wait(state)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
+                    scale_b = self.weight_scales(sfb, state.index, n_block)
                     for c in cutlass.range_constexpr(self.chunks):
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -365,17 +372,15 @@ class Sm90ExpertGemmKernel:
         cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def weight_scales(self, b_sf: cute.Pointer, expert: Int32, kb: Int32, n_block: Int32):
-        """The k-block's weight block scales of each chunk of the tile, as (scale of the even,
+    def weight_scales(self, sfb: cute.Tensor, stage: Int32, n_block: Int32):
+        """The stage's weight block scales of each chunk of the tile, as (scale of the even,
         scale of the odd 8-column groups): L1 (gate, up) of block ``n_block`` for both chunks,
         L2 (block, block) of block ``chunks * n_block + c`` for chunk ``c``."""
-        blocks = self.n // SF_BLOCK
-        sf = cute.make_tensor(b_sf + (expert * self.num_k_blocks + kb) * blocks,
-                              cute.make_layout(blocks))
         if cutlass.const_expr(self.phase == "l1"):
-            gate, up = sf[n_block], sf[blocks // 2 + n_block]
+            gate = sfb[n_block, stage]
+            up = sfb[self.n // (2 * SF_BLOCK) + n_block, stage]
             return [(gate, up)] * self.chunks
-        return [(sf[self.chunks * n_block + c],) * 2 for c in range(self.chunks)]
+        return [(sfb[self.chunks * n_block + c, stage],) * 2 for c in range(self.chunks)]
 
     @cute.jit
     def epilogue(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,

@@ -6,6 +6,13 @@ from __future__ import annotations
 import math
 
 PHASES = ("l1", "l2")
+SF_BLOCK = 128  # sm90 FP8 weight scales: one f32 per SF_BLOCK x SF_BLOCK weight block
+
+
+def weight_sf_row_len(n: int) -> int:
+    """Entries per k-block row of the sm90 FP8 weight block scales of an ``n``-row weight:
+    ``n / SF_BLOCK`` rounded up to a multiple of 4 (16-byte rows for the bulk copies)."""
+    return -(-(n // SF_BLOCK) // 4) * 4
 
 
 def check_gemm_config(arch: str, phase: str, recipe: str, recipes: tuple[str, ...],
