@@ -22,7 +22,7 @@ import torch
 
 from . import quant
 from .api import _check_tensor
-from .heuristics import get_num_sms
+from .heuristics import get_num_sms, select_cluster_m
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
 from .runtime import as_ptr, compiled_kernel, current_stream, env_flag, get_arch
 from .utils import ceil_div
@@ -144,8 +144,11 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                       Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
+    extra = {}
+    if arch == "sm_90a":
+        extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
-                    activation_clamp=clamp, fast_math=fast_math)
+                    activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
 
 
@@ -296,10 +299,12 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             return plan
 
         entry = compiled_kernel(key + ("plan",), build)
-        # an unused pointer argument points at topk_weights (never dereferenced)
+        # an unused pointer argument points at topk_weights (never dereferenced); a cluster
+        # launch needs a whole number of clusters
+        cluster_m = getattr(entry["kernel"], "cluster_m", 1)
         args = (*(as_ptr(topk_weights if t is None else t, align=4 if i == 4 else 16, dtype=d)
                   for i, (t, d) in enumerate(zip(tensors, entry["dtypes"], strict=True))),
-                Int32(grid), stream)
+                Int32(max(cluster_m, grid - grid % cluster_m)), stream)
 
         def compile_it(entry=entry, args=args):
             import cutlass.cute as cute

@@ -127,6 +127,9 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("QGMMA" if recipe == "fp8xfp8" else "HGMMA") > 0
     assert art.count("UTMALDG") > 0
+    # L2 at BLOCK_M 128 runs in 2-CTA clusters that multicast the weight tile
+    multicast = art.count("UTMALDG.2D.MULTICAST")
+    assert multicast > 0 if (phase == "l2" and block_m == 128) else multicast == 0
     assert art.count("USETMAXREG") == 2
     assert art.count("STL") == 0 and art.count("LDL") == 0
     # staged epilogue: tile rows leave shared memory by bulk copies, not per-thread stores

@@ -13,7 +13,8 @@ import torch
 FIELDS = 5  # expert, m_block, n_block, pool_block, valid_m
 
 
-def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int):
+def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
+                 cluster_m: int = 1):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -23,12 +24,13 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int):
 
     class WalkKernel:
         def __init__(self):
-            self.scheduler = ExpertTileScheduler(num_experts, block_m, num_n)
+            self.scheduler = ExpertTileScheduler(num_experts, block_m, num_n, cluster_m)
 
         @cute.jit
         def __call__(self, counts: cute.Pointer, out: cute.Pointer, num_ctas: Int32, stream):
             self.kernel(cute.make_tensor(counts, cute.make_layout(num_experts)), out).launch(
-                grid=[num_ctas, 1, 1], block=[32, 1, 1], stream=stream)
+                grid=[num_ctas, 1, 1], block=[32, 1, 1], cluster=[cluster_m, 1, 1],
+                stream=stream)
 
         @cute.kernel
         def kernel(self, counts: cute.Tensor, out: cute.Pointer):
@@ -42,14 +44,17 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int):
             cute.arch.sync_threads()
             record = cute.make_tensor(out + bidx * (max_tiles * FIELDS),
                                       cute.make_layout(max_tiles * FIELDS))
+            rank = Int32(0)
+            if cutlass.const_expr(cluster_m > 1):
+                rank = cute.arch.block_idx_in_cluster()
             if tidx == 0:
                 num_tiles = self.scheduler.num_tiles(block_start)
-                tile = bidx
+                tile = bidx // cluster_m
                 expert = Int32(0)
                 i = Int32(0)
                 while tile < num_tiles:
                     expert, m_block, n_block, pool_block, valid_m = self.scheduler.tile(
-                        tile, expert, block_start, row_start)
+                        tile, expert, block_start, row_start, rank)
                     if i < max_tiles:
                         record[i * FIELDS + 0] = expert
                         record[i * FIELDS + 1] = m_block
@@ -57,35 +62,72 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int):
                         record[i * FIELDS + 3] = pool_block
                         record[i * FIELDS + 4] = valid_m
                     i += 1
-                    tile += grid
+                    tile += grid // cluster_m
 
     return WalkKernel()
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ("sm_90a", "sm_100a"))
-def test_walk_kernel_compiles(arch):
+@pytest.mark.parametrize("cluster_m", (1, 2))
+def test_walk_kernel_compiles(arch, cluster_m):
     from cutlass import Int32
 
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
-    art = compile_for_arch(_walk_kernel(8, 64, 3, 16), fake_ptr(Int32, 4), fake_ptr(Int32, 4),
+    art = compile_for_arch(_walk_kernel(8, 64, 3, 16, cluster_m), fake_ptr(Int32, 4),
+                           fake_ptr(Int32, 4),
                            Int32(4), fake_stream(), arch=arch, keep_sass=False)
     assert "st.global" in art.ptx
 
 
-CASES = [
-    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7),
-    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132),
-    ([0, 0, 0, 0], 64, 3, 5),
-    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3),
-    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16),
+CASES = [  # counts, block_m, n-blocks, CTAs, CTAs per cluster along M
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 1),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 1),
+    ([0, 0, 0, 0], 64, 3, 5, 1),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 1),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16, 1),
+    # pairs of pool blocks: odd block counts (a dummy at the end), pairs spanning two experts
+    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 2),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 4, 2),
+    ([0, 0, 0, 0], 64, 3, 6, 2),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16, 2),
 ]
 
 
+def test_host_cluster_walk_covers_every_block_once():
+    """Clusters of 2: every (pool block, n-block) exactly once over the CTAs; dummies only
+    past the last block; the two CTAs of a cluster always at the same n-block."""
+    from cute_megamoe.scheduler.host_model import (
+        HostTileScheduler,
+        grouped_gemm_tiles,
+        pool_block_offsets,
+    )
+
+    for counts, block_m, num_n, num_ctas, cluster_m in CASES:
+        if cluster_m == 1:
+            continue
+        walks = [list(HostTileScheduler(counts, block_m, 128, num_n * 128, num_ctas, cta,
+                                        cluster_m)) for cta in range(num_ctas)]
+        real = sorted((t.pool_block, t.n_block, t.expert, t.m_block, t.valid_m)
+                      for w in walks for t in w if t.valid_m > 0)
+        want = sorted((t.pool_block, t.n_block, t.expert, t.m_block, t.valid_m)
+                      for t in grouped_gemm_tiles(counts, block_m, 128, num_n * 128))
+        assert real == want
+        num_blocks = pool_block_offsets(counts, block_m)[-1]
+        assert all(t.pool_block >= num_blocks for w in walks for t in w if t.valid_m == 0)
+        for c in range(0, num_ctas, cluster_m):
+            pair = walks[c:c + cluster_m]
+            assert len({len(w) for w in pair}) == 1
+            for tiles in zip(*pair, strict=True):
+                assert len({t.n_block for t in tiles}) == 1
+                assert [t.pool_block for t in tiles] == list(
+                    range(tiles[0].pool_block, tiles[0].pool_block + cluster_m))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts,block_m,num_n,num_ctas", CASES)
-def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas):
+@pytest.mark.parametrize("counts,block_m,num_n,num_ctas,cluster_m", CASES)
+def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluster_m):
     import cutlass.cute as cute
 
     from cute_megamoe.runtime import as_ptr, current_stream
@@ -96,7 +138,7 @@ def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas):
     from cutlass import Int32
 
     max_tiles = 64
-    kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles)
+    kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles, cluster_m)
     dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
     out = torch.full((num_ctas, max_tiles, FIELDS), -1, dtype=torch.int32, device="cuda")
     args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas),
@@ -106,7 +148,7 @@ def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas):
     for cta in range(num_ctas):
         want = [(t.expert, t.m_block, t.n_block, t.pool_block, t.valid_m)
                 for t in HostTileScheduler(counts, block_m, 128, num_n * 128, num_ctas,
-                                           cta)]
+                                           cta, cluster_m)]
         assert len(want) <= max_tiles
         rows = [tuple(r) for r in got[cta].tolist() if r[0] != -1]
         assert rows == want, f"cta {cta}"

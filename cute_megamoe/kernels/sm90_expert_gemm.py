@@ -39,9 +39,16 @@ to the next tile's WGMMAs while the stores drain (a direct store from the accumu
 writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
 tile). Pad rows beyond an expert's count are never written.
 
+Clusters (``cluster_m`` 2, 256-column tiles): the two CTAs of a cluster take neighbouring pool
+blocks at the same n-block (``ExpertTileScheduler`` with ``cluster_m``); when both blocks
+belong to one expert each CTA TMA-loads one 128-row chunk of the weight tile and multicasts it
+to both (half the weight traffic from L2), else each loads its own. Every consumer warp frees
+its stage in both CTAs, so the two run in lockstep; a block past the pool's last is a dummy
+that computes and writes nothing useful (``valid_m`` 0).
+
 Constraints: ``BM`` in (64, 128); ``K`` a multiple of 128 (FP8) or 64 (BF16); ``N`` a multiple
-of 128 (of 256 for FP8 L1); ``P`` a multiple of ``BM``; every tensor 16-byte aligned. Launched
-with at most one CTA per SM.
+of 128 (of 256 for FP8 L1 and for clusters); ``P`` a multiple of ``BM``; every tensor 16-byte
+aligned. Launched with at most one CTA per SM and a grid that is a multiple of ``cluster_m``.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ class Sm90ExpertGemmKernel:
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
-                 fast_math: bool = True, num_stages: int | None = None):
+                 fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -126,7 +133,12 @@ class Sm90ExpertGemmKernel:
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
         if not 2 <= self.num_stages <= fit:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
-        self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
+        # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
+        # multicasts it to both, when both pool blocks belong to one expert.
+        if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
+            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
+        self.cluster_m = cluster_m
+        self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
 
     # ------------------------------------------------------------------------------ host side
     def staging_layout(self, parts: int) -> tuple[int, int]:
@@ -173,6 +185,9 @@ class Sm90ExpertGemmKernel:
         tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_layout, (None, None, 0)),
             (WG_N, self.block_k))
+        tma_b_mc, _ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b,
+            cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
 
         @cute.struct
         class SharedStorage:
@@ -190,16 +205,18 @@ class Sm90ExpertGemmKernel:
             staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes], 128]
 
         self.shared_storage = SharedStorage
-        self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, a_layout, b_layout, a_sf, b_sf,
+        self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_b_mc, tma_m_b, a_layout, b_layout,
+                    a_sf, b_sf,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
                     topk_weights, out, out_sf).launch(
-            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], min_blocks_per_mp=1,
-            stream=stream)
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
+            cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ---------------------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor,
-               tma_b: cute.CopyAtom, m_b: cute.Tensor, a_layout: cute.ComposedLayout,
+               tma_b: cute.CopyAtom, tma_b_mc: cute.CopyAtom, m_b: cute.Tensor,
+               a_layout: cute.ComposedLayout,
                b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
                out_sf: cute.Pointer):
@@ -208,6 +225,12 @@ class Sm90ExpertGemmKernel:
         grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        # the scheduler walks cluster tiles; rank: this CTA's pool block within the cluster's
+        rank = Int32(0)
+        if cutlass.const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster = bidx // self.cluster_m
+        num_clusters = grid // self.cluster_m
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -225,61 +248,95 @@ class Sm90ExpertGemmKernel:
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # every consumer warp frees a stage in each CTA of the cluster (the peer's
+            # multicast writes into this CTA's stages too)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_mma_wgs * 4),
-            tx_count=self.stage_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True)
+                                                     self.cluster_m * self.num_mma_wgs * 4),
+            tx_count=self.stage_tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
                               self.block_m)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(self.cluster_m > 1):
+            cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         num_tiles = self.scheduler.num_tiles(block_start)
         wg = warp // 4
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.produce(tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf, b_sf, ab_pipe,
-                             block_start, row_start, num_tiles, bidx, grid, lane)
+                self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb, a_sf, b_sf,
+                             ab_pipe, block_start, row_start, num_tiles, cluster, num_clusters,
+                             rank, lane)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
-                         num_tiles, bidx, grid, wg - 1, warp % 4, lane, topk_weights, out,
-                         out_sf, staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
+                         num_tiles, cluster, num_clusters, rank, wg - 1, warp % 4, lane,
+                         topk_weights, out, out_sf,
+                         staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
+        if cutlass.const_expr(self.cluster_m > 1):
+            cute.arch.cluster_arrive()  # no CTA leaves while its peer may still signal it
+            cute.arch.cluster_wait()
 
     @cute.jit
-    def produce(self, tma_a, m_a, tma_b, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
+    def produce(self, tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
                 b_sf: cute.Pointer, ab_pipe, block_start, row_start, num_tiles: Int32,
-                bidx: Int32, grid: Int32, lane: Int32):
-        """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of every tile."""
+                cluster: Int32, num_clusters: Int32, rank: Int32, lane: Int32):
+        """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of every tile;
+        in a cluster whose two pool blocks share an expert, only chunk ``rank`` of B, to both
+        CTAs."""
         g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
         g_b = cute.local_tile(m_b, (WG_N, self.block_k), (None, None))
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                            cute.group_modes(sa, 0, 2), cute.group_modes(g_a, 0, 2))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(sb, 0, 2), cute.group_modes(g_b, 0, 2))
+        t_sb_mc, t_gb_mc = cpasync.tma_partition(tma_b_mc, 0, cute.make_layout(1),
+                                                 cute.group_modes(sb, 0, 2),
+                                                 cute.group_modes(g_b, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         b_blocks_per_expert = self.n // WG_N
-        tile = bidx
+        tile = cluster
         expert = Int32(0)
+        experts = [Int32(0)] * self.cluster_m  # of every pool block of the cluster tile
         while tile < num_tiles:
+            multicast = cutlass.Boolean(False)
+            if cutlass.const_expr(self.cluster_m > 1):
+                e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(tile, experts[0], block_start,
+                                                             row_start, Int32(0))
+                e1, _m1, _n1, _b1, v1 = self.scheduler.tile(tile, experts[1], block_start,
+                                                            row_start, Int32(1))
+                experts = [e0, e1]
+                multicast = v1 > 0 and e0 == e1
             expert, _m, n_block, pool_block, _v = self.scheduler.tile(tile, expert, block_start,
-                                                                      row_start)
+                                                                      row_start, rank)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
+            # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
+            # past the scale tensor
+            sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
             for kb in cutlass.range(self.num_k_blocks):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
                           tma_bar_ptr=bar)
-                for c in cutlass.range_constexpr(self.chunks):
-                    cute.copy(tma_b, t_gb[(None, b_block + c, kb)],
-                              t_sb[(None, state.index * self.chunks + c)], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    if multicast:
+                        cute.copy(tma_b_mc, t_gb_mc[(None, b_block + rank, kb)],
+                                  t_sb_mc[(None, state.index * self.chunks + rank)],
+                                  tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+                    else:
+                        self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
+                else:
+                    self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
                 if cutlass.const_expr(self.is_fp8):
                     if lane == 0:
                         prims.cp_async_bulk_shared_cluster_global(
                             sfa.iterator + state.index * self.sfa_len,
-                            a_sf + (Int64(kb) * self.num_pool_rows + pool_block * self.block_m),
+                            a_sf + (Int64(kb) * self.num_pool_rows + sf_block * self.block_m),
                             bar, Int32(self.sfa_len * 4))
                         prims.cp_async_bulk_shared_cluster_global(
                             sfb.iterator + state.index * self.sfb_len,
@@ -287,12 +344,20 @@ class Sm90ExpertGemmKernel:
                             bar, Int32(self.sfb_len * 4))
                 ab_pipe.producer_commit(state)
                 state.advance()
-            tile += grid
+            tile += num_clusters
         ab_pipe.producer_tail(state)
 
     @cute.jit
+    def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
+        """This CTA loads both 128-row chunks of the weight tile itself."""
+        for c in cutlass.range_constexpr(self.chunks):
+            cute.copy(tma_b, t_gb[(None, b_block + c, kb)], t_sb[(None, stage * self.chunks + c)],
+                      tma_bar_ptr=bar)
+
+    @cute.jit
     def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
-                num_tiles: Int32, bidx: Int32, grid: Int32, mma_wg: Int32, warp_in_wg: Int32,
+                num_tiles: Int32, cluster: Int32, num_clusters: Int32, rank: Int32,
+                mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, staging: cute.Pointer):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile;
@@ -311,11 +376,11 @@ class Sm90ExpertGemmKernel:
         warp_row0 = 64 * mma_wg + ROWS_PER_WARP * warp_in_wg
         row0 = warp_row0 + lane // 4
         col0 = 2 * (lane % 4)
-        tile = bidx
+        tile = cluster
         expert = Int32(0)
         while tile < num_tiles:
             expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
-                tile, expert, block_start, row_start)
+                tile, expert, block_start, row_start, rank)
             row_base = pool_block * self.block_m
             for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
@@ -368,7 +433,7 @@ class Sm90ExpertGemmKernel:
                 prev.advance()
             self.epilogue(accs, topk_weights, out, out_sf, staging, row_base, warp_row0,
                           row0, col0, valid_m, n_block, lane)
-            tile += grid
+            tile += num_clusters
         cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit

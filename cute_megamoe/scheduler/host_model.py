@@ -186,6 +186,12 @@ class HostTileScheduler:
     until it falls inside one (with ``ceil(count / BM)`` read per expert, as the device reads
     its cached expert sizes). Yields :class:`Tile` in the order of
     ``[grouped_gemm_tiles(...)[i] for i in assign_tiles(...)[cta]]``.
+
+    With ``cluster_m`` > 1 (clusters of CTAs along M, ``num_ctas`` a multiple of it), CTA
+    ``cta`` is rank ``cta % cluster_m`` of cluster ``cta // cluster_m``; the clusters walk
+    cluster tiles (``ceil(blocks / cluster_m)`` groups of pool blocks times the n-blocks) and
+    a CTA does pool block ``cluster_m * group + rank``; past the last block it yields a dummy
+    (``valid_m`` 0, ``m_block`` 0, the expert of its previous tile, or 0).
     """
 
     def __init__(
@@ -196,6 +202,7 @@ class HostTileScheduler:
         n: int,
         num_ctas: int,
         cta: int,
+        cluster_m: int = 1,
     ) -> None:
         self.counts = _counts(expert_counts)
         self.block_m = _positive("block_m", block_m)
@@ -204,8 +211,15 @@ class HostTileScheduler:
         if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
             raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
         self.cta = cta
+        self.cluster_m = _positive("cluster_m", cluster_m)
+        if num_ctas % cluster_m:
+            raise ValueError(f"num_ctas ({num_ctas}) must be a multiple of cluster_m "
+                             f"({cluster_m})")
 
     def __iter__(self) -> Iterator[Tile]:
+        if self.cluster_m > 1:
+            yield from self._cluster_walk()
+            return
         block_idx = self.cta  # index relative to the current expert's first tile
         expert = 0
         pool_offset = 0  # pool_block_offsets(...)[expert], accumulated as experts are passed
@@ -222,6 +236,25 @@ class HostTileScheduler:
             valid_m = min(self.block_m, self.counts[expert] - m * self.block_m)
             yield Tile(expert, m, nb, pool_offset + m, valid_m)
             block_idx += self.num_ctas
+
+    def _cluster_walk(self) -> Iterator[Tile]:
+        offsets = pool_block_offsets(self.counts, self.block_m)
+        num_blocks = offsets[-1]
+        num_clusters = self.num_ctas // self.cluster_m
+        rank = self.cta % self.cluster_m
+        num_tiles = ceil_div(num_blocks, self.cluster_m) * self.num_n_blocks
+        expert = 0
+        for tile in range(self.cta // self.cluster_m, num_tiles, num_clusters):
+            group, nb = divmod(tile, self.num_n_blocks)
+            pool_block = group * self.cluster_m + rank
+            if pool_block >= num_blocks:
+                yield Tile(expert, 0, nb, pool_block, 0)
+                continue
+            while pool_block >= offsets[expert + 1]:
+                expert += 1
+            m = pool_block - offsets[expert]
+            valid_m = min(self.block_m, self.counts[expert] - m * self.block_m)
+            yield Tile(expert, m, nb, pool_block, valid_m)
 
 
 class HostMegaMoETileScheduler:
