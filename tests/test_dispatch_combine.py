@@ -68,9 +68,6 @@ def test_combine_compiles_with_wide_accesses(arch, send_mode, monkeypatch):
     # per-token arrival counts (overlap) or barrier signals: released at system scope, spun on
     # with acquire
     assert "red.release.sys.global.add.s32" in art.ptx and "ld.acquire.sys" in art.ptx
-    if send_mode == "overlap":
-        # the walk's end: a block max in shared memory, one global max per CTA
-        assert "atom.shared.max.s32" in art.ptx and "atom.global.max.s32" in art.ptx
     if art.sass is not None:
         # reduce: one 16-byte load per top-k slot (K = 8); the register copies move a
         # 7168-feature BF16 row as 28 x 16 B per lane, unrolled

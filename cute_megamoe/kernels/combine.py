@@ -19,14 +19,12 @@ How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one b
 3. Grid barrier, cross-rank barrier by CTA 0 (system-scope release and acquire), grid barrier.
 4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates.
 
-`send_mode="overlap"`: the reduction runs while the rows are still moving (no reduction pass
-after the sends), see docs/performance.md.
+`send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
+tokens per rank (no reduction pass after the sends), slower at small sizes (every warp walks
+its share of the token slots of the whole buffer), see docs/performance.md.
 1. As above.
 2. Every thread takes received rows and writes `combine_pool_row[s, t, k] = pool_row + 1` (the
-   inverse of TokenSrcMetadata), and the grid takes the largest token among them (a block max,
-   then one atomic max per CTA into the `barrier` region's token-limit slot); grid barrier. The
-   walk below stops at `max(that token + 1, num_tokens)`: small batches do not walk the
-   buffer's whole token range. The last CTA to finish zeroes the slot (a done counter).
+   inverse of TokenSrcMetadata); grid barrier.
 3. Global warp g owns tokens t = g, g + G, ... in ascending order (G warps in the grid, the same
    split on every rank). At step i it sends, for every source rank s, the rows of token
    g + i G that live here (16-byte register copies, plain stores to the peer), zeroes their
@@ -58,8 +56,6 @@ from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
 from .common.pool import BulkRowPipeline, build_pool_prefix
 from .common.sync import (
-    COMBINE_DONE_SLOT,
-    COMBINE_TOKEN_LIMIT_SLOT,
     GRID_BARRIER_SLOT,
     cross_rank_barrier,
     grid_barrier,
@@ -146,9 +142,8 @@ class CombineKernel:
         cute.arch.sync_threads()
 
         if cutlass.const_expr(self.send_mode == "overlap"):
-            cta_limit = smem.allocate_tensor(Int32, cute.make_layout(1))
             self.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
-                                 expert_out, row_start, block_start, y, cta_limit)
+                                 expert_out, row_start, block_start, y)
         else:
             self.send_then_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
                                   expert_out, row_start, block_start, y, pipe)
@@ -156,9 +151,8 @@ class CombineKernel:
     @cute.jit
     def send_and_reduce(self, peer_bases: cute.Tensor, my_base: Int64, barrier: cute.Pointer,
                         warp: Int32, lane: Int32, num_tokens: Int32, expert_out: cute.Pointer,
-                        row_start: cute.Tensor, block_start: cute.Tensor, y: cute.Pointer,
-                        cta_limit: cute.Tensor):
-        """Overlap mode, steps 2 and 3 of the module doc (``cta_limit``: one shared int32)."""
+                        row_start: cute.Tensor, block_start: cute.Tensor, y: cute.Pointer):
+        """Overlap mode, steps 2 and 3 of the module doc."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -167,11 +161,7 @@ class CombineKernel:
         pool_row_of = self.regions.ptr(my_base, "combine_pool_row")
         metadata = self.regions.ptr(my_base, "token_src_metadata")
 
-        # 2. the inverse table: (source rank, token, slot) -> pool row + 1, and the walk's end
-        if tidx == 0:
-            cta_limit[0] = Int32(0)
-        cute.arch.sync_threads()
-        limit = Int32(0)  # 1 + the largest token this thread wrote
+        # 2. the inverse table: (source rank, token, slot) -> pool row + 1
         num_rows = row_start[E_l]
         row = bidx * self.num_threads + tidx
         expert = Int32(0)
@@ -183,18 +173,8 @@ class CombineKernel:
             token = cute.arch.load(metadata + pool_row * 4 + 1, Int32)
             topk = cute.arch.load(metadata + pool_row * 4 + 2, Int32)
             cute.arch.store(pool_row_of + (src * T + token) * K + topk, pool_row + 1)
-            limit = cutlass.max(limit, token + 1)
             row += num_ctas * self.num_threads
-        for i in cutlass.range_constexpr(5):  # warp max, then block max in shared memory
-            limit = cutlass.max(limit, cute.arch.shuffle_sync_bfly(limit, 1 << i))
-        if lane == 0 and limit > 0:
-            cute.arch.atomic_max(cta_limit.iterator, limit)
-        cute.arch.sync_threads()
-        if tidx == 0 and cta_limit[0] > 0:
-            cute.arch.atomic_max(barrier + COMBINE_TOKEN_LIMIT_SLOT, cta_limit[0])
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
-        walk_end = cutlass.max(cute.arch.load(barrier + COMBINE_TOKEN_LIMIT_SLOT, Int32,
-                                              sem="acquire", scope="gpu"), num_tokens)
 
         # 3. token-ordered sends; each warp reduces its own tokens LAG steps behind
         num_warps_total = num_ctas * self.num_warps
@@ -202,11 +182,11 @@ class CombineKernel:
         out_base = Int64(expert_out.toint())
         combine_offset = self.regions.offset("combine")
         arrivals_offset = self.regions.offset("combine_token_arrivals")
-        send_steps = cutlass.max(walk_end - g + num_warps_total - 1, 0) // num_warps_total
+        send_steps = (T - g + num_warps_total - 1) // num_warps_total
         step = Int32(0)
         while step < send_steps + LAG:
             t = g + step * num_warps_total
-            if t < walk_end:
+            if t < T:
                 for s in cutlass.range(R):
                     entries = pool_row_of + (s * T + t) * K
                     peer = Int64(peer_bases[s])
@@ -233,14 +213,6 @@ class CombineKernel:
                 if t_own < num_tokens:
                     self.reduce_token(my_base, t_own, lane, y)
             step += 1
-
-        # every CTA read the token limit long ago; the last one to get here resets it
-        cute.arch.sync_threads()
-        if tidx == 0:
-            done = cute.arch.atomic_add(barrier + COMBINE_DONE_SLOT, Int32(1))
-            if done == num_ctas - 1:
-                cute.arch.store(barrier + COMBINE_TOKEN_LIMIT_SLOT, Int32(0))
-                cute.arch.store(barrier + COMBINE_DONE_SLOT, Int32(0))
 
     @cute.jit
     def copy_row(self, src_row: Int64, dst_row: Int64, lane: Int32):

@@ -34,8 +34,6 @@ from cutlass import Int32, Int64
 GRID_BARRIER_SLOT = 0
 RANK_BARRIER_COUNT_SLOT = 4  # local: cross-rank barriers passed so far
 RANK_BARRIER_SIGNAL_SLOT = 5  # two slots (5, 6), added to by every rank
-COMBINE_TOKEN_LIMIT_SLOT = 8  # local: 1 + the largest token among this rank's received rows
-COMBINE_DONE_SLOT = 9  # local: CTAs of the combine that finished (the last one resets both)
 
 TOP_BIT = 0x80000000
 
