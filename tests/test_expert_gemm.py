@@ -163,6 +163,17 @@ def test_sm90_staging_and_stages_fit_shared_memory():
         assert kern.staging_stride == kern.tile_row_bytes // parts + 16
 
 
+def test_sm90_clusters_need_256_column_tiles():
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+
+    kern = Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7168, 2048, 128, cluster_m=2)
+    assert kern.cluster_m == 2 and kern.scheduler.cluster_m == 2
+    with pytest.raises(ValueError, match="cluster_m"):  # N = 7040: 128-column tiles
+        Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7040, 2048, 128, cluster_m=2)
+    with pytest.raises(ValueError, match="cluster_m"):
+        Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7168, 2048, 128, cluster_m=4)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_expert_ffn_plan_compiles_for_sm100(phase):

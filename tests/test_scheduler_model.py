@@ -183,6 +183,17 @@ def test_heuristics_block_m():
             prev = bm
     with pytest.raises(ValueError):
         normalize_arch("sm80")
+
+
+def test_heuristics_cluster_m():
+    from cute_megamoe.heuristics import select_cluster_m
+
+    # sm90: weight multicast in 2-CTA clusters for L2 at BLOCK_M 128 with 256-column tiles only
+    assert select_cluster_m("sm_90a", "l2", 128, 7168) == 2
+    assert select_cluster_m("sm_90a", "l2", 128, 7168 - 128) == 1  # 128-column tiles
+    assert select_cluster_m("sm_90a", "l1", 128, 4096) == 1
+    assert select_cluster_m("sm_90a", "l2", 64, 7168) == 1
+    assert select_cluster_m("sm_100a", "l2", 128, 7168) == 1
     if not torch.cuda.is_available():
         assert get_num_sms() == 132 and get_num_sms(default=148) == 148
 
