@@ -74,6 +74,7 @@ SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
+SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
@@ -84,7 +85,8 @@ class Sm90ExpertGemmKernel:
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
-                 fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1):
+                 fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
+                 wg_skew: int = 2):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -139,6 +141,11 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
         self.cluster_m = cluster_m
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
+        # Consumer warpgroup 1 starts `wg_skew` k-blocks after warpgroup 0 (a named barrier on
+        # the first tile), so that the two do not reach a tile's epilogue at the same moment
+        # and leave the tensor cores idle together; the stage ring keeps the lag.
+        self.wg_skew = min(wg_skew, self.num_stages - 1, self.num_k_blocks - 1) \
+            if self.num_mma_wgs == 2 else 0
 
     # ------------------------------------------------------------------------------ host side
     def staging_layout(self, parts: int) -> tuple[int, int]:
@@ -378,6 +385,9 @@ class Sm90ExpertGemmKernel:
         col0 = 2 * (lane % 4)
         tile = cluster
         expert = Int32(0)
+        if cutlass.const_expr(self.wg_skew > 0):
+            if mma_wg == 1 and tile < num_tiles:
+                cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
         while tile < num_tiles:
             expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, expert, block_start, row_start, rank)
@@ -385,7 +395,8 @@ class Sm90ExpertGemmKernel:
             for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
-                for _kb in cutlass.range(self.num_k_blocks):
+                for kb in cutlass.range(self.num_k_blocks):
+                    self.release_skew(mma_wg, kb, tile == cluster)
                     ab_pipe.consumer_wait(state)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
@@ -415,6 +426,7 @@ class Sm90ExpertGemmKernel:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 for kb in cutlass.range(self.num_k_blocks):
+                    self.release_skew(mma_wg, kb, tile == cluster)
                     ab_pipe.consumer_wait(state)
                     warpgroup.fence()
                     for c in cutlass.range_constexpr(self.chunks):
@@ -446,6 +458,14 @@ class Sm90ExpertGemmKernel:
             up = sfb[self.n // (2 * SF_BLOCK) + n_block, stage]
             return [(gate, up)] * self.chunks
         return [(sfb[self.chunks * n_block + c, stage],) * 2 for c in range(self.chunks)]
+
+    @cute.jit
+    def release_skew(self, mma_wg: Int32, kb: Int32, first_tile):
+        """Warpgroup 0 lets warpgroup 1 start once it reaches k-block ``wg_skew`` of its first
+        tile (that stage is still one of the initially filled ones)."""
+        if cutlass.const_expr(self.wg_skew > 0):
+            if mma_wg == 0 and first_tile and kb == self.wg_skew:
+                cute.arch.barrier_arrive(barrier_id=SKEW_BARRIER, number_of_threads=256)
 
     @cute.jit
     def epilogue(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
