@@ -130,6 +130,8 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     # L2 at BLOCK_M 128 runs in 2-CTA clusters that multicast the weight tile
     multicast = art.count("UTMALDG.2D.MULTICAST")
     assert multicast > 0 if (phase == "l2" and block_m == 128) else multicast == 0
+    # ... and its second consumer warpgroup starts 2 k-blocks late (a named-barrier arrive)
+    assert (art.count("BAR.ARV") > 0) == (phase == "l2" and block_m == 128)
     assert art.count("USETMAXREG") == 2
     assert art.count("STL") == 0 and art.count("LDL") == 0
     # staged epilogue: tile rows leave shared memory by bulk copies, not per-thread stores
@@ -155,6 +157,8 @@ def test_sm90_staging_and_stages_fit_shared_memory():
         kern = Sm90ExpertGemmKernel(phase, recipe, 32, 32768, n, k, block_m,
                                     activation_clamp=10.0 if phase == "l1" else None)
         assert (kern.staging_parts, kern.num_stages) == (parts, stages), (phase, recipe, block_m)
+        # warpgroup 1 trails warpgroup 0 by 2 k-blocks in L2 (within the stage ring), not in L1
+        assert kern.wg_skew == (min(2, stages - 1) if phase == "l2" and block_m == 128 else 0)
         used = kern.staging_bytes + kern.num_stages * (kern.stage_tx_bytes + 64)
         assert used <= SMEM_BUDGET
         # staging rows: 16 per consumer warp, 16 bytes of padding, 16-byte aligned for the

@@ -86,7 +86,7 @@ class Sm90ExpertGemmKernel:
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
-                 wg_skew: int = 2):
+                 wg_skew: int | None = None):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -143,7 +143,11 @@ class Sm90ExpertGemmKernel:
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
         # Consumer warpgroup 1 starts `wg_skew` k-blocks after warpgroup 0 (a named barrier on
         # the first tile), so that the two do not reach a tile's epilogue at the same moment
-        # and leave the tensor cores idle together; the stage ring keeps the lag.
+        # and leave the tensor cores idle together; the stage ring keeps the lag. Default: 2
+        # for L2 (short mainloops, a 64 KB epilogue per tile: +1-3 %), 0 for L1 (lost 4-6 % at
+        # two of three shapes), measured interleaved (docs/performance.md).
+        if wg_skew is None:
+            wg_skew = 2 if phase == "l2" else 0
         self.wg_skew = min(wg_skew, self.num_stages - 1, self.num_k_blocks - 1) \
             if self.num_mma_wgs == 2 else 0
 
