@@ -37,7 +37,9 @@ tile rows, or one chunk at a time where that leaves room for one more pipeline s
 its lanes send the valid rows to global memory with one 1-D bulk copy each, so the warp goes on
 to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
 writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
-tile). Pad rows beyond an expert's count are never written.
+tile). Pad rows beyond an expert's count are never written. In L2 the second consumer warpgroup
+starts two k-blocks after the first (``wg_skew``), so the two epilogues do not leave the tensor
+cores idle at the same time.
 
 Clusters (``cluster_m`` 2, 256-column tiles): the two CTAs of a cluster take neighbouring pool
 blocks at the same n-block (``ExpertTileScheduler`` with ``cluster_m``); when both blocks
