@@ -20,8 +20,9 @@ How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one b
 4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates.
 
 `send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
-tokens per rank (no reduction pass after the sends), slower at small sizes (every warp walks
-its share of the token slots of the whole buffer), see docs/performance.md.
+tokens per rank (no reduction pass after the sends), about 35 us slower at 1-128 tokens (not
+from walking the buffer's token range: bounding the walk did not help; see
+docs/performance.md).
 1. As above.
 2. Every thread takes received rows and writes `combine_pool_row[s, t, k] = pool_row + 1` (the
    inverse of TokenSrcMetadata); grid barrier.
