@@ -33,7 +33,8 @@ a global load of the scales in the consumer loop stalled the WGMMA issue). BF16 
 k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
-tile rows, or one chunk at a time where that leaves room for one more pipeline stage), and 16 of
+tile rows, or for BF16 a chunk or half a chunk at a time where that leaves room for one more
+pipeline stage), and 16 of
 its lanes send the valid rows to global memory with one 1-D bulk copy each, so the warp goes on
 to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
 writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
@@ -88,7 +89,7 @@ class Sm90ExpertGemmKernel:
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
-                 wg_skew: int | None = None):
+                 wg_skew: int | None = None, staging_parts: int | None = None):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -126,12 +127,21 @@ class Sm90ExpertGemmKernel:
             staging = self.staging_layout(parts)[1]
             return min(MAX_STAGES, (SMEM_BUDGET - staging) // (stage_bytes + 64))
 
-        # The staging rows hold the whole tile row, or one chunk at a time when that saves a
-        # pipeline stage (the FP8 L1 requantization needs both chunks: always whole).
-        self.staging_parts = 1
-        if self.chunks > 1 and not (phase == "l1" and self.is_fp8) \
-                and stages_fit(self.chunks) > stages_fit(1):
-            self.staging_parts = self.chunks
+        # BF16: the staging rows hold the whole tile row, or a chunk or half a chunk at a time
+        # when that leaves room for more pipeline stages (L2 at BLOCK_M 128: 4 stages instead
+        # of 3, +5 %; BF16 keeps a k-block of WGMMAs, so a stage, in flight). FP8: whole rows
+        # (the L1 requantization needs both chunks; L2 with half-chunk parts and 4 stages lost
+        # 2-7 %: the waits between parts stall the epilogue). Measured interleaved
+        # (docs/performance.md).
+        choices = (1,) if self.is_fp8 else (1, self.chunks, 2 * self.chunks)
+        if staging_parts is None:
+            staging_parts = 1
+            for parts in choices:
+                if stages_fit(parts) > stages_fit(staging_parts):
+                    staging_parts = parts
+        if staging_parts not in choices:
+            raise ValueError(f"staging_parts must be one of {choices}, got {staging_parts}")
+        self.staging_parts = staging_parts
         self.staging_stride, self.staging_bytes = self.staging_layout(self.staging_parts)
         fit = (SMEM_BUDGET - self.staging_bytes) // (stage_bytes + 64)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
@@ -494,6 +504,7 @@ class Sm90ExpertGemmKernel:
                 w0, w1 = self.routing_weights(topk_weights, row_base, row0)
             chunk_cols = WG_N // 2 if cutlass.const_expr(self.phase == "l1") else WG_N
             part_bytes = self.tile_row_bytes // self.staging_parts
+            parts_per_chunk = max(1, self.staging_parts // self.chunks)
             for c in cutlass.range_constexpr(self.chunks):
                 vals = cute.make_rmem_tensor(accs[c].shape if self.phase == "l2"
                                              else (2, 2, WG_N // 16), BFloat16)
@@ -504,11 +515,14 @@ class Sm90ExpertGemmKernel:
                 if cutlass.const_expr(self.staging_parts == 1):
                     self.stage_rows(vals, staging, lane, c * chunk_cols + col0)
                 else:
-                    if cutlass.const_expr(c > 0):
-                        self.wait_staging(lane)
-                    self.stage_rows(vals, staging, lane, col0)
-                    self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane,
-                                    c * part_bytes, part_bytes)
+                    groups = cute.size(vals) // 4 // parts_per_chunk
+                    for h in cutlass.range_constexpr(parts_per_chunk):
+                        if cutlass.const_expr(c + h > 0):
+                            self.wait_staging(lane)
+                        self.stage_rows(vals, staging, lane, col0, h * groups, groups)
+                        self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block,
+                                        lane, (c * parts_per_chunk + h) * part_bytes,
+                                        part_bytes)
             if cutlass.const_expr(self.staging_parts == 1):
                 self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane, 0,
                                 self.tile_row_bytes)
@@ -527,20 +541,22 @@ class Sm90ExpertGemmKernel:
         return w[row0], w[row0 + 8]
 
     @cute.jit
-    def stage_rows(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32, col: Int32):
+    def stage_rows(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32, col: Int32,
+                   first_group: cutlass.Constexpr = 0, num_groups: cutlass.Constexpr = None):
         """Write a thread's fragment ``vals`` (value ``c + 2 r + 4 g``: warp row
-        ``lane / 4 + 8 r``, tile column ``col + 8 g + c``) into the staging rows, each column
-        pair as one 2- or 4-byte word."""
+        ``lane / 4 + 8 r``, column ``8 g + c`` of the fragment), groups ``first_group`` on
+        (all by default), into the staging rows from column ``col``, each column pair as one
+        2- or 4-byte word."""
         elt = vals.element_type.width // 8
         word = Int32 if cutlass.const_expr(elt == 2) else cutlass.Int16
         words = cute.recast_tensor(vals, word)  # word r + 2 g: the pair (c = 0, 1)
-        groups = cute.size(vals) // 4
+        groups = cute.size(vals) // 4 if num_groups is None else num_groups
         for r in cutlass.range_constexpr(2):
             row_ptr = staging + (lane // 4 + 8 * r) * self.staging_stride + col * elt
             dst = cute.make_tensor(cute.recast_ptr(row_ptr, dtype=word),
                                    cute.make_layout(groups, stride=4))  # pair g: 8 columns on
             for g in cutlass.range_constexpr(groups):
-                dst[g] = words[r + 2 * g]
+                dst[g] = words[r + 2 * (first_group + g)]
 
     @cute.jit
     def flush_rows(self, staging: cute.Pointer, out: cute.Pointer, row_base: Int32,
