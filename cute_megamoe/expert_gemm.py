@@ -121,11 +121,22 @@ class ExpertWeights:
 
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
-                fast_math: bool = True):
+                fast_math: bool = True, combine_layout=None):
     """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
-    eight pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out,
-    out_sf)`` (what `expert_ffn` passes; the compile tests use the same plan)."""
-    from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Uint8
+    pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf)``,
+    plus ``(peer_bases, src_metadata)`` on sm_90a (what `expert_ffn` passes; the compile tests
+    use the same plan). ``combine_layout``: L2 sends its rows to the source ranks' combine
+    buffers of a symmetric buffer with this `MegaMoELayout` (sm_90a)."""
+    from cutlass import (
+        BFloat16,
+        Float4E2M1FN,
+        Float8E4M3FN,
+        Float8E8M0FNU,
+        Float32,
+        Int32,
+        Int64,
+        Uint8,
+    )
 
     clamp = activation_clamp if phase == "l1" else None
     if arch == "sm_90a":
@@ -133,7 +144,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
 
         ab = Float8E4M3FN if recipe == "fp8xfp8" else BFloat16
         dtypes = (ab, Float32, ab, Float32, Int32, Float32, ab if phase == "l1" else BFloat16,
-                  Float32)
+                  Float32, Int64, Int32)
     elif arch == "sm_100a":
         from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
 
@@ -147,6 +158,10 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     extra = {}
     if arch == "sm_90a":
         extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
+        extra["combine_layout"] = combine_layout
+    elif combine_layout is not None:
+        raise ValueError(f"combine_layout: L2 rows straight to the combine buffers exist on "
+                         f"sm_90a only, not {arch}")
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -206,8 +221,10 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
                activation_clamp: float | None = None, fast_math: bool = True,
                l2_acts: torch.Tensor | None = None, l2_acts_sf: torch.Tensor | None = None,
                out: torch.Tensor | None = None, num_sms: int | None = None,
-               validate_counts: bool | None = None) -> torch.Tensor:
-    """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc).
+               validate_counts: bool | None = None,
+               combine_buffer=None) -> torch.Tensor | None:
+    """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc),
+    or None with ``combine_buffer``.
 
     Args:
         acts: ``[P, H]`` e4m3 (fp8 recipes) or bf16 pool rows, ``P`` a multiple of ``block_m``.
@@ -222,6 +239,11 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             synchronization, so not inside CUDA-graph capture). Default: the
             ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (on). The staged layer skips it: the dispatch
             sizes the pool for the worst case.
+        combine_buffer: the `SymmBuffer` whose pool this is (sm_90a): L2 writes each row
+            straight into its source rank's ``combine[slot, token]`` over NVLink, as the
+            buffer's ``token_src_metadata`` (filled by the dispatch) says; ``out`` is not used.
+            Collective in effect: the source ranks' combine reads these rows after its
+            cross-rank barrier (`staged.combine` with ``expert_out=None``).
     """
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
@@ -265,11 +287,25 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
         if l2_acts_sf is None:
             l2_acts_sf = _sf_view(pool_rows, inter // 128, sf_dtype, device)
         _check_mn_major("l2_acts_sf", l2_acts_sf, sf_dtype, pool_rows, inter // 128, device)
-    if out is None:
-        out = torch.empty(pool_rows, hidden, dtype=torch.bfloat16, device=device)
-    _check_tensor("out", out, torch.bfloat16, (pool_rows, hidden), device)
+    combine_layout = None
+    if combine_buffer is not None:
+        combine_layout = combine_buffer.layout
+        if arch != "sm_90a":
+            raise ValueError(f"combine_buffer: L2 rows straight to the combine buffers exist on "
+                             f"sm_90a only, not {arch}")
+        if out is not None:
+            raise ValueError("out: must be None with combine_buffer (rows go to the combine "
+                             "buffers)")
+        if combine_buffer.device != device or combine_layout.num_pool_rows != pool_rows \
+                or combine_layout.hidden != hidden or combine_layout.recipe != recipe:
+            raise ValueError("combine_buffer: must be the symmetric buffer of this pool (same "
+                             "device, pool rows, hidden size and recipe)")
+    else:
+        if out is None:
+            out = torch.empty(pool_rows, hidden, dtype=torch.bfloat16, device=device)
+        _check_tensor("out", out, torch.bfloat16, (pool_rows, hidden), device)
     if arch == "sm_100a":
-        for name, t in (("l2_acts", l2_acts), ("out", out)):
+        for name, t in (("l2_acts", l2_acts), ("out", out)):  # (no combine_buffer on sm_100a)
             if t.data_ptr() % 64 != 0:  # the sm100 epilogue stores 32- / 64-byte row chunks
                 raise ValueError(f"{name}: data pointer must be 64-byte aligned on {arch}")
     grid = get_num_sms(device) if num_sms is None else num_sms
@@ -288,14 +324,19 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             n, k = hidden, inter
             tensors = (l2_acts, l2_acts_sf, weights.w2, weights.w2_sf, expert_recv_tokens,
                        None, out, None)
+        to_combine = phase == "l2" and combine_layout is not None
+        if arch == "sm_90a":
+            tensors += ((combine_buffer.peer_bases, combine_buffer.token_src_metadata)
+                        if to_combine else (None, None))
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
-               activation_clamp if phase == "l1" else None, bool(fast_math))
+               activation_clamp if phase == "l1" else None, bool(fast_math),
+               combine_layout if to_combine else None)
         plan = {}
 
-        def build(phase=phase, n=n, k=k, plan=plan):
-            plan["kernel"], plan["dtypes"] = gemm_kernel(arch, recipe, phase, e_l, pool_rows, n,
-                                                         k, block_m, activation_clamp,
-                                                         fast_math)
+        def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):
+            plan["kernel"], plan["dtypes"] = gemm_kernel(
+                arch, recipe, phase, e_l, pool_rows, n, k, block_m, activation_clamp, fast_math,
+                combine_layout=combine_layout if to_combine else None)
             return plan
 
         entry = compiled_kernel(key + ("plan",), build)
@@ -312,7 +353,7 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             return cute.compile(entry["kernel"], *args, options=f"--gpu-arch {arch}")
 
         compiled_kernel(key, compile_it)(*args)
-    return out
+    return out  # None with combine_buffer
 
 
 __all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "check_pool_capacity", "expert_ffn",

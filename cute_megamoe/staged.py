@@ -141,28 +141,36 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
         token_src_metadata=sym_buffer.token_src_metadata)
 
 
-def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor, dispatched: DispatchResult,
-            y: torch.Tensor | None = None, *, num_sms: int | None = None,
-            send_mode: str = "registers") -> torch.Tensor:
+def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
+            dispatched: DispatchResult, y: torch.Tensor | None = None, *,
+            num_sms: int | None = None, send_mode: str = "registers") -> torch.Tensor:
     """Send `expert_out` (BF16 [P, H], pool order) back to the source ranks and reduce over
     top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective. `send_mode`: the
     pool-order sends "registers" / "bulk" followed by one barrier and the reduction, or
     "overlap" (token-ordered sends, each token reduced as soon as its rows arrived; faster for
     large batches, slower for small ones; see `kernels.combine`). Every rank must pass the
-    same mode."""
+    same mode. `expert_out=None`: every rank's L2 GEMM wrote its rows into the combine buffers
+    already (`kernel_experts(..., send_to_combine=True)`); only the barrier and the reduction
+    run (`send_mode` is ignored)."""
     from .kernels.combine import CombineKernel
 
     layout = sym_buffer.layout
     device = sym_buffer.device
     state = _state(sym_buffer)
     n = dispatched.num_tokens
-    _check_tensor("expert_out", expert_out, torch.bfloat16,
-                  (layout.num_pool_rows, layout.hidden), device)
+    if expert_out is None:
+        send_mode = "epilogue"
+    else:
+        if send_mode == "epilogue":
+            raise ValueError('send_mode="epilogue" means expert_out=None')
+        _check_tensor("expert_out", expert_out, torch.bfloat16,
+                      (layout.num_pool_rows, layout.hidden), device)
     if y is None:
         y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
     _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
     num_ctas = _grid(state, num_sms)
-    out_ptr = as_ptr(expert_out)
+    # (in "epilogue" mode the kernel never reads expert_out: any valid pointer does)
+    out_ptr = as_ptr(sym_buffer.l1_topk_weights if expert_out is None else expert_out)
     args = (state.peer_bases, Int32(sym_buffer.rank), Int32(n), out_ptr,
             as_ptr(dispatched.expert_recv_tokens, align=4),
             as_ptr(y) if n > 0 else out_ptr,  # y is not touched when n == 0
@@ -228,17 +236,20 @@ def torch_experts(dispatched: DispatchResult, weights: TorchExpertWeights, recip
 
 
 def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: ExpertWeights,
-                   activation_clamp: float | None = None, fast_math: bool = True) -> torch.Tensor:
+                   activation_clamp: float | None = None, fast_math: bool = True,
+                   send_to_combine: bool = False) -> torch.Tensor | None:
     """The expert FFN over the pool on our grouped-GEMM kernels: L1 + SwiGLU + requant into
     the buffer's L2 pool, then L2 into a per-buffer BF16 [P, H] tensor (reused by every call;
-    valid until the next call). No host synchronization."""
+    valid until the next call). No host synchronization. `send_to_combine` (Hopper): the L2
+    epilogue writes every row straight into its source rank's combine buffer over NVLink
+    instead, and None is returned; follow with `combine(sym_buffer, None, ...)` on every rank."""
     from .expert_gemm import expert_ffn
 
     if weights.recipe != sym_buffer.recipe:
         raise ValueError(f"weights: recipe {weights.recipe!r} does not match the buffer's "
                          f"{sym_buffer.recipe!r}")
     state = _state(sym_buffer)
-    if state.expert_out is None:
+    if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
                                        dtype=torch.bfloat16, device=sym_buffer.device)
     fp8 = sym_buffer.layout.has_sf
@@ -247,7 +258,9 @@ def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: 
                       activation_clamp=activation_clamp, fast_math=fast_math,
                       l2_acts=sym_buffer.l2_acts,
                       l2_acts_sf=sym_buffer.l2_acts_sf if fp8 else None,
-                      out=state.expert_out, num_sms=state.num_sms, validate_counts=False)
+                      out=None if send_to_combine else state.expert_out,
+                      num_sms=state.num_sms, validate_counts=False,
+                      combine_buffer=sym_buffer if send_to_combine else None)
 
 
 def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Tensor | None,
@@ -257,23 +270,34 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
                     activation_clamp: float | None = None, fast_math: bool = True,
                     block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
                     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                    validate_routing: bool | None = None) -> torch.Tensor:
+                    validate_routing: bool | None = None,
+                    l2_sends: bool | None = None) -> torch.Tensor:
     """One whole layer: our dispatch and combine kernels around the expert FFN, on our
     grouped-GEMM kernels (`ExpertWeights`) or torch ops (`TorchExpertWeights`). With `x=None`
-    the inputs were staged already (`num_tokens` rows). Collective."""
+    the inputs were staged already (`num_tokens` rows). Collective. `l2_sends` (our GEMM
+    kernels on Hopper; default on there): the L2 epilogue sends the rows to the source ranks'
+    combine buffers, so the combine only reduces; off: L2 writes pool order and the combine
+    kernel sends. Every rank must pass the same value."""
     dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens=num_tokens,
                           block_m=block_m, num_sms=num_sms,
                           cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                           validate_routing=validate_routing)
     if isinstance(weights, ExpertWeights):
+        can_send = _state(sym_buffer).arch == "sm_90a"
+        if l2_sends is None:
+            l2_sends = can_send
+        elif l2_sends and not can_send:
+            raise ValueError("l2_sends: the L2 epilogue sends rows on Hopper (sm_90a) only")
         expert_out = kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
-                                    fast_math)
+                                    fast_math, send_to_combine=l2_sends)
     elif isinstance(weights, TorchExpertWeights):
         expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
                                    fast_math)
     else:
         raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
                         f"{type(weights).__name__}")
+    if l2_sends and not isinstance(weights, ExpertWeights):
+        raise ValueError("l2_sends: needs our grouped-GEMM kernels (ExpertWeights)")
     return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms)
 
 

@@ -100,7 +100,7 @@ def test_expert_ffn_rejects_cpu_tensors():
 # ------------------------------------------------------------------------------ compile (CPU)
 
 def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: int = 2048,
-             arch: str = "sm_90a"):
+             arch: str = "sm_90a", combine_layout=None):
     """Compile exactly what `expert_ffn` launches (`gemm_kernel`'s kernel and pointer types)."""
     from cutlass import Int32
 
@@ -108,8 +108,9 @@ def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: i
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
     n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
-    kernel, dtypes = gemm_kernel(arch, recipe, phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+    pool_rows = 8192 if combine_layout is None else combine_layout.num_pool_rows
+    kernel, dtypes = gemm_kernel(arch, recipe, phase, 32, pool_rows, n, k, block_m,
+                                 activation_clamp=10.0, combine_layout=combine_layout)
     args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
     return compile_for_arch(kernel, *args, Int32(132), fake_stream(), arch=arch)
 
@@ -178,6 +179,46 @@ def test_sm90_clusters_need_256_column_tiles():
         Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7040, 2048, 128, cluster_m=2)
     with pytest.raises(ValueError, match="cluster_m"):
         Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7168, 2048, 128, cluster_m=4)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
+    """L2 with the combine buffers as destination (design step f): the same tensor-core
+    mainloop, rows leave by bulk copies to addresses built from the pool row's metadata, no
+    spills."""
+    from cute_megamoe.layout import MegaMoELayout
+
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
+    art = _compile("l2", recipe, block_m, combine_layout=layout)
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.count("QGMMA" if recipe == "fp8xfp8" else "HGMMA") > 0
+    assert art.count("UBLKCP.G.S") > 0 and art.count("STG") == 0
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+def test_combine_layout_only_for_l2_of_the_same_pool():
+    from cute_megamoe.expert_gemm import gemm_kernel
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.layout import MegaMoELayout
+
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
+    pool = layout.num_pool_rows
+    kern = Sm90ExpertGemmKernel("l2", "fp8xfp8", 32, pool, 7168, 2048, 128,
+                                combine_layout=layout)
+    assert kern.to_combine and kern.combine_tokens == 512
+    with pytest.raises(ValueError, match="combine_layout"):
+        Sm90ExpertGemmKernel("l1", "fp8xfp8", 32, pool, 4096, 7168, 128, combine_layout=layout)
+    with pytest.raises(ValueError, match="combine_layout"):
+        Sm90ExpertGemmKernel("l2", "fp8xfp8", 32, pool + 128, 7168, 2048, 128,
+                             combine_layout=layout)
+    with pytest.raises(ValueError, match="sm_90a only"):
+        gemm_kernel("sm_100a", "bf16xbf16", "l2", 32, pool, 7168, 2048, 128,
+                    combine_layout=MegaMoELayout(2, 64, 512, 8, 7168, 2048, "bf16xbf16"))
 
 
 @pytest.mark.compile

@@ -19,6 +19,10 @@ How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one b
 3. Grid barrier, cross-rank barrier by CTA 0 (system-scope release and acquire), grid barrier.
 4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates.
 
+`send_mode="epilogue"`: the rows are in place already: the L2 GEMM's epilogue wrote them into
+the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). Steps
+3 (without the first grid barrier) and 4 only.
+
 `send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
 tokens per rank (no reduction pass after the sends), about 35 us slower at 1-128 tokens (not
 from walking the buffer's token range: bounding the walk did not help; see
@@ -65,7 +69,7 @@ from .common.sync import (
 )
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
-SEND_MODES = ("registers", "bulk", "overlap")  # see the module doc
+SEND_MODES = ("registers", "bulk", "overlap", "epilogue")  # see the module doc
 SEND_UNROLL = 4  # 16-byte vectors each lane loads before storing them (register copies)
 LAG = 1  # token steps a warp's reduction trails its sends (overlap mode)
 
@@ -301,12 +305,14 @@ class CombineKernel:
         if cutlass.const_expr(self.send_mode == "bulk"):
             self.send_bulk(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
                            *pipe)
-        else:
+        if cutlass.const_expr(self.send_mode == "registers"):
             self.send_registers(peer_bases, my_base, warp, lane, expert_out, row_start,
                                 block_start)
 
-        # 3. every rank has sent everything it owes
-        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
+        # 3. every rank has sent everything it owes (in "epilogue" mode a kernel earlier on
+        # this stream did)
+        if cutlass.const_expr(self.send_mode != "epilogue"):
+            grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
         if bidx == 0:
             cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"),
                                Int32(self.num_ranks), self.timeout_ns)

@@ -8,7 +8,11 @@ What it computes, for every local expert ``e`` and every received row ``r`` of i
   up row, clamp (``g <= c``, ``-c <= u <= c``), ``h = silu(g) * u * topk_weight[r]``; written
   as e4m3 with a power-of-two f32 scale per 128 features (``fp8xfp8``, bit-exact with
   ``quant.requant_fp8_pow2`` given the same ``h``) or as BF16 (``bf16xbf16``) to the L2 pool.
-* ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order.
+* ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order;
+  or, with ``combine_layout`` (the symmetric buffer's layout), each row straight into its source
+  rank's combine buffer: ``combine_s[k, t] = bf16(A[r] @ W2[e].T)`` for ``(s, t, k)`` =
+  ``token_src_metadata[r]``, written over NVLink by the epilogue's bulk copies (design step f),
+  so the combine only reduces.
 
 FP8 (``fp8xfp8``): ``A`` is e4m3 with an f32 scale per row per 128 K (``A_sf`` MN-major,
 ``[K/128, P]``), ``W`` is e4m3 with its 128x128 block scales (``B_sf [E, K/128, NB]`` f32,
@@ -89,7 +93,8 @@ class Sm90ExpertGemmKernel:
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
-                 wg_skew: int | None = None, staging_parts: int | None = None):
+                 wg_skew: int | None = None, staging_parts: int | None = None,
+                 combine_layout=None):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -106,6 +111,16 @@ class Sm90ExpertGemmKernel:
              ("num_pool_rows", num_pool_rows, block_m), ("num_experts", num_experts, 1)),
             activation_clamp)
         self.num_n_blocks = n // self.block_n
+        # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
+        self.to_combine = combine_layout is not None
+        if self.to_combine:
+            if phase != "l2" or combine_layout.hidden != n \
+                    or combine_layout.num_pool_rows != num_pool_rows:
+                raise ValueError("combine_layout: only for L2, with N = hidden and the layout's "
+                                 "pool rows")
+            self.combine_offset = combine_layout.offset("combine")
+            self.combine_tokens = combine_layout.num_tokens  # T of combine [K, T, H]
+            self.num_ranks = combine_layout.num_ranks
         self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
@@ -187,8 +202,10 @@ class Sm90ExpertGemmKernel:
         b_sf: cute.Pointer,  # f32 [E, K/128, weight_sf_row_len(N)] (fp8)
         expert_recv_tokens: cute.Pointer,  # Int32 [E]
         topk_weights: cute.Pointer,  # f32 [P] (l1)
-        out: cute.Pointer,  # l1: [P, N/2] e4m3 / bf16; l2: bf16 [P, N]
+        out: cute.Pointer,  # l1: [P, N/2] e4m3 / bf16; l2: bf16 [P, N] (unless to_combine)
         out_sf: cute.Pointer,  # f32 [N/256, P] (l1 fp8)
+        peer_bases: cute.Pointer,  # Int64 [R]: the symmetric buffers (to_combine)
+        src_metadata: cute.Pointer,  # Int32 [P, 4]: (rank, token, slot, 0) (to_combine)
         num_ctas: Int32,
         stream,
     ):
@@ -231,7 +248,7 @@ class Sm90ExpertGemmKernel:
         self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_b_mc, tma_m_b, a_layout, b_layout,
                     a_sf, b_sf,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
-                    topk_weights, out, out_sf).launch(
+                    topk_weights, out, out_sf, peer_bases, src_metadata).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -242,7 +259,7 @@ class Sm90ExpertGemmKernel:
                a_layout: cute.ComposedLayout,
                b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
-               out_sf: cute.Pointer):
+               out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -299,7 +316,7 @@ class Sm90ExpertGemmKernel:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, cluster, num_clusters, rank, wg - 1, warp % 4, lane,
-                         topk_weights, out, out_sf,
+                         topk_weights, out, out_sf, peer_bases, src_metadata,
                          staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # no CTA leaves while its peer may still signal it
@@ -382,7 +399,8 @@ class Sm90ExpertGemmKernel:
                 num_tiles: Int32, cluster: Int32, num_clusters: Int32, rank: Int32,
                 mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
-                out_sf: cute.Pointer, staging: cute.Pointer):
+                out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
+                staging: cute.Pointer):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile;
         ``staging``: this warp's shared-memory staging rows."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
@@ -408,6 +426,9 @@ class Sm90ExpertGemmKernel:
             expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, expert, block_start, row_start, rank)
             row_base = pool_block * self.block_m
+            # where lane i < 16 sends the tile's row warp_row0 + i (loaded before the mainloop)
+            row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
+                                           warp_row0 + lane, valid_m, n_block, lane)
             for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
@@ -459,10 +480,27 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(prev)
                 prev.advance()
-            self.epilogue(accs, topk_weights, out, out_sf, staging, row_base, warp_row0,
+            self.epilogue(accs, topk_weights, row_dst, out_sf, staging, row_base, warp_row0,
                           row0, col0, valid_m, n_block, lane)
             tile += num_clusters
         cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def row_destination(self, out: cute.Pointer, peer_bases: cute.Pointer,
+                        src_metadata: cute.Pointer, row_base: Int32, row: Int32, valid_m: Int32,
+                        n_block: Int32, lane: Int32) -> Int64:
+        """Global address of this tile's piece of pool row ``row_base + row`` (used by lanes
+        < 16 for valid rows): in ``out``, or in the source rank's ``combine[slot, token]``."""
+        dst = Int64(0)
+        if cutlass.const_expr(self.to_combine):
+            if lane < ROWS_PER_WARP and row < valid_m:
+                meta = cute.make_tensor(src_metadata + (row_base + row) * 4, cute.make_layout(4))
+                peers = cute.make_tensor(peer_bases, cute.make_layout(self.num_ranks))
+                dst = (peers[meta[0]] + self.combine_offset
+                       + Int64(meta[2] * self.combine_tokens + meta[1]) * self.out_row_bytes)
+        else:
+            dst = out.toint() + Int64(row_base + row) * self.out_row_bytes
+        return dst + n_block * self.tile_row_bytes
 
     @cute.jit
     def weight_scales(self, sfb: cute.Tensor, stage: Int32, n_block: Int32):
@@ -484,7 +522,7 @@ class Sm90ExpertGemmKernel:
                 cute.arch.barrier_arrive(barrier_id=SKEW_BARRIER, number_of_threads=256)
 
     @cute.jit
-    def epilogue(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
+    def epilogue(self, accs: list, topk_weights: cute.Pointer, row_dst: Int64,
                  out_sf: cute.Pointer, staging: cute.Pointer, row_base: Int32,
                  warp_row0: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
                  lane: Int32):
@@ -496,7 +534,7 @@ class Sm90ExpertGemmKernel:
             self.requant_stage(self.swiglu_chunk(accs[0], w0, w1),
                                self.swiglu_chunk(accs[1], w0, w1), out_sf, staging, row_base,
                                row0, col0, valid_m, n_block, lane)
-            self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane, 0,
+            self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
                             self.tile_row_bytes)
         else:
             w0, w1 = Float32(0.0), Float32(0.0)
@@ -520,11 +558,10 @@ class Sm90ExpertGemmKernel:
                         if cutlass.const_expr(c + h > 0):
                             self.wait_staging(lane)
                         self.stage_rows(vals, staging, lane, col0, h * groups, groups)
-                        self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block,
-                                        lane, (c * parts_per_chunk + h) * part_bytes,
-                                        part_bytes)
+                        self.flush_rows(staging, row_dst, warp_row0, valid_m, lane,
+                                        (c * parts_per_chunk + h) * part_bytes, part_bytes)
             if cutlass.const_expr(self.staging_parts == 1):
-                self.flush_rows(staging, out, row_base, warp_row0, valid_m, n_block, lane, 0,
+                self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
                                 self.tile_row_bytes)
 
     @cute.jit
@@ -559,21 +596,20 @@ class Sm90ExpertGemmKernel:
                 dst[g] = words[r + 2 * (first_group + g)]
 
     @cute.jit
-    def flush_rows(self, staging: cute.Pointer, out: cute.Pointer, row_base: Int32,
-                   warp_row0: Int32, valid_m: Int32, n_block: Int32, lane: Int32,
-                   offset: cutlass.Constexpr, nbytes: cutlass.Constexpr):
-        """Send the warp's staged rows that hold received tokens to ``out``: lane ``i < 16``
-        bulk-copies row ``warp_row0 + i`` (``nbytes`` from byte ``offset`` of the tile's row
-        piece) if it is valid."""
+    def flush_rows(self, staging: cute.Pointer, row_dst: Int64, warp_row0: Int32,
+                   valid_m: Int32, lane: Int32, offset: cutlass.Constexpr,
+                   nbytes: cutlass.Constexpr):
+        """Send the warp's staged rows that hold received tokens: lane ``i < 16`` bulk-copies
+        row ``warp_row0 + i`` (``nbytes`` from byte ``offset`` of the tile's row piece) to
+        ``row_dst + offset`` if it is valid."""
         cute.arch.fence_view_async_shared()  # staging writes -> visible to the bulk copies
         cute.arch.sync_warp()
         if lane < ROWS_PER_WARP:
             row = warp_row0 + lane
             if row < valid_m:
-                dst = (out.toint() + Int64(row_base + row) * self.out_row_bytes
-                       + n_block * self.tile_row_bytes + offset)
                 prims.cp_async_bulk_global_shared_cta(
-                    cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_ptr(Uint8, row_dst + offset, cute.AddressSpace.gmem,
+                                  assumed_align=16),
                     staging + lane * self.staging_stride, Int32(nbytes))
             cute.arch.cp_async_bulk_commit_group()
 
