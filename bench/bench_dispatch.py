@@ -5,6 +5,9 @@ For each payload recipe and tokens per rank (hidden 7168, top-8 of 256 experts b
   our combine kernel (send back + top-k reduce), each timed with CUDA events around a loop of
   eager calls (host launch cost included when it dominates) and around CUDA-graph replays of
   the same calls (device time only); median over repeats, the max over ranks;
+* the combine modes: pool order with register or bulk copies, "overlap", and "reduce only"
+  (`combine(buf, None, ...)`: the cross-rank barrier and the reduction, what is left of the
+  combine in the layer when the L2 epilogue sends the rows);
 * NCCL `all_to_all_single` moving the same bytes (each rank's routed rows, equal splits);
 * NVLink GB/s per direction = bytes that crossed from the peers into (dispatch) or out of
   (combine) one rank, over the time.
@@ -117,6 +120,10 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
             g_combine_overlap = _time_graph(
                 lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
                     b, o, r, y, send_mode="overlap"), iters)
+            # what the combine costs in the layer when the L2 epilogue sent the rows: the
+            # cross-rank barrier and the top-k reduction only
+            g_combine_reduce = _time_graph(
+                lambda b=buf, r=result, y=y: staged.combine(b, None, r, y), iters)
 
             # bytes that crossed NVLink: rows whose expert lives on another rank
             dest = torch.where(idx >= 0, idx // e_l, -1)
@@ -145,6 +152,8 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                     combine_bulk_graph_us=g_combine_bulk * 1e6 if g_combine_bulk else None,
                     combine_overlap_graph_us=(g_combine_overlap * 1e6
                                               if g_combine_overlap else None),
+                    combine_reduce_only_graph_us=(g_combine_reduce * 1e6
+                                                  if g_combine_reduce else None),
                     dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
                     combine_us=t_combine * 1e6, nccl_combine_us=t_nccl_c * 1e6,
                     combine_nvl_gbps=nvl_combine / t_combine / 1e9,
@@ -163,7 +172,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
         print(res.table(["recipe", "tokens", "dispatch_us", "dispatch_graph_us",
                          "nccl_dispatch_us", "dispatch_nvl_gbps", "combine_us",
                          "combine_graph_us", "combine_overlap_graph_us", "combine_bulk_graph_us",
-                         "nccl_combine_us",
+                         "combine_reduce_only_graph_us", "nccl_combine_us",
                          "combine_nvl_gbps"]))
     dist.barrier()
     dist.destroy_process_group()

@@ -7,7 +7,9 @@ BF16; no SwiGLU or requantization, so torch does less work), and the weight-read
 weight bytes at the device-to-device copy bandwidth (bytes read + written per second of a
 copy moving min(weight bytes, 2 GiB) in 256 MiB pieces, measured in the same process; torch
 copies of 1 GiB or more run at 2.8 instead of 4.2 TB/s and would flatter us). All timed by
-CUDA-graph replay, median of replays.
+CUDA-graph replay; torch and ours alternate over `--rounds` rounds (the GPU's clocks drift at its
+power limit, so back-to-back runs are not comparable), each time the median over rounds of the
+per-round median of replays.
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -15,6 +17,7 @@ CUDA-graph replay, median of replays.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -99,6 +102,7 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="EXPERTSxPAIRS_PER_EXPERT,...")
     p.add_argument("--recipes", default="fp8xfp8,bf16xbf16")
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -113,18 +117,24 @@ def main() -> None:
             weight_bytes = (w.w1.numel() + w.w2.numel()) * w.w1.element_size()
             floor = weight_bytes / copy_ceiling(min(weight_bytes, 2 << 30))
             flops = 6 * e * m * hidden * inter
-            t_torch = time_cuda_graph(_torch(recipe, w, m), calls_per_replay=5, replays=9)
+            runs = {"torch": _torch(recipe, w, m), 64: _ours(recipe, w, m, 64),
+                    128: _ours(recipe, w, m, 128)}
+            samples = {key: [] for key in runs}
+            for _ in range(args.rounds):
+                for key, fn in runs.items():
+                    samples[key].append(time_cuda_graph(fn, calls_per_replay=5, replays=5))
+            times = {key: statistics.median(v) for key, v in samples.items()}
+            t_torch = times["torch"]
             picked = select_block_m(m, "sm90")
             for block_m in (64, 128):
-                t = time_cuda_graph(_ours(recipe, w, m, block_m), calls_per_replay=5,
-                                    replays=9)
+                t = times[block_m]
                 roof = peaks.roofline_s(flops=flops, hbm_bytes=weight_bytes, fp8=fp8)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, torch_us=t_torch * 1e6,
                         speedup=t_torch / t, ours_tflops=flops / t / 1e12,
                         torch_tflops=flops / t_torch / 1e12, weight_floor_us=floor * 1e6,
                         ratio_to_floor=t / floor, ratio_to_roofline=t / roof)
-            del w
+            del w, runs
             torch.cuda.empty_cache()
     res.meta["clocks_after"] = gpu_clocks()
     path = res.save()
