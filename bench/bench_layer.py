@@ -4,7 +4,8 @@
   `staged_mega_moe` with `ExpertWeights`, BLOCK_M from the heuristics), eager and CUDA graph;
   on Hopper the L2 epilogue sends the rows to the source ranks (`l2_sends`), and
   `ours_pool_order` is the same layer with L2 writing pool order and the combine kernel sending
-  (graph; the two graphs alternate, median over rounds);
+  (graph; the two graphs alternate, median over rounds); and the steps of `ours` alone
+  (graphs): staging + dispatch, the expert FFN (L1 + L2, with the sends), the combine;
 * `staged_torch`: our staging/dispatch/combine kernels around torch grouped GEMMs;
 * `torch_baseline`: PyTorch only (NCCL all-to-all + the same torch grouped GEMMs).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -84,19 +86,37 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             graphs["sends"].append(_time_graph(ours, 5, repeats=3))
             graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
         t_graph, t_pool = (None if None in v else statistics.median(v) for v in graphs.values())
+
+        # the steps alone (each repeated on its own; the rows the L2 epilogue re-sends are the
+        # same every time and no combine reads them meanwhile)
+        dispatched = staged.dispatch(buf, x, idx, w, block_m=block_m, validate_routing=False)
+        sends = torch.cuda.get_device_capability()[0] == 9
+        y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+        steps = {
+            "dispatch": partial(staged.dispatch, buf, x, idx, w, block_m=block_m,
+                                validate_routing=False),
+            "experts": partial(staged.kernel_experts, buf, dispatched, kernel_weights, 10.0,
+                               send_to_combine=sends),
+        }
+        steps["combine"] = partial(staged.combine, buf, steps["experts"](), dispatched, y)
+        step_us = {}
+        for name, fn in steps.items():
+            t = _time_graph(fn, 5)
+            step_us[f"{name}_graph_us"] = None if t is None else t * 1e6
         t_staged, t_base = _time(staged_torch, 5), _time(base, 5)
         flops = 2 * int((idx >= 0).sum()) * 3 * hidden * inter
         best = min(t_ours, t_graph or t_ours)
         res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
                 ours_graph_us=None if t_graph is None else t_graph * 1e6,
-                ours_pool_order_graph_us=None if t_pool is None else t_pool * 1e6,
+                ours_pool_order_graph_us=None if t_pool is None else t_pool * 1e6, **step_us,
                 staged_torch_us=t_staged * 1e6, torch_baseline_us=t_base * 1e6,
                 speedup_vs_baseline=t_base / best, ours_tflops=flops / best / 1e12)
     res.meta["clocks_after"] = gpu_clocks()
     if rank == 0:
         print(f"saved {res.save(out_dir or None)}")
         print(res.table(["tokens", "block_m", "ours_us", "ours_graph_us",
-                         "ours_pool_order_graph_us", "staged_torch_us",
+                         "ours_pool_order_graph_us", "dispatch_graph_us", "experts_graph_us",
+                         "combine_graph_us", "staged_torch_us",
                          "torch_baseline_us", "speedup_vs_baseline", "ours_tflops"]))
     buf.destroy()
     dist.barrier()
