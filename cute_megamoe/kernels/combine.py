@@ -17,7 +17,8 @@ How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one b
    `combine[k, t]` (16-byte register copies, plain stores to the peer; or 1-D bulk copies
    through shared memory).
 3. Grid barrier, cross-rank barrier by CTA 0 (system-scope release and acquire), grid barrier.
-4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates.
+4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates; each
+   thread takes `reduce_unroll` such vectors per step, all their loads issued first.
 
 `send_mode="epilogue"`: the rows are in place already: the L2 GEMM's epilogue wrote them into
 the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). Steps
@@ -77,11 +78,16 @@ LAG = 1  # token steps a warp's reduction trails its sends (overlap mode)
 class CombineKernel:
     """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
 
-    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 256,
-                 send_mode: str = "registers"):
+    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 512,
+                 send_mode: str = "registers", reduce_unroll: int = 2):
         if send_mode not in SEND_MODES:
             raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
         self.send_mode = send_mode
+        # 512 threads and two vectors per thread per reduction step: a memory-bound loop
+        # needs loads in flight (one CTA per SM). Against 256 x 1, interleaved on 2 x H200:
+        # the reduction alone 37 % faster, pool order 10 %, overlap 5 % at 8192 tokens
+        # (docs/performance.md).
+        self.reduce_unroll = reduce_unroll  # vectors per thread per step of the reduction
         self.layout = layout
         self.regions = BufferRegions(layout)
         self.block_m = block_m
@@ -272,14 +278,24 @@ class CombineKernel:
         """`y[token, col : col + 8]` over the slots set in `valid`: all K slots loaded before
         any add (a masked slot's stale row is loaded too and replaced by +0.0, which leaves the
         sum bit-identical to skipping it: the running sum starts at +0.0 and is never -0.0)."""
-        K = self.num_topk
+        self.sum_slots(self.load_slots(my_base, token, col), valid, token, col, y_base)
+
+    @cute.jit
+    def load_slots(self, my_base: Int64, token: Int32, col: Int32) -> list:
+        """`combine[k, token, col : col + 8]` of every slot k, one 16-byte load each."""
         combine = my_base + self.regions.offset("combine")
         parts = []
-        for k in cutlass.range_constexpr(K):
+        for k in cutlass.range_constexpr(self.num_topk):
             part = cute.make_rmem_tensor((VEC,), BFloat16)
             cute.autovec_copy(self._vec(
                 combine + (Int64(k * self.num_tokens_max + token) * self.hidden + col) * 2), part)
             parts.append(part)
+        return parts
+
+    @cute.jit
+    def sum_slots(self, parts: list, valid: Int32, token: Int32, col: Int32, y_base: Int64):
+        """`y[token, col : col + 8]` = the ascending-k float32 sum of the valid slots' parts."""
+        K = self.num_topk
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
         for k in cutlass.range_constexpr(K):
@@ -322,12 +338,28 @@ class CombineKernel:
         y_base = Int64(y.toint())
         vecs_per_token = self.hidden // VEC
         num_vecs = num_tokens * vecs_per_token
+        stride = num_ctas * self.num_threads
         v = bidx * self.num_threads + tidx
         while v < num_vecs:
-            token = v // vecs_per_token
-            self.reduce_vec(my_base, token, (v % vecs_per_token) * VEC, y_base,
-                            self.valid_slots(my_base, token))
-            v += num_ctas * self.num_threads
+            if cutlass.const_expr(self.reduce_unroll == 1):
+                token = v // vecs_per_token
+                self.reduce_vec(my_base, token, (v % vecs_per_token) * VEC, y_base,
+                                self.valid_slots(my_base, token))
+            else:
+                # vectors v, v + stride, ...: every slot load of all of them in flight first
+                # (a vector past the end loads the last one again and stores nothing)
+                loads = []
+                for u in cutlass.range_constexpr(self.reduce_unroll):
+                    vu = cutlass.min(v + u * stride, num_vecs - 1)
+                    token = vu // vecs_per_token
+                    col = (vu % vecs_per_token) * VEC
+                    loads.append((token, col, self.load_slots(my_base, token, col),
+                                  self.valid_slots(my_base, token)))
+                for u in cutlass.range_constexpr(self.reduce_unroll):
+                    token, col, parts, valid = loads[u]
+                    if v + u * stride < num_vecs:
+                        self.sum_slots(parts, valid, token, col, y_base)
+            v += stride * self.reduce_unroll
 
     @cute.jit
     def row_addresses(self, peer_bases: cute.Tensor, my_base: Int64, out_base: Int64,
