@@ -57,6 +57,22 @@ def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, num
         assert art.resource_usage()["STACK"] == 0
 
 
+def test_row_staging_must_fit_shared_memory():
+    """The bulk modes stage rows per warp in shared memory: the combine's bulk mode keeps 8
+    warps by default, and too many warps are refused before any compile."""
+    from cute_megamoe.kernels.combine import CombineKernel
+    from cute_megamoe.kernels.dispatch import DispatchKernel
+    from cute_megamoe.layout import MegaMoELayout
+
+    layout = MegaMoELayout(2, 256, 8192, 8, 7168, 2048, "bf16xbf16")
+    assert CombineKernel(layout, 128, send_mode="bulk").num_threads == 256
+    assert CombineKernel(layout, 128).num_threads == 512
+    with pytest.raises(ValueError, match="shared memory"):
+        CombineKernel(layout, 128, num_threads=512, send_mode="bulk")
+    with pytest.raises(ValueError, match="shared memory"):
+        DispatchKernel(layout, 128, num_threads=1024)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("send_mode", ["overlap", "registers", "bulk", "epilogue"])

@@ -78,10 +78,12 @@ LAG = 1  # token steps a warp's reduction trails its sends (overlap mode)
 class CombineKernel:
     """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
 
-    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 512,
+    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
                  send_mode: str = "registers", reduce_unroll: int = 2):
         if send_mode not in SEND_MODES:
             raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
+        if num_threads is None:  # the bulk mode's per-warp staging fits 8 warps
+            num_threads = 256 if send_mode == "bulk" else 512
         self.send_mode = send_mode
         # 512 threads and two vectors per thread per reduction step: a memory-bound loop
         # needs loads in flight (one CTA per SM). Against 256 x 1, interleaved on 2 x H200:
@@ -101,6 +103,8 @@ class CombineKernel:
         self.hidden = layout.hidden
         self.row_bytes = layout.hidden * 2
         self.rows = BulkRowPipeline(self.row_bytes)
+        if send_mode == "bulk":
+            self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
 
     @cute.jit

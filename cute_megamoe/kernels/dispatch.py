@@ -89,6 +89,7 @@ class DispatchKernel:
         self.sf_words = layout.hidden // 128
         self.row_bytes = layout.hidden * layout.region("x").element_size
         self.rows = BulkRowPipeline(self.row_bytes)
+        self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
 
     @cute.jit

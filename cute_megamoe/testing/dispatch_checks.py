@@ -138,7 +138,7 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
     want_y = reference.combine_reference(outs[rank], idxs[rank]).to(device)
     # (the combine buffer was poisoned before the dispatch; it is not re-poisoned between the
     # two modes: a peer may already be sending its second-mode rows, the same values)
-    for send_mode in ("overlap", "registers"):
+    for send_mode in ("overlap", "registers", "bulk"):
         y = torch.full((n, hidden), float("nan"), device=device, dtype=torch.bfloat16)
         staged.combine(buf, expert_out, result, y, send_mode=send_mode)
         torch.cuda.synchronize(device)

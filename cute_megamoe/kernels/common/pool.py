@@ -20,6 +20,7 @@ from .warp import warp_inclusive_sum
 NUM_STAGES = 3  # staging buffers per warp
 LOOKAHEAD = NUM_STAGES - 1  # chunk loads in flight per warp
 MAX_CHUNK_BYTES = 8192
+STAGING_BUDGET = 200 * 1024  # shared memory the per-warp staging may take (227 KB per CTA)
 
 
 @cute.jit
@@ -64,6 +65,12 @@ class BulkRowPipeline:
 
     def chunk_size(self, c: int) -> int:
         return min(self.chunk_bytes, self.row_bytes - c * self.chunk_bytes)
+
+    def check_fits(self, num_warps: int) -> None:
+        """Raise ``ValueError`` when ``num_warps`` warps' staging exceeds shared memory."""
+        if num_warps * self.stage_bytes > STAGING_BUDGET:
+            raise ValueError(f"num_threads: {num_warps} warps x {self.stage_bytes} bytes of "
+                             f"row staging exceed {STAGING_BUDGET} bytes of shared memory")
 
     def allocate(self, smem, num_warps: int):
         """Every warp's mbarriers, staging buffers and pending-store table (destination, size
