@@ -94,7 +94,7 @@ class Sm90ExpertGemmKernel:
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
                  wg_skew: int | None = None, staging_parts: int | None = None,
-                 combine_layout=None, wide_mma: bool = True):
+                 combine_layout=None):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -104,10 +104,6 @@ class Sm90ExpertGemmKernel:
         self.block_n = 2 * WG_N if (n % (2 * WG_N) == 0 or (phase == "l1" and self.is_fp8)) \
             else WG_N
         self.chunks = self.block_n // WG_N
-        # BF16 without promotion can issue one m64n256 WGMMA per k-step instead of two m64n128
-        # (A read from shared memory once); FP8 promotes 128 columns at a time
-        self.mma_n = 2 * WG_N if wide_mma and not self.is_fp8 and self.chunks == 2 else WG_N
-        self.mma_chunks = self.block_n // self.mma_n
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
         self.clamp = check_gemm_config(
             "sm90", phase, recipe, RECIPES, block_m, (64, 128),
@@ -216,11 +212,9 @@ class Sm90ExpertGemmKernel:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wgs, 1, 1),
-            tiler_mn=(64, self.mma_n))
+            tiler_mn=(64, WG_N))
         a_layout = self._smem_layout(self.block_m, self.num_stages)
         b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
-        # the same bytes as mma_n-row tiles (K is one swizzle atom wide: 128-row chunks stack)
-        b_mma_layout = self._smem_layout(self.mma_n, self.num_stages * self.mma_chunks)
         m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
                                                    stride=(self.k, 1)))
         m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
@@ -252,7 +246,6 @@ class Sm90ExpertGemmKernel:
 
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_b_mc, tma_m_b, a_layout, b_layout,
-                    b_mma_layout,
                     a_sf, b_sf,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
                     topk_weights, out, out_sf, peer_bases, src_metadata).launch(
@@ -264,8 +257,7 @@ class Sm90ExpertGemmKernel:
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor,
                tma_b: cute.CopyAtom, tma_b_mc: cute.CopyAtom, m_b: cute.Tensor,
                a_layout: cute.ComposedLayout,
-               b_layout: cute.ComposedLayout, b_mma_layout: cute.ComposedLayout,
-               a_sf: cute.Pointer, b_sf: cute.Pointer,
+               b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
                out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
@@ -291,7 +283,6 @@ class Sm90ExpertGemmKernel:
         sfb = storage.sfb.get_tensor(cute.make_layout((self.sfb_len, self.num_stages)))
         sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sb_mma = storage.sb.get_tensor(b_mma_layout.outer, swizzle=b_mma_layout.inner)
         staging = storage.staging.data_ptr()
 
         ab_pipe = pipeline.PipelineTmaAsync.create(
@@ -323,7 +314,7 @@ class Sm90ExpertGemmKernel:
                              rank, lane)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(tiled_mma, sa, sb_mma, sfa, sfb, ab_pipe, block_start, row_start,
+            self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, cluster, num_clusters, rank, wg - 1, warp % 4, lane,
                          topk_weights, out, out_sf, peer_bases, src_metadata,
                          staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
@@ -411,13 +402,12 @@ class Sm90ExpertGemmKernel:
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
                 staging: cute.Pointer):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile;
-        ``sb``: the weight stages as ``mma_n``-row tiles; ``staging``: this warp's shared-memory
-        staging rows."""
+        ``staging``: this warp's shared-memory staging rows."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
-        acc_shape = thr_mma.partition_shape_C((self.block_m, self.mma_n))
-        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.mma_chunks)]
+        acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
+        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         num_k_phases = cute.size(t_ra, mode=[2])
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -439,7 +429,7 @@ class Sm90ExpertGemmKernel:
             # where lane i < 16 sends the tile's row warp_row0 + i (loaded before the mainloop)
             row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
                                            warp_row0 + lane, valid_m, n_block, lane)
-            for c in cutlass.range_constexpr(self.mma_chunks):
+            for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
                 for kb in cutlass.range(self.num_k_blocks):
@@ -476,10 +466,10 @@ class Sm90ExpertGemmKernel:
                     self.release_skew(mma_wg, kb, tile == cluster)
                     ab_pipe.consumer_wait(state)
                     warpgroup.fence()
-                    for c in cutlass.range_constexpr(self.mma_chunks):
+                    for c in cutlass.range_constexpr(self.chunks):
                         for kk in cutlass.range_constexpr(num_k_phases):
                             cute.gemm(tiled_mma, accs[c], t_ra[(None, None, kk, state.index)],
-                                      t_rb[(None, None, kk, state.index * self.mma_chunks + c)],
+                                      t_rb[(None, None, kk, state.index * self.chunks + c)],
                                       accs[c])
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
@@ -490,26 +480,10 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(prev)
                 prev.advance()
-            self.epilogue(self.chunk_accumulators(accs), topk_weights, row_dst, out_sf, staging,
-                          row_base, warp_row0, row0, col0, valid_m, n_block, lane)
+            self.epilogue(accs, topk_weights, row_dst, out_sf, staging, row_base, warp_row0,
+                          row0, col0, valid_m, n_block, lane)
             tile += num_clusters
         cute.arch.cp_async_bulk_wait_group(0)
-
-    @cute.jit
-    def chunk_accumulators(self, accs: list) -> list:
-        """The accumulators as one tensor per 128-column chunk (value ``c + 2 r + 4 j`` of an
-        m64nN accumulator is column ``8 j + 2 (lane % 4) + c``: chunk h holds values
-        ``[64 h, 64 h + 64)`` of an m64n256 one)."""
-        if cutlass.const_expr(self.mma_n == WG_N):
-            return accs
-        chunks = []
-        for h in cutlass.range_constexpr(self.mma_n // WG_N):
-            chunk = cute.make_rmem_tensor((2, 2, WG_N // 8), Float32)
-            for j in cutlass.range_constexpr(WG_N // 8):  # (two short loops: fast to trace)
-                for v in cutlass.range_constexpr(4):
-                    chunk[4 * j + v] = accs[0][h * (WG_N // 2) + 4 * j + v]
-            chunks.append(chunk)
-        return chunks
 
     @cute.jit
     def row_destination(self, out: cute.Pointer, peer_bases: cute.Pointer,
