@@ -2,7 +2,7 @@
 
 * `ours`: every step on our kernels (staging, dispatch, L1 + SwiGLU + requant, L2, combine;
   `staged_mega_moe` with `ExpertWeights`, BLOCK_M from the heuristics), eager and CUDA graph;
-  on Hopper the L2 epilogue sends the rows to the source ranks (`l2_sends`), and
+  the L2 epilogue sends the rows to the source ranks (`l2_sends`), and
   `ours_pool_order` is the same layer with L2 writing pool order and the combine kernel sending
   (graph; the two graphs alternate, median over rounds); and the steps of `ours` alone
   (graphs): staging + dispatch, the expert FFN (L1 + L2, with the sends), the combine;
@@ -65,7 +65,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         block_m = select_block_m(expected_tokens_per_expert(n, num_ranks, topk, experts),
                                  "sm90")
 
-        def ours(x=x, idx=idx, w=w, block_m=block_m, l2_sends=None):
+        def ours(x=x, idx=idx, w=w, block_m=block_m, l2_sends=True):
             staged.staged_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
                                    block_m=block_m, validate_routing=False, l2_sends=l2_sends)
 
@@ -90,13 +90,12 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         # the steps alone (each repeated on its own; the rows the L2 epilogue re-sends are the
         # same every time and no combine reads them meanwhile)
         dispatched = staged.dispatch(buf, x, idx, w, block_m=block_m, validate_routing=False)
-        sends = torch.cuda.get_device_capability()[0] == 9
         y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
         steps = {
             "dispatch": partial(staged.dispatch, buf, x, idx, w, block_m=block_m,
                                 validate_routing=False),
             "experts": partial(staged.kernel_experts, buf, dispatched, kernel_weights, 10.0,
-                               send_to_combine=sends),
+                               send_to_combine=True),
         }
         steps["combine"] = partial(staged.combine, buf, steps["experts"](), dispatched, y)
         step_us = {}

@@ -122,11 +122,11 @@ class ExpertWeights:
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
                 fast_math: bool = True, combine_layout=None):
-    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
-    pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf)``,
-    plus ``(peer_bases, src_metadata)`` on sm_90a (what `expert_ffn` passes; the compile tests
-    use the same plan). ``combine_layout``: L2 sends its rows to the source ranks' combine
-    buffers of a symmetric buffer with this `MegaMoELayout` (sm_90a)."""
+    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its ten
+    pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
+    peer_bases, src_metadata)`` (what `expert_ffn` passes; the compile tests use the same plan).
+    ``combine_layout``: L2 sends its rows to the source ranks' combine buffers of a symmetric
+    buffer with this `MegaMoELayout`."""
     from cutlass import (
         BFloat16,
         Float4E2M1FN,
@@ -149,19 +149,16 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
 
         if recipe == "bf16xbf16":  # no scales: a_sf, b_sf, out_sf point at topk_weights
-            dtypes = (BFloat16, Float32, BFloat16, Float32, Int32, Float32, BFloat16, Float32)
+            dtypes = (BFloat16, Float32, BFloat16, Float32, Int32, Float32, BFloat16, Float32,
+                      Int64, Int32)
         else:
             dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
-                      Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
+                      Float8E4M3FN if phase == "l1" else BFloat16, Uint8, Int64, Int32)
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
-    extra = {}
+    extra = {"combine_layout": combine_layout}
     if arch == "sm_90a":
         extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
-        extra["combine_layout"] = combine_layout
-    elif combine_layout is not None:
-        raise ValueError(f"combine_layout: L2 rows straight to the combine buffers exist on "
-                         f"sm_90a only, not {arch}")
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -239,7 +236,7 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             synchronization, so not inside CUDA-graph capture). Default: the
             ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (on). The staged layer skips it: the dispatch
             sizes the pool for the worst case.
-        combine_buffer: the `SymmBuffer` whose pool this is (sm_90a): L2 writes each row
+        combine_buffer: the `SymmBuffer` whose pool this is: L2 writes each row
             straight into its source rank's ``combine[slot, token]`` over NVLink, as the
             buffer's ``token_src_metadata`` (filled by the dispatch) says; ``out`` is not used.
             Collective in effect: the source ranks' combine reads these rows after its
@@ -290,9 +287,6 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     combine_layout = None
     if combine_buffer is not None:
         combine_layout = combine_buffer.layout
-        if arch != "sm_90a":
-            raise ValueError(f"combine_buffer: L2 rows straight to the combine buffers exist on "
-                             f"sm_90a only, not {arch}")
         if out is not None:
             raise ValueError("out: must be None with combine_buffer (rows go to the combine "
                              "buffers)")
@@ -305,8 +299,10 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             out = torch.empty(pool_rows, hidden, dtype=torch.bfloat16, device=device)
         _check_tensor("out", out, torch.bfloat16, (pool_rows, hidden), device)
     if arch == "sm_100a":
-        for name, t in (("l2_acts", l2_acts), ("out", out)):  # (no combine_buffer on sm_100a)
-            if t.data_ptr() % 64 != 0:  # the sm100 epilogue stores 32- / 64-byte row chunks
+        # the sm100 epilogue stores 32- / 64-byte row chunks (`out` is None with a
+        # combine_buffer, whose rows are 128-byte aligned)
+        for name, t in (("l2_acts", l2_acts), ("out", out)):
+            if t is not None and t.data_ptr() % 64 != 0:
                 raise ValueError(f"{name}: data pointer must be 64-byte aligned on {arch}")
     grid = get_num_sms(device) if num_sms is None else num_sms
     if block_m == 256:
@@ -325,9 +321,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             tensors = (l2_acts, l2_acts_sf, weights.w2, weights.w2_sf, expert_recv_tokens,
                        None, out, None)
         to_combine = phase == "l2" and combine_layout is not None
-        if arch == "sm_90a":
-            tensors += ((combine_buffer.peer_bases, combine_buffer.token_src_metadata)
-                        if to_combine else (None, None))
+        tensors += ((combine_buffer.peer_bases, combine_buffer.token_src_metadata)
+                    if to_combine else (None, None))
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None)

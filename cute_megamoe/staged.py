@@ -240,9 +240,9 @@ def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: 
                    send_to_combine: bool = False) -> torch.Tensor | None:
     """The expert FFN over the pool on our grouped-GEMM kernels: L1 + SwiGLU + requant into
     the buffer's L2 pool, then L2 into a per-buffer BF16 [P, H] tensor (reused by every call;
-    valid until the next call). No host synchronization. `send_to_combine` (Hopper): the L2
-    epilogue writes every row straight into its source rank's combine buffer over NVLink
-    instead, and None is returned; follow with `combine(sym_buffer, None, ...)` on every rank."""
+    valid until the next call). No host synchronization. `send_to_combine`: the L2 epilogue
+    writes every row straight into its source rank's combine buffer over NVLink instead, and
+    None is returned; follow with `combine(sym_buffer, None, ...)` on every rank."""
     from .expert_gemm import expert_ffn
 
     if weights.recipe != sym_buffer.recipe:
@@ -271,23 +271,19 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
                     block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
                     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                     validate_routing: bool | None = None,
-                    l2_sends: bool | None = None) -> torch.Tensor:
+                    l2_sends: bool = True) -> torch.Tensor:
     """One whole layer: our dispatch and combine kernels around the expert FFN, on our
     grouped-GEMM kernels (`ExpertWeights`) or torch ops (`TorchExpertWeights`). With `x=None`
-    the inputs were staged already (`num_tokens` rows). Collective. `l2_sends` (our GEMM
-    kernels on Hopper; default on there): the L2 epilogue sends the rows to the source ranks'
-    combine buffers, so the combine only reduces; off: L2 writes pool order and the combine
-    kernel sends. Every rank must pass the same value."""
+    the inputs were staged already (`num_tokens` rows). Collective. `l2_sends` (with our GEMM
+    kernels; measured on Hopper, compiled only on Blackwell): the L2 epilogue sends the rows to
+    the source ranks' combine buffers, so the combine only reduces; False: L2 writes pool order
+    and the combine kernel sends (the torch experts always do that). Every rank must pass the
+    same value."""
     dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens=num_tokens,
                           block_m=block_m, num_sms=num_sms,
                           cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                           validate_routing=validate_routing)
     if isinstance(weights, ExpertWeights):
-        can_send = _state(sym_buffer).arch == "sm_90a"
-        if l2_sends is None:
-            l2_sends = can_send
-        elif l2_sends and not can_send:
-            raise ValueError("l2_sends: the L2 epilogue sends rows on Hopper (sm_90a) only")
         expert_out = kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
                                     fast_math, send_to_combine=l2_sends)
     elif isinstance(weights, TorchExpertWeights):
@@ -296,8 +292,6 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     else:
         raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
                         f"{type(weights).__name__}")
-    if l2_sends and not isinstance(weights, ExpertWeights):
-        raise ValueError("l2_sends: needs our grouped-GEMM kernels (ExpertWeights)")
     return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms)
 
 

@@ -201,24 +201,21 @@ def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
-def test_combine_layout_only_for_l2_of_the_same_pool():
+@pytest.mark.parametrize("arch,recipe", [("sm_90a", "fp8xfp8"), ("sm_100a", "fp8xfp4")])
+def test_combine_layout_only_for_l2_of_the_same_pool(arch, recipe):
     from cute_megamoe.expert_gemm import gemm_kernel
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
     from cute_megamoe.layout import MegaMoELayout
 
-    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     pool = layout.num_pool_rows
-    kern = Sm90ExpertGemmKernel("l2", "fp8xfp8", 32, pool, 7168, 2048, 128,
-                                combine_layout=layout)
-    assert kern.to_combine and kern.combine_tokens == 512
+    kern, dtypes = gemm_kernel(arch, recipe, "l2", 32, pool, 7168, 2048, 128,
+                               combine_layout=layout)
+    assert kern.to_combine and kern.combine_tokens == 512 and len(dtypes) == 10
     with pytest.raises(ValueError, match="combine_layout"):
-        Sm90ExpertGemmKernel("l1", "fp8xfp8", 32, pool, 4096, 7168, 128, combine_layout=layout)
+        gemm_kernel(arch, recipe, "l1", 32, pool, 4096, 7168, 128, combine_layout=layout)
     with pytest.raises(ValueError, match="combine_layout"):
-        Sm90ExpertGemmKernel("l2", "fp8xfp8", 32, pool + 128, 7168, 2048, 128,
-                             combine_layout=layout)
-    with pytest.raises(ValueError, match="sm_90a only"):
-        gemm_kernel("sm_100a", "bf16xbf16", "l2", 32, pool, 7168, 2048, 128,
-                    combine_layout=MegaMoELayout(2, 64, 512, 8, 7168, 2048, "bf16xbf16"))
+        gemm_kernel(arch, recipe, "l2", 32, pool + 128, 7168, 2048, 128,
+                    combine_layout=layout)
 
 
 @pytest.mark.compile

@@ -182,12 +182,22 @@ def test_rejects_bad_configurations():
 # ------------------------------------------------------------------------------ compile (CPU)
 
 def _args(phase: str, ptrs=None, num_ctas: int = 148, stream=None):
-    from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Uint8
+    from cutlass import (
+        BFloat16,
+        Float4E2M1FN,
+        Float8E4M3FN,
+        Float8E8M0FNU,
+        Float32,
+        Int32,
+        Int64,
+        Uint8,
+    )
 
     from cute_megamoe.testing.compile import fake_ptr, fake_stream
 
+    # (the last two, peer_bases and src_metadata, are read only with a combine_layout)
     dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
-              Float8E4M3FN if phase == "l1" else BFloat16, Uint8)
+              Float8E4M3FN if phase == "l1" else BFloat16, Uint8, Int64, Int32)
     if ptrs is None:
         ptrs = [fake_ptr(d, 4 if d in (Int32, Uint8) else 16) for d in dtypes]
     return (*ptrs, Int32(num_ctas), fake_stream() if stream is None else stream)
@@ -255,6 +265,32 @@ def test_compiles_sm100_bf16_with_f16_mma_and_no_spills(phase, block_m):
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     assert usage["REG"] <= 128, usage
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe,block_m", [("fp8xfp4", 128), ("bf16xbf16", 256)])
+def test_compiles_sm100_l2_sending_rows_to_the_combine_buffers(recipe, block_m):
+    """L2 with the combine buffers as destination (design step f): each epilogue thread stores
+    its row's 32-byte pieces at the address its pool row's metadata gives, no spills."""
+    from cutlass import Int32
+
+    from cute_megamoe.expert_gemm import gemm_kernel
+    from cute_megamoe.layout import MegaMoELayout
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
+    kernel, dtypes = gemm_kernel("sm_100a", recipe, "l2", 32, layout.num_pool_rows, 7168,
+                                 2048, block_m, combine_layout=layout)
+    args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
+    art = compile_for_arch(kernel, *args, Int32(148), fake_stream(), arch="sm_100a")
+    assert "tcgen05.mma" in art.ptx and "st.global.v8.b32" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("UTCQMMA" if recipe == "fp8xfp4" else "UTCHMMA") > 0
+    assert art.count("STG") > 0
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
 # ------------------------------------------------------------------------------- sm100 (GPU)

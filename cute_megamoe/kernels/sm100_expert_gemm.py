@@ -11,7 +11,9 @@ local expert ``e`` and every received row ``r`` of its pool rows
   as e4m3 with a UE8M0 scale per 32 features (``fp8xfp4``: bit-exact with
   ``quant.requant_fp8_pow2(h, 32, use_packed_ue8m0=True)`` given the same ``h``) or as BF16
   (``bf16xbf16``).
-* ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order.
+* ``phase="l2"``: ``out[r] = bf16(A[r] @ W2[e].T)`` over ``K = I``, BF16 rows in pool order;
+  or, with ``combine_layout``, each row straight into its source rank's ``combine[k, t]`` over
+  NVLink (``(s, t, k)`` = ``token_src_metadata[r]``; design step f), as on sm_90a.
 
 ``fp8xfp4`` (the DeepGEMM recipe): ``A`` e4m3 and ``W`` e2m1, both scaled by UE8M0 factors per
 32 K. Operands in global memory (``P`` pool rows, ``N`` weight rows, ``K`` reduction, ``E``
@@ -154,7 +156,8 @@ class Sm100ExpertGemmKernel:
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
-                 fast_math: bool = True, num_stages: int | None = None):
+                 fast_math: bool = True, num_stages: int | None = None,
+                 combine_layout=None):
         self.phase, self.recipe = phase, recipe
         self.block_scaled = recipe == "fp8xfp4"
         self.ab_dtype = Float8E4M3FN if self.block_scaled else BFloat16
@@ -176,6 +179,16 @@ class Sm100ExpertGemmKernel:
             raise ValueError(f"num_experts must be positive, got {num_experts}")
         self.num_n_blocks = n // TILE_N
         self.num_k_blocks = k // self.block_k
+        # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
+        self.to_combine = combine_layout is not None
+        if self.to_combine:
+            if phase != "l2" or combine_layout.hidden != n \
+                    or combine_layout.num_pool_rows != num_pool_rows:
+                raise ValueError("combine_layout: only for L2, with N = hidden and the layout's "
+                                 "pool rows")
+            self.combine_offset = combine_layout.offset("combine")  # 128-byte aligned
+            self.combine_tokens = combine_layout.num_tokens  # T of combine [K, T, H]
+            self.num_ranks = combine_layout.num_ranks
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
         # epilogue sub-tile: L1 reads 64 columns (one requant group of 32 features), L2 32
@@ -259,6 +272,8 @@ class Sm100ExpertGemmKernel:
         topk_weights: cute.Pointer,  # f32 [P] (l1)
         out: cute.Pointer,  # l1: e4m3 / bf16 [P, N/2]; l2: bf16 [P, N]
         out_sf: cute.Pointer,  # fp8xfp4 l1: int32 [N/256, P] (pass as Uint8 bytes)
+        peer_bases: cute.Pointer,  # Int64 [R]: the symmetric buffers (to_combine)
+        src_metadata: cute.Pointer,  # Int32 [P, 4]: (rank, token, slot, 0) (to_combine)
         num_ctas: Int32,
         stream,
     ):
@@ -308,7 +323,7 @@ class Sm100ExpertGemmKernel:
         self.kernel(self.tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, self.cluster_layout_vmnk,
                     self.a_smem_layout, self.b_smem_layout, *sf_args,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
-                    topk_weights, out, out_sf).launch(
+                    topk_weights, out, out_sf, peer_bases, src_metadata).launch(
             grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1],
             cluster=(*self.cluster_shape_mn, 1), min_blocks_per_mp=1, stream=stream)
 
@@ -345,7 +360,7 @@ class Sm100ExpertGemmKernel:
                tiled_mma_sfb, tma_sfa, m_sfa, tma_sfb, m_sfb, cluster_layout_sfb_vmnk,
                sfa_smem_layout, sfb_smem_layout,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
-               out_sf: cute.Pointer):
+               out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -423,7 +438,8 @@ class Sm100ExpertGemmKernel:
             acc_ptr = tmem.retrieve_ptr(Float32)
             t_acc = cute.make_tensor(acc_ptr, t_acc_fake.layout)
             self.epilogue(t_acc, acc_pipe, block_start, row_start, num_tiles, first_tile,
-                          tile_stride, cta_in_pair, tidx, topk_weights, out, out_sf)
+                          tile_stride, cta_in_pair, tidx, topk_weights, out, out_sf,
+                          peer_bases, src_metadata)
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=EPILOGUE_SYNC_BARRIER,
                                   num_threads=32 * len(EPILOGUE_WARPS)).arrive_and_wait()
@@ -586,7 +602,8 @@ class Sm100ExpertGemmKernel:
     @cute.jit
     def epilogue(self, t_acc: cute.Tensor, acc_pipe, block_start, row_start, num_tiles: Int32,
                  first_tile: Int32, tile_stride: Int32, cta_in_pair: Int32, tidx: Int32,
-                 topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer):
+                 topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer,
+                 peer_bases: cute.Pointer, src_metadata: cute.Pointer):
         """Warps 0-3: thread ``m`` owns accumulator lane ``m`` (one tile row, all columns)."""
         epi_tile = (ROW_GROUP, self.epi_cols)
         t_acc_epi = cute.flat_divide(t_acc[((None, None), 0, 0, None)], epi_tile)
@@ -614,6 +631,9 @@ class Sm100ExpertGemmKernel:
                 if valid:
                     weight = cute.make_tensor(topk_weights, cute.make_layout(
                         self.num_pool_rows))[pool_row]
+            row_dst = Int64(0)  # L2: where this thread's row goes
+            if cutlass.const_expr(self.phase == "l2"):
+                row_dst = self.row_destination(out, peer_bases, src_metadata, pool_row, valid)
             acc_pipe.consumer_wait(state)
             for c in cutlass.range_constexpr(num_chunks):
                 cute.copy(t2r, src[(None, None, None, 0, c, state.index)], acc)
@@ -625,7 +645,7 @@ class Sm100ExpertGemmKernel:
                     elif cutlass.const_expr(self.phase == "l1"):
                         self.swiglu_store_bf16(acc, weight, out, pool_row, 2 * n_block + c)
                     else:
-                        self.store_bf16(acc, out, pool_row, n_block * TILE_N + c * 32)
+                        self.store_bf16(acc, row_dst, n_block * TILE_N + c * 32)
             acc_pipe.consumer_release(state)
             state.advance()
             tile += tile_stride
@@ -685,10 +705,26 @@ class Sm100ExpertGemmKernel:
         cute.make_tensor(sf_byte, cute.make_layout(1))[0] = ((exponent + 127) & 0xFF).to(Uint8)
 
     @cute.jit
-    def store_bf16(self, acc: cute.Tensor, out: cute.Pointer, pool_row: Int32, col: Int32):
-        """32 consecutive columns of one row as BF16 (round to nearest)."""
+    def row_destination(self, out: cute.Pointer, peer_bases: cute.Pointer,
+                        src_metadata: cute.Pointer, pool_row: Int32, valid) -> Int64:
+        """Address of L2 output row ``pool_row`` (used for valid rows only): in ``out``, or the
+        source rank's ``combine[slot, token]`` (design step f)."""
+        dst = Int64(0)
+        if cutlass.const_expr(self.to_combine):
+            if valid:
+                meta = cute.make_tensor(src_metadata + pool_row * 4, cute.make_layout(4))
+                peers = cute.make_tensor(peer_bases, cute.make_layout(self.num_ranks))
+                dst = (peers[meta[0]] + self.combine_offset
+                       + Int64(meta[2] * self.combine_tokens + meta[1]) * (self.out_cols * 2))
+        else:
+            dst = out.toint() + Int64(pool_row) * (self.out_cols * 2)
+        return dst
+
+    @cute.jit
+    def store_bf16(self, acc: cute.Tensor, row_dst: Int64, col: Int32):
+        """32 consecutive columns of one row as BF16 (round to nearest), at ``row_dst``."""
         vals = cute.make_rmem_tensor((32,), BFloat16)
         vals.store(acc.load().to(BFloat16))
-        dst = cute.make_ptr(BFloat16, out.toint() + (Int64(pool_row) * self.out_cols + col) * 2,
-                            cute.AddressSpace.gmem, assumed_align=64)
+        dst = cute.make_ptr(BFloat16, row_dst + col * 2, cute.AddressSpace.gmem,
+                            assumed_align=64)
         cute.autovec_copy(vals, cute.make_tensor(dst, cute.make_layout(32)))

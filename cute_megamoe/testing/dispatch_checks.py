@@ -285,17 +285,15 @@ def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
         y = torch.full_like(dev[rank], float("nan"))
         layer = api.bf16_mega_moe if layout.recipe == "bf16xbf16" else api.fp8_mega_moe
         layer(y, weights, buf, activation_clamp=activation_clamp, block_m=block_m)
-        if buf.device.type == "cuda" and torch.cuda.get_device_capability(buf.device)[0] == 9:
-            # Hopper: the layer above had the L2 epilogue send rows to the combine buffers;
-            # the same inputs with pool-order L2 output and the combine kernel's sends must
-            # give the same bits
-            y_sent = torch.full_like(y, float("nan"))
-            staged.staged_mega_moe(buf, None, None, None, weights, num_tokens=y.shape[0],
-                                   y=y_sent, activation_clamp=activation_clamp,
-                                   block_m=block_m, l2_sends=False)
-            torch.cuda.synchronize(device)
-            assert torch.equal(y.view(torch.int16), y_sent.view(torch.int16)), \
-                "L2 epilogue sends differ from the combine kernel's sends"
+        # the layer above had the L2 epilogue send rows to the combine buffers; the same
+        # inputs with pool-order L2 output and the combine kernel's sends give the same bits
+        y_sent = torch.full_like(y, float("nan"))
+        staged.staged_mega_moe(buf, None, None, None, weights, num_tokens=y.shape[0],
+                               y=y_sent, activation_clamp=activation_clamp, block_m=block_m,
+                               l2_sends=False)
+        torch.cuda.synchronize(device)
+        assert torch.equal(y.view(torch.int16), y_sent.view(torch.int16)), \
+            "L2 epilogue sends differ from the combine kernel's sends"
     else:
         raise ValueError(f"experts: expected one of {EXPERT_PATHS}, got {experts!r}")
     torch.cuda.synchronize(device)
