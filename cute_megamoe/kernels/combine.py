@@ -26,8 +26,8 @@ the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design
 
 `send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
 tokens per rank (no reduction pass after the sends), about 35 us slower at 1-128 tokens (not
-from walking the buffer's token range: bounding the walk did not help; see
-docs/performance.md).
+from walking the buffer's token range: bounding the walk did not help; likely because one warp
+sends all of a token's rows one after the other; see docs/performance.md).
 1. As above.
 2. Every thread takes received rows and writes `combine_pool_row[s, t, k] = pool_row + 1` (the
    inverse of TokenSrcMetadata); grid barrier.
