@@ -38,8 +38,8 @@ k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exact
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
 tile rows, or for BF16 a chunk or half a chunk at a time where that leaves room for one more
-pipeline stage), and 16 of
-its lanes send the valid rows to global memory with one 1-D bulk copy each, so the warp goes on
+pipeline stage), and 16 of its lanes send the valid rows to global memory (or, for L2 with
+``combine_layout``, to the combine buffers) with one 1-D bulk copy each, so the warp goes on
 to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
 writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
 tile). Pad rows beyond an expert's count are never written. In L2 the second consumer warpgroup
