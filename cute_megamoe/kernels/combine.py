@@ -22,7 +22,10 @@ How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one b
 
 `send_mode="epilogue"`: the rows are in place already: the L2 GEMM's epilogue wrote them into
 the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). Steps
-3 (without the first grid barrier) and 4 only.
+3 (without the first grid barrier) and 4 only. The L2 kernel, earlier on the same stream, waits
+for its stores to complete before it exits; the cross-rank barrier (proxy fence, system-scope
+fence and release) orders them before this rank's arrival, as it does for this kernel's own
+sends in the other modes.
 
 `send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
 tokens per rank (no reduction pass after the sends), about 35 us slower at 1-128 tokens (not
