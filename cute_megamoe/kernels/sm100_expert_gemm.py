@@ -94,7 +94,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from ..scheduler.device import ExpertTileScheduler
-from .common.gemm_config import check_gemm_config
+from .common.gemm_config import check_gemm_config, combine_target
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
@@ -182,13 +182,8 @@ class Sm100ExpertGemmKernel:
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
         if self.to_combine:
-            if phase != "l2" or combine_layout.hidden != n \
-                    or combine_layout.num_pool_rows != num_pool_rows:
-                raise ValueError("combine_layout: only for L2, with N = hidden and the layout's "
-                                 "pool rows")
-            self.combine_offset = combine_layout.offset("combine")  # 128-byte aligned
-            self.combine_tokens = combine_layout.num_tokens  # T of combine [K, T, H]
-            self.num_ranks = combine_layout.num_ranks
+            self.combine_offset, self.combine_tokens, self.num_ranks = combine_target(
+                phase, n, num_pool_rows, combine_layout)
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
         # epilogue sub-tile: L1 reads 64 columns (one requant group of 32 features), L2 32

@@ -70,7 +70,7 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
-from .common.gemm_config import SF_BLOCK, check_gemm_config, weight_sf_row_len
+from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 
@@ -114,13 +114,8 @@ class Sm90ExpertGemmKernel:
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
         if self.to_combine:
-            if phase != "l2" or combine_layout.hidden != n \
-                    or combine_layout.num_pool_rows != num_pool_rows:
-                raise ValueError("combine_layout: only for L2, with N = hidden and the layout's "
-                                 "pool rows")
-            self.combine_offset = combine_layout.offset("combine")
-            self.combine_tokens = combine_layout.num_tokens  # T of combine [K, T, H]
-            self.num_ranks = combine_layout.num_ranks
+            self.combine_offset, self.combine_tokens, self.num_ranks = combine_target(
+                phase, n, num_pool_rows, combine_layout)
         self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)

@@ -36,3 +36,13 @@ def check_gemm_config(arch: str, phase: str, recipe: str, recipes: tuple[str, ..
     if not (activation_clamp >= 0 and math.isfinite(activation_clamp)):
         raise ValueError(f"activation_clamp must be None or finite >= 0, got {activation_clamp}")
     return float(activation_clamp)
+
+
+def combine_target(phase: str, n: int, num_pool_rows: int, combine_layout) -> tuple[int, int, int]:
+    """For an L2 GEMM that writes its rows into the source ranks' combine buffers of a
+    symmetric buffer with `MegaMoELayout` ``combine_layout``: (byte offset of the ``combine``
+    region, 128-byte aligned; its token slots ``T`` of ``[K, T, H]``; the ranks ``R``). Raises
+    ``ValueError`` for L1 or a layout of another hidden size or pool."""
+    if phase != "l2" or combine_layout.hidden != n or combine_layout.num_pool_rows != num_pool_rows:
+        raise ValueError("combine_layout: only for L2, with N = hidden and the layout's pool rows")
+    return combine_layout.offset("combine"), combine_layout.num_tokens, combine_layout.num_ranks
