@@ -5,9 +5,10 @@ For each payload recipe and tokens per rank (hidden 7168, top-8 of 256 experts b
   our combine kernel (send back + top-k reduce), each timed with CUDA events around a loop of
   eager calls (host launch cost included when it dominates) and around CUDA-graph replays of
   the same calls (device time only); median over repeats, the max over ranks;
-* the combine modes: pool order with register or bulk copies, "overlap", and "reduce only"
-  (`combine(buf, None, ...)`: the cross-rank barrier and the reduction, what is left of the
-  combine in the layer when the L2 epilogue sends the rows);
+* the combine modes: pool order with register copies in rounds as the heuristics pick them
+  (the default), in one round, with bulk copies, and "reduce only" (`combine(buf, None, ...)`:
+  the cross-rank barrier and the reduction, what is left of the combine in the layer when the
+  L2 epilogue sends the rows);
 * NCCL `all_to_all_single` moving the same bytes (each rank's routed rows, equal splits);
 * NVLink GB/s per direction = bytes that crossed from the peers into (dispatch) or out of
   (combine) one rank, over the time.
@@ -83,6 +84,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
     from cute_megamoe import staged
     from cute_megamoe.api import stage_inputs
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.heuristics import select_combine_chunks
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     res = Results("dispatch_combine", meta={
@@ -117,9 +119,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                 b, o, r, y), iters)
             g_combine_bulk = _time_graph(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
                 b, o, r, y, send_mode="bulk"), iters)
-            g_combine_overlap = _time_graph(
+            g_combine_one_round = _time_graph(
                 lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
-                    b, o, r, y, send_mode="overlap"), iters)
+                    b, o, r, y, chunks=1), iters)
             # what the combine costs in the layer when the L2 epilogue sent the rows: the
             # cross-rank barrier and the top-k reduction only
             g_combine_reduce = _time_graph(
@@ -150,8 +152,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                     dispatch_graph_us=g_dispatch * 1e6 if g_dispatch else None,
                     combine_graph_us=g_combine * 1e6 if g_combine else None,
                     combine_bulk_graph_us=g_combine_bulk * 1e6 if g_combine_bulk else None,
-                    combine_overlap_graph_us=(g_combine_overlap * 1e6
-                                              if g_combine_overlap else None),
+                    combine_chunks=select_combine_chunks(n),
+                    combine_one_round_graph_us=(g_combine_one_round * 1e6
+                                                if g_combine_one_round else None),
                     combine_reduce_only_graph_us=(g_combine_reduce * 1e6
                                                   if g_combine_reduce else None),
                     dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
@@ -171,7 +174,8 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
         print(f"saved {path}")
         print(res.table(["recipe", "tokens", "dispatch_us", "dispatch_graph_us",
                          "nccl_dispatch_us", "dispatch_nvl_gbps", "combine_us",
-                         "combine_graph_us", "combine_overlap_graph_us", "combine_bulk_graph_us",
+                         "combine_graph_us", "combine_chunks", "combine_one_round_graph_us",
+                         "combine_bulk_graph_us",
                          "combine_reduce_only_graph_us", "nccl_combine_us",
                          "combine_nvl_gbps"]))
     dist.barrier()

@@ -216,8 +216,6 @@ class SymmBuffer:
     l2_pool_block_ready = _region_property("l2_pool_block_ready")
     src_token_topk_idx = _region_property("src_token_topk_idx")
     token_src_metadata = _region_property("token_src_metadata")
-    combine_pool_row = _region_property("combine_pool_row")
-    combine_token_arrivals = _region_property("combine_token_arrivals")
     # Data regions.
     x = _region_property("x")
     x_sf = _region_property("x_sf")

@@ -24,6 +24,7 @@ __all__ = [
     "get_num_sms",
     "normalize_arch",
     "select_block_m",
+    "select_combine_chunks",
 ]
 
 #: SMs of an H100 / H200 SXM, the default when no GPU is visible.
@@ -104,6 +105,22 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
     if normalize_arch(arch) == "sm90" and phase == "l2" and block_m == 128 and n % 256 == 0:
         return 2
     return 1
+
+
+#: Rounds of the pool-order combine by tokens on the rank: (fewest tokens, rounds), last match
+#: wins. Interleaved A/B on 2 x H200 (docs/performance.md): 1 round fastest up to 1024 tokens,
+#: 4 at 2048-4096, 8 at 8192.
+_COMBINE_CHUNKS = ((0, 1), (2048, 4), (8192, 8))
+
+
+def select_combine_chunks(num_tokens: int) -> int:
+    """Rounds of the pool-order combine for a rank with `num_tokens` tokens (see
+    `kernels.combine`): reducing round c - 1 while round c's rows move hides the reduction at
+    large batches; at small ones each round's barrier costs more than it hides. Ranks may
+    choose differently."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return [chunks for least, chunks in _COMBINE_CHUNKS if num_tokens >= least][-1]
 
 
 def experts_per_wave(

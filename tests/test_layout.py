@@ -48,8 +48,6 @@ def expected_regions(r, e, m, k, h, i, recipe):
         "l2_pool_block_ready": (torch.int32, (p // 16,), (1,)),
         "src_token_topk_idx": (torch.int32, (e_l, r, t), (r * t, t, 1)),
         "token_src_metadata": (torch.int32, (p, 4), (4, 1)),
-        "combine_pool_row": (torch.int32, (r, t, k), (t * k, k, 1)),
-        "combine_token_arrivals": (torch.int32, (t,), (1,)),
         "x": (act, (t, h), (h, 1)),
         "x_sf": (sf, (t, h // 128), (h // 128, 1)),
         "topk_idx": (torch.int64, (t, k), (k, 1)),
@@ -230,8 +228,6 @@ def test_deepseek_v3_like_total_is_sane():
         + 2 * (p // 16) * 4
         + e_l * r * t * 4
         + p * 16
-        + r * t * k * 4
-        + t * 4
         + t * h
         + t * (h // 128) * 4
         + t * k * 8

@@ -11,39 +11,33 @@ The sum starts from 0 and adds in float32 with one rounding per add, in ascendin
 depends neither on scheduling nor on where a token sat in the pool (bit-exact with
 `reference.combine_reference`). A token with every slot masked gets 0.
 
-How (`send_mode="registers"`, the default, and `"bulk"`): pool order, then one barrier.
+How (`send_mode="registers"`, the default): pool order, in `chunks` rounds.
 1. Warp 0 rebuilds the pool prefix sums from `expert_recv_tokens` (as the dispatch did).
-2. Send: global warp g takes received rows g, g + G, ... and moves each to its source rank's
-   `combine[k, t]` (16-byte register copies, plain stores to the peer; or 1-D bulk copies
-   through shared memory).
-3. Grid barrier, cross-rank barrier by CTA 0 (system-scope release and acquire), grid barrier.
-4. Reduce: one thread per 8 features of a token loads all K slots, then accumulates; each
-   thread takes `reduce_unroll` such vectors per step, all their loads issued first.
+2. Token t is in class t % 8 (one class per split barrier, `common/sync.py`); round c of
+   `chunks` (1, 2, 4 or 8) takes 8 / chunks classes. Per round: send, global warp g taking
+   received rows g, g + G, ... of the round's classes (in rounds after the first a lane reads
+   the metadata of one row of a batch of 32, and the warp sends the batch's rows of the round)
+   to the source rank's `combine[k, t]` with 16-byte register copies, plain stores to the
+   peer; arrive at the round's split barriers (no wait); then wait for the previous round's
+   barriers and reduce its tokens, while this round's stores drain and other CTAs still send.
+   One round = send everything, one barrier, reduce. Barrier i means "every row of class i is
+   in place" however a rank groups the classes, so ranks may use different `chunks`.
+3. Reduce (per round): one thread per 8 features of a token loads all K slots, then
+   accumulates; each thread takes `reduce_unroll` such vectors per step, all their loads
+   issued first.
+
+`send_mode="bulk"`: as one round, the rows moved with 1-D bulk copies through shared memory,
+then a grid barrier, a cross-rank barrier by CTA 0 (system-scope release and acquire), a grid
+barrier, and the reduction.
 
 `send_mode="epilogue"`: the rows are in place already: the L2 GEMM's epilogue wrote them into
-the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). Steps
-3 (without the first grid barrier) and 4 only. The L2 kernel, earlier on the same stream, waits
-for its stores to complete before it exits; the cross-rank barrier (proxy fence, system-scope
-fence and release) orders them before this rank's arrival, as it does for this kernel's own
-sends in the other modes.
+the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). The
+barriers of the bulk mode (without the first grid barrier) and the reduction only. The L2
+kernel, earlier on the same stream, waits for its stores to complete before it exits; the
+cross-rank barrier (proxy fence, system-scope fence and release) orders them before this rank's
+arrival, as it does for this kernel's own sends in the other modes.
 
-`send_mode="overlap"`: the reduction runs while the rows are still moving. Faster at 8192
-tokens per rank (no reduction pass after the sends), about 35 us slower at 1-128 tokens (not
-from walking the buffer's token range: bounding the walk did not help; likely because one warp
-sends all of a token's rows one after the other; see docs/performance.md).
-1. As above.
-2. Every thread takes received rows and writes `combine_pool_row[s, t, k] = pool_row + 1` (the
-   inverse of TokenSrcMetadata); grid barrier.
-3. Global warp g owns tokens t = g, g + G, ... in ascending order (G warps in the grid, the same
-   split on every rank). At step i it sends, for every source rank s, the rows of token
-   g + i G that live here (16-byte register copies, plain stores to the peer), zeroes their
-   table entries, then publishes their number: `__syncwarp`, `fence.acq_rel.sys`, one
-   system-scope release add to `combine_token_arrivals[t]` on rank s. At the same step it
-   reduces its own token g + (i - LAG) G: lane 0 waits (acquire) until that token's arrivals
-   equal its valid top-k count and zeroes the counter; the warp then loads all K slots of 8
-   features per lane and accumulates in ascending k. A warp only waits after sending all its
-   earlier tokens and only on a token sent LAG steps earlier, so waits never form a cycle.
-   Every rank must use the same mode in a call.
+Every rank must use the same mode in a call (`chunks` may differ).
 
 Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;
@@ -51,8 +45,8 @@ Constraints:
   offsets of the dispatch that produced `expert_recv_tokens` (same `block_m`);
 * `topk_idx` in the buffer is this call's routing (the dispatch read the same rows);
 * between two combines on one buffer every rank runs a dispatch (as every layer call does): its
-  cross-rank barriers keep a fast rank from writing the next call's rows, or (overlap mode, which
-  has no barrier of its own) the next call's arrival counts, into a rank that is still reducing.
+  cross-rank barriers keep a fast rank from writing the next call's rows into a rank that is
+  still reducing.
 """
 
 from __future__ import annotations
@@ -65,32 +59,37 @@ from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
 from .common.pool import BulkRowPipeline, build_pool_prefix
 from .common.sync import (
-    GRID_BARRIER_SLOT,
-    cross_rank_barrier,
-    grid_barrier,
+    SPLIT_BARRIER_COUNT,
     spin_timeout_ns,
-    wait_eq,
+    split_barrier_arrive,
+    split_barrier_finish,
+    split_barrier_target,
+    split_barrier_wait,
 )
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
-SEND_MODES = ("registers", "bulk", "overlap", "epilogue")  # see the module doc
+SEND_MODES = ("registers", "bulk", "epilogue")  # see the module doc
 SEND_UNROLL = 4  # 16-byte vectors each lane loads before storing them (register copies)
-LAG = 1  # token steps a warp's reduction trails its sends (overlap mode)
 
 
 class CombineKernel:
     """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
 
     def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
-                 send_mode: str = "registers", reduce_unroll: int = 2):
+                 send_mode: str = "registers", reduce_unroll: int = 2, chunks: int = 1):
         if send_mode not in SEND_MODES:
             raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
+        if (chunks < 1 or SPLIT_BARRIER_COUNT % chunks != 0
+                or (chunks > 1 and send_mode != "registers")):
+            raise ValueError(f"chunks: a divisor of {SPLIT_BARRIER_COUNT}, more than 1 only "
+                             f"with send_mode='registers'; got {chunks} with {send_mode!r}")
+        self.chunks = chunks
         if num_threads is None:  # the bulk mode's per-warp staging fits 8 warps
             num_threads = 256 if send_mode == "bulk" else 512
         self.send_mode = send_mode
         # 512 threads and two vectors per thread per reduction step: a memory-bound loop
         # needs loads in flight (one CTA per SM). Against 256 x 1, interleaved on 2 x H200:
-        # the reduction alone 37 % faster, pool order 10 %, overlap 5 % at 8192 tokens
+        # the reduction alone 37 % faster, the whole combine 10 % at 8192 tokens
         # (docs/performance.md).
         self.reduce_unroll = reduce_unroll  # vectors per thread per step of the reduction
         self.layout = layout
@@ -159,78 +158,8 @@ class CombineKernel:
             build_pool_prefix(expert_count, row_start, block_start, E_l, self.block_m)
         cute.arch.sync_threads()
 
-        if cutlass.const_expr(self.send_mode == "overlap"):
-            self.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
-                                 expert_out, row_start, block_start, y)
-        else:
-            self.send_then_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
-                                  expert_out, row_start, block_start, y, pipe)
-
-    @cute.jit
-    def send_and_reduce(self, peer_bases: cute.Tensor, my_base: Int64, barrier: cute.Pointer,
-                        warp: Int32, lane: Int32, num_tokens: Int32, expert_out: cute.Pointer,
-                        row_start: cute.Tensor, block_start: cute.Tensor, y: cute.Pointer):
-        """Overlap mode, steps 2 and 3 of the module doc."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        num_ctas, _, _ = cute.arch.grid_dim()
-        E_l, K, R, T = (self.num_local_experts, self.num_topk, self.num_ranks,
-                        self.num_tokens_max)
-        pool_row_of = self.regions.ptr(my_base, "combine_pool_row")
-        metadata = self.regions.ptr(my_base, "token_src_metadata")
-
-        # 2. the inverse table: (source rank, token, slot) -> pool row + 1
-        num_rows = row_start[E_l]
-        row = bidx * self.num_threads + tidx
-        expert = Int32(0)
-        while row < num_rows:
-            while row >= row_start[expert + 1]:
-                expert += 1
-            pool_row = block_start[expert] * self.block_m + row - row_start[expert]
-            src = cute.arch.load(metadata + pool_row * 4, Int32)
-            token = cute.arch.load(metadata + pool_row * 4 + 1, Int32)
-            topk = cute.arch.load(metadata + pool_row * 4 + 2, Int32)
-            cute.arch.store(pool_row_of + (src * T + token) * K + topk, pool_row + 1)
-            row += num_ctas * self.num_threads
-        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
-
-        # 3. token-ordered sends; each warp reduces its own tokens LAG steps behind
-        num_warps_total = num_ctas * self.num_warps
-        g = bidx * self.num_warps + warp
-        out_base = Int64(expert_out.toint())
-        combine_offset = self.regions.offset("combine")
-        arrivals_offset = self.regions.offset("combine_token_arrivals")
-        send_steps = (T - g + num_warps_total - 1) // num_warps_total
-        step = Int32(0)
-        while step < send_steps + LAG:
-            t = g + step * num_warps_total
-            if t < T:
-                for s in cutlass.range(R):
-                    entries = pool_row_of + (s * T + t) * K
-                    peer = Int64(peer_bases[s])
-                    count = Int32(0)
-                    for k in cutlass.range(K):
-                        entry = cute.arch.load(entries + k, Int32)
-                        if entry != 0:
-                            self.copy_row(out_base + Int64(entry - 1) * self.row_bytes,
-                                          peer + combine_offset
-                                          + Int64(k * T + t) * self.row_bytes, lane)
-                            count += 1
-                    if count > 0:
-                        cute.arch.sync_warp()
-                        if lane < K:
-                            cute.arch.store(entries + lane, Int32(0))
-                        if lane == 0:
-                            cute.arch.fence_acq_rel_sys()
-                            cute.arch.red(cute.make_ptr(Int32, peer + arrivals_offset + 4 * t,
-                                                        cute.AddressSpace.gmem, assumed_align=4),
-                                          count, op="add", dtype="s32", sem="release",
-                                          scope="sys")
-            if step >= LAG:
-                t_own = g + (step - LAG) * num_warps_total
-                if t_own < num_tokens:
-                    self.reduce_token(my_base, t_own, lane, y)
-            step += 1
+        self.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens, expert_out,
+                             row_start, block_start, y, pipe)
 
     @cute.jit
     def copy_row(self, src_row: Int64, dst_row: Int64, lane: Int32):
@@ -251,24 +180,6 @@ class CombineKernel:
                     cute.autovec_copy(regs[u], self._vec(dst_row + Int64(i) * 16))
 
     @cute.jit
-    def reduce_token(self, my_base: Int64, token: Int32, lane: Int32, y: cute.Pointer):
-        """The warp waits until every valid slot of `token` has arrived, then reduces it."""
-        valid = self.valid_slots(my_base, token)
-        expected = Int32(0)
-        for k in cutlass.range_constexpr(self.num_topk):
-            expected += (valid >> k) & 1
-        if lane == 0:
-            arrivals = self.regions.ptr(my_base, "combine_token_arrivals", align=4) + token
-            wait_eq(arrivals, expected, "sys", "combine token arrivals", self.timeout_ns)
-            cute.arch.fence_acq_rel_sys()
-            cute.arch.store(arrivals, Int32(0))
-        cute.arch.sync_warp()
-        v = lane
-        while v < self.hidden // VEC:
-            self.reduce_vec(my_base, token, v * VEC, Int64(y.toint()), valid)
-            v += 32
-
-    @cute.jit
     def valid_slots(self, my_base: Int64, token: Int32) -> Int32:
         """Bit k set when slot k of `token` names an expert (0 <= topk_idx < E)."""
         topk_idx = self.regions.ptr(my_base, "topk_idx")
@@ -278,14 +189,6 @@ class CombineKernel:
             if idx >= 0 and idx < self.num_experts:
                 valid |= 1 << k
         return valid
-
-    @cute.jit
-    def reduce_vec(self, my_base: Int64, token: Int32, col: Int32, y_base: Int64,
-                   valid: Int32):
-        """`y[token, col : col + 8]` over the slots set in `valid`: all K slots loaded before
-        any add (a masked slot's stale row is loaded too and replaced by +0.0, which leaves the
-        sum bit-identical to skipping it: the running sum starts at +0.0 and is never -0.0)."""
-        self.sum_slots(self.load_slots(my_base, token, col), valid, token, col, y_base)
 
     @cute.jit
     def load_slots(self, my_base: Int64, token: Int32, col: Int32) -> list:
@@ -301,7 +204,9 @@ class CombineKernel:
 
     @cute.jit
     def sum_slots(self, parts: list, valid: Int32, token: Int32, col: Int32, y_base: Int64):
-        """`y[token, col : col + 8]` = the ascending-k float32 sum of the valid slots' parts."""
+        """`y[token, col : col + 8]` = the ascending-k float32 sum of the valid slots' parts (a
+        masked slot's stale row was loaded too and is replaced by +0.0, which leaves the sum
+        bit-identical to skipping it: the running sum starts at +0.0 and is never -0.0)."""
         K = self.num_topk
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
@@ -315,58 +220,66 @@ class CombineKernel:
         cute.autovec_copy(out, self._vec(y_base + (Int64(token) * self.hidden + col) * 2))
 
     @cute.jit
-    def send_then_reduce(self, peer_bases: cute.Tensor, my_base: Int64, barrier: cute.Pointer,
-                         warp: Int32, lane: Int32, num_tokens: Int32, expert_out: cute.Pointer,
-                         row_start: cute.Tensor, block_start: cute.Tensor, y: cute.Pointer,
-                         pipe):
-        """Pool-order modes: send every row, barriers, then reduce (`pipe`: the bulk mode's
-        staging, None otherwise)."""
+    def reduce_tokens(self, my_base: Int64, num_tokens: Int32, first: Int32,
+                      classes: cutlass.Constexpr, y_base: Int64):
+        """The grid reduces the tokens t < num_tokens with first <= t % CLASSES < first +
+        classes (CLASSES = SPLIT_BARRIER_COUNT; all tokens when classes == CLASSES): one
+        thread per 8 features, `reduce_unroll` vectors per thread per step."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        # 2. send every received row back to combine[k][t] on its source rank
-        if cutlass.const_expr(self.send_mode == "bulk"):
-            self.send_bulk(peer_bases, my_base, warp, lane, expert_out, row_start, block_start,
-                           *pipe)
-        if cutlass.const_expr(self.send_mode == "registers"):
-            self.send_registers(peer_bases, my_base, warp, lane, expert_out, row_start,
-                                block_start)
-
-        # 3. every rank has sent everything it owes (in "epilogue" mode a kernel earlier on
-        # this stream did)
-        if cutlass.const_expr(self.send_mode != "epilogue"):
-            grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
-        if bidx == 0:
-            cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"),
-                               Int32(self.num_ranks), self.timeout_ns)
-        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
-
-        # 4. reduce over top-k in ascending k, float32, one thread per 8 features of a token
-        y_base = Int64(y.toint())
+        CLASSES = SPLIT_BARRIER_COUNT
+        count = ((num_tokens // CLASSES) * classes
+                 + cutlass.min(cutlass.max(num_tokens % CLASSES - first, 0), classes))
         vecs_per_token = self.hidden // VEC
-        num_vecs = num_tokens * vecs_per_token
+        num_vecs = count * vecs_per_token
         stride = num_ctas * self.num_threads
         v = bidx * self.num_threads + tidx
         while v < num_vecs:
-            if cutlass.const_expr(self.reduce_unroll == 1):
-                token = v // vecs_per_token
-                self.reduce_vec(my_base, token, (v % vecs_per_token) * VEC, y_base,
-                                self.valid_slots(my_base, token))
-            else:
-                # vectors v, v + stride, ...: every slot load of all of them in flight first
-                # (a vector past the end loads the last one again and stores nothing)
-                loads = []
-                for u in cutlass.range_constexpr(self.reduce_unroll):
-                    vu = cutlass.min(v + u * stride, num_vecs - 1)
-                    token = vu // vecs_per_token
-                    col = (vu % vecs_per_token) * VEC
-                    loads.append((token, col, self.load_slots(my_base, token, col),
-                                  self.valid_slots(my_base, token)))
-                for u in cutlass.range_constexpr(self.reduce_unroll):
-                    token, col, parts, valid = loads[u]
-                    if v + u * stride < num_vecs:
-                        self.sum_slots(parts, valid, token, col, y_base)
+            # vectors v, v + stride, ...: every slot load of all of them in flight first
+            # (a vector past the end loads the last one again and stores nothing)
+            loads = []
+            for u in cutlass.range_constexpr(self.reduce_unroll):
+                vu = cutlass.min(v + u * stride, num_vecs - 1)
+                j = vu // vecs_per_token  # the j-th token of the classes
+                token = (j // classes) * CLASSES + first + j % classes
+                col = (vu % vecs_per_token) * VEC
+                loads.append((token, col, self.load_slots(my_base, token, col),
+                              self.valid_slots(my_base, token)))
+            for u in cutlass.range_constexpr(self.reduce_unroll):
+                token, col, parts, valid = loads[u]
+                if v + u * stride < num_vecs:
+                    self.sum_slots(parts, valid, token, col, y_base)
             v += stride * self.reduce_unroll
+
+    @cute.jit
+    def send_and_reduce(self, peer_bases: cute.Tensor, my_base: Int64, barrier: cute.Pointer,
+                        warp: Int32, lane: Int32, num_tokens: Int32, expert_out: cute.Pointer,
+                        row_start: cute.Tensor, block_start: cute.Tensor, y: cute.Pointer,
+                        pipe):
+        """`chunks` rounds (one in the bulk and epilogue modes). Round c takes the token classes
+        [c * 8 / chunks, (c + 1) * 8 / chunks): send the rows of its tokens, arrive at its
+        split barriers, then wait for round c - 1's and reduce its tokens while round c's
+        stores drain and the other CTAs still send. `pipe`: the bulk mode's staging."""
+        per = SPLIT_BARRIER_COUNT // self.chunks
+        target = split_barrier_target(barrier, self.num_ranks)
+        num_ctas, _, _ = cute.arch.grid_dim()
+        y_base = Int64(y.toint())
+        for c in cutlass.range(self.chunks + 1):
+            if c < self.chunks:
+                if cutlass.const_expr(self.send_mode == "registers"):
+                    self.send_registers(peer_bases, my_base, warp, lane, expert_out, row_start,
+                                        block_start, c * per)
+                if cutlass.const_expr(self.send_mode == "bulk"):
+                    self.send_bulk(peer_bases, my_base, warp, lane, expert_out, row_start,
+                                   block_start, *pipe)
+                # ("epilogue": a kernel earlier on this stream sent the rows)
+                split_barrier_arrive(barrier, peer_bases, self.regions.offset("barrier"),
+                                     c * per, per, self.num_ranks, num_ctas)
+            if c > 0:
+                split_barrier_wait(barrier, (c - 1) * per, per, target, self.timeout_ns)
+                self.reduce_tokens(my_base, num_tokens, (c - 1) * per, per, y_base)
+        split_barrier_finish(barrier)
 
     @cute.jit
     def row_addresses(self, peer_bases: cute.Tensor, my_base: Int64, out_base: Int64,
@@ -384,22 +297,71 @@ class CombineKernel:
     @cute.jit
     def send_registers(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
                        expert_out: cute.Pointer, row_start: cute.Tensor,
-                       block_start: cute.Tensor):
+                       block_start: cute.Tensor, first_class: Int32):
         """One warp per row: every lane loads SEND_UNROLL 16-byte vectors of the row, then
-        stores them to the peer (plain stores; the cross-rank barrier publishes them)."""
+        stores them to the peer (plain stores; a barrier publishes them). With chunks, only the
+        rows of the round's token classes (see `send_reduce_chunks`): lane l reads the metadata
+        of the warp's row l of a batch of 32, and the warp sends the round's rows one by one."""
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         num_rows = row_start[self.num_local_experts]
         row = bidx * self.num_warps + warp
+        stride = num_ctas * self.num_warps
         out_base = Int64(expert_out.toint())
         expert = Int32(0)
-        while row < num_rows:
-            while row >= row_start[expert + 1]:
-                expert += 1
-            pool_row = block_start[expert] * self.block_m + row - row_start[expert]
-            src_row, dst_row = self.row_addresses(peer_bases, my_base, out_base, pool_row)
-            self.copy_row(src_row, dst_row, lane)
-            row += num_ctas * self.num_warps
+        if cutlass.const_expr(self.chunks == 1):
+            while row < num_rows:
+                while row >= row_start[expert + 1]:
+                    expert += 1
+                pool_row = block_start[expert] * self.block_m + row - row_start[expert]
+                src_row, dst_row = self.row_addresses(peer_bases, my_base, out_base, pool_row)
+                self.copy_row(src_row, dst_row, lane)
+                row += stride
+        else:
+            metadata = my_base + self.regions.offset("token_src_metadata")
+            combine_offset = self.regions.offset("combine")
+            while row < num_rows:
+                mine = row + lane * stride
+                pool_row = Int32(-1)  # -1: not a row of this round
+                src = Int32(0)
+                slot_row = Int32(0)  # k * T + t: the row's place in the source's `combine`
+                if mine < num_rows:
+                    expert = self.expert_of_row(row_start, mine)
+                    candidate = block_start[expert] * self.block_m + mine - row_start[expert]
+                    meta = cute.make_rmem_tensor((4,), Int32)  # (source rank, token, k, 0)
+                    cute.autovec_copy(cute.make_tensor(
+                        cute.make_ptr(Int32, metadata + Int64(candidate) * 16,
+                                      cute.AddressSpace.gmem, assumed_align=16),
+                        cute.make_layout(4)), meta)
+                    token_class = meta[1] % SPLIT_BARRIER_COUNT
+                    if token_class >= first_class and (
+                            token_class < first_class + SPLIT_BARRIER_COUNT // self.chunks):
+                        pool_row = candidate
+                        src = meta[0]
+                        slot_row = meta[2] * self.num_tokens_max + meta[1]
+                for j in cutlass.range(32):
+                    row_j = cute.arch.shuffle_sync(pool_row, j)
+                    src_j = cute.arch.shuffle_sync(src, j)
+                    slot_j = cute.arch.shuffle_sync(slot_row, j)
+                    if row_j >= 0:
+                        self.copy_row(out_base + Int64(row_j) * self.row_bytes,
+                                      Int64(peer_bases[src_j]) + combine_offset
+                                      + Int64(slot_j) * self.row_bytes, lane)
+                row += 32 * stride
+
+    @cute.jit
+    def expert_of_row(self, row_start: cute.Tensor, row: Int32) -> Int32:
+        """The expert e with row_start[e] <= row < row_start[e + 1] (binary search; empty
+        experts have equal bounds and are never returned)."""
+        lo = Int32(0)
+        hi = Int32(self.num_local_experts)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if row_start[mid] <= row:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _vec(self, address: Int64) -> cute.Tensor:
         return cute.make_tensor(cute.make_ptr(BFloat16, address, cute.AddressSpace.gmem,

@@ -33,9 +33,9 @@ Workspace (zeroed once at allocation; every kernel resets what it used before it
 next call starts clean without a host memset):
 
 ``barrier`` int32 [64]
-    Grid-barrier counters and cross-rank-barrier counters/signals. The kernels define the slot
-    assignment. Written and read by all CTAs of this rank; the cross-rank signal slots are
-    remote-written by peers.
+    Grid-barrier counters and cross-rank-barrier counters/signals (split-phase ones too). The
+    kernels define the slot assignment (`kernels/common/sync.py`). Written and read by all CTAs
+    of this rank; the cross-rank signal slots are remote-written by peers.
 ``expert_send_count`` int64 [E]
     Per *global* expert: every CTA of this rank atomically adds ``(1 << 32) | its_count``; the
     returned old value's low 32 bits are the CTA's first slot for that expert (an exclusive
@@ -67,14 +67,6 @@ next call starts clean without a host memset):
     Per pool row ``{source rank, token, topk slot, unused}``: where the row's L2 result goes back
     to. Written by the pull warps, read by the L2 epilogue. Local. Indexed by pool row, so it is
     never overwritten within a call.
-``combine_pool_row`` int32 [R, T, K]
-    The inverse of ``token_src_metadata``: ``pool row + 1`` of the received row (source rank,
-    token, topk slot), 0 for none. Built from the metadata at the start of the combine, which
-    sends rows in token order from it and zeroes every entry it used. Local.
-``combine_token_arrivals`` int32 [T]
-    Rows of this rank's token ``t`` that have landed in ``combine``: a sender stores a token's
-    rows, then adds their number with a system-scope release. The combine reduces token ``t``
-    once the count equals its valid top-k slots, then zeroes it. Remote-written.
 
 Data:
 
@@ -155,8 +147,6 @@ WORKSPACE_REGION_NAMES = (
     "l2_pool_block_ready",
     "src_token_topk_idx",
     "token_src_metadata",
-    "combine_pool_row",
-    "combine_token_arrivals",
 )
 DATA_REGION_NAMES = (
     "x",
@@ -302,8 +292,6 @@ class MegaMoELayout:
             ("l2_pool_block_ready", torch.int32, (num_pool_blocks,), None),
             ("src_token_topk_idx", torch.int32, (e_l, r, t), None),
             ("token_src_metadata", torch.int32, (p, 4), None),
-            ("combine_pool_row", torch.int32, (r, t, k), None),
-            ("combine_token_arrivals", torch.int32, (t,), None),
             ("x", act_dtype, (t, h), None),
             ("x_sf", sf_dtype, (t, h // 128), None),
             ("topk_idx", torch.int64, (t, k), None),

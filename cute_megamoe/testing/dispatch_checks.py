@@ -63,6 +63,7 @@ def make_problem(case: Case, num_experts: int, num_topk: int, hidden: int):
 def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch.Tensor,
                stats_expected: torch.Tensor) -> None:
     from .. import staged
+    from ..kernels.common.sync import SPLIT_ARRIVAL_SLOT, SPLIT_BARRIER_COUNT
 
     layout = buf.layout
     rank, num_ranks = buf.rank, buf.num_ranks
@@ -138,15 +139,18 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
     want_y = reference.combine_reference(outs[rank], idxs[rank]).to(device)
     # (the combine buffer was poisoned before the dispatch; it is not re-poisoned between the
     # two modes: a peer may already be sending its second-mode rows, the same values)
-    for send_mode in ("overlap", "registers", "bulk"):
+    # registers mode in 1, 4 and 8 rounds, and with the ranks using different rounds
+    modes = [("registers", 1), ("registers", 4),
+             ("registers", (1, 8, 2, 4)[rank % 4]), ("registers", None), ("bulk", None)]
+    for send_mode, chunks in modes:
         y = torch.full((n, hidden), float("nan"), device=device, dtype=torch.bfloat16)
-        staged.combine(buf, expert_out, result, y, send_mode=send_mode)
+        staged.combine(buf, expert_out, result, y, send_mode=send_mode, chunks=chunks)
         torch.cuda.synchronize(device)
         assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), \
-            f"combine ({send_mode})"
-    # the combine left its tables and counters zeroed for the next call
-    assert not bool(buf.combine_pool_row.any()), "combine_pool_row not reset"
-    assert not bool(buf.combine_token_arrivals.any()), "combine_token_arrivals not reset"
+            f"combine ({send_mode}, chunks {chunks})"
+    # the combine left its per-call arrival counts zeroed for the next call
+    arrivals = buf.barrier[SPLIT_ARRIVAL_SLOT:SPLIT_ARRIVAL_SLOT + SPLIT_BARRIER_COUNT]
+    assert not bool(arrivals.any()), "split-barrier arrival counts not reset"
 
 
 def run_cases(rank: int, num_ranks: int, cases: list[Case], recipe: str, num_experts: int,

@@ -11,6 +11,14 @@ Barrier state lives in the `barrier` workspace region (int32 slots, below) and i
   `2**31 - (num_ctas - 1)`, the others 1. The adds sum to 2**31, so the top bit flips once per
   barrier and the low bits come back to where they were. A CTA waits until the top bit differs
   from the value its own add returned.
+* split-phase cross-rank barriers (`split_barrier_*`): SPLIT_BARRIER_COUNT barriers, every
+  call passes each of them once. A CTA arrives at a run of them without waiting (the rank's
+  last CTA to arrive adds 1 to their slots on every rank) and waits for a run later, so the
+  work between the two overlaps the other ranks' progress. Ranks may group the barriers
+  differently (one rank arrives at all of them at once, another one by one). Slots only grow:
+  call u waits until they reach (u + 1) R (wrap-safe compare), u being the local count of calls
+  passed, read by every CTA at the start of the call. A fast rank may already add its next
+  call's 1 while a slow one still waits: the target is then passed, not missed.
 * cross-rank barrier: each rank keeps a local count of barriers passed; barrier b uses signal
   slot `b % 2` and adds +1 (b // 2 even) or -1 (odd) to that slot on every rank, itself included;
   the slot then reads R (or 0) on every rank once all have arrived. Two alternating slots let a
@@ -34,6 +42,13 @@ from cutlass import Int32, Int64
 GRID_BARRIER_SLOT = 0
 RANK_BARRIER_COUNT_SLOT = 4  # local: cross-rank barriers passed so far
 RANK_BARRIER_SIGNAL_SLOT = 5  # two slots (5, 6), added to by every rank
+
+# Split-phase cross-rank barriers (arrive now, wait later): every call of a kernel that uses
+# them passes all SPLIT_BARRIER_COUNT of them, each exactly once
+SPLIT_BARRIER_COUNT = 8
+SPLIT_CALLS_SLOT = 8  # local: calls that have passed them
+SPLIT_ARRIVAL_SLOT = 16  # local, per barrier: CTAs of this rank arrived in this call
+SPLIT_SIGNAL_SLOT = 24  # per barrier: +1 per rank per call, added to by every rank, never reset
 
 TOP_BIT = 0x80000000
 
@@ -151,3 +166,71 @@ def cross_rank_barrier(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
         cute.arch.store(barrier_slots + RANK_BARRIER_COUNT_SLOT, passed + 1)
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
+
+
+@cute.jit
+def split_barrier_target(barrier_slots: cute.Pointer, num_ranks: cutlass.Constexpr) -> Int32:
+    """Every CTA at the start of the call: the slot value this call's split barriers wait for."""
+    return (cute.arch.load(barrier_slots + SPLIT_CALLS_SLOT, Int32) + 1) * num_ranks
+
+
+@cute.jit
+def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
+                         barrier_offset: cutlass.Constexpr, first: Int32,
+                         count: cutlass.Constexpr, num_ranks: cutlass.Constexpr, num_ctas: Int32):
+    """Every thread of every CTA: this CTA's stores so far are published at split barriers
+    first .. first + count - 1 (the rank's last CTA to arrive signals every rank); returns
+    without waiting. Every CTA of a rank arrives at the same runs."""
+    cute.arch.sync_threads()
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx < 32:
+        old = Int32(0)
+        arrivals = barrier_slots + SPLIT_ARRIVAL_SLOT + first
+        if tidx == 0:
+            cute.arch.fence_proxy("async.global")
+            cute.arch.fence_acq_rel_sys()
+            old = cute.arch.atomic_add(arrivals, Int32(1), sem="acq_rel", scope="gpu")
+            if old == num_ctas - 1:
+                cute.arch.store(arrivals, Int32(0))  # every CTA has arrived; next: next call
+                cute.arch.fence_acq_rel_sys()
+        # the last CTA's warp 0 signals, one (rank, barrier) per lane: releases in parallel
+        if cute.arch.shuffle_sync(old, 0) == num_ctas - 1:
+            signal = tidx
+            while signal < num_ranks * count:
+                peer = cute.make_ptr(Int32, Int64(peer_bases[signal // count]) + barrier_offset
+                                     + 4 * (SPLIT_SIGNAL_SLOT + first + signal % count),
+                                     cute.AddressSpace.gmem, assumed_align=4)
+                cute.arch.red(peer, Int32(1), op="add", dtype="s32", sem="release", scope="sys")
+                signal += 32
+
+
+@cute.jit
+def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass.Constexpr,
+                       target: Int32, timeout_ns: cutlass.Constexpr):
+    """Every thread of a CTA: wait until every rank has arrived at split barriers
+    first .. first + count - 1 (`target` from `split_barrier_target`)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx < count:
+        signal = barrier_slots + SPLIT_SIGNAL_SLOT + first + tidx
+        value = cute.arch.load(signal, Int32, sem="acquire", scope="sys")
+        if value - target < 0:
+            start = cute.arch.globaltimer()
+            while value - target < 0:
+                value = cute.arch.load(signal, Int32, sem="acquire", scope="sys")
+                if cutlass.const_expr(timeout_ns > 0):
+                    if cute.arch.globaltimer() - start > Int64(timeout_ns):
+                        _report_stall("split barrier signal", value, target)
+        cute.arch.fence_acq_rel_sys()
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def split_barrier_finish(barrier_slots: cute.Pointer):
+    """Every thread of every CTA after its last split-barrier wait: one more call passed (CTA
+    0 counts; every CTA has read the target by then, since the waits needed all of them to
+    arrive)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    if bidx == 0 and tidx == 0:
+        calls = cute.arch.load(barrier_slots + SPLIT_CALLS_SLOT, Int32)
+        cute.arch.store(barrier_slots + SPLIT_CALLS_SLOT, calls + 1)
