@@ -108,9 +108,9 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
 
 
 #: Rounds of the pool-order combine by tokens on the rank: (fewest tokens, rounds), last match
-#: wins. Interleaved A/B on 2 x H200 (docs/performance.md): 1 round fastest up to 1024 tokens,
-#: 4 at 2048-4096, 8 at 8192.
-_COMBINE_CHUNKS = ((0, 1), (2048, 4), (8192, 8))
+#: wins. Interleaved A/Bs on 2 x H200 (docs/performance.md): 1 round fastest up to 1024 tokens,
+#: 4 at 2048 and 4096, 4 and 8 within 2 % of each other at 8192.
+_COMBINE_CHUNKS = ((0, 1), (2048, 4))
 
 
 def select_combine_chunks(num_tokens: int) -> int:

@@ -88,7 +88,7 @@ def test_combine_chunks_must_divide_the_token_classes():
             CombineKernel(layout, 128, send_mode=send_mode, chunks=chunks)
     # measured on 2 x H200 (docs/performance.md): one round below 2048 tokens
     assert [select_combine_chunks(n) for n in (0, 1, 2047, 2048, 8191, 8192, 10**6)] == \
-        [1, 1, 1, 4, 4, 8, 8]
+        [1, 1, 1, 4, 4, 4, 4]
     with pytest.raises(ValueError):
         select_combine_chunks(-1)
 
