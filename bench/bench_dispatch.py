@@ -84,7 +84,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
     from cute_megamoe import staged
     from cute_megamoe.api import stage_inputs
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-    from cute_megamoe.heuristics import select_combine_chunks
+    from cute_megamoe.heuristics import select_combine_rounds
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     res = Results("dispatch_combine", meta={
@@ -121,7 +121,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                 b, o, r, y, send_mode="bulk"), iters)
             g_combine_one_round = _time_graph(
                 lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
-                    b, o, r, y, chunks=1), iters)
+                    b, o, r, y, rounds=(8,)), iters)
             # what the combine costs in the layer when the L2 epilogue sent the rows: the
             # cross-rank barrier and the top-k reduction only
             g_combine_reduce = _time_graph(
@@ -152,7 +152,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                     dispatch_graph_us=g_dispatch * 1e6 if g_dispatch else None,
                     combine_graph_us=g_combine * 1e6 if g_combine else None,
                     combine_bulk_graph_us=g_combine_bulk * 1e6 if g_combine_bulk else None,
-                    combine_chunks=select_combine_chunks(n),
+                    combine_rounds=len(select_combine_rounds(n)),
                     combine_one_round_graph_us=(g_combine_one_round * 1e6
                                                 if g_combine_one_round else None),
                     combine_reduce_only_graph_us=(g_combine_reduce * 1e6
@@ -174,7 +174,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
         print(f"saved {path}")
         print(res.table(["recipe", "tokens", "dispatch_us", "dispatch_graph_us",
                          "nccl_dispatch_us", "dispatch_nvl_gbps", "combine_us",
-                         "combine_graph_us", "combine_chunks", "combine_one_round_graph_us",
+                         "combine_graph_us", "combine_rounds", "combine_one_round_graph_us",
                          "combine_bulk_graph_us",
                          "combine_reduce_only_graph_us", "nccl_combine_us",
                          "combine_nvl_gbps"]))

@@ -21,6 +21,7 @@ COLUMNS = {
         ("dispatch_graph_us", "dispatch us (graph)"), ("dispatch_us", "dispatch us (eager)"),
         ("nccl_dispatch_us", "NCCL a2a us"), ("dispatch_nvl_gbps", "dispatch NVL GB/s"),
         ("dispatch_vs_peer_copy", "vs peer copy"), ("combine_graph_us", "combine us (graph)"),
+        ("combine_rounds", "combine rounds"),
         ("combine_chunks", "combine rounds"),
         ("combine_one_round_graph_us", "one-round combine us (graph)"),
         ("combine_overlap_graph_us", "overlap-mode combine us (graph)"),

@@ -24,7 +24,7 @@ __all__ = [
     "get_num_sms",
     "normalize_arch",
     "select_block_m",
-    "select_combine_chunks",
+    "select_combine_rounds",
 ]
 
 #: SMs of an H100 / H200 SXM, the default when no GPU is visible.
@@ -107,20 +107,21 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
     return 1
 
 
-#: Rounds of the pool-order combine by tokens on the rank: (fewest tokens, rounds), last match
-#: wins. Interleaved A/Bs on 2 x H200 (docs/performance.md): 1 round fastest up to 1024 tokens,
-#: 4 at 2048 and 4096, 4 and 8 within 2 % of each other at 8192.
-_COMBINE_CHUNKS = ((0, 1), (2048, 4))
+#: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:
+#: (fewest tokens, rounds), last match wins. Interleaved A/Bs on 2 x H200
+#: (docs/performance.md): one round fastest up to 1024 tokens; 4 equal rounds at 2048 and 4096;
+#: at 8192, 5 rounds with two small last ones 3 % faster than 4 (less reduction after the sends).
+_COMBINE_ROUNDS = ((0, (8,)), (2048, (2, 2, 2, 2)), (8192, (2, 2, 2, 1, 1)))
 
 
-def select_combine_chunks(num_tokens: int) -> int:
+def select_combine_rounds(num_tokens: int) -> tuple[int, ...]:
     """Rounds of the pool-order combine for a rank with `num_tokens` tokens (see
     `kernels.combine`): reducing round c - 1 while round c's rows move hides the reduction at
     large batches; at small ones each round's barrier costs more than it hides. Ranks may
     choose differently."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return [chunks for least, chunks in _COMBINE_CHUNKS if num_tokens >= least][-1]
+    return [rounds for least, rounds in _COMBINE_ROUNDS if num_tokens >= least][-1]
 
 
 def experts_per_wave(

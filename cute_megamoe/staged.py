@@ -25,7 +25,7 @@ from . import quant, reference
 from .api import _check_tensor, stage_inputs
 from .buffer import SymmBuffer
 from .expert_gemm import ExpertWeights
-from .heuristics import get_num_sms, select_combine_chunks
+from .heuristics import get_num_sms, select_combine_rounds
 from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
 
 DEFAULT_BLOCK_M = 128
@@ -144,17 +144,17 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
 def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
             dispatched: DispatchResult, y: torch.Tensor | None = None, *,
             num_sms: int | None = None, send_mode: str = "registers",
-            chunks: int | None = None) -> torch.Tensor:
+            rounds: tuple[int, ...] | None = None) -> torch.Tensor:
     """Send `expert_out` (BF16 [P, H], pool order) back to the source ranks and reduce over
     top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective. `send_mode`: how
     the pool-order sends move the rows, "registers" (16-byte register copies, the default) or
-    "bulk" (bulk copies through shared memory); every rank must pass the same mode. `chunks`
-    ("registers" only; None: by the token count, `heuristics.select_combine_chunks`): rounds
-    of sends over token classes, each round's reduction running while the next round's rows
-    move; ranks may pass different values (see `kernels.combine`). `expert_out=None`: every
-    rank's L2 GEMM wrote its rows into the combine buffers already
+    "bulk" (bulk copies through shared memory); every rank must pass the same mode. `rounds`
+    ("registers" only; None: by the token count, `heuristics.select_combine_rounds`): how many
+    of the 8 token classes each round of sends takes, each round's reduction running while the
+    next round's rows move; ranks may pass different values (see `kernels.combine`).
+    `expert_out=None`: every rank's L2 GEMM wrote its rows into the combine buffers already
     (`kernel_experts(..., send_to_combine=True)`); only the barrier and the reduction run
-    (`send_mode` and `chunks` are ignored)."""
+    (`send_mode` and `rounds` are ignored)."""
     from .kernels.combine import CombineKernel
 
     layout = sym_buffer.layout
@@ -171,10 +171,11 @@ def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
     if y is None:
         y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
     _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
-    if send_mode == "epilogue" or (chunks is None and send_mode == "bulk"):
-        chunks = 1
-    elif chunks is None:
-        chunks = select_combine_chunks(n)
+    if send_mode == "epilogue" or (rounds is None and send_mode == "bulk"):
+        rounds = (8,)
+    elif rounds is None:
+        rounds = select_combine_rounds(n)
+    rounds = tuple(rounds)
     num_ctas = _grid(state, num_sms)
     # (in "epilogue" mode the kernel never reads expert_out: any valid pointer does)
     out_ptr = as_ptr(sym_buffer.l1_topk_weights if expert_out is None else expert_out)
@@ -183,9 +184,9 @@ def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
             as_ptr(y) if n > 0 else out_ptr,  # y is not touched when n == 0
             Int32(num_ctas), current_stream())
     fn = compiled_kernel(
-        ("combine", state.arch, layout, dispatched.block_m, send_mode, chunks),
+        ("combine", state.arch, layout, dispatched.block_m, send_mode, rounds),
         lambda: cute.compile(CombineKernel(layout, dispatched.block_m, send_mode=send_mode,
-                                           chunks=chunks), *args,
+                                           rounds=rounds), *args,
                              options=f"--gpu-arch {state.arch}"))
     fn(*args)
     return y

@@ -16,7 +16,7 @@ ARCHS = ("sm_90a", "sm_100a")
 
 
 def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: str = "registers",
-             chunks: int = 1):
+             rounds: tuple[int, ...] = (8,)):
     from cutlass import BFloat16, Int32, Int64
 
     from cute_megamoe.kernels.combine import CombineKernel
@@ -30,7 +30,7 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: s
         kernel = DispatchKernel(layout, 128, has_stats=True)
         args = (peers, Int32(0), Int32(1), counts, counts, Int32(132), fake_stream())
     else:
-        kernel = CombineKernel(layout, 128, send_mode=send_mode, chunks=chunks)
+        kernel = CombineKernel(layout, 128, send_mode=send_mode, rounds=rounds)
         args = (peers, Int32(0), Int32(1), fake_ptr(BFloat16), counts, fake_ptr(BFloat16),
                 Int32(132), fake_stream())
     return compile_for_arch(kernel, *args, arch=arch)
@@ -74,45 +74,47 @@ def test_row_staging_must_fit_shared_memory():
         DispatchKernel(layout, 128, num_threads=1024)
 
 
-def test_combine_chunks_must_divide_the_token_classes():
-    from cute_megamoe.heuristics import select_combine_chunks
+def test_combine_rounds_must_cover_the_token_classes():
+    from cute_megamoe.heuristics import select_combine_rounds
     from cute_megamoe.kernels.combine import CombineKernel
     from cute_megamoe.layout import MegaMoELayout
 
     layout = MegaMoELayout(2, 256, 8192, 8, 7168, 2048, "bf16xbf16")
-    for chunks in (1, 2, 4, 8):
-        assert CombineKernel(layout, 128, chunks=chunks).chunks == chunks
-    for chunks, send_mode in ((3, "registers"), (0, "registers"), (16, "registers"),
-                              (2, "bulk"), (4, "epilogue")):
-        with pytest.raises(ValueError, match="chunks"):
-            CombineKernel(layout, 128, send_mode=send_mode, chunks=chunks)
+    for rounds in ((8,), (4, 4), (2, 2, 2, 1, 1), (1,) * 8, [3, 5]):
+        assert CombineKernel(layout, 128, rounds=rounds).rounds == tuple(rounds)
+    for rounds, send_mode in (((3, 4), "registers"), ((8, 0), "registers"), ((), "registers"),
+                              ((9, -1), "registers"), ((4.0, 4), "registers"),
+                              ((4, 4), "bulk"), ((4, 4), "epilogue")):
+        with pytest.raises(ValueError, match="rounds"):
+            CombineKernel(layout, 128, send_mode=send_mode, rounds=rounds)
     # measured on 2 x H200 (docs/performance.md): one round below 2048 tokens
-    assert [select_combine_chunks(n) for n in (0, 1, 2047, 2048, 8191, 8192, 10**6)] == \
-        [1, 1, 1, 4, 4, 4, 4]
+    assert [len(select_combine_rounds(n)) for n in (0, 1, 2047, 2048, 8191, 8192, 10**6)] == \
+        [1, 1, 1, 4, 4, 5, 5]
+    assert all(sum(select_combine_rounds(n)) == 8 for n in (0, 2048, 8192))
     with pytest.raises(ValueError):
-        select_combine_chunks(-1)
+        select_combine_rounds(-1)
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("send_mode,chunks", [("registers", 1), ("registers", 4),
-                                              ("bulk", 1), ("epilogue", 1)])
-def test_combine_compiles_with_wide_accesses(arch, send_mode, chunks, monkeypatch):
+@pytest.mark.parametrize("send_mode,rounds", [("registers", (8,)), ("registers", (2, 6)),
+                                              ("bulk", (8,)), ("epilogue", (8,))])
+def test_combine_compiles_with_wide_accesses(arch, send_mode, rounds, monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    art = _compile("combine", arch, "fp8xfp4", send_mode=send_mode, chunks=chunks)
+    art = _compile("combine", arch, "fp8xfp4", send_mode=send_mode, rounds=rounds)
     has_bulk_store = "cp.async.bulk.global.shared::cta.bulk_group" in art.ptx
     assert has_bulk_store == (send_mode == "bulk")
     # split-barrier signals: released at system scope, spun on with acquire
     assert "red.release.sys.global.add.s32" in art.ptx and "ld.acquire.sys" in art.ptx
     if art.sass is not None:
-        # reduce: one 16-byte load per top-k slot (K = 8), two vectors per thread per step;
-        # the register copies move a 7168-feature BF16 row as 28 x 16 B per lane, unrolled
-        # ("epilogue": no sends, the L2 GEMM wrote the rows); in rounds, one 16-byte load of
-        # a row's metadata
+        # per round (the rounds are unrolled): reduce, one 16-byte load per top-k slot (K = 8),
+        # two vectors per thread per step; the register copies move a 7168-feature BF16 row
+        # as 28 x 16 B per lane ("epilogue": no sends, the L2 GEMM wrote the rows); with more
+        # than one round, one 16-byte load of a row's metadata
         sends = 0 if send_mode in ("bulk", "epilogue") else 28
-        metadata = 1 if chunks > 1 else 0
-        assert art.count("LDG.E.128") == 8 * 2 + sends + metadata
-        assert art.count("STG.E.128") == 2 + sends
+        metadata = 1 if len(rounds) > 1 else 0
+        assert art.count("LDG.E.128") == len(rounds) * (8 * 2 + sends + metadata)
+        assert art.count("STG.E.128") == len(rounds) * (2 + sends)
         assert art.count("STL") == 0 and art.count("LDL") == 0
 
 

@@ -11,17 +11,19 @@ The sum starts from 0 and adds in float32 with one rounding per add, in ascendin
 depends neither on scheduling nor on where a token sat in the pool (bit-exact with
 `reference.combine_reference`). A token with every slot masked gets 0.
 
-How (`send_mode="registers"`, the default): pool order, in `chunks` rounds.
+How (`send_mode="registers"`, the default): pool order, in rounds.
 1. Warp 0 rebuilds the pool prefix sums from `expert_recv_tokens` (as the dispatch did).
-2. Token t is in class t % 8 (one class per split barrier, `common/sync.py`); round c of
-   `chunks` (1, 2, 4 or 8) takes 8 / chunks classes. Per round: send, global warp g taking
-   received rows g, g + G, ... of the round's classes (in rounds after the first a lane reads
-   the metadata of one row of a batch of 32, and the warp sends the batch's rows of the round)
-   to the source rank's `combine[k, t]` with 16-byte register copies, plain stores to the
-   peer; arrive at the round's split barriers (no wait); then wait for the previous round's
-   barriers and reduce its tokens, while this round's stores drain and other CTAs still send.
+2. Token t is in class t % 8 (one class per split barrier, `common/sync.py`); `rounds` lists
+   how many classes each round takes, in order (e.g. (8,): one round; (2, 2, 2, 1, 1): five,
+   the last ones small so that little reduction is left after the sends). Per round: send,
+   global warp g taking received rows g, g + G, ... of the round's classes (when a round
+   takes fewer than all classes, a lane reads the metadata of one row of a batch of 32, and
+   the warp sends the batch's rows of the round) to the source rank's `combine[k, t]` with
+   16-byte register copies, plain stores to the peer; arrive at the round's split barriers
+   (no wait); then wait for the previous round's barriers and reduce its tokens, while this
+   round's stores drain and other CTAs still send.
    One round = send everything, one barrier, reduce. Barrier i means "every row of class i is
-   in place" however a rank groups the classes, so ranks may use different `chunks`.
+   in place" however a rank groups the classes, so ranks may use different `rounds`.
 3. Reduce (per round): one thread per 8 features of a token loads all K slots, then
    accumulates; each thread takes `reduce_unroll` such vectors per step, all their loads
    issued first.
@@ -37,7 +39,7 @@ kernel, earlier on the same stream, waits for its stores to complete before it e
 cross-rank barrier (proxy fence, system-scope fence and release) orders them before this rank's
 arrival, as it does for this kernel's own sends in the other modes.
 
-Every rank must use the same mode in a call (`chunks` may differ).
+Every rank must use the same mode in a call (`rounds` may differ).
 
 Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;
@@ -76,14 +78,18 @@ class CombineKernel:
     """Send expert outputs to their source ranks and reduce over top-k (see module doc)."""
 
     def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
-                 send_mode: str = "registers", reduce_unroll: int = 2, chunks: int = 1):
+                 send_mode: str = "registers", reduce_unroll: int = 2,
+                 rounds: tuple[int, ...] = (SPLIT_BARRIER_COUNT,)):
         if send_mode not in SEND_MODES:
             raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
-        if (chunks < 1 or SPLIT_BARRIER_COUNT % chunks != 0
-                or (chunks > 1 and send_mode != "registers")):
-            raise ValueError(f"chunks: a divisor of {SPLIT_BARRIER_COUNT}, more than 1 only "
-                             f"with send_mode='registers'; got {chunks} with {send_mode!r}")
-        self.chunks = chunks
+        rounds = tuple(rounds)
+        if (not all(isinstance(r, int) and r > 0 for r in rounds)
+                or sum(rounds) != SPLIT_BARRIER_COUNT
+                or (len(rounds) > 1 and send_mode != "registers")):
+            raise ValueError(f"rounds: positive class counts summing to {SPLIT_BARRIER_COUNT}, "
+                             f"more than one round only with send_mode='registers'; got "
+                             f"{rounds} with {send_mode!r}")
+        self.rounds = rounds  # token classes per round
         if num_threads is None:  # the bulk mode's per-warp staging fits 8 warps
             num_threads = 256 if send_mode == "bulk" else 512
         self.send_mode = send_mode
@@ -257,28 +263,31 @@ class CombineKernel:
                         warp: Int32, lane: Int32, num_tokens: Int32, expert_out: cute.Pointer,
                         row_start: cute.Tensor, block_start: cute.Tensor, y: cute.Pointer,
                         pipe):
-        """`chunks` rounds (one in the bulk and epilogue modes). Round c takes the token classes
-        [c * 8 / chunks, (c + 1) * 8 / chunks): send the rows of its tokens, arrive at its
-        split barriers, then wait for round c - 1's and reduce its tokens while round c's
-        stores drain and the other CTAs still send. `pipe`: the bulk mode's staging."""
-        per = SPLIT_BARRIER_COUNT // self.chunks
+        """The rounds (one in the bulk and epilogue modes; unrolled: at most 8). Round c takes
+        the next `rounds[c]` token classes: send the rows of its tokens, arrive at its split
+        barriers, then wait for round c - 1's and reduce its tokens while round c's stores
+        drain and the other CTAs still send. `pipe`: the bulk mode's staging."""
         target = split_barrier_target(barrier, self.num_ranks)
         num_ctas, _, _ = cute.arch.grid_dim()
         y_base = Int64(y.toint())
-        for c in cutlass.range(self.chunks + 1):
-            if c < self.chunks:
+        rounds = self.rounds
+        firsts = [sum(rounds[:i]) for i in range(len(rounds))]
+        for c in cutlass.range_constexpr(len(rounds) + 1):
+            if cutlass.const_expr(c < len(rounds)):
                 if cutlass.const_expr(self.send_mode == "registers"):
                     self.send_registers(peer_bases, my_base, warp, lane, expert_out, row_start,
-                                        block_start, c * per)
+                                        block_start, Int32(firsts[c]), rounds[c])
                 if cutlass.const_expr(self.send_mode == "bulk"):
                     self.send_bulk(peer_bases, my_base, warp, lane, expert_out, row_start,
                                    block_start, *pipe)
                 # ("epilogue": a kernel earlier on this stream sent the rows)
                 split_barrier_arrive(barrier, peer_bases, self.regions.offset("barrier"),
-                                     c * per, per, self.num_ranks, num_ctas)
-            if c > 0:
-                split_barrier_wait(barrier, (c - 1) * per, per, target, self.timeout_ns)
-                self.reduce_tokens(my_base, num_tokens, (c - 1) * per, per, y_base)
+                                     Int32(firsts[c]), rounds[c], self.num_ranks, num_ctas)
+            if cutlass.const_expr(c > 0):
+                split_barrier_wait(barrier, Int32(firsts[c - 1]), rounds[c - 1], target,
+                                   self.timeout_ns)
+                self.reduce_tokens(my_base, num_tokens, Int32(firsts[c - 1]), rounds[c - 1],
+                                   y_base)
         split_barrier_finish(barrier)
 
     @cute.jit
@@ -297,10 +306,12 @@ class CombineKernel:
     @cute.jit
     def send_registers(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
                        expert_out: cute.Pointer, row_start: cute.Tensor,
-                       block_start: cute.Tensor, first_class: Int32):
+                       block_start: cute.Tensor, first_class: Int32,
+                       classes: cutlass.Constexpr):
         """One warp per row: every lane loads SEND_UNROLL 16-byte vectors of the row, then
-        stores them to the peer (plain stores; a barrier publishes them). With chunks, only the
-        rows of the round's token classes (see `send_reduce_chunks`): lane l reads the metadata
+        stores them to the peer (plain stores; a barrier publishes them). In a round of fewer
+        than all classes, only the rows of its classes (`classes` from `first_class` on): lane
+        l reads the metadata
         of the warp's row l of a batch of 32, and the warp sends the round's rows one by one."""
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -309,7 +320,7 @@ class CombineKernel:
         stride = num_ctas * self.num_warps
         out_base = Int64(expert_out.toint())
         expert = Int32(0)
-        if cutlass.const_expr(self.chunks == 1):
+        if cutlass.const_expr(classes == SPLIT_BARRIER_COUNT):
             while row < num_rows:
                 while row >= row_start[expert + 1]:
                     expert += 1
@@ -335,7 +346,7 @@ class CombineKernel:
                         cute.make_layout(4)), meta)
                     token_class = meta[1] % SPLIT_BARRIER_COUNT
                     if token_class >= first_class and (
-                            token_class < first_class + SPLIT_BARRIER_COUNT // self.chunks):
+                            token_class < first_class + classes):
                         pool_row = candidate
                         src = meta[0]
                         slot_row = meta[2] * self.num_tokens_max + meta[1]

@@ -139,15 +139,16 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
     want_y = reference.combine_reference(outs[rank], idxs[rank]).to(device)
     # (the combine buffer was poisoned before the dispatch; it is not re-poisoned between the
     # two modes: a peer may already be sending its second-mode rows, the same values)
-    # registers mode in 1, 4 and 8 rounds, and with the ranks using different rounds
-    modes = [("registers", 1), ("registers", 4),
-             ("registers", (1, 8, 2, 4)[rank % 4]), ("registers", None), ("bulk", None)]
-    for send_mode, chunks in modes:
+    # registers mode in 1, 4 and 5 uneven rounds, and with the ranks using different rounds
+    modes = [("registers", (8,)), ("registers", (2, 2, 2, 2)), ("registers", (2, 2, 2, 1, 1)),
+             ("registers", ((8,), (1,) * 8, (4, 4), (3, 1, 2, 2))[rank % 4]),
+             ("registers", None), ("bulk", None)]
+    for send_mode, rounds in modes:
         y = torch.full((n, hidden), float("nan"), device=device, dtype=torch.bfloat16)
-        staged.combine(buf, expert_out, result, y, send_mode=send_mode, chunks=chunks)
+        staged.combine(buf, expert_out, result, y, send_mode=send_mode, rounds=rounds)
         torch.cuda.synchronize(device)
         assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), \
-            f"combine ({send_mode}, chunks {chunks})"
+            f"combine ({send_mode}, rounds {rounds})"
     # the combine left its per-call arrival counts zeroed for the next call
     arrivals = buf.barrier[SPLIT_ARRIVAL_SLOT:SPLIT_ARRIVAL_SLOT + SPLIT_BARRIER_COUNT]
     assert not bool(arrivals.any()), "split-barrier arrival counts not reset"
