@@ -97,6 +97,21 @@ def wait_eq(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
 
 
 @cute.jit
+def wait_reached(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
+                 what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
+    """Spin until the int32 counter at `ptr` has reached `target` (acquire at `scope`), for
+    counters that only grow and may wrap: `value - target >= 0` in 32-bit arithmetic."""
+    value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
+    if value - target < 0:
+        start = cute.arch.globaltimer()
+        while value - target < 0:
+            value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
+            if cutlass.const_expr(timeout_ns > 0):
+                if cute.arch.globaltimer() - start > Int64(timeout_ns):
+                    _report_stall(what, value, target)
+
+
+@cute.jit
 def wait_published(ptr: cute.Pointer, what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
     """Spin until the int64 at `ptr` has non-zero high bits (a `(1 << 32) | value` publication,
     acquire at system scope); returns its low 32 bits."""
@@ -211,15 +226,8 @@ def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass
     first .. first + count - 1 (`target` from `split_barrier_target`)."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < count:
-        signal = barrier_slots + SPLIT_SIGNAL_SLOT + first + tidx
-        value = cute.arch.load(signal, Int32, sem="acquire", scope="sys")
-        if value - target < 0:
-            start = cute.arch.globaltimer()
-            while value - target < 0:
-                value = cute.arch.load(signal, Int32, sem="acquire", scope="sys")
-                if cutlass.const_expr(timeout_ns > 0):
-                    if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                        _report_stall("split barrier signal", value, target)
+        wait_reached(barrier_slots + SPLIT_SIGNAL_SLOT + first + tidx, target, "sys",
+                     "split barrier signal", timeout_ns)
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
 
