@@ -11,7 +11,8 @@ For each payload recipe and tokens per rank (hidden 7168, top-8 of 256 experts b
   L2 epilogue sends the rows);
 * NCCL `all_to_all_single` moving the same bytes (each rank's routed rows, equal splits);
 * NVLink GB/s per direction = bytes that crossed from the peers into (dispatch) or out of
-  (combine) one rank, over the time.
+  (combine) one rank, over the eager time (`*_nvl_gbps`) and over the graph time
+  (`*_graph_nvl_gbps`).
 
     python -m bench.bench_dispatch [--ranks 2] [--tokens 1,128,512,4096,8192]
 """
@@ -158,6 +159,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                     combine_reduce_only_graph_us=(g_combine_reduce * 1e6
                                                   if g_combine_reduce else None),
                     dispatch_nvl_gbps=nvl_dispatch / t_dispatch / 1e9,
+                    dispatch_graph_nvl_gbps=(nvl_dispatch / g_dispatch / 1e9
+                                             if g_dispatch else None),
+                    combine_graph_nvl_gbps=nvl_combine / g_combine / 1e9 if g_combine else None,
                     combine_us=t_combine * 1e6, nccl_combine_us=t_nccl_c * 1e6,
                     combine_nvl_gbps=nvl_combine / t_combine / 1e9,
                     dispatch_vs_peer_copy=(nvl_dispatch / t_dispatch / 1e9 / peer_gbps
