@@ -1,7 +1,8 @@
-"""Dispatch (+pull) and combine kernels on R GPUs against NCCL all_to_all_single, same run.
+"""Dispatch and combine kernels on R GPUs against NCCL all_to_all_single, same run.
 
 For each payload recipe and tokens per rank (hidden 7168, top-8 of 256 experts by default):
-* our dispatch kernel (count, prefix, scatter, pull; inputs staged beforehand, not timed) and
+* our dispatch kernel (count, prefix, scatter, rows pushed; inputs staged beforehand, not
+  timed), also with the rows pulled (`transfer="pull"`, graph time only), and
   our combine kernel (send back + top-k reduce), each timed with CUDA events around a loop of
   eager calls (host launch cost included when it dominates) and around CUDA-graph replays of
   the same calls (device time only); median over repeats, the max over ranks;
@@ -116,6 +117,8 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
                               iters)
             g_dispatch = _time_graph(lambda b=buf, n=n: staged.dispatch(
                 b, None, None, None, num_tokens=n, block_m=BLOCK_M), iters)
+            g_dispatch_pull = _time_graph(lambda b=buf, n=n: staged.dispatch(
+                b, None, None, None, num_tokens=n, block_m=BLOCK_M, transfer="pull"), iters)
             g_combine = _time_graph(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
                 b, o, r, y), iters)
             g_combine_bulk = _time_graph(lambda b=buf, o=expert_out, r=result, y=y: staged.combine(
@@ -151,6 +154,9 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
             res.add(recipe=recipe, tokens=n,
                     dispatch_us=t_dispatch * 1e6, nccl_dispatch_us=t_nccl_d * 1e6,
                     dispatch_graph_us=g_dispatch * 1e6 if g_dispatch else None,
+                    dispatch_pull_graph_us=g_dispatch_pull * 1e6 if g_dispatch_pull else None,
+                    dispatch_pull_graph_nvl_gbps=(nvl_dispatch / g_dispatch_pull / 1e9
+                                                  if g_dispatch_pull else None),
                     combine_graph_us=g_combine * 1e6 if g_combine else None,
                     combine_bulk_graph_us=g_combine_bulk * 1e6 if g_combine_bulk else None,
                     combine_rounds=len(select_combine_rounds(n)),
@@ -177,6 +183,7 @@ def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: li
         path = res.save(out_dir or None)
         print(f"saved {path}")
         print(res.table(["recipe", "tokens", "dispatch_us", "dispatch_graph_us",
+                         "dispatch_pull_graph_us",
                          "nccl_dispatch_us", "dispatch_nvl_gbps", "combine_us",
                          "combine_graph_us", "combine_rounds", "combine_one_round_graph_us",
                          "combine_bulk_graph_us",

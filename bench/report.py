@@ -21,6 +21,8 @@ COLUMNS = {
         ("dispatch_graph_us", "dispatch us (graph)"), ("dispatch_us", "dispatch us (eager)"),
         ("nccl_dispatch_us", "NCCL a2a us"), ("dispatch_nvl_gbps", "dispatch NVL GB/s"),
         ("dispatch_graph_nvl_gbps", "dispatch NVL GB/s (graph)"),
+        ("dispatch_pull_graph_us", "pull us (graph)"),
+        ("dispatch_pull_graph_nvl_gbps", "pull NVL GB/s (graph)"),
         ("dispatch_vs_peer_copy", "vs peer copy"), ("combine_graph_us", "combine us (graph)"),
         ("combine_rounds", "combine rounds"),
         ("combine_chunks", "combine rounds"),

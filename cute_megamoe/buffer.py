@@ -215,6 +215,7 @@ class SymmBuffer:
     l1_pool_block_ready = _region_property("l1_pool_block_ready")
     l2_pool_block_ready = _region_property("l2_pool_block_ready")
     src_token_topk_idx = _region_property("src_token_topk_idx")
+    dispatch_pair_slot = _region_property("dispatch_pair_slot")
     token_src_metadata = _region_property("token_src_metadata")
     # Data regions.
     x = _region_property("x")

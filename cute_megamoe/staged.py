@@ -101,12 +101,15 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
              topk_weights: torch.Tensor | None, *, num_tokens: int | None = None,
              block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-             validate_routing: bool | None = None) -> DispatchResult:
+             validate_routing: bool | None = None, transfer: str = "push") -> DispatchResult:
     """Stage this rank's inputs (unless `x` is None: then `num_tokens` rows were staged into
     the buffer already) and route every (token, slot) to its expert's pool. Collective.
+    `transfer`: how rows cross to the expert's rank, "push" (the source stores them into the
+    destination's pool, the default) or "pull" (the destination loads them); every rank must
+    pass the same value.
 
     The result views the buffer: it is valid until the next `dispatch` on the same buffer."""
-    from .kernels.dispatch import DispatchKernel
+    from .kernels.dispatch import TRANSFERS, DispatchKernel
 
     layout = sym_buffer.layout
     state = _state(sym_buffer)
@@ -117,6 +120,8 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
     if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
         raise ValueError(f"block_m: expected a multiple of 16 in [16, {layout.block_m_max}], "
                          f"got {block_m}")
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer: expected one of {TRANSFERS}, got {transfer!r}")
     num_ctas = _grid(state, num_sms)
     if x is not None:
         stage_inputs(sym_buffer, x, topk_idx, topk_weights, validate_routing=validate_routing)
@@ -129,8 +134,9 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
     args = (state.peer_bases, Int32(sym_buffer.rank), Int32(num_tokens), state.recv_tokens_ptr,
             stats, Int32(num_ctas), current_stream())
     fn = compiled_kernel(
-        ("dispatch", state.arch, layout, block_m, has_stats),
-        lambda: cute.compile(DispatchKernel(layout, block_m, has_stats=has_stats), *args,
+        ("dispatch", state.arch, layout, block_m, has_stats, transfer),
+        lambda: cute.compile(DispatchKernel(layout, block_m, has_stats=has_stats,
+                                            transfer=transfer), *args,
                              options=f"--gpu-arch {state.arch}"))
     fn(*args)
     return DispatchResult(

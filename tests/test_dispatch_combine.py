@@ -16,7 +16,7 @@ ARCHS = ("sm_90a", "sm_100a")
 
 
 def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: str = "registers",
-             rounds: tuple[int, ...] = (8,)):
+             rounds: tuple[int, ...] = (8,), transfer: str = "push"):
     from cutlass import BFloat16, Int32, Int64
 
     from cute_megamoe.kernels.combine import CombineKernel
@@ -27,7 +27,7 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: s
     layout = MegaMoELayout(num_ranks, 256, 8192, 8, 7168, 2048, recipe)
     peers, counts = fake_ptr(Int64), fake_ptr(Int32, align=4)
     if kind == "dispatch":
-        kernel = DispatchKernel(layout, 128, has_stats=True)
+        kernel = DispatchKernel(layout, 128, has_stats=True, transfer=transfer)
         args = (peers, Int32(0), Int32(1), counts, counts, Int32(132), fake_stream())
     else:
         kernel = CombineKernel(layout, 128, send_mode=send_mode, rounds=rounds)
@@ -38,22 +38,27 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: s
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("recipe,num_ranks", [("fp8xfp4", 2), ("fp8xfp8", 8),
-                                              ("bf16xbf16", 2), ("fp8xfp4", 8)])
-def test_dispatch_compiles_with_bulk_copies_and_scoped_atomics(arch, recipe, num_ranks,
-                                                               monkeypatch):
+@pytest.mark.parametrize("recipe,num_ranks,transfer", [
+    ("fp8xfp4", 2, "push"), ("fp8xfp8", 8, "push"), ("bf16xbf16", 2, "push"),
+    ("fp8xfp4", 2, "pull"), ("fp8xfp8", 8, "pull"), ("bf16xbf16", 2, "pull")])
+def test_dispatch_compiles_with_scoped_atomics_and_row_copies(arch, recipe, num_ranks, transfer,
+                                                              monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")  # no printf: no stack at all
-    art = _compile("dispatch", arch, recipe, num_ranks=num_ranks)
+    art = _compile("dispatch", arch, recipe, num_ranks=num_ranks, transfer=transfer)
     ptx = art.ptx
     assert "atom.shared.cta.add.u32" in ptx or "atom.shared.add.u32" in ptx  # count / slots
     assert "atom.global.add.u64" in ptx  # 64-bit (arrivals | count) prefix
     assert "st.release.sys.global.b64" in ptx  # count publication to the expert's rank
     assert "ld.acquire.sys.global.b64" in ptx  # ... read with acquire
-    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-    assert "cp.async.bulk.global.shared::cta.bulk_group" in ptx
     assert "red.release.sys.global.add.s32" in ptx  # cross-rank barrier signal
+    bulk = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+            and "cp.async.bulk.global.shared::cta.bulk_group" in ptx)
+    assert bulk == (transfer == "pull")  # pull: bulk copies; push: register copies
     if art.sass is not None:
-        assert art.count("UBLKCP.G.S") >= 1 and art.count("UBLKCP.S.G") >= 1
+        if transfer == "pull":
+            assert art.count("UBLKCP.G.S") >= 1 and art.count("UBLKCP.S.G") >= 1
+        else:
+            assert art.count("LDG.E.128") >= 1 and art.count("STG.E.128") >= 1
         assert art.count("STL") == 0 and art.count("LDL") == 0
         assert art.resource_usage()["STACK"] == 0
 
@@ -71,7 +76,10 @@ def test_row_staging_must_fit_shared_memory():
     with pytest.raises(ValueError, match="shared memory"):
         CombineKernel(layout, 128, num_threads=512, send_mode="bulk")
     with pytest.raises(ValueError, match="shared memory"):
-        DispatchKernel(layout, 128, num_threads=1024)
+        DispatchKernel(layout, 128, num_threads=1024, transfer="pull")
+    assert DispatchKernel(layout, 128).num_threads == 512  # push: no staging
+    with pytest.raises(ValueError, match="transfer"):
+        DispatchKernel(layout, 128, transfer="teleport")
 
 
 def test_combine_rounds_must_cover_the_token_classes():

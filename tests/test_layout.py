@@ -47,6 +47,7 @@ def expected_regions(r, e, m, k, h, i, recipe):
         "l1_pool_block_ready": (torch.int32, (p // 16,), (1,)),
         "l2_pool_block_ready": (torch.int32, (p // 16,), (1,)),
         "src_token_topk_idx": (torch.int32, (e_l, r, t), (r * t, t, 1)),
+        "dispatch_pair_slot": (torch.int32, (t, k), (k, 1)),
         "token_src_metadata": (torch.int32, (p, 4), (4, 1)),
         "x": (act, (t, h), (h, 1)),
         "x_sf": (sf, (t, h // 128), (h // 128, 1)),
@@ -227,6 +228,7 @@ def test_deepseek_v3_like_total_is_sane():
         + e_l * 8
         + 2 * (p // 16) * 4
         + e_l * r * t * 4
+        + t * k * 4
         + p * 16
         + t * h
         + t * (h // 128) * 4

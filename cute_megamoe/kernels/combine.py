@@ -59,7 +59,13 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
-from .common.pool import BulkRowPipeline, build_pool_prefix
+from .common.pool import (
+    BulkRowPipeline,
+    build_pool_prefix,
+    copy_row_in_registers,
+    expert_of_row,
+    gmem_vector,
+)
 from .common.sync import (
     SPLIT_BARRIER_COUNT,
     spin_timeout_ns,
@@ -71,7 +77,6 @@ from .common.sync import (
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
 SEND_MODES = ("registers", "bulk", "epilogue")  # see the module doc
-SEND_UNROLL = 4  # 16-byte vectors each lane loads before storing them (register copies)
 
 
 class CombineKernel:
@@ -166,24 +171,6 @@ class CombineKernel:
 
         self.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens, expert_out,
                              row_start, block_start, y, pipe)
-
-    @cute.jit
-    def copy_row(self, src_row: Int64, dst_row: Int64, lane: Int32):
-        """The warp copies one row: every lane loads SEND_UNROLL 16-byte vectors, then stores
-        them (plain stores; the caller publishes them)."""
-        vecs = self.row_bytes // 16
-        for grp in cutlass.range_constexpr(-(-vecs // (32 * SEND_UNROLL))):
-            regs = []
-            for u in cutlass.range_constexpr(SEND_UNROLL):
-                i = (grp * SEND_UNROLL + u) * 32 + lane
-                r = cute.make_rmem_tensor((VEC,), BFloat16)
-                if i < vecs:
-                    cute.autovec_copy(self._vec(src_row + Int64(i) * 16), r)
-                regs.append(r)
-            for u in cutlass.range_constexpr(SEND_UNROLL):
-                i = (grp * SEND_UNROLL + u) * 32 + lane
-                if i < vecs:
-                    cute.autovec_copy(regs[u], self._vec(dst_row + Int64(i) * 16))
 
     @cute.jit
     def valid_slots(self, my_base: Int64, token: Int32) -> Int32:
@@ -308,7 +295,7 @@ class CombineKernel:
                        expert_out: cute.Pointer, row_start: cute.Tensor,
                        block_start: cute.Tensor, first_class: Int32,
                        classes: cutlass.Constexpr):
-        """One warp per row: every lane loads SEND_UNROLL 16-byte vectors of the row, then
+        """One warp per row: every lane loads ROW_COPY_UNROLL 16-byte vectors of the row, then
         stores them to the peer (plain stores; a barrier publishes them). In a round of fewer
         than all classes, only the rows of its classes (`classes` from `first_class` on): lane
         l reads the metadata
@@ -326,7 +313,7 @@ class CombineKernel:
                     expert += 1
                 pool_row = block_start[expert] * self.block_m + row - row_start[expert]
                 src_row, dst_row = self.row_addresses(peer_bases, my_base, out_base, pool_row)
-                self.copy_row(src_row, dst_row, lane)
+                copy_row_in_registers(src_row, dst_row, lane, self.row_bytes)
                 row += stride
         else:
             metadata = my_base + self.regions.offset("token_src_metadata")
@@ -337,13 +324,11 @@ class CombineKernel:
                 src = Int32(0)
                 slot_row = Int32(0)  # k * T + t: the row's place in the source's `combine`
                 if mine < num_rows:
-                    expert = self.expert_of_row(row_start, mine)
+                    expert = expert_of_row(row_start, mine, self.num_local_experts)
                     candidate = block_start[expert] * self.block_m + mine - row_start[expert]
                     meta = cute.make_rmem_tensor((4,), Int32)  # (source rank, token, k, 0)
-                    cute.autovec_copy(cute.make_tensor(
-                        cute.make_ptr(Int32, metadata + Int64(candidate) * 16,
-                                      cute.AddressSpace.gmem, assumed_align=16),
-                        cute.make_layout(4)), meta)
+                    cute.autovec_copy(gmem_vector(metadata + Int64(candidate) * 16, Int32, 4),
+                                      meta)
                     token_class = meta[1] % SPLIT_BARRIER_COUNT
                     if token_class >= first_class and (
                             token_class < first_class + classes):
@@ -355,28 +340,14 @@ class CombineKernel:
                     src_j = cute.arch.shuffle_sync(src, j)
                     slot_j = cute.arch.shuffle_sync(slot_row, j)
                     if row_j >= 0:
-                        self.copy_row(out_base + Int64(row_j) * self.row_bytes,
-                                      Int64(peer_bases[src_j]) + combine_offset
-                                      + Int64(slot_j) * self.row_bytes, lane)
+                        copy_row_in_registers(out_base + Int64(row_j) * self.row_bytes,
+                                              Int64(peer_bases[src_j]) + combine_offset
+                                              + Int64(slot_j) * self.row_bytes, lane,
+                                              self.row_bytes)
                 row += 32 * stride
 
-    @cute.jit
-    def expert_of_row(self, row_start: cute.Tensor, row: Int32) -> Int32:
-        """The expert e with row_start[e] <= row < row_start[e + 1] (binary search; empty
-        experts have equal bounds and are never returned)."""
-        lo = Int32(0)
-        hi = Int32(self.num_local_experts)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if row_start[mid] <= row:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
     def _vec(self, address: Int64) -> cute.Tensor:
-        return cute.make_tensor(cute.make_ptr(BFloat16, address, cute.AddressSpace.gmem,
-                                              assumed_align=16), cute.make_layout(VEC))
+        return gmem_vector(address, BFloat16, VEC)
 
     @cute.jit
     def send_bulk(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,

@@ -1,4 +1,4 @@
-"""EP dispatch: count -> prefix sum -> scatter, then pull every routed token into the expert pool.
+"""EP dispatch: count -> prefix sum -> scatter, then move every routed token into the expert pool.
 
 What it computes, on every rank of an R-rank group (one cooperative launch per rank; ranks run
 the same kernel concurrently):
@@ -12,36 +12,52 @@ the same kernel concurrently):
     expert_recv_tokens[e] = number of such rows; stats[e] += the same (optional)
 
 with pool rows expert-major, expert e's first row at `pool_block_offset(e) * BM`, where
-`pool_block_offset(e) = sum over e' < e of ceil(count(e') / BM)` (padding rows are not written).
-The order of an expert's rows is not deterministic (slots come from atomics); everything
-downstream is row-local, so results are.
+`pool_block_offset(e) = sum over e' < e of ceil(count(e') / BM)` (padding rows are not written),
+and inside an expert the rows of source rank 0 first, then those of rank 1, and so on. The order
+of one source's rows is not deterministic (slots come from atomics); everything downstream is
+row-local, so results are.
 
-How (the seed analysis' count -> prefix -> scatter, then DeepGEMM's pull):
+How (the seed analysis' count -> prefix -> scatter):
 1. Count: each CTA walks its contiguous share of the (token, slot) pairs and counts pairs per
    global expert in shared memory (block-scope atomics).
 2. Prefix: per expert one 64-bit global atomic add of `(1 << 32) | count` on
    `expert_send_count`; the old value's low half is this CTA's first slot for the expert.
 3. Scatter: a second walk takes slots (shared atomics from the CTA's first slot) and stores
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
-   symmetric address.
+   symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
 4. Grid barrier; CTA 0 reads the totals, zeroes `expert_send_count` for the next call, and
-   publishes `(1 << 32) | count` into each destination rank's `expert_recv_count[my_rank][e_l]`
-   with a system-scope release store (the high half says "published", so a zeroed slot never
-   passes for a count of 0).
-5. Every CTA acquires the R x E_l counts of its own rank, and warp 0 builds the row and pool-block
-   prefix sums in shared memory.
-6. Pull: global warp g takes received rows g, g + G, ... (expert-major). Inside an expert the
-   rows alternate over source ranks (a row index is peeled round by round over the ranks that
-   still have rows), so concurrent warps read from all peers at once. One lane moves the row
-   with 1-D bulk copies, peer global -> shared -> local pool, double-buffered so the load of a
-   chunk overlaps the store of the previous one; the lanes copy scales, weight and metadata.
-7. Grid barrier (all pulls done); CTA 0 zeroes this rank's `expert_recv_count` and enters the
-   cross-rank barrier, after which no peer reads this rank's inputs or writes its counters for
-   this call any more: the next call may restage inputs and start over.
+   publishes `(epoch << 32) | count` into each destination rank's
+   `expert_recv_count[my_rank][e_l]` with a system-scope release store. The epoch numbers the
+   call (cross-rank barriers passed + 1, the same on every rank), so counts left from the
+   previous call never pass for this one's and nothing is reset.
+5. Every CTA acquires the R x E_l counts of its own rank (when pushing: of every rank, to
+   address their pools) and builds the row and pool-block prefix sums in shared memory, one
+   warp per rank.
+6. Metadata: one thread per received row finds its source (token, k) in `src_token_topk_idx`,
+   loads the routing weight and the FP8 scale row from the source rank, and stores them and
+   TokenSrcMetadata into the pool (consecutive threads take consecutive pool rows, so the
+   MN-major scale stores coalesce).
+7. Rows, `transfer="push"` (the default): global warp g takes this rank's (token, k) pairs
+   g, g + G, ...; a lane reads the destination of one pair of a batch of 32 (its expert, its
+   kept slot, the destination's pool prefix) and the warp copies the batch's rows one by one
+   with 16-byte register copies, plain stores into the destination rank's pool.
+   `transfer="pull"`: global warp g takes received rows g, g + G, ...; lane 0 moves each row
+   with 1-D bulk copies, peer global -> shared -> local pool, the load of a chunk overlapping
+   the store of the previous one (DeepGEMM's pull).
+8. Grid barrier (all rows moved); CTA 0 enters the cross-rank barrier (system-scope release and
+   acquire). After it every rank's pool is complete, and no peer reads this rank's inputs or
+   counts for this call any more: the next call may restage inputs and start over.
+
+Why push by default: with both GPUs moving rows at once, loads from a peer top out at 321-323
+GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md, "NVLink ceilings").
 
 Constraints:
 * launched cooperatively with at most one CTA per SM (`num_ctas` <= SMs); every rank launches
-  it once per call, also with 0 tokens (the barriers and counts need every rank);
+  it once per call, also with 0 tokens (the barriers and counts need every rank), with the same
+  `transfer`;
+* a pushing peer writes this rank's `l1_acts` during the call; it starts only after reading
+  this rank's counts of the call, which this rank publishes (to itself too) once its dispatch
+  runs, i.e. after its earlier work on the stream (the previous call's GEMMs) has finished;
 * the routing has been validated (indices in [-1, E), distinct experts per token); indices out
   of range or slots past T are skipped instead of corrupting memory;
 * `hidden * element_size % 16 == 0` (true since `hidden % 128 == 0`).
@@ -55,41 +71,70 @@ from cutlass import Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
-from .common.pool import BulkRowPipeline, build_pool_prefix
+from .common.pool import (
+    BulkRowPipeline,
+    build_pool_prefix,
+    copy_row_in_registers,
+    expert_of_row,
+    gmem_vector,
+)
 from .common.sync import (
     GRID_BARRIER_SLOT,
     cross_rank_barrier,
     grid_barrier,
+    rank_barriers_passed,
     spin_timeout_ns,
-    wait_published,
+    wait_epoch,
 )
+
+TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
+SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
+
+
+def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
+    """`length` elements of the 1-D shared-memory tensor `t` from `start`."""
+    return cute.make_tensor(t.iterator + start, cute.make_layout(length))
 
 
 class DispatchKernel:
-    """Count, prefix, scatter and pull for one rank (see the module docstring)."""
+    """Count, prefix, scatter and row transfer for one rank (see the module docstring)."""
 
-    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int = 256,
-                 has_stats: bool = False):
+    def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
+                 has_stats: bool = False, transfer: str = "push"):
         if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
             raise ValueError(f"block_m: expected a multiple of 16 in [16, "
                              f"{layout.block_m_max}], got {block_m}")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer: expected one of {TRANSFERS}, got {transfer!r}")
+        if num_threads is None:  # register copies want many warps; bulk staging fits 8
+            num_threads = 512 if transfer == "push" else 256
+        if num_threads % 32 != 0 or not 32 <= num_threads <= 1024:
+            raise ValueError(f"num_threads: expected a multiple of 32 in [32, 1024], got "
+                             f"{num_threads}")
         self.layout = layout
         self.regions = BufferRegions(layout)
         self.block_m = block_m
         self.num_threads = num_threads
         self.num_warps = num_threads // 32
         self.has_stats = has_stats
+        self.transfer = transfer
+        self.push = transfer == "push"
         self.num_ranks = layout.num_ranks
         self.num_experts = layout.num_experts
         self.num_local_experts = layout.num_local_experts
         self.num_topk = layout.num_topk
         self.num_slots = layout.num_tokens  # T slots per (expert, source rank)
+        # ranks whose counts and pool prefix a CTA needs: its own; every rank's when pushing
+        self.num_dests = self.num_ranks if self.push else 1
         self.num_pool_rows = layout.num_pool_rows
         self.has_sf = layout.has_sf
         self.sf_words = layout.hidden // 128
+        # scale words per vector load (16 bytes when the token's scale row is 16-byte aligned)
+        self.sf_vec = next(w for w in (4, 2, 1) if self.sf_words % w == 0)
         self.row_bytes = layout.hidden * layout.region("x").element_size
         self.rows = BulkRowPipeline(self.row_bytes)
-        self.rows.check_fits(self.num_warps)
+        if not self.push:
+            self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
 
     @cute.jit
@@ -119,24 +164,29 @@ class DispatchKernel:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         E, E_l, R, K = self.num_experts, self.num_local_experts, self.num_ranks, self.num_topk
+        D = self.num_dests
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
+        epoch = rank_barriers_passed(barrier) + 1
 
         smem = cutlass.memory.SmemAllocator()
         expert_slot = smem.allocate_tensor(Int32, cute.make_layout(E))  # count, then next slot
-        recv_count = smem.allocate_tensor(Int32, cute.make_layout(R * E_l))  # [src][expert]
-        expert_count = smem.allocate_tensor(Int32, cute.make_layout(E_l))  # all sources
-        row_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
-        block_start = smem.allocate_tensor(Int32, cute.make_layout(E_l + 1))
-        mbar, staging, pending_dst, pending_bytes = self.rows.for_warp(
-            self.rows.allocate(smem, self.num_warps), warp)
-
+        # per destination d (own rank only when pulling): [d][src][expert] counts, [d][expert]
+        # totals and rows of the sources before this rank, [d][expert + 1] prefix sums
+        recv_count = smem.allocate_tensor(Int32, cute.make_layout(D * R * E_l))
+        expert_count = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
+        rows_before_me = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
+        row_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
+        block_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
+        pipe = None  # the pull's per-warp staging (see `BulkRowPipeline`)
+        if cutlass.const_expr(not self.push):
+            pipe = self.rows.for_warp(self.rows.allocate(smem, self.num_warps), warp)
+            self.rows.init_barriers(pipe[0], lane)
+            cute.arch.mbarrier_init_fence()
         e = tidx
         while e < E:
             expert_slot[e] = 0
             e += self.num_threads
-        self.rows.init_barriers(mbar, lane)
-        cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         # 1. count this CTA's contiguous share of the (token, slot) pairs
@@ -168,11 +218,14 @@ class DispatchKernel:
         cute.arch.sync_threads()
 
         # 3. scatter token * K + k into the destination rank's source index table
+        pair_slot = self.regions.ptr(my_base, "dispatch_pair_slot")
         p = pair_begin + tidx
         while p < pair_end:
             expert = Int32(cute.arch.load(topk_idx + p, Int64))
             if expert >= 0 and expert < E:
                 slot = cute.arch.atomic_add(expert_slot.iterator + expert, Int32(1), scope="cta")
+                if cutlass.const_expr(self.push):
+                    cute.arch.store(pair_slot + p, slot)
                 if slot < self.num_slots:
                     dst = expert // E_l
                     table = self.regions.ptr(Int64(peer_bases[dst]), "src_token_topk_idx")
@@ -191,143 +244,213 @@ class DispatchKernel:
                 dst = e // E_l
                 recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
                 cute.arch.store(recv + rank * E_l + e % E_l,
-                                cutlass.min(total, Int64(self.num_slots)) | (Int64(1) << 32),
+                                cutlass.min(total, Int64(self.num_slots)) | (Int64(epoch) << 32),
                                 sem="release", scope="sys")
                 e += self.num_threads
 
-        # 5. every CTA gathers this rank's received counts; warp 0 builds the prefix sums
-        my_recv = self.regions.ptr(my_base, "expert_recv_count")
+        # 5. every CTA gathers the counts (own rank's; every rank's when pushing) and builds
+        # the prefix sums, one warp per rank
         i = tidx
-        while i < R * E_l:
-            recv_count[i] = wait_published(my_recv + i, "expert_recv_count", self.timeout_ns)
+        while i < D * R * E_l:
+            dest = rank
+            if cutlass.const_expr(self.push):
+                dest = i // (R * E_l)
+            recv = self.regions.ptr(Int64(peer_bases[dest]), "expert_recv_count")
+            recv_count[i] = wait_epoch(recv + i % (R * E_l), epoch, "expert_recv_count",
+                                       self.timeout_ns)
             i += self.num_threads
         cute.arch.sync_threads()
-        e = tidx
-        while e < E_l:
+        i = tidx
+        while i < D * E_l:
             total = Int32(0)
+            before = Int32(0)
             for src in cutlass.range(R):
-                total += recv_count[src * E_l + e]
-            expert_count[e] = total
-            e += self.num_threads
+                count = recv_count[((i // E_l) * R + src) * E_l + i % E_l]
+                total += count
+                if src < rank:
+                    before += count
+            expert_count[i] = total
+            rows_before_me[i] = before
+            i += self.num_threads
         cute.arch.sync_threads()
-        if warp == 0:
-            build_pool_prefix(expert_count, row_start, block_start, E_l, self.block_m)
+        d = warp
+        while d < D:
+            build_pool_prefix(_part(expert_count, d * E_l, E_l),
+                              _part(row_start, d * (E_l + 1), E_l + 1),
+                              _part(block_start, d * (E_l + 1), E_l + 1), E_l, self.block_m)
+            d += self.num_warps
         cute.arch.sync_threads()
+        own = Int32(0)  # this rank's index among the destinations above
+        if cutlass.const_expr(self.push):
+            own = rank
+        own_count = _part(recv_count, own * R * E_l, R * E_l)
+        own_row_start = _part(row_start, own * (E_l + 1), E_l + 1)
+        own_block_start = _part(block_start, own * (E_l + 1), E_l + 1)
         if bidx == 0:
             e = tidx
             while e < E_l:
-                total = expert_count[e]
+                total = expert_count[own * E_l + e]
                 expert_recv_tokens[e] = total
                 if cutlass.const_expr(self.has_stats):
                     stats[e] = stats[e] + total
                 e += self.num_threads
 
-        # 6. pull the received rows into the pool
-        self.pull(peer_bases, my_base, warp, lane, recv_count, row_start, block_start,
-                  mbar, staging, pending_dst, pending_bytes)
+        # 6. weights, scales and metadata of the received rows
+        self.write_metadata(peer_bases, my_base, own_count, own_row_start, own_block_start)
 
-        # 7. all pulls done -> reset the received counts, then meet the other ranks
+        # 7. the rows
+        if cutlass.const_expr(self.push):
+            self.push_rows(peer_bases, my_base, num_tokens, warp, lane, block_start,
+                           rows_before_me)
+        else:
+            self.pull_rows(peer_bases, my_base, warp, lane, own_count, own_row_start,
+                           own_block_start, pipe)
+
+        # 8. all rows moved -> meet the other ranks
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
         if bidx == 0:
-            i = tidx
-            while i < R * E_l:
-                cute.arch.store(my_recv + i, Int64(0))
-                i += self.num_threads
             cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"), Int32(R),
                                self.timeout_ns)
 
     @cute.jit
-    def pull(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
-             recv_count: cute.Tensor, row_start: cute.Tensor, block_start: cute.Tensor,
-             mbar: cute.Pointer, staging: cute.Pointer, pending_dst: cute.Tensor,
-             pending_bytes: cute.Tensor):
-        """Rows g, g + G, ... of the received rows (g = this warp's global index)."""
-        bidx, _, _ = cute.arch.block_idx()
-        num_ctas, _, _ = cute.arch.grid_dim()
-        E_l, R, K = self.num_local_experts, self.num_ranks, self.num_topk
-        num_rows = row_start[E_l]
-        row = bidx * self.num_warps + warp
-        stride = num_ctas * self.num_warps
-        table = self.regions.ptr(my_base, "src_token_topk_idx")
-        pool_weights = self.regions.ptr(my_base, "l1_topk_weights")
-        metadata = self.regions.ptr(my_base, "token_src_metadata")
-
-        expert = Int32(0)
-        job = Int32(0)  # chunks issued by this warp so far
-        while row < num_rows:
-            while row >= row_start[expert + 1]:
-                expert += 1
-            index_in_expert = row - row_start[expert]
-            src, slot = self.peel_source(index_in_expert, recv_count, expert)
-            packed = cute.arch.load(table + (expert * R + src) * self.num_slots + slot, Int32)
-            token = packed // K
-            topk = packed % K
-            pool_row = block_start[expert] * self.block_m + index_in_expert
-            src_base = Int64(peer_bases[src])
-
-            # scales, routing weight and metadata: plain loads/stores by the lanes
-            if cutlass.const_expr(self.has_sf):
-                src_sf = self.regions.ptr(src_base, "x_sf", dtype=Int32)
-                pool_sf = self.regions.ptr(my_base, "l1_acts_sf", dtype=Int32)
-                w = lane
-                while w < self.sf_words:
-                    value = cute.arch.load(src_sf + token * self.sf_words + w, Int32)
-                    cute.arch.store(pool_sf + w * self.num_pool_rows + pool_row, value)
-                    w += 32
-            if lane == 0:
-                weight = cute.arch.load(self.regions.ptr(src_base, "topk_weights") + packed,
-                                        Float32)
-                cute.arch.store(pool_weights + pool_row, weight)
-            if lane < 4:
-                value = src
-                if lane == 1:
-                    value = token
-                if lane == 2:
-                    value = topk
-                if lane == 3:
-                    value = Int32(0)
-                cute.arch.store(metadata + pool_row * 4 + lane, value)
-
-            # the row itself: bulk copies peer -> shared -> pool
-            src_row = src_base + self.regions.offset("x") + Int64(token) * self.row_bytes
-            dst_row = my_base + self.regions.offset("l1_acts") + Int64(pool_row) * self.row_bytes
-            if lane == 0:
-                job = self.rows.push_row(job, src_row, dst_row, mbar, staging, pending_dst,
-                                         pending_bytes)
-            row += stride
-        if lane == 0:
-            self.rows.drain(job, mbar, staging, pending_dst, pending_bytes)
+    def received_row(self, row: Int32, recv_count: cute.Tensor, row_start: cute.Tensor,
+                     block_start: cute.Tensor, table: cute.Pointer):
+        """(pool row, source rank, token * K + k) of this rank's `row`-th received row."""
+        E_l = self.num_local_experts
+        expert = expert_of_row(row_start, row, E_l)
+        index = row - row_start[expert]
+        src = Int32(0)  # the sources' rows follow each other in rank order
+        slot = index
+        while slot >= recv_count[src * E_l + expert]:
+            slot -= recv_count[src * E_l + expert]
+            src += 1
+        packed = cute.arch.load(
+            table + (expert * self.num_ranks + src) * self.num_slots + slot, Int32)
+        return block_start[expert] * self.block_m + index, src, packed
 
     @cute.jit
-    def peel_source(self, index: Int32, recv_count: cute.Tensor, expert: Int32):
-        """(source rank, slot) of an expert's `index`-th received row.
+    def write_metadata(self, peer_bases: cute.Tensor, my_base: Int64, recv_count: cute.Tensor,
+                       row_start: cute.Tensor, block_start: cute.Tensor):
+        """Thread j of the grid: received rows j, j + threads, ... (step 6)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        K = self.num_topk
+        num_rows = row_start[self.num_local_experts]
+        row = bidx * self.num_threads + tidx
+        table = self.regions.ptr(my_base, "src_token_topk_idx")
+        pool_weights = self.regions.ptr(my_base, "l1_topk_weights")
+        metadata = my_base + self.regions.offset("token_src_metadata")
+        while row < num_rows:
+            pool_row, src, packed = self.received_row(row, recv_count, row_start, block_start,
+                                                      table)
+            src_base = Int64(peer_bases[src])
+            token = packed // K
+            weight = cute.arch.load(self.regions.ptr(src_base, "topk_weights") + packed, Float32)
+            self.copy_scales(src_base, token, my_base, pool_row)
+            meta = cute.make_rmem_tensor((4,), Int32)  # (source rank, token, k, 0)
+            meta[0] = src
+            meta[1] = token
+            meta[2] = packed % K
+            meta[3] = Int32(0)
+            cute.autovec_copy(meta, gmem_vector(metadata + Int64(pool_row) * 16, Int32, 4))
+            cute.arch.store(pool_weights + pool_row, weight)
+            row += num_ctas * self.num_threads
 
-        Rows alternate over the source ranks: round by round, every rank that still has rows
-        gives one, in rank order, until the rank with the fewest remaining runs out (then the
-        next round starts with fewer ranks). Consecutive rows thus come from different peers.
-        """
-        E_l, R = self.num_local_experts, self.num_ranks
-        depth = Int32(0)  # rows already taken from every still-active rank
-        src = Int32(-1)
-        slot = Int32(0)
-        while src < 0:
-            active = Int32(0)
-            fewest = Int32(0x7FFFFFFF)
-            for s in cutlass.range(R):
-                c = recv_count[s * E_l + expert]
-                if c > depth:
-                    active += 1
-                    fewest = cutlass.min(fewest, c)
-            span = (fewest - depth) * active
-            if index < span:
-                slot = depth + index // active
-                pick = index % active
-                for s in cutlass.range(R):
-                    if recv_count[s * E_l + expert] > depth:
-                        if pick == 0 and src < 0:
-                            src = s
-                        pick -= 1
-            else:
-                index -= span
-                depth = fewest
-        return src, slot
+    @cute.jit
+    def copy_scales(self, src_base: Int64, token: Int32, my_base: Int64, pool_row: Int32):
+        """The source token's scale words into the MN-major pool scales, SF_GROUP_WORDS at a
+        time, all loads of a group issued before its stores (which would otherwise wait for
+        each load in turn)."""
+        if cutlass.const_expr(self.has_sf):
+            row = src_base + self.regions.offset("x_sf") + Int64(token) * (self.sf_words * 4)
+            pool_sf = self.regions.ptr(my_base, "l1_acts_sf", dtype=Int32)
+            for first in cutlass.range_constexpr(0, self.sf_words, SF_GROUP_WORDS):
+                num_vecs = min(SF_GROUP_WORDS, self.sf_words - first) // self.sf_vec
+                vecs = []
+                for v in cutlass.range_constexpr(num_vecs):
+                    r = cute.make_rmem_tensor((self.sf_vec,), Int32)
+                    cute.autovec_copy(gmem_vector(row + (first + v * self.sf_vec) * 4, Int32,
+                                                  self.sf_vec), r)
+                    vecs.append(r)
+                for v in cutlass.range_constexpr(num_vecs):
+                    for j in cutlass.range_constexpr(self.sf_vec):
+                        word = first + v * self.sf_vec + j
+                        cute.arch.store(pool_sf + word * self.num_pool_rows + pool_row, vecs[v][j])
+
+    @cute.jit
+    def push_rows(self, peer_bases: cute.Tensor, my_base: Int64, num_tokens: Int32,
+                  warp: Int32, lane: Int32, block_start: cute.Tensor,
+                  rows_before_me: cute.Tensor):
+        """Global warp g: this rank's (token, k) pairs g, g + G, ... into their destination
+        pools (step 7, push)."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        E, E_l, K = self.num_experts, self.num_local_experts, self.num_topk
+        num_pairs = num_tokens * K
+        topk_idx = self.regions.ptr(my_base, "topk_idx")
+        pair_slot = self.regions.ptr(my_base, "dispatch_pair_slot")
+        x = my_base + self.regions.offset("x")
+        pool_offset = self.regions.offset("l1_acts")
+        first = bidx * self.num_warps + warp
+        stride = num_ctas * self.num_warps
+        while first < num_pairs:
+            mine = first + lane * stride
+            pool_row = Int32(-1)  # -1: no pair, masked, or past the slots
+            dest = Int32(0)
+            if mine < num_pairs:
+                expert = Int32(cute.arch.load(topk_idx + mine, Int64))
+                if expert >= 0 and expert < E:
+                    slot = cute.arch.load(pair_slot + mine, Int32)
+                    if slot < self.num_slots:
+                        dest = expert // E_l
+                        # [d][expert] tables are indexed by the global expert d * E_l + e_l
+                        pool_row = (block_start[dest * (E_l + 1) + expert % E_l] * self.block_m
+                                    + rows_before_me[expert] + slot)
+            for j in cutlass.range(32):
+                row_j = cute.arch.shuffle_sync(pool_row, j)
+                dest_j = cute.arch.shuffle_sync(dest, j)
+                if row_j >= 0:
+                    token = (first + j * stride) // K
+                    copy_row_in_registers(x + Int64(token) * self.row_bytes,
+                                          Int64(peer_bases[dest_j]) + pool_offset
+                                          + Int64(row_j) * self.row_bytes, lane, self.row_bytes)
+            first += 32 * stride
+
+    @cute.jit
+    def pull_rows(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,
+                  recv_count: cute.Tensor, row_start: cute.Tensor, block_start: cute.Tensor,
+                  pipe):
+        """Global warp g: received rows g, g + G, ... from their source ranks (step 7, pull);
+        a lane finds one row of a batch of 32, lane 0 moves them."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        mbar, staging, pending_dst, pending_bytes = pipe
+        num_rows = row_start[self.num_local_experts]
+        table = self.regions.ptr(my_base, "src_token_topk_idx")
+        x_offset = self.regions.offset("x")
+        pool = my_base + self.regions.offset("l1_acts")
+        first = bidx * self.num_warps + warp
+        stride = num_ctas * self.num_warps
+        job = Int32(0)  # chunks issued by this warp so far
+        while first < num_rows:
+            mine = first + lane * stride
+            pool_row = Int32(-1)  # -1: no row
+            src = Int32(0)
+            token = Int32(0)
+            if mine < num_rows:
+                pool_row, src, packed = self.received_row(mine, recv_count, row_start,
+                                                          block_start, table)
+                token = packed // self.num_topk
+            for j in cutlass.range(32):
+                row_j = cute.arch.shuffle_sync(pool_row, j)
+                src_j = cute.arch.shuffle_sync(src, j)
+                token_j = cute.arch.shuffle_sync(token, j)
+                if row_j >= 0 and lane == 0:
+                    job = self.rows.push_row(
+                        job, Int64(peer_bases[src_j]) + x_offset + Int64(token_j) * self.row_bytes,
+                        pool + Int64(row_j) * self.row_bytes, mbar, staging, pending_dst,
+                        pending_bytes)
+            first += 32 * stride
+        if lane == 0:
+            self.rows.drain(job, mbar, staging, pending_dst, pending_bytes)

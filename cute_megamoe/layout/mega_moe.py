@@ -42,9 +42,11 @@ next call starts clean without a host memset):
     prefix over CTAs in atomic order) and the high 32 bits count arrivals, so one atomic both
     allocates and tells "all CTAs have reported". Local.
 ``expert_recv_count`` int64 [R, E_l]
-    Row ``r`` is written by source rank ``r`` with a plain remote store: ``(1 << 32) | count`` for
-    each of this rank's local experts. The high bits say "published", so a zeroed slot is never
-    mistaken for a count of zero. Remote-written, read by this rank's pull warps.
+    Row ``r`` is written by source rank ``r`` with a system-scope release store:
+    ``(epoch << 32) | count`` for each of this rank's local experts, ``epoch`` being the call's
+    number (the same on every rank), so a count left from an earlier call is never taken for
+    this one's and nothing needs resetting. Remote-written; read by this rank's dispatch and, when
+    the dispatch pushes rows, by every peer's (to address this rank's pool).
 ``expert_recv_count_sum`` int64 [E_l]
     Each source rank atomically adds its per-expert total with a system-scope atomic; the high
     half counts contributors, the low half the tokens this local expert receives. Remote-written,
@@ -58,21 +60,24 @@ next call starts clean without a host memset):
 ``src_token_topk_idx`` int32 [E_l, R, T]
     For each (local expert, source rank, slot): ``token * K + k`` on the source rank. Written by
     the *source* rank's dispatch warps through the symmetric pointer (remote-written), read by
-    this rank's pull warps. ``T`` slots per (expert, source rank) suffice: the slots for one
-    (expert, source rank) pair hold that source rank's (token, k) pairs routed to that expert;
-    a source rank has at most ``T`` tokens and a token names a given expert at most once, so at
-    most ``T`` slots are ever used. (DeepGEMM allocates ``R * T`` slots here, ``R`` times more
-    than needed: 8x the bytes for EP8.)
+    this rank's dispatch (metadata; the rows when it pulls them). ``T`` slots per (expert,
+    source rank) suffice: the slots for one (expert, source rank) pair hold that source rank's
+    (token, k) pairs routed to that expert; a source rank has at most ``T`` tokens and a token
+    names a given expert at most once, so at most ``T`` slots are ever used. (DeepGEMM
+    allocates ``R * T`` slots here, ``R`` times more than needed: 8x the bytes for EP8.)
+``dispatch_pair_slot`` int32 [T, K]
+    Per (token, k) of this rank: its slot in ``src_token_topk_idx[e_l][my_rank]`` on the expert's
+    rank, kept by the scatter for a dispatch that pushes the rows. Local.
 ``token_src_metadata`` int32 [P, 4]
     Per pool row ``{source rank, token, topk slot, unused}``: where the row's L2 result goes back
-    to. Written by the pull warps, read by the L2 epilogue. Local. Indexed by pool row, so it is
-    never overwritten within a call.
+    to. Written by this rank's dispatch, read by the L2 epilogue. Local. Indexed by pool row, so
+    it is never overwritten within a call.
 
 Data:
 
 ``x`` [T, H] (float8_e4m3fn, or bfloat16 for ``bf16xbf16``)
     Input tokens, copied in by the user before each call (only the first ``n`` rows are read).
-    Read by peers (pull).
+    Read by this rank's dispatch (push) or by peers' (pull).
 ``x_sf`` [T, H / 128] (absent for ``bf16xbf16``)
     Input scales, token-major. ``fp8xfp4``: int32, four UE8M0 bytes per int32 (per-32 scales,
     byte ``g % 4`` of word ``g // 4`` holds K-group ``g``). ``fp8xfp8``: float32, one per 128
@@ -80,13 +85,14 @@ Data:
 ``topk_idx`` int64 [T, K]
     Routing (-1 = masked). User-filled, read locally by the dispatch warps.
 ``topk_weights`` float32 [T, K]
-    Routing weights. User-filled, read by peers (the pull copies the weight with the row).
+    Routing weights. User-filled, read by peers (their dispatch copies each weight into its pool).
 ``l1_acts`` [P, H] (dtype of ``x``)
-    L1 GEMM input pool, written by the pull warps, read by the L1 GEMM. Local.
+    L1 GEMM input pool: rows written by the source ranks' dispatch (push, remote-written) or by
+    this rank's (pull); read by the L1 GEMM.
 ``l1_acts_sf`` [P, H / 128] strides (1, P) (dtype of ``x_sf``; absent for ``bf16xbf16``)
     Pool scales, MN-major (pool row fastest) as the GEMM's scale loads want. Local.
 ``l1_topk_weights`` float32 [P]
-    Routing weight of each pool row, written by the pull, read by the L1 epilogue. Local.
+    Routing weight of each pool row, written by the dispatch, read by the L1 epilogue. Local.
 ``l2_acts`` [P, I] (dtype of ``x``)
     L2 GEMM input pool, written by the L1 epilogue (SwiGLU, weight, requantization). Local.
 ``l2_acts_sf`` [P, I / 128] strides (1, P) (int32 for ``fp8xfp4``, float32 for ``fp8xfp8``;
@@ -146,6 +152,7 @@ WORKSPACE_REGION_NAMES = (
     "l1_pool_block_ready",
     "l2_pool_block_ready",
     "src_token_topk_idx",
+    "dispatch_pair_slot",
     "token_src_metadata",
 )
 DATA_REGION_NAMES = (
@@ -291,6 +298,7 @@ class MegaMoELayout:
             ("l1_pool_block_ready", torch.int32, (num_pool_blocks,), None),
             ("l2_pool_block_ready", torch.int32, (num_pool_blocks,), None),
             ("src_token_topk_idx", torch.int32, (e_l, r, t), None),
+            ("dispatch_pair_slot", torch.int32, (t, k), None),
             ("token_src_metadata", torch.int32, (p, 4), None),
             ("x", act_dtype, (t, h), None),
             ("x_sf", sf_dtype, (t, h // 128), None),

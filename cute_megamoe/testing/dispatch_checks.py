@@ -64,6 +64,7 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
                stats_expected: torch.Tensor) -> None:
     from .. import staged
     from ..kernels.common.sync import SPLIT_ARRIVAL_SLOT, SPLIT_BARRIER_COUNT
+    from ..kernels.dispatch import TRANSFERS
 
     layout = buf.layout
     rank, num_ranks = buf.rank, buf.num_ranks
@@ -72,62 +73,67 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
     xs, idxs, ws = make_problem(case, layout.num_experts, k_top, hidden)
     n = case.tokens[rank]
 
-    # poison what the kernels write
-    poison = {"l1_acts": 0xFF, "l1_topk_weights": 0xFF, "token_src_metadata": 0x7F}
-    if layout.has_sf:
-        poison["l1_acts_sf"] = 0xFF
-    for name, byte in poison.items():
-        view = buf.view(name)
-        view = view if view.is_contiguous() else view.t()  # MN-major scales
-        view.view(torch.uint8).fill_(byte)
-    buf.combine.view(torch.uint8).fill_(0xFF)
+    # both row transfers, one after the other on the same buffer; the combine checks below use
+    # the second dispatch's pool
+    for transfer in TRANSFERS:
+        # poison what the kernels write
+        poison = {"l1_acts": 0xFF, "l1_topk_weights": 0xFF, "token_src_metadata": 0x7F}
+        if layout.has_sf:
+            poison["l1_acts_sf"] = 0xFF
+        for name, byte in poison.items():
+            view = buf.view(name)
+            view = view if view.is_contiguous() else view.t()  # MN-major scales
+            view.view(torch.uint8).fill_(byte)
+        buf.combine.view(torch.uint8).fill_(0xFF)
 
-    result = staged.dispatch(buf, xs[rank].to(device), idxs[rank].to(device),
-                             ws[rank].to(device), block_m=block_m,
-                             cumulative_local_expert_recv_stats=stats)
-    torch.cuda.synchronize(device)
+        result = staged.dispatch(buf, xs[rank].to(device), idxs[rank].to(device),
+                                 ws[rank].to(device), block_m=block_m,
+                                 cumulative_local_expert_recv_stats=stats, transfer=transfer)
+        torch.cuda.synchronize(device)
 
-    # --- bookkeeping: counts and the (source, token, slot) multiset per expert
-    ref_count, ref_src_count, ref_pairs = reference.dispatch_reference(idxs, layout.num_experts)
-    mine = slice(rank * e_l, (rank + 1) * e_l)
-    recv = result.expert_recv_tokens.cpu().long()
-    assert torch.equal(recv, ref_count[mine].long()), (recv, ref_count[mine])
-    stats_expected += ref_count[mine].to(torch.int32)
-    assert torch.equal(stats.cpu(), stats_expected), "cumulative_local_expert_recv_stats"
-    offsets = result.pool_block_offsets().cpu().long()
-    meta = result.token_src_metadata.cpu()
-    rows_all = []
-    for e in range(e_l):
-        rows = offsets[e] * block_m + torch.arange(int(recv[e]))
-        got = meta[rows, :3].long()
-        got = got[torch.argsort(got[:, 0] * (1 << 40) + got[:, 1] * 64 + got[:, 2])]
-        want = ref_pairs[rank * e_l + e].long()
-        assert torch.equal(got, want), f"expert {e}: pairs differ"
-        assert bool((meta[rows, 3] == 0).all())
-        rows_all.append(rows)
-    rows = torch.cat(rows_all) if rows_all else torch.zeros(0, dtype=torch.long)
+        # --- bookkeeping: counts and the (source, token, slot) multiset per expert
+        ref_count, ref_src_count, ref_pairs = reference.dispatch_reference(idxs, layout.num_experts)
+        mine = slice(rank * e_l, (rank + 1) * e_l)
+        recv = result.expert_recv_tokens.cpu().long()
+        assert torch.equal(recv, ref_count[mine].long()), (transfer, recv, ref_count[mine])
+        stats_expected += ref_count[mine].to(torch.int32)
+        assert torch.equal(stats.cpu(), stats_expected), "cumulative_local_expert_recv_stats"
+        offsets = result.pool_block_offsets().cpu().long()
+        meta = result.token_src_metadata.cpu()
+        rows_all = []
+        for e in range(e_l):
+            rows = offsets[e] * block_m + torch.arange(int(recv[e]))
+            got = meta[rows, :3].long()
+            got = got[torch.argsort(got[:, 0] * (1 << 40) + got[:, 1] * 64 + got[:, 2])]
+            want = ref_pairs[rank * e_l + e].long()
+            assert torch.equal(got, want), f"{transfer}: expert {e}: pairs differ"
+            assert bool((meta[rows, 3] == 0).all())
+            rows_all.append(rows)
+        rows = torch.cat(rows_all) if rows_all else torch.zeros(0, dtype=torch.long)
 
-    # --- pool rows: bit copies of the source rows, scales and weights
-    token_base = torch.tensor([0] + list(case.tokens)).cumsum(0)
-    src_rows = token_base[meta[rows, 0].long()] + meta[rows, 1].long()
-    x_all = torch.cat(xs).to(device)
-    if layout.recipe == "bf16xbf16":
-        xq_all, sf_all = x_all, None
-    else:
-        xq_all, sf_all = quant.quantize_activations_for_recipe(x_all, layout.recipe)
-    rows_d, src_d = rows.to(device), src_rows.to(device)
-    assert torch.equal(result.l1_acts[rows_d].view(torch.uint8),
-                       xq_all[src_d].view(torch.uint8)), "pool rows"
-    if sf_all is not None:
-        assert torch.equal(result.l1_acts_sf[rows_d].contiguous().view(torch.int32),
-                           sf_all[src_d].view(torch.int32)), "pool scales"
-    w_all = torch.cat(ws).to(device)
-    slots = meta[rows, 2].long().to(device)
-    assert torch.equal(result.l1_topk_weights[rows_d], w_all[src_d, slots]), "pool weights"
-    # padding and unused pool rows were not written
-    untouched = torch.ones(result.num_pool_rows, dtype=torch.bool, device=device)
-    untouched[rows_d] = False
-    assert bool((result.l1_acts[untouched].view(torch.uint8) == 0xFF).all()), "pool padding"
+        # --- pool rows: bit copies of the source rows, scales and weights
+        token_base = torch.tensor([0] + list(case.tokens)).cumsum(0)
+        src_rows = token_base[meta[rows, 0].long()] + meta[rows, 1].long()
+        x_all = torch.cat(xs).to(device)
+        if layout.recipe == "bf16xbf16":
+            xq_all, sf_all = x_all, None
+        else:
+            xq_all, sf_all = quant.quantize_activations_for_recipe(x_all, layout.recipe)
+        rows_d, src_d = rows.to(device), src_rows.to(device)
+        assert torch.equal(result.l1_acts[rows_d].view(torch.uint8),
+                           xq_all[src_d].view(torch.uint8)), f"{transfer}: pool rows"
+        if sf_all is not None:
+            assert torch.equal(result.l1_acts_sf[rows_d].contiguous().view(torch.int32),
+                               sf_all[src_d].view(torch.int32)), f"{transfer}: pool scales"
+        w_all = torch.cat(ws).to(device)
+        slots = meta[rows, 2].long().to(device)
+        assert torch.equal(result.l1_topk_weights[rows_d], w_all[src_d, slots]), \
+            f"{transfer}: pool weights"
+        # padding and unused pool rows were not written
+        untouched = torch.ones(result.num_pool_rows, dtype=torch.bool, device=device)
+        untouched[rows_d] = False
+        assert bool((result.l1_acts[untouched].view(torch.uint8) == 0xFF).all()), \
+            f"{transfer}: pool padding"
 
     # --- combine: random expert outputs per (source rank, token, slot), reduced exactly
     gen = torch.Generator().manual_seed(case.seed + 1)

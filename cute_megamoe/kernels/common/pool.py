@@ -1,8 +1,11 @@
-"""Pool bookkeeping and row movement shared by the dispatch (pull) and combine (send) kernels.
+"""Pool bookkeeping and row movement shared by the dispatch and combine kernels.
 
 * `build_pool_prefix`: from per-expert row counts in shared memory, the exclusive prefix sums
   of rows (`row_start`) and of BM-blocks (`block_start`, i.e. `pool_block_offset`), by one warp.
-  Expert e's received row j lives at pool row `block_start[e] * BM + j`.
+  Expert e's received row j lives at pool row `block_start[e] * BM + j`; `expert_of_row`
+  inverts `row_start`.
+* `copy_row_in_registers`: one warp copies a row with 16-byte loads and plain stores (to a
+  peer's symmetric memory too).
 * `BulkRowPipeline`: one warp moves rows chunk by chunk with 1-D bulk copies, global -> shared
   -> global, through `NUM_STAGES` staging buffers with `LOOKAHEAD` loads in flight. Lane 0
   issues everything; callers keep the chunk counter `job` in a loop variable.
@@ -17,6 +20,7 @@ from cutlass.experimental import primitives as prims
 
 from .warp import warp_inclusive_sum
 
+ROW_COPY_UNROLL = 4  # 16-byte vectors each lane loads before storing them (register copies)
 NUM_STAGES = 3  # staging buffers per warp
 LOOKAHEAD = NUM_STAGES - 1  # chunk loads in flight per warp
 MAX_CHUNK_BYTES = 8192
@@ -46,6 +50,51 @@ def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
     if lane == 0:
         row_start[0] = 0
         block_start[0] = 0
+
+
+@cute.jit
+def expert_of_row(row_start: cute.Tensor, row: Int32, num_experts: cutlass.Constexpr) -> Int32:
+    """The expert e with row_start[e] <= row < row_start[e + 1] (binary search; empty experts
+    have equal bounds and are never returned)."""
+    lo = Int32(0)
+    hi = Int32(num_experts)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if row_start[mid] <= row:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def gmem_vector(address: Int64, dtype, length: int) -> cute.Tensor:
+    """`length` elements of `dtype` at a global `address` aligned to their size (one vector
+    access when it is 4, 8 or 16 bytes)."""
+    return cute.make_tensor(
+        cute.make_ptr(dtype, address, cute.AddressSpace.gmem,
+                      assumed_align=length * dtype.width // 8),
+        cute.make_layout(length))
+
+
+@cute.jit
+def copy_row_in_registers(src_row: Int64, dst_row: Int64, lane: Int32,
+                          row_bytes: cutlass.Constexpr):
+    """The calling warp copies `row_bytes` (a multiple of 16, both rows 16-byte aligned): every
+    lane loads ROW_COPY_UNROLL 16-byte vectors, then stores them. Plain stores: a caller writing
+    a peer's memory publishes them with a barrier."""
+    vecs = row_bytes // 16
+    for grp in cutlass.range_constexpr(-(-vecs // (32 * ROW_COPY_UNROLL))):
+        regs = []
+        for u in cutlass.range_constexpr(ROW_COPY_UNROLL):
+            i = (grp * ROW_COPY_UNROLL + u) * 32 + lane
+            r = cute.make_rmem_tensor((4,), Int32)
+            if i < vecs:
+                cute.autovec_copy(gmem_vector(src_row + Int64(i) * 16, Int32, 4), r)
+            regs.append(r)
+        for u in cutlass.range_constexpr(ROW_COPY_UNROLL):
+            i = (grp * ROW_COPY_UNROLL + u) * 32 + lane
+            if i < vecs:
+                cute.autovec_copy(regs[u], gmem_vector(dst_row + Int64(i) * 16, Int32, 4))
 
 
 class BulkRowPipeline:

@@ -112,18 +112,27 @@ def wait_reached(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
 
 
 @cute.jit
-def wait_published(ptr: cute.Pointer, what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
-    """Spin until the int64 at `ptr` has non-zero high bits (a `(1 << 32) | value` publication,
-    acquire at system scope); returns its low 32 bits."""
+def wait_epoch(ptr: cute.Pointer, epoch: Int32, what: cutlass.Constexpr,
+               timeout_ns: cutlass.Constexpr):
+    """Spin until the int64 at `ptr` is an `(epoch << 32) | value` publication of this `epoch`
+    (acquire at system scope); returns its low 32 bits."""
     value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
-    if (value >> 32) == 0:
+    if Int32(value >> 32) != epoch:
         start = cute.arch.globaltimer()
-        while (value >> 32) == 0:
+        while Int32(value >> 32) != epoch:
             value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    _report_stall(what, Int32(0), Int32(1))
+                    _report_stall(what, Int32(value >> 32), epoch)
     return Int32(value & 0xFFFFFFFF)
+
+
+@cute.jit
+def rank_barriers_passed(barrier_slots: cute.Pointer) -> Int32:
+    """Cross-rank barriers this rank has passed: the same on every rank between two of them, so
+    `+ 1` numbers a call of a kernel that ends with one (the dispatch's publication epoch).
+    Read it before the kernel's own cross-rank barrier."""
+    return cute.arch.load(barrier_slots + RANK_BARRIER_COUNT_SLOT, Int32)
 
 
 @cute.jit
