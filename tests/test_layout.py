@@ -42,7 +42,7 @@ def expected_regions(r, e, m, k, h, i, recipe):
     spec = {
         "barrier": (torch.int32, (64,), (1,)),
         "expert_send_count": (torch.int64, (e,), (1,)),
-        "expert_recv_count": (torch.int64, (r, e_l), (e_l, 1)),
+        "expert_recv_count": (torch.int64, (r, e), (e, 1)),
         "expert_recv_count_sum": (torch.int64, (e_l,), (1,)),
         "l1_pool_block_ready": (torch.int32, (p // 16,), (1,)),
         "l2_pool_block_ready": (torch.int32, (p // 16,), (1,)),
@@ -224,7 +224,7 @@ def test_deepseek_v3_like_total_is_sane():
     exact = (
         64 * 4
         + e * 8
-        + r * e_l * 8
+        + r * e * 8
         + e_l * 8
         + 2 * (p // 16) * 4
         + e_l * r * t * 4

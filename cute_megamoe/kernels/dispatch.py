@@ -26,13 +26,13 @@ How (the seed analysis' count -> prefix -> scatter):
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
    symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
 4. Grid barrier; CTA 0 reads the totals, zeroes `expert_send_count` for the next call, and
-   publishes `(epoch << 32) | count` into each destination rank's
-   `expert_recv_count[my_rank][e_l]` with a system-scope release store. The epoch numbers the
-   call (cross-rank barriers passed + 1, the same on every rank), so counts left from the
-   previous call never pass for this one's and nothing is reset.
-5. Every CTA acquires the R x E_l counts of its own rank (when pushing: of every rank, to
-   address their pools) and builds the row and pool-block prefix sums in shared memory, one
-   warp per rank.
+   publishes `(epoch << 32) | count` into every rank's `expert_recv_count[my_rank][e]` with
+   system-scope release stores (all experts to all ranks: a pushing rank needs its
+   destinations' counts from every source, and spinning on local memory is cheaper than on a
+   peer's). The epoch numbers the call (cross-rank barriers passed + 1, the same on every
+   rank), so counts left from the previous call never pass for this one's; nothing is reset.
+5. Every CTA acquires the R x E_l counts of its own experts (when pushing: of every rank's) and
+   builds the row and pool-block prefix sums in shared memory, one warp per rank.
 6. Metadata: one thread per received row finds its source (token, k) in `src_token_topk_idx`,
    loads the routing weight and the FP8 scale row from the source rank, and stores them and
    TokenSrcMetadata into the pool (consecutive threads take consecutive pool rows, so the
@@ -55,9 +55,9 @@ Constraints:
 * launched cooperatively with at most one CTA per SM (`num_ctas` <= SMs); every rank launches
   it once per call, also with 0 tokens (the barriers and counts need every rank), with the same
   `transfer`;
-* a pushing peer writes this rank's `l1_acts` during the call; it starts only after reading
-  this rank's counts of the call, which this rank publishes (to itself too) once its dispatch
-  runs, i.e. after its earlier work on the stream (the previous call's GEMMs) has finished;
+* a pushing peer writes this rank's `l1_acts` during the call; it starts only after it has
+  every rank's counts of the call, which this rank publishes once its dispatch runs, i.e.
+  after its earlier work on the stream (the previous call's GEMMs) has finished;
 * the routing has been validated (indices in [-1, E), distinct experts per token); indices out
   of range or slots past T are skipped instead of corrupting memory;
 * `hidden * element_size % 16 == 0` (true since `hidden % 128 == 0`).
@@ -235,29 +235,29 @@ class DispatchKernel:
 
         grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
 
-        # 4. CTA 0 publishes the per-(expert, source) counts to the destination ranks
+        # 4. CTA 0 publishes this rank's per-expert counts to every rank
         if bidx == 0:
             e = tidx
             while e < E:
                 total = cute.arch.load(send_count + e, Int64) & 0xFFFFFFFF
                 cute.arch.store(send_count + e, Int64(0))
-                dst = e // E_l
-                recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
-                cute.arch.store(recv + rank * E_l + e % E_l,
-                                cutlass.min(total, Int64(self.num_slots)) | (Int64(epoch) << 32),
-                                sem="release", scope="sys")
+                published = cutlass.min(total, Int64(self.num_slots)) | (Int64(epoch) << 32)
+                for dst in cutlass.range(R):
+                    recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
+                    cute.arch.store(recv + rank * E + e, published, sem="release", scope="sys")
                 e += self.num_threads
 
-        # 5. every CTA gathers the counts (own rank's; every rank's when pushing) and builds
-        # the prefix sums, one warp per rank
+        # 5. every CTA gathers the counts of its own experts (every rank's experts when
+        # pushing) and builds the prefix sums, one warp per rank
+        recv = self.regions.ptr(my_base, "expert_recv_count")
         i = tidx
         while i < D * R * E_l:
             dest = rank
             if cutlass.const_expr(self.push):
                 dest = i // (R * E_l)
-            recv = self.regions.ptr(Int64(peer_bases[dest]), "expert_recv_count")
-            recv_count[i] = wait_epoch(recv + i % (R * E_l), epoch, "expert_recv_count",
-                                       self.timeout_ns)
+            src = (i // E_l) % R
+            recv_count[i] = wait_epoch(recv + src * E + dest * E_l + i % E_l, epoch,
+                                       "expert_recv_count", self.timeout_ns)
             i += self.num_threads
         cute.arch.sync_threads()
         i = tidx

@@ -41,12 +41,13 @@ next call starts clean without a host memset):
     returned old value's low 32 bits are the CTA's first slot for that expert (an exclusive
     prefix over CTAs in atomic order) and the high 32 bits count arrivals, so one atomic both
     allocates and tells "all CTAs have reported". Local.
-``expert_recv_count`` int64 [R, E_l]
-    Row ``r`` is written by source rank ``r`` with a system-scope release store:
-    ``(epoch << 32) | count`` for each of this rank's local experts, ``epoch`` being the call's
-    number (the same on every rank), so a count left from an earlier call is never taken for
-    this one's and nothing needs resetting. Remote-written; read by this rank's dispatch and, when
-    the dispatch pushes rows, by every peer's (to address this rank's pool).
+``expert_recv_count`` int64 [R, E]
+    Row ``r`` is written by source rank ``r`` with system-scope release stores:
+    ``(epoch << 32) | count`` for every global expert (each rank gets every rank's counts),
+    ``epoch`` being the call's number (the same on every rank), so a count left from an earlier
+    call is never taken for this one's and nothing needs resetting. Remote-written; read by this
+    rank's dispatch (its own experts' columns; all of them when it pushes rows, to address the
+    destination pools).
 ``expert_recv_count_sum`` int64 [E_l]
     Each source rank atomically adds its per-expert total with a system-scope atomic; the high
     half counts contributors, the low half the tokens this local expert receives. Remote-written,
@@ -293,7 +294,7 @@ class MegaMoELayout:
         specs: list[tuple[str, torch.dtype | None, tuple[int, ...], tuple[int, ...] | None]] = [
             ("barrier", torch.int32, (NUM_BARRIER_SLOTS,), None),
             ("expert_send_count", torch.int64, (e,), None),
-            ("expert_recv_count", torch.int64, (r, e_l), None),
+            ("expert_recv_count", torch.int64, (r, e), None),
             ("expert_recv_count_sum", torch.int64, (e_l,), None),
             ("l1_pool_block_ready", torch.int32, (num_pool_blocks,), None),
             ("l2_pool_block_ready", torch.int32, (num_pool_blocks,), None),
