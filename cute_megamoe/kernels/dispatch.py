@@ -13,9 +13,9 @@ the same kernel concurrently):
 
 with pool rows expert-major, expert e's first row at `pool_block_offset(e) * BM`, where
 `pool_block_offset(e) = sum over e' < e of ceil(count(e') / BM)` (padding rows are not written),
-and inside an expert the rows of source rank 0 first, then those of rank 1, and so on. The order
-of one source's rows is not deterministic (slots come from atomics); everything downstream is
-row-local, so results are.
+and inside an expert the sources taking turns, one row each in rank order (the combine then
+sends consecutive rows to different ranks). The order of one source's rows is not deterministic
+(slots come from atomics); everything downstream is row-local, so results are.
 
 How (the seed analysis' count -> prefix -> scatter):
 1. Count: each CTA walks its contiguous share of the (token, slot) pairs and counts pairs per
@@ -38,9 +38,9 @@ How (the seed analysis' count -> prefix -> scatter):
    TokenSrcMetadata into the pool (consecutive threads take consecutive pool rows, so the
    MN-major scale stores coalesce).
 7. Rows, `transfer="push"` (the default): global warp g takes this rank's (token, k) pairs
-   g, g + G, ...; a lane reads the destination of one pair of a batch of 32 (its expert, its
-   kept slot, the destination's pool prefix) and the warp copies the batch's rows one by one
-   with 16-byte register copies, plain stores into the destination rank's pool.
+   g, g + G, ...; a lane finds the destination of one pair of a batch of 32 (its expert, its
+   kept slot, the destination's pool prefix and counts) and the warp copies the batch's rows
+   one by one with 16-byte register copies, plain stores into the destination rank's pool.
    `transfer="pull"`: global warp g takes received rows g, g + G, ...; lane 0 moves each row
    with 1-D bulk copies, peer global -> shared -> local pool, the load of a chunk overlapping
    the store of the previous one (DeepGEMM's pull).
@@ -172,10 +172,9 @@ class DispatchKernel:
         smem = cutlass.memory.SmemAllocator()
         expert_slot = smem.allocate_tensor(Int32, cute.make_layout(E))  # count, then next slot
         # per destination d (own rank only when pulling): [d][src][expert] counts, [d][expert]
-        # totals and rows of the sources before this rank, [d][expert + 1] prefix sums
+        # totals, [d][expert + 1] prefix sums
         recv_count = smem.allocate_tensor(Int32, cute.make_layout(D * R * E_l))
         expert_count = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
-        rows_before_me = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
         row_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
         block_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
         pipe = None  # the pull's per-warp staging (see `BulkRowPipeline`)
@@ -263,14 +262,9 @@ class DispatchKernel:
         i = tidx
         while i < D * E_l:
             total = Int32(0)
-            before = Int32(0)
             for src in cutlass.range(R):
-                count = recv_count[((i // E_l) * R + src) * E_l + i % E_l]
-                total += count
-                if src < rank:
-                    before += count
+                total += recv_count[((i // E_l) * R + src) * E_l + i % E_l]
             expert_count[i] = total
-            rows_before_me[i] = before
             i += self.num_threads
         cute.arch.sync_threads()
         d = warp
@@ -300,8 +294,8 @@ class DispatchKernel:
 
         # 7. the rows
         if cutlass.const_expr(self.push):
-            self.push_rows(peer_bases, my_base, num_tokens, warp, lane, block_start,
-                           rows_before_me)
+            self.push_rows(peer_bases, my_base, rank, num_tokens, warp, lane, recv_count,
+                           block_start)
         else:
             self.pull_rows(peer_bases, my_base, warp, lane, own_count, own_row_start,
                            own_block_start, pipe)
@@ -319,14 +313,57 @@ class DispatchKernel:
         E_l = self.num_local_experts
         expert = expert_of_row(row_start, row, E_l)
         index = row - row_start[expert]
-        src = Int32(0)  # the sources' rows follow each other in rank order
-        slot = index
-        while slot >= recv_count[src * E_l + expert]:
-            slot -= recv_count[src * E_l + expert]
-            src += 1
+        src, slot = self.source_of_index(index, recv_count, expert)
         packed = cute.arch.load(
             table + (expert * self.num_ranks + src) * self.num_slots + slot, Int32)
         return block_start[expert] * self.block_m + index, src, packed
+
+    @cute.jit
+    def index_of_source(self, src: Int32, slot: Int32, recv_count: cute.Tensor,
+                        expert: Int32) -> Int32:
+        """Where a source's `slot`-th row sits among an expert's rows: the sources take turns,
+        one row each in rank order, the ones that ran out dropping out (so consecutive rows
+        come from different ranks, which spreads the combine's sends over the peers):
+        rows of smaller slots, sum over s of min(count_s, slot), then this slot's rows of
+        smaller ranks. `recv_count`: [source][expert] counts."""
+        index = Int32(0)
+        for s in cutlass.range(self.num_ranks):
+            count = recv_count[s * self.num_local_experts + expert]
+            index += cutlass.min(count, slot)
+            if s < src and count > slot:
+                index += 1
+        return index
+
+    @cute.jit
+    def source_of_index(self, index: Int32, recv_count: cute.Tensor, expert: Int32):
+        """(source rank, slot) of an expert's `index`-th row, the inverse of
+        `index_of_source`: peel depth by depth, each depth holding one row of every source
+        with more rows than that, until the source with the fewest left runs out."""
+        E_l, R = self.num_local_experts, self.num_ranks
+        depth = Int32(0)  # rows already taken from every still-active rank
+        src = Int32(-1)
+        slot = Int32(0)
+        while src < 0:
+            active = Int32(0)
+            fewest = Int32(0x7FFFFFFF)
+            for s in cutlass.range(R):
+                c = recv_count[s * E_l + expert]
+                if c > depth:
+                    active += 1
+                    fewest = cutlass.min(fewest, c)
+            span = (fewest - depth) * active
+            if index < span:
+                slot = depth + index // active
+                pick = index % active
+                for s in cutlass.range(R):
+                    if recv_count[s * E_l + expert] > depth:
+                        if pick == 0 and src < 0:
+                            src = s
+                        pick -= 1
+            else:
+                index -= span
+                depth = fewest
+        return src, slot
 
     @cute.jit
     def write_metadata(self, peer_bases: cute.Tensor, my_base: Int64, recv_count: cute.Tensor,
@@ -379,14 +416,14 @@ class DispatchKernel:
                         cute.arch.store(pool_sf + word * self.num_pool_rows + pool_row, vecs[v][j])
 
     @cute.jit
-    def push_rows(self, peer_bases: cute.Tensor, my_base: Int64, num_tokens: Int32,
-                  warp: Int32, lane: Int32, block_start: cute.Tensor,
-                  rows_before_me: cute.Tensor):
+    def push_rows(self, peer_bases: cute.Tensor, my_base: Int64, rank: Int32,
+                  num_tokens: Int32, warp: Int32, lane: Int32, recv_count: cute.Tensor,
+                  block_start: cute.Tensor):
         """Global warp g: this rank's (token, k) pairs g, g + G, ... into their destination
         pools (step 7, push)."""
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        E, E_l, K = self.num_experts, self.num_local_experts, self.num_topk
+        E, E_l, R, K = self.num_experts, self.num_local_experts, self.num_ranks, self.num_topk
         num_pairs = num_tokens * K
         topk_idx = self.regions.ptr(my_base, "topk_idx")
         pair_slot = self.regions.ptr(my_base, "dispatch_pair_slot")
@@ -404,9 +441,11 @@ class DispatchKernel:
                     slot = cute.arch.load(pair_slot + mine, Int32)
                     if slot < self.num_slots:
                         dest = expert // E_l
-                        # [d][expert] tables are indexed by the global expert d * E_l + e_l
-                        pool_row = (block_start[dest * (E_l + 1) + expert % E_l] * self.block_m
-                                    + rows_before_me[expert] + slot)
+                        local_expert = expert % E_l
+                        pool_row = (block_start[dest * (E_l + 1) + local_expert] * self.block_m
+                                    + self.index_of_source(
+                                        rank, slot, _part(recv_count, dest * R * E_l, R * E_l),
+                                        local_expert))
             for j in cutlass.range(32):
                 row_j = cute.arch.shuffle_sync(pool_row, j)
                 dest_j = cute.arch.shuffle_sync(dest, j)

@@ -104,6 +104,12 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
         for e in range(e_l):
             rows = offsets[e] * block_m + torch.arange(int(recv[e]))
             got = meta[rows, :3].long()
+            # the sources take turns: one row each in rank order while they have rows
+            per_src = torch.bincount(got[:, 0], minlength=num_ranks)
+            turns = torch.cat([torch.arange(int(c)) * num_ranks + s for s, c in enumerate(per_src)])
+            want_src = torch.cat([torch.full((int(c),), s) for s, c in enumerate(per_src)])
+            assert torch.equal(got[:, 0], want_src[torch.argsort(turns)]), \
+                f"{transfer}: expert {e}: sources do not take turns"
             got = got[torch.argsort(got[:, 0] * (1 << 40) + got[:, 1] * 64 + got[:, 2])]
             want = ref_pairs[rank * e_l + e].long()
             assert torch.equal(got, want), f"{transfer}: expert {e}: pairs differ"
