@@ -1,6 +1,6 @@
 """Staged mode: the layer as separate kernels, with any expert computation between them.
 
-    result = staged.dispatch(buf, x, topk_idx, topk_weights)   # stage + count/scatter/pull
+    result = staged.dispatch(buf, x, topk_idx, topk_weights)   # stage + count/scatter/rows
     expert_out = my_experts(result)                             # [P, H] BF16 in pool order
     y = staged.combine(buf, expert_out, result)                 # send back + top-k reduce
 
