@@ -95,14 +95,16 @@ def select_block_m(expected_tokens_per_expert: float, arch: str) -> int:
 def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
     """CTAs per cluster along M for a grouped GEMM of output width ``n`` on ``arch``.
 
-    sm90: 2 for L2 at BLOCK_M 128 with 256-column tiles (the two CTAs of a cluster work on
+    sm90: 2 at BLOCK_M 128 with 256-column tiles (the two CTAs of a cluster work on
     neighbouring pool blocks and multicast the weight tile when both blocks are one expert's),
-    else 1. Measured interleaved on an H200 (docs/performance.md): L2 5-10 % faster with 2 at
-    uniform and uneven expert sizes; L1 no faster (FP8) or 5 % slower (BF16); at BLOCK_M 64
-    (decode sizes, about one block per expert) neighbouring blocks rarely share an expert.
-    sm100 pairs CTAs through its 2-CTA MMA at BLOCK_M 256 instead: 1 here.
+    in both GEMMs, else 1. The pair runs in lockstep, so the weight tile it shares is read
+    from DRAM once; without it, CTAs drift apart and L1 read 1.4-1.8x the minimum DRAM bytes
+    (ncu, 2026-11-30; the GPU is power-bound, so DRAM traffic costs clock speed). Measured
+    interleaved on an H200 (docs/performance.md). At BLOCK_M 64 (decode sizes, about one
+    block per expert) neighbouring blocks rarely share an expert. sm100 pairs CTAs through
+    its 2-CTA MMA at BLOCK_M 256 instead: 1 here.
     """
-    if normalize_arch(arch) == "sm90" and phase == "l2" and block_m == 128 and n % 256 == 0:
+    if normalize_arch(arch) == "sm90" and block_m == 128 and n % 256 == 0:
         return 2
     return 1
 

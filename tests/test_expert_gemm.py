@@ -128,9 +128,9 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("QGMMA" if recipe == "fp8xfp8" else "HGMMA") > 0
     assert art.count("UTMALDG") > 0
-    # L2 at BLOCK_M 128 runs in 2-CTA clusters that multicast the weight tile
+    # BLOCK_M 128 runs in 2-CTA clusters that multicast the weight tile
     multicast = art.count("UTMALDG.2D.MULTICAST")
-    assert multicast > 0 if (phase == "l2" and block_m == 128) else multicast == 0
+    assert multicast > 0 if block_m == 128 else multicast == 0
     # ... and its second consumer warpgroup starts 2 k-blocks late (a named-barrier arrive)
     assert (art.count("BAR.ARV") > 0) == (phase == "l2" and block_m == 128)
     assert art.count("USETMAXREG") == 2
@@ -141,6 +141,28 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     assert art.count("STG") == (2 if recipe == "fp8xfp8" and phase == "l1" else 0)
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+def test_sm90_raster_band_fits_l2_budget():
+    """A raster band holds as many cluster groups of pool blocks as keep its activation rows
+    within RASTER_L2_BYTES (at least one group); an explicit band overrides."""
+    from cute_megamoe.kernels.sm90_expert_gemm import RASTER_L2_BYTES, Sm90ExpertGemmKernel
+
+    for phase, recipe, block_m, cluster_m, want in (
+            ("l1", "fp8xfp8", 128, 2, 9), ("l1", "bf16xbf16", 128, 2, 4),
+            ("l2", "fp8xfp8", 128, 2, 32), ("l2", "bf16xbf16", 128, 2, 16),
+            ("l1", "fp8xfp8", 64, 1, 36)):
+        n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
+        kern = Sm90ExpertGemmKernel(phase, recipe, 32, 32768, n, k, block_m,
+                                    cluster_m=cluster_m)
+        band_bytes = cluster_m * block_m * k * (1 if recipe == "fp8xfp8" else 2)
+        assert kern.raster_group == want
+        assert want * band_bytes <= RASTER_L2_BYTES < (want + 1) * band_bytes
+    assert Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 4096, 1 << 20, 128).raster_group == 1
+    assert Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 4096, 7168, 128,
+                                raster_group=3).raster_group == 3
+    with pytest.raises(ValueError, match="raster_group"):
+        Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 4096, 7168, 128, raster_group=0)
 
 
 def test_sm90_staging_and_stages_fit_shared_memory():

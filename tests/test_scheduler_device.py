@@ -4,7 +4,7 @@ A small kernel lets every CTA walk its tiles exactly as the grouped GEMMs do (po
 in shared memory from the per-expert counts, then `tile()` for indices cta, cta + S, ...) and
 record (expert, m-block, n-block, pool block, valid rows) per tile. CPU: it compiles for both
 arches. GPU: the record equals `HostTileScheduler` for every CTA, on uneven, empty and skewed
-counts and grids smaller and larger than the tile count.
+counts, grids smaller and larger than the tile count, with and without raster bands.
 """
 
 import pytest
@@ -27,13 +27,15 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
             self.scheduler = ExpertTileScheduler(num_experts, block_m, num_n, cluster_m)
 
         @cute.jit
-        def __call__(self, counts: cute.Pointer, out: cute.Pointer, num_ctas: Int32, stream):
-            self.kernel(cute.make_tensor(counts, cute.make_layout(num_experts)), out).launch(
+        def __call__(self, counts: cute.Pointer, out: cute.Pointer, num_ctas: Int32,
+                     raster_group: Int32, stream):
+            self.kernel(cute.make_tensor(counts, cute.make_layout(num_experts)), out,
+                        raster_group).launch(
                 grid=[num_ctas, 1, 1], block=[32, 1, 1], cluster=[cluster_m, 1, 1],
                 stream=stream)
 
         @cute.kernel
-        def kernel(self, counts: cute.Tensor, out: cute.Pointer):
+        def kernel(self, counts: cute.Tensor, out: cute.Pointer, raster_group: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
@@ -50,11 +52,11 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
             if tidx == 0:
                 num_tiles = self.scheduler.num_tiles(block_start)
                 tile = bidx // cluster_m
-                expert = Int32(0)
+                owner = Int32(0)
                 i = Int32(0)
                 while tile < num_tiles:
-                    expert, m_block, n_block, pool_block, valid_m = self.scheduler.tile(
-                        tile, expert, block_start, row_start, rank)
+                    owner, expert, m_block, n_block, pool_block, valid_m = self.scheduler.tile(
+                        tile, owner, block_start, row_start, raster_group, rank)
                     if i < max_tiles:
                         record[i * FIELDS + 0] = expert
                         record[i * FIELDS + 1] = m_block
@@ -77,21 +79,28 @@ def test_walk_kernel_compiles(arch, cluster_m):
 
     art = compile_for_arch(_walk_kernel(8, 64, 3, 16, cluster_m), fake_ptr(Int32, 4),
                            fake_ptr(Int32, 4),
-                           Int32(4), fake_stream(), arch=arch, keep_sass=False)
+                           Int32(4), Int32(2), fake_stream(), arch=arch, keep_sass=False)
     assert "st.global" in art.ptx
 
 
-CASES = [  # counts, block_m, n-blocks, CTAs, CTAs per cluster along M
-    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 1),
-    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 1),
-    ([0, 0, 0, 0], 64, 3, 5, 1),
-    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 1),
-    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16, 1),
+CASES = [  # counts, block_m, n-blocks, CTAs, CTAs per cluster along M, raster band
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 1, 1),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 1, 1),
+    ([0, 0, 0, 0], 64, 3, 5, 1, 1),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 1, 1),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16, 1, 1),
     # pairs of pool blocks: odd block counts (a dummy at the end), pairs spanning two experts
-    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 2),
-    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 4, 2),
-    ([0, 0, 0, 0], 64, 3, 6, 2),
-    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16, 2),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 2, 1),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 4, 2, 1),
+    ([0, 0, 0, 0], 64, 3, 6, 2, 1),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 1, 16, 2, 1),
+    # raster bands: bands shorter than, equal to and longer than an expert's blocks
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 1, 2),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 3, 16, 1, 3),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 1, 8),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 2, 132, 2, 2),
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 3, 16, 2, 3),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 4, 2, 5),
 ]
 
 
@@ -104,11 +113,11 @@ def test_host_cluster_walk_covers_every_block_once():
         pool_block_offsets,
     )
 
-    for counts, block_m, num_n, num_ctas, cluster_m in CASES:
+    for counts, block_m, num_n, num_ctas, cluster_m, raster in CASES:
         if cluster_m == 1:
             continue
         walks = [list(HostTileScheduler(counts, block_m, 128, num_n * 128, num_ctas, cta,
-                                        cluster_m)) for cta in range(num_ctas)]
+                                        cluster_m, raster)) for cta in range(num_ctas)]
         real = sorted((t.pool_block, t.n_block, t.expert, t.m_block, t.valid_m)
                       for w in walks for t in w if t.valid_m > 0)
         want = sorted((t.pool_block, t.n_block, t.expert, t.m_block, t.valid_m)
@@ -126,8 +135,8 @@ def test_host_cluster_walk_covers_every_block_once():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts,block_m,num_n,num_ctas,cluster_m", CASES)
-def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluster_m):
+@pytest.mark.parametrize("counts,block_m,num_n,num_ctas,cluster_m,raster", CASES)
+def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluster_m, raster):
     import cutlass.cute as cute
 
     from cute_megamoe.runtime import as_ptr, current_stream
@@ -141,14 +150,14 @@ def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluste
     kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles, cluster_m)
     dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
     out = torch.full((num_ctas, max_tiles, FIELDS), -1, dtype=torch.int32, device="cuda")
-    args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas),
+    args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas), Int32(raster),
             current_stream())
     cute.compile(kernel, *args)(*args)
     got = out.cpu()
     for cta in range(num_ctas):
         want = [(t.expert, t.m_block, t.n_block, t.pool_block, t.valid_m)
                 for t in HostTileScheduler(counts, block_m, 128, num_n * 128, num_ctas,
-                                           cta, cluster_m)]
+                                           cta, cluster_m, raster)]
         assert len(want) <= max_tiles
         rows = [tuple(r) for r in got[cta].tolist() if r[0] != -1]
         assert rows == want, f"cta {cta}"

@@ -23,6 +23,7 @@ from cute_megamoe.scheduler import (
     grouped_gemm_tiles,
     mega_moe_tile_sequence,
     pool_block_offsets,
+    raster_order,
     waves,
 )
 
@@ -87,17 +88,38 @@ def test_assign_tiles_every_tile_once(num_tiles, num_ctas):
 
 @pytest.mark.parametrize("case", COUNT_CASES)
 @pytest.mark.parametrize("num_ctas", [1, 3, 8, 132])
-def test_host_tile_scheduler_matches_list(case, num_ctas):
+@pytest.mark.parametrize("raster_group", [1, 2, 5])
+def test_host_tile_scheduler_matches_list(case, num_ctas, raster_group):
     counts = COUNT_CASES[case]
     block_m, block_n, n = 64, 128, 384
-    tiles = grouped_gemm_tiles(counts, block_m, block_n, n)
+    tiles = grouped_gemm_tiles(counts, block_m, block_n, n, raster_group)
     parts = assign_tiles(len(tiles), num_ctas)
     seen: list[Tile] = []
     for cta in range(num_ctas):
-        walked = list(HostTileScheduler(counts, block_m, block_n, n, num_ctas, cta))
+        walked = list(HostTileScheduler(counts, block_m, block_n, n, num_ctas, cta,
+                                        raster_group=raster_group))
         assert walked == [tiles[i] for i in parts[cta]]
         seen += walked
-    assert sorted(seen, key=lambda t: (t.expert, t.m_block, t.n_block)) == tiles
+    key = lambda t: (t.expert, t.m_block, t.n_block)  # noqa: E731
+    assert sorted(seen, key=key) == sorted(grouped_gemm_tiles(counts, block_m, block_n, n),
+                                           key=key)
+
+
+@pytest.mark.parametrize("num_groups,num_n,raster_group", [(1, 3, 1), (7, 3, 1), (7, 3, 2),
+                                                           (7, 3, 7), (7, 3, 9), (16, 28, 4)])
+def test_raster_order(num_groups, num_n, raster_group):
+    """Every (group, n-block) once; inside a band the n-blocks go in order with the band's
+    groups fastest, so the tiles of one n-block (one weight tile) are neighbours."""
+    order = raster_order(num_groups, num_n, raster_group)
+    assert sorted(order) == [(g, nb) for g in range(num_groups) for nb in range(num_n)]
+    pos = 0
+    for first in range(0, num_groups, raster_group):
+        band = list(range(first, min(first + raster_group, num_groups)))
+        for nb in range(num_n):
+            assert order[pos:pos + len(band)] == [(g, nb) for g in band]
+            pos += len(band)
+    if raster_group == 1:
+        assert order == [(g, nb) for g in range(num_groups) for nb in range(num_n)]
 
 
 @pytest.mark.parametrize("num_local_experts, per_wave", [(7, 1), (7, 3), (7, 7), (8, 4), (8, 9)])
@@ -188,10 +210,11 @@ def test_heuristics_block_m():
 def test_heuristics_cluster_m():
     from cute_megamoe.heuristics import select_cluster_m
 
-    # sm90: weight multicast in 2-CTA clusters for L2 at BLOCK_M 128 with 256-column tiles only
+    # sm90: weight multicast in 2-CTA clusters at BLOCK_M 128 with 256-column tiles only
     assert select_cluster_m("sm_90a", "l2", 128, 7168) == 2
     assert select_cluster_m("sm_90a", "l2", 128, 7168 - 128) == 1  # 128-column tiles
-    assert select_cluster_m("sm_90a", "l1", 128, 4096) == 1
+    assert select_cluster_m("sm_90a", "l1", 128, 4096) == 2
+    assert select_cluster_m("sm_90a", "l1", 64, 4096) == 1
     assert select_cluster_m("sm_90a", "l2", 64, 7168) == 1
     assert select_cluster_m("sm_100a", "l2", 128, 7168) == 1
     if not torch.cuda.is_available():

@@ -110,6 +110,9 @@ SMEM_RESERVED = 8192  # barriers, TMEM pointer, 1 KB static, 1024-byte alignment
 # (on sm90 a 2 KB margin overflowed the 227 KB limit by 2 KB once the buffers were aligned)
 MAX_STAGES = 8
 NUM_ACC_STAGES = 2
+# tile walk block-major, n fastest (scheduler raster bands of 1): the sm90 kernels' wave-sized
+# bands were measured on Hopper only
+RASTER_GROUP = 1
 
 # warp roles
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -503,8 +506,8 @@ class Sm100ExpertGemmKernel:
         tile = first_tile
         expert = Int32(0)
         while tile < num_tiles:
-            expert, _m, n_block, pool_block, _v = self.scheduler.tile(tile, expert, block_start,
-                                                                      row_start)
+            _o, expert, _m, n_block, pool_block, _v = self.scheduler.tile(
+                tile, expert, block_start, row_start, RASTER_GROUP)
             # 1-CTA: the 128-row group; 2-CTA: the 256-row MMA tile (= the pool block)
             m_tile = pool_block
             if cutlass.const_expr(not self.use_2cta):
@@ -560,7 +563,8 @@ class Sm100ExpertGemmKernel:
         tile = first_tile
         expert = Int32(0)
         while tile < num_tiles:
-            expert, _m, _n, _pb, _v = self.scheduler.tile(tile, expert, block_start, row_start)
+            _o, expert, _m, _n, _pb, _v = self.scheduler.tile(tile, expert, block_start,
+                                                              row_start, RASTER_GROUP)
             t_acc = t_acc_base[(None, None, None, acc_state.index)]
             if is_leader:
                 acc_pipe.producer_acquire(acc_state)
@@ -616,8 +620,8 @@ class Sm100ExpertGemmKernel:
         tile = first_tile
         expert = Int32(0)
         while tile < num_tiles:
-            expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
-                tile, expert, block_start, row_start)
+            _o, expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+                tile, expert, block_start, row_start, RASTER_GROUP)
             pool_row = self.group_of_tile(pool_block, cta_in_pair) * ROW_GROUP + lane_row
             row = pool_row - pool_block * self.block_m
             valid = (row >= 0) & (row < valid_m)

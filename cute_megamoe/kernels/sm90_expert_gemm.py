@@ -25,8 +25,10 @@ features of one gate and one up block, so it needs two weight scales (gate for t
 groups, up for the odd); an L2 chunk is one block.
 
 How: a persistent, warp-specialized kernel. Warp 0 (the producer warpgroup keeps 40 registers)
-walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert, m-block, n-block, with
-``block_start`` rebuilt in shared memory from the counts) and TMA-loads the A and B tiles of
+walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert-major, then raster
+bands of pool blocks with the band's blocks fastest, so that the tiles reading one weight tile
+run at once and it comes from DRAM once per band; ``block_start`` rebuilt in shared memory from
+the counts) and TMA-loads the A and B tiles of
 every k-block into a ring of stages (plus, with 1-D bulk copies, the activation scales of the
 tile's rows and the expert's row of weight block scales), on one mbarrier per stage. ``BM / 64``
 consumer warpgroups each own 64 rows of the ``BM x BN`` tile (``BN`` = 256 when ``N`` allows,
@@ -82,6 +84,7 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
+RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
@@ -94,7 +97,7 @@ class Sm90ExpertGemmKernel:
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
                  wg_skew: int | None = None, staging_parts: int | None = None,
-                 combine_layout=None):
+                 raster_group: int | None = None, combine_layout=None):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -163,6 +166,15 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
         self.cluster_m = cluster_m
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
+        # Tiles walk in raster bands of `raster_group` cluster groups of pool blocks (see
+        # scheduler.device): the tiles of one n-block of a band are neighbours, so a weight
+        # tile comes from DRAM once per band, and a band's activation rows (read once per
+        # n-block) stay in L2 when they fit RASTER_L2_BYTES.
+        if raster_group is None:
+            raster_group = max(1, RASTER_L2_BYTES // (cluster_m * block_m * k * elt))
+        if raster_group < 1:
+            raise ValueError(f"raster_group must be >= 1, got {raster_group}")
+        self.raster_group = raster_group
         # Consumer warpgroup 1 starts `wg_skew` k-blocks after warpgroup 0 (a named barrier on
         # the first tile), so that the two do not reach a tile's epilogue at the same moment
         # and leave the tensor cores idle together; the stage ring keeps the lag. Default: 2
@@ -266,6 +278,7 @@ class Sm90ExpertGemmKernel:
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster = bidx // self.cluster_m
         num_clusters = grid // self.cluster_m
+        raster_group = Int32(self.raster_group)
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -306,11 +319,12 @@ class Sm90ExpertGemmKernel:
             if warp == 0:
                 self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb, a_sf, b_sf,
                              ab_pipe, block_start, row_start, num_tiles, cluster, num_clusters,
-                             rank, lane)
+                             raster_group, rank, lane)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
-                         num_tiles, cluster, num_clusters, rank, wg - 1, warp % 4, lane,
+                         num_tiles, cluster, num_clusters, raster_group, rank, wg - 1,
+                         warp % 4, lane,
                          topk_weights, out, out_sf, peer_bases, src_metadata,
                          staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
         if cutlass.const_expr(self.cluster_m > 1):
@@ -320,7 +334,8 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def produce(self, tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
                 b_sf: cute.Pointer, ab_pipe, block_start, row_start, num_tiles: Int32,
-                cluster: Int32, num_clusters: Int32, rank: Int32, lane: Int32):
+                cluster: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
+                lane: Int32):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of every tile;
         in a cluster whose two pool blocks share an expert, only chunk ``rank`` of B, to both
         CTAs."""
@@ -336,19 +351,17 @@ class Sm90ExpertGemmKernel:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         b_blocks_per_expert = self.n // WG_N
         tile = cluster
-        expert = Int32(0)
-        experts = [Int32(0)] * self.cluster_m  # of every pool block of the cluster tile
+        owner = Int32(0)
         while tile < num_tiles:
             multicast = cutlass.Boolean(False)
             if cutlass.const_expr(self.cluster_m > 1):
-                e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(tile, experts[0], block_start,
-                                                             row_start, Int32(0))
-                e1, _m1, _n1, _b1, v1 = self.scheduler.tile(tile, experts[1], block_start,
-                                                            row_start, Int32(1))
-                experts = [e0, e1]
+                owner, e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(
+                    tile, owner, block_start, row_start, raster_group, Int32(0))
+                _o, e1, _m1, _n1, _b1, v1 = self.scheduler.tile(
+                    tile, owner, block_start, row_start, raster_group, Int32(1))
                 multicast = v1 > 0 and e0 == e1
-            expert, _m, n_block, pool_block, _v = self.scheduler.tile(tile, expert, block_start,
-                                                                      row_start, rank)
+            owner, expert, _m, n_block, pool_block, _v = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, rank)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
@@ -391,8 +404,8 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
-                num_tiles: Int32, cluster: Int32, num_clusters: Int32, rank: Int32,
-                mma_wg: Int32, warp_in_wg: Int32,
+                num_tiles: Int32, cluster: Int32, num_clusters: Int32, raster_group: Int32,
+                rank: Int32, mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
                 staging: cute.Pointer):
@@ -413,13 +426,13 @@ class Sm90ExpertGemmKernel:
         row0 = warp_row0 + lane // 4
         col0 = 2 * (lane % 4)
         tile = cluster
-        expert = Int32(0)
+        owner = Int32(0)
         if cutlass.const_expr(self.wg_skew > 0):
             if mma_wg == 1 and tile < num_tiles:
                 cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
         while tile < num_tiles:
-            expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
-                tile, expert, block_start, row_start, rank)
+            owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, rank)
             row_base = pool_block * self.block_m
             # where lane i < 16 sends the tile's row warp_row0 + i (loaded before the mainloop)
             row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,

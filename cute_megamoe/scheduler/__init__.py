@@ -13,6 +13,7 @@ from .host_model import (
     mega_moe_tile_sequence,
     num_m_blocks,
     pool_block_offsets,
+    raster_order,
     waves,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "mega_moe_tile_sequence",
     "num_m_blocks",
     "pool_block_offsets",
+    "raster_order",
     "waves",
 ]

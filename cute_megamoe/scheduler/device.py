@@ -1,16 +1,21 @@
 """Device side of the grouped-GEMM tile scheduler (the walk `host_model.HostTileScheduler` models).
 
-A CTA keeps two integers: its linear tile index and the expert that index last fell in. Tiles
-run expert-major, then m-block, then n-block (n fastest); expert ``e`` owns tiles
-``[block_start[e] * num_n, block_start[e + 1] * num_n)`` where ``block_start`` is the pool block
-offset prefix (``pool_block_offsets``) built in shared memory by ``build_pool_prefix``. Because
-a CTA's tile index only grows, its expert only moves forward. No tile list is materialised.
+A CTA keeps two integers: its linear tile index and the expert that owns it (``owner``, which
+only moves forward as the index grows). Tiles run expert-major; inside an expert, its pool
+blocks are taken in bands of ``raster_group`` (cluster) groups, and a band's tiles run n-block
+by n-block with the band's blocks fastest. The tiles that read one weight tile (one n-block, the
+band's blocks) are neighbours in the walk, so they run at the same time on neighbouring CTAs
+and the weight tile comes from DRAM once per band; with ``raster_group`` = 1 the order is
+block-major, n fastest. The sm90 grouped GEMMs size a band so that its activation rows (read
+once per n-block) stay in L2 (``sm90_expert_gemm.RASTER_L2_BYTES``).
 
-With clusters of ``cluster_m`` CTAs along M, the index walks cluster tiles: cluster tile ``t``
-is pool blocks ``cluster_m * (t // num_n) + rank`` (one per CTA ``rank`` of the cluster) at
-n-block ``t % num_n``, so the CTAs of a cluster do the same n-block of neighbouring pool blocks
-at the same time (the weight tile they share when both blocks belong to one expert). A block
-past the last pool block is a dummy: ``valid_m`` 0, the expert of the CTA's previous tile.
+With clusters of ``cluster_m`` CTAs along M the walk is over groups of ``cluster_m``
+neighbouring pool blocks (one per CTA ``rank``; both CTAs of a cluster at the same n-block).
+Group ``g`` is owned by the expert of its first block, so expert ``e`` owns groups
+``[ceil(block_start[e] / cluster_m), ceil(block_start[e + 1] / cluster_m))``; the second block
+of a group may belong to a later expert. ``block_start`` is the pool block offset prefix
+(``pool_block_offsets``) built in shared memory by ``build_pool_prefix``. A block past the last
+pool block is a dummy: ``valid_m`` 0, expert = the owner. No tile list is materialised.
 """
 
 from __future__ import annotations
@@ -30,21 +35,39 @@ class ExpertTileScheduler:
         self.cluster_m = cluster_m
 
     @cute.jit
+    def group_start(self, block_start: cute.Tensor, expert: Int32) -> Int32:
+        """First (cluster) group owned by ``expert``: ``ceil(block_start[expert] / cluster_m)``."""
+        first = block_start[expert]
+        if cutlass.const_expr(self.cluster_m > 1):
+            first = (first + self.cluster_m - 1) // self.cluster_m
+        return first
+
+    @cute.jit
     def num_tiles(self, block_start: cute.Tensor) -> Int32:
         """(Cluster) tiles of the whole grouped GEMM: the pool blocks (in groups of
         ``cluster_m``) times the n-blocks."""
-        num_blocks = block_start[self.num_experts]
-        return (num_blocks + self.cluster_m - 1) // self.cluster_m * self.num_n_blocks
+        return self.group_start(block_start, Int32(self.num_experts)) * self.num_n_blocks
 
     @cute.jit
-    def tile(self, tile: Int32, expert: Int32, block_start: cute.Tensor,
-             row_start: cute.Tensor, rank: Int32 = 0):
-        """Tile ``tile`` (< ``num_tiles``) of CTA ``rank`` of the cluster, given the expert of
+    def tile(self, tile: Int32, owner: Int32, block_start: cute.Tensor, row_start: cute.Tensor,
+             raster_group: Int32, rank: Int32 = 0):
+        """Tile ``tile`` (< ``num_tiles``) of CTA ``rank`` of the cluster, given the owner of
         this CTA's previous tile (0 at first). Returns
-        ``(expert, m_block, n_block, pool_block, valid_m)``; ``valid_m`` is 0 for a dummy."""
-        group = tile // self.num_n_blocks
-        n_block = tile - group * self.num_n_blocks
+        ``(owner, expert, m_block, n_block, pool_block, valid_m)``: ``expert`` is the pool
+        block's; ``valid_m`` is 0 for a dummy."""
+        num_n = self.num_n_blocks
+        while tile >= self.group_start(block_start, owner + 1) * num_n:
+            owner += 1
+        first = self.group_start(block_start, owner)
+        groups = self.group_start(block_start, owner + 1) - first
+        local = tile - first * num_n
+        band = local // (raster_group * num_n)
+        in_band = local - band * (raster_group * num_n)
+        band_groups = cutlass.min(raster_group, groups - band * raster_group)
+        n_block = in_band // band_groups
+        group = first + band * raster_group + (in_band - n_block * band_groups)
         pool_block = group * self.cluster_m + rank
+        expert = owner
         m_block = Int32(0)
         valid_m = Int32(0)
         if pool_block < block_start[self.num_experts]:
@@ -53,4 +76,4 @@ class ExpertTileScheduler:
             m_block = pool_block - block_start[expert]
             count = row_start[expert + 1] - row_start[expert]
             valid_m = cutlass.min(count - m_block * self.block_m, Int32(self.block_m))
-        return expert, m_block, n_block, pool_block, valid_m
+        return owner, expert, m_block, n_block, pool_block, valid_m

@@ -10,8 +10,10 @@ Conventions (the kernels must agree):
 
 * The pool is expert-major; expert ``e`` occupies ``ceil(count[e] / BM)`` blocks starting at
   pool block ``pool_block_offsets(...)[e]`` (an exclusive prefix sum), rows padded to ``BM``.
-* One grouped GEMM's tiles run expert-major, then m-block, then n-block (n fastest), so
-  consecutive tiles (and hence neighbouring CTAs) share the same activation rows.
+* One grouped GEMM's tiles run expert-major; inside an expert the pool blocks go in bands of
+  ``raster_group`` (cluster) groups, a band n-block by n-block with its blocks fastest, so
+  the tiles that read one weight tile are neighbours (run at the same time on neighbouring
+  CTAs). ``raster_group`` 1: block-major, n fastest (neighbours share activation rows).
 * The Mega MoE kernel groups local experts into waves of ``experts_per_wave`` and runs
   ``L1(wave 0), L2(wave 0), L1(wave 1), L2(wave 1), ...``; CTA ``c`` of ``S`` takes positions
   ``c, c + S, c + 2S, ...`` of that whole sequence, so the linear index carries over from one
@@ -36,6 +38,7 @@ __all__ = [
     "mega_moe_tile_sequence",
     "num_m_blocks",
     "pool_block_offsets",
+    "raster_order",
     "waves",
 ]
 
@@ -108,27 +111,40 @@ class Tile:
     valid_m: int
 
 
+def raster_order(num_groups: int, num_n: int, raster_group: int) -> list[tuple[int, int]]:
+    """One expert's ``(group, n_block)`` pairs in walk order: bands of ``raster_group``
+    groups, each band n-block by n-block with its groups fastest."""
+    order = []
+    for band_first in range(0, num_groups, raster_group):
+        band = range(band_first, min(band_first + raster_group, num_groups))
+        for nb in range(num_n):
+            order += [(g, nb) for g in band]
+    return order
+
+
 def _tiles_of_experts(
-    counts: list[int], offsets: list[int], experts: range, block_m: int, num_n: int
+    counts: list[int], offsets: list[int], experts: range, block_m: int, num_n: int,
+    raster_group: int = 1,
 ) -> list[Tile]:
     tiles = []
     for e in experts:
         count = counts[e]
-        for m in range(num_m_blocks(count, block_m)):
-            valid_m = min(block_m, count - m * block_m)
-            for nb in range(num_n):
-                tiles.append(Tile(e, m, nb, offsets[e] + m, valid_m))
+        for m, nb in raster_order(num_m_blocks(count, block_m), num_n, raster_group):
+            tiles.append(Tile(e, m, nb, offsets[e] + m, min(block_m, count - m * block_m)))
     return tiles
 
 
 def grouped_gemm_tiles(
-    expert_counts: Sequence[int] | torch.Tensor, block_m: int, block_n: int, n: int
+    expert_counts: Sequence[int] | torch.Tensor, block_m: int, block_n: int, n: int,
+    raster_group: int = 1,
 ) -> list[Tile]:
-    """Every tile of one grouped GEMM with output width ``n``: expert, then m, then n (fastest)."""
+    """Every tile of one grouped GEMM with output width ``n``, in walk order (without
+    clusters): expert-major, then :func:`raster_order` of the expert's blocks."""
     counts = _counts(expert_counts)
     num_n = _num_n_blocks(block_n, n)
     offsets = pool_block_offsets(counts, block_m)
-    return _tiles_of_experts(counts, offsets, range(len(counts)), block_m, num_n)
+    return _tiles_of_experts(counts, offsets, range(len(counts)), block_m, num_n,
+                             _positive("raster_group", raster_group))
 
 
 def assign_tiles(num_tiles: int, num_ctas: int) -> list[list[int]]:
@@ -181,17 +197,16 @@ def mega_moe_tile_sequence(
 class HostTileScheduler:
     """Walks one CTA's tiles of a grouped GEMM the way the device scheduler does.
 
-    No tile list: a linear index starts at ``cta`` and advances by ``num_ctas``; the current
-    expert only moves forward, and whole experts' tile counts are subtracted from the index
-    until it falls inside one (with ``ceil(count / BM)`` read per expert, as the device reads
-    its cached expert sizes). Yields :class:`Tile` in the order of
-    ``[grouped_gemm_tiles(...)[i] for i in assign_tiles(...)[cta]]``.
+    No tile list: a linear index starts at the CTA's cluster and advances by the number of
+    clusters (``num_ctas / cluster_m``); the expert that owns it only moves forward. With
+    ``cluster_m`` 1 this yields :class:`Tile` in the order of
+    ``[grouped_gemm_tiles(..., raster_group)[i] for i in assign_tiles(...)[cta]]``.
 
-    With ``cluster_m`` > 1 (clusters of CTAs along M, ``num_ctas`` a multiple of it), CTA
-    ``cta`` is rank ``cta % cluster_m`` of cluster ``cta // cluster_m``; the clusters walk
-    cluster tiles (``ceil(blocks / cluster_m)`` groups of pool blocks times the n-blocks) and
-    a CTA does pool block ``cluster_m * group + rank``; past the last block it yields a dummy
-    (``valid_m`` 0, ``m_block`` 0, the expert of its previous tile, or 0).
+    With ``cluster_m`` > 1 (``num_ctas`` a multiple of it), CTA ``cta`` is rank
+    ``cta % cluster_m`` of cluster ``cta // cluster_m``; the walk is over groups of
+    ``cluster_m`` neighbouring pool blocks (group ``g`` owned by the expert of block
+    ``cluster_m * g``), a CTA does block ``cluster_m * g + rank`` (possibly a later expert's);
+    past the last block it yields a dummy (``valid_m`` 0, ``m_block`` 0, the owner expert).
     """
 
     def __init__(
@@ -203,6 +218,7 @@ class HostTileScheduler:
         num_ctas: int,
         cta: int,
         cluster_m: int = 1,
+        raster_group: int = 1,
     ) -> None:
         self.counts = _counts(expert_counts)
         self.block_m = _positive("block_m", block_m)
@@ -215,41 +231,25 @@ class HostTileScheduler:
         if num_ctas % cluster_m:
             raise ValueError(f"num_ctas ({num_ctas}) must be a multiple of cluster_m "
                              f"({cluster_m})")
+        self.raster_group = _positive("raster_group", raster_group)
 
     def __iter__(self) -> Iterator[Tile]:
-        if self.cluster_m > 1:
-            yield from self._cluster_walk()
-            return
-        block_idx = self.cta  # index relative to the current expert's first tile
-        expert = 0
-        pool_offset = 0  # pool_block_offsets(...)[expert], accumulated as experts are passed
-        num_experts = len(self.counts)
-        while expert < num_experts:
-            m_blocks = num_m_blocks(self.counts[expert], self.block_m)
-            expert_tiles = m_blocks * self.num_n_blocks
-            if block_idx >= expert_tiles:
-                block_idx -= expert_tiles
-                pool_offset += m_blocks
-                expert += 1
-                continue
-            m, nb = divmod(block_idx, self.num_n_blocks)
-            valid_m = min(self.block_m, self.counts[expert] - m * self.block_m)
-            yield Tile(expert, m, nb, pool_offset + m, valid_m)
-            block_idx += self.num_ctas
-
-    def _cluster_walk(self) -> Iterator[Tile]:
         offsets = pool_block_offsets(self.counts, self.block_m)
-        num_blocks = offsets[-1]
-        num_clusters = self.num_ctas // self.cluster_m
-        rank = self.cta % self.cluster_m
-        num_tiles = ceil_div(num_blocks, self.cluster_m) * self.num_n_blocks
-        expert = 0
-        for tile in range(self.cta // self.cluster_m, num_tiles, num_clusters):
-            group, nb = divmod(tile, self.num_n_blocks)
-            pool_block = group * self.cluster_m + rank
-            if pool_block >= num_blocks:
-                yield Tile(expert, 0, nb, pool_block, 0)
+        c, num_n, band = self.cluster_m, self.num_n_blocks, self.raster_group
+        group_start = [ceil_div(o, c) for o in offsets]
+        rank = self.cta % c
+        owner = 0
+        for tile in range(self.cta // c, group_start[-1] * num_n, self.num_ctas // c):
+            while tile >= group_start[owner + 1] * num_n:
+                owner += 1
+            groups = group_start[owner + 1] - group_start[owner]
+            band_idx, in_band = divmod(tile - group_start[owner] * num_n, band * num_n)
+            nb, in_group = divmod(in_band, min(band, groups - band_idx * band))
+            pool_block = (group_start[owner] + band_idx * band + in_group) * c + rank
+            if pool_block >= offsets[-1]:
+                yield Tile(owner, 0, nb, pool_block, 0)
                 continue
+            expert = owner
             while pool_block >= offsets[expert + 1]:
                 expert += 1
             m = pool_block - offsets[expert]
