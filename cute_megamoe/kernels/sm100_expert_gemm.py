@@ -110,7 +110,7 @@ SMEM_RESERVED = 8192  # barriers, TMEM pointer, 1 KB static, 1024-byte alignment
 # (on sm90 a 2 KB margin overflowed the 227 KB limit by 2 KB once the buffers were aligned)
 MAX_STAGES = 8
 NUM_ACC_STAGES = 2
-# tile walk block-major, n fastest (scheduler raster bands of 1): the sm90 kernels' wave-sized
+# tile walk block-major, n fastest (scheduler raster bands of 1): the sm90 kernels' L2-sized
 # bands were measured on Hopper only
 RASTER_GROUP = 1
 
