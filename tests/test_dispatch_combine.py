@@ -166,6 +166,19 @@ def test_dispatch_combine_multi_rank(recipe, num_ranks):
                      port=29511 + 10 * num_ranks + RECIPES.index(recipe))
 
 
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_dispatch_traps_when_ranks_disagree_on_transfer(monkeypatch):
+    """Rank 0 pushes, rank 1 pulls: both kernels trap (each sees the other's push bit in the
+    published counts) instead of finishing with rows missing from rank 0's pool."""
+    from cute_megamoe.testing.dispatch_checks import run_multiprocess
+
+    _need_gpus(2)
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "15")  # a missed check fails, not hangs
+    run_multiprocess(2, "bf16xbf16", num_experts=8, num_topk=2, hidden=256, block_m=64,
+                     port=29811, mode="transfer_mismatch")
+
+
 GEMM_RECIPES = ("fp8xfp8", "bf16xbf16")  # recipes with Hopper grouped-GEMM kernels
 LAYER_PATHS = [(r, "torch") for r in RECIPES] + [(r, "kernels") for r in GEMM_RECIPES]
 

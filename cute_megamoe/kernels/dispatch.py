@@ -26,11 +26,14 @@ How (the seed analysis' count -> prefix -> scatter):
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
    symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
 4. Grid barrier; CTA 0 reads the totals, zeroes `expert_send_count` for the next call, and
-   publishes `(epoch << 32) | count` into every rank's `expert_recv_count[my_rank][e]` with
-   system-scope release stores (all experts to all ranks: a pushing rank needs its
-   destinations' counts from every source, and spinning on local memory is cheaper than on a
-   peer's). The epoch numbers the call (cross-rank barriers passed + 1, the same on every
-   rank), so counts left from the previous call never pass for this one's; nothing is reset.
+   publishes `(epoch << 32) | (push << 31) | count` into every rank's
+   `expert_recv_count[my_rank][e]` with system-scope release stores (all experts to all
+   ranks: a pushing rank needs its destinations' counts from every source, and spinning on
+   local memory is cheaper than on a peer's). The epoch numbers the call (cross-rank barriers
+   passed + 1, the same on every rank), so counts left from the previous call never pass for
+   this one's; nothing is reset. The `push` bit lets every reader check that all ranks
+   launched the same `transfer` (a rank pushing to a pulling peer would itself receive that
+   peer's rows from nobody): on a mismatch the kernel prints which and traps.
 5. Every CTA acquires the R x E_l counts of its own experts (when pushing: of every rank's) and
    builds the row and pool-block prefix sums in shared memory, one warp per rank.
 6. Metadata: one thread per received row finds its source (token, k) in `src_token_topk_idx`,
@@ -83,12 +86,14 @@ from .common.sync import (
     cross_rank_barrier,
     grid_barrier,
     rank_barriers_passed,
+    report_disagreement,
     spin_timeout_ns,
     wait_epoch,
 )
 
 TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
 SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
+PUSH_BIT = 1 << 31  # in a published count word: the publishing rank pushes (module doc, step 4)
 
 
 def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
@@ -240,7 +245,8 @@ class DispatchKernel:
             while e < E:
                 total = cute.arch.load(send_count + e, Int64) & 0xFFFFFFFF
                 cute.arch.store(send_count + e, Int64(0))
-                published = cutlass.min(total, Int64(self.num_slots)) | (Int64(epoch) << 32)
+                published = (cutlass.min(total, Int64(self.num_slots)) | (Int64(epoch) << 32)
+                             | Int64(PUSH_BIT if self.push else 0))
                 for dst in cutlass.range(R):
                     recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
                     cute.arch.store(recv + rank * E + e, published, sem="release", scope="sys")
@@ -255,8 +261,12 @@ class DispatchKernel:
             if cutlass.const_expr(self.push):
                 dest = i // (R * E_l)
             src = (i // E_l) % R
-            recv_count[i] = wait_epoch(recv + src * E + dest * E_l + i % E_l, epoch,
-                                       "expert_recv_count", self.timeout_ns)
+            word = wait_epoch(recv + src * E + dest * E_l + i % E_l, epoch,
+                              "expert_recv_count", self.timeout_ns)
+            if (word < 0) != self.push:  # the PUSH_BIT is the sign of the low word
+                report_disagreement("the dispatch transfer (1: push, 0: pull)",
+                                    Int32(word < 0), Int32(self.push), self.timeout_ns > 0)
+            recv_count[i] = word & (PUSH_BIT - 1)
             i += self.num_threads
         cute.arch.sync_threads()
         i = tidx

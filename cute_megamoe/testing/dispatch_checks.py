@@ -183,6 +183,30 @@ def run_cases(rank: int, num_ranks: int, cases: list[Case], recipe: str, num_exp
     return len(cases)
 
 
+def check_transfer_mismatch(rank: int, num_ranks: int, recipe: str, group=None) -> str:
+    """Ranks launching the dispatch with different `transfer`s (even ranks push, odd ones
+    pull): every rank's kernel must trap, i.e. fail at the next synchronize, instead of
+    finishing with pools that lack the pulling ranks' rows. Returns the error text."""
+    from .. import staged
+    from ..buffer import get_symm_buffer_for_mega_moe
+    from ..kernels.dispatch import TRANSFERS
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts, num_topk, hidden = 8, 2, 256
+    buf = get_symm_buffer_for_mega_moe(group, num_experts, 64, num_topk, hidden, 256,
+                                       mma_type=recipe, device=device)
+    xs, idxs, ws = make_problem(Case((64,) * num_ranks, "random", 5), num_experts, num_topk,
+                                hidden)
+    try:
+        staged.dispatch(buf, xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device),
+                        block_m=64, transfer=TRANSFERS[rank % 2])
+        torch.cuda.synchronize(device)
+    except RuntimeError as err:  # the trap: a sticky CUDA error in this process
+        return str(err)
+    raise AssertionError(f"rank {rank}: the dispatch finished although the ranks launched it "
+                         "with different transfers")
+
+
 def default_cases(num_ranks: int, seed: int = 0) -> list[Case]:
     """Uneven and degenerate routings, back to back on one buffer."""
     def toks(*per_rank):
@@ -211,6 +235,9 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_experts: int,
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
                             device_id=torch.device("cuda", rank))
+    if mode == "transfer_mismatch":
+        print(f"rank {rank}: {check_transfer_mismatch(rank, num_ranks, recipe, dist.group.WORLD)}")
+        os._exit(0)  # the CUDA context is dead: no NCCL teardown
     try:
         if mode == "dispatch":
             run_cases(rank, num_ranks, default_cases(num_ranks, seed), recipe, num_experts,
@@ -228,8 +255,8 @@ def run_multiprocess(num_ranks: int, recipe: str, num_experts: int, num_topk: in
                      block_m: int, seed: int = 0, port: int = 29517,
                      mode: str = "dispatch") -> None:
     """Spawn one process per GPU; `mode` is "dispatch" (exact kernel checks), "layer" (the
-    staged layer on torch GEMMs against the reference) or "layer_kernels" (the layer on our
-    grouped-GEMM kernels)."""
+    staged layer on torch GEMMs against the reference), "layer_kernels" (the layer on our
+    grouped-GEMM kernels) or "transfer_mismatch" (`check_transfer_mismatch`)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(num_ranks, port, recipe, num_experts, num_topk, hidden, block_m,

@@ -27,7 +27,9 @@ Barrier state lives in the `barrier` workspace region (int32 slots, below) and i
 
 Waits give up after `timeout_ns` (a compile-time setting, `CUTE_MEGAMOE_SPIN_TIMEOUT_S`, default
 120 s, 0 = never): the first thread to time out prints which counter stalled, its value and the
-target, then traps, so a lost rank shows up as an error instead of a silent hang.
+target, then traps, so a lost rank shows up as an error instead of a silent hang. Checks that
+the ranks agree on a call's settings trap too, printing what differs unless the setting is 0
+(the printf is then compiled out, with its stack frame).
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ def _report_stall(what: cutlass.Constexpr, value: Int32, target: Int32):
     tidx, _, _ = cute.arch.thread_idx()
     cute.printf("cute_megamoe: wait on " + what + " stalled (cta %d, thread %d): value %d, "
                 "target %d", bidx, tidx, value, target)
+    cute.arch.inline_ptx("trap;")
+
+
+@cute.jit
+def report_disagreement(what: cutlass.Constexpr, value: Int32, expected: Int32,
+                        verbose: cutlass.Constexpr):
+    """Ranks launched one collective kernel with different settings: say which (if `verbose`)
+    and stop the kernel (a trap) rather than let it produce wrong data."""
+    if cutlass.const_expr(verbose):
+        bidx, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.printf("cute_megamoe: ranks disagree on " + what + " (cta %d, thread %d): a "
+                    "peer's %d, this rank's %d", bidx, tidx, value, expected)
     cute.arch.inline_ptx("trap;")
 
 
