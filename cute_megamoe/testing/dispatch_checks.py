@@ -183,6 +183,9 @@ def run_cases(rank: int, num_ranks: int, cases: list[Case], recipe: str, num_exp
     return len(cases)
 
 
+_UNFREED_BUFFERS = []  # see check_transfer_mismatch
+
+
 def check_transfer_mismatch(rank: int, num_ranks: int, recipe: str, group=None) -> str:
     """Ranks launching the dispatch with different `transfer`s (even ranks push, odd ones
     pull): every rank's kernel must trap, i.e. fail at the next synchronize, instead of
@@ -197,6 +200,9 @@ def check_transfer_mismatch(rank: int, num_ranks: int, recipe: str, group=None) 
                                        mma_type=recipe, device=device)
     xs, idxs, ws = make_problem(Case((64,) * num_ranks, "random", 5), num_experts, num_topk,
                                 hidden)
+    # after the trap the CUDA context is dead and freeing symmetric memory aborts the
+    # process: the buffer stays referenced until the caller's os._exit
+    _UNFREED_BUFFERS.append(buf)
     try:
         staged.dispatch(buf, xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device),
                         block_m=64, transfer=TRANSFERS[rank % 2])

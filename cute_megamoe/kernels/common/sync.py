@@ -72,13 +72,15 @@ def _report_stall(what: cutlass.Constexpr, value: Int32, target: Int32):
 @cute.jit
 def report_disagreement(what: cutlass.Constexpr, value: Int32, expected: Int32,
                         verbose: cutlass.Constexpr):
-    """Ranks launched one collective kernel with different settings: say which (if `verbose`)
-    and stop the kernel (a trap) rather than let it produce wrong data."""
+    """Ranks launched one collective kernel with different settings: say which (if `verbose`,
+    from CTA 0 only: every CTA sees it) and stop the kernel (a trap) rather than let it
+    produce wrong data."""
     if cutlass.const_expr(verbose):
         bidx, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        cute.printf("cute_megamoe: ranks disagree on " + what + " (cta %d, thread %d): a "
-                    "peer's %d, this rank's %d", bidx, tidx, value, expected)
+        if bidx == 0:
+            cute.printf("cute_megamoe: ranks disagree on " + what + " (cta %d, thread %d): a "
+                        "peer's %d, this rank's %d", bidx, tidx, value, expected)
     cute.arch.inline_ptx("trap;")
 
 
