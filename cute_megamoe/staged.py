@@ -106,7 +106,8 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
     the buffer already) and route every (token, slot) to its expert's pool. Collective.
     `transfer`: how rows cross to the expert's rank, "push" (the source stores them into the
     destination's pool, the default) or "pull" (the destination loads them); every rank must
-    pass the same value.
+    pass the same value (the kernels check: on a mismatch they print which and trap, so the
+    CUDA context reports an error instead of pools missing rows).
 
     The result views the buffer: it is valid until the next `dispatch` on the same buffer."""
     from .kernels.dispatch import TRANSFERS, DispatchKernel
