@@ -98,7 +98,7 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
     sm90: 2 at BLOCK_M 128 with 256-column tiles (the two CTAs of a cluster work on
     neighbouring pool blocks and multicast the weight tile when both blocks are one expert's),
     in both GEMMs, else 1. The pair runs in lockstep, so the weight tile it shares is read
-    from DRAM once; without it, CTAs drift apart and L1 read 1.4-1.8x the minimum DRAM bytes
+    from DRAM once; without it, CTAs drift apart and L1 read 1.35-2.2x the minimum DRAM bytes
     (ncu, 2026-11-30; the GPU is power-bound, so DRAM traffic costs clock speed). Measured
     interleaved on an H200 (docs/performance.md). At BLOCK_M 64 (decode sizes, about one
     block per expert) neighbouring blocks rarely share an expert. sm100 pairs CTAs through
