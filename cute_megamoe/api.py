@@ -105,11 +105,23 @@ def _mega_moe(recipes: tuple[str, ...], name: str, y: torch.Tensor, weights,
               sym_buffer: SymmBuffer, cumulative_local_expert_recv_stats, activation_clamp,
               fast_math: bool, block_m: int | None) -> torch.Tensor:
     from . import staged
-    from .expert_gemm import ExpertWeights
-    from .heuristics import expected_tokens_per_expert, select_block_m
 
     if not isinstance(sym_buffer, SymmBuffer):
         raise TypeError(f"sym_buffer: expected a SymmBuffer, got {type(sym_buffer).__name__}")
+    with staged.gives_up_call_on_error(sym_buffer):
+        n, block_m = _check_layer_call(recipes, name, y, weights, sym_buffer, block_m)
+    return staged.staged_mega_moe(
+        sym_buffer, None, None, None, weights, num_tokens=n, y=y,
+        activation_clamp=activation_clamp, fast_math=fast_math, block_m=block_m,
+        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+
+
+def _check_layer_call(recipes: tuple[str, ...], name: str, y: torch.Tensor, weights,
+                      sym_buffer: SymmBuffer, block_m: int | None) -> tuple[int, int]:
+    """The host checks of `fp8_mega_moe` / `bf16_mega_moe`; returns (tokens, BLOCK_M)."""
+    from .expert_gemm import SUPPORTED_RECIPES, ExpertWeights
+    from .heuristics import expected_tokens_per_expert, select_block_m
+
     if sym_buffer.recipe not in recipes:
         raise ValueError(f"{name}: the buffer's recipe is {sym_buffer.recipe!r}; "
                          f"{name} takes {recipes}")
@@ -124,8 +136,6 @@ def _mega_moe(recipes: tuple[str, ...], name: str, y: torch.Tensor, weights,
         raise ValueError(f"y: {n} tokens exceed the buffer's num_max_tokens_per_rank "
                          f"({layout.num_tokens})")
     _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), sym_buffer.device)
-    from .expert_gemm import SUPPORTED_RECIPES
-
     arch = get_arch(sym_buffer.device)
     if sym_buffer.recipe not in SUPPORTED_RECIPES.get(arch, ()):
         raise ValueError(f"{name}: recipe {sym_buffer.recipe!r} has no grouped-GEMM kernels on "
@@ -134,10 +144,7 @@ def _mega_moe(recipes: tuple[str, ...], name: str, y: torch.Tensor, weights,
         expected = expected_tokens_per_expert(n, layout.num_ranks, layout.num_topk,
                                               layout.num_experts)
         block_m = select_block_m(expected, arch)
-    return staged.staged_mega_moe(
-        sym_buffer, None, None, None, weights, num_tokens=n, y=y,
-        activation_clamp=activation_clamp, fast_math=fast_math, block_m=block_m,
-        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+    return n, block_m
 
 
 def fp8_mega_moe(y: torch.Tensor, weights, sym_buffer: SymmBuffer, *,
@@ -151,7 +158,11 @@ def fp8_mega_moe(y: torch.Tensor, weights, sym_buffer: SymmBuffer, *,
     L1 (+ SwiGLU + requant), L2 and combine run as four kernels. ``weights`` is this rank's
     `expert_gemm.ExpertWeights` (recipe ``fp8xfp8`` on Hopper; ``fp8xfp4`` on Blackwell, whose
     kernels are compiled but were never run). ``block_m`` defaults to the heuristics' choice
-    for the expected tokens per expert.
+    for the expected tokens per expert on this rank; ranks may differ (each lays out its own
+    pool, and the kernels place a destination's rows by the BLOCK_M it published). A check
+    that fails raises before any launch and counts the call as given up on this rank
+    (`SymmBuffer.skip_call`), so that it cannot pair its next call with the peers' current
+    one (the kernels trap naming the call numbers instead).
     """
     return _mega_moe(("fp8xfp8", "fp8xfp4"), "fp8_mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m)

@@ -9,15 +9,19 @@ may live on the CPU for host-side tests.
 
 The user copies each call's inputs into ``x[:n]``, ``x_sf[:n]``, ``topk_idx[:n]`` and
 ``topk_weights[:n]`` before the call (as with DeepGEMM's ``SymmBuffer``). The buffer is zeroed
-once here; kernels reset the workspace counters they used before they exit, and
-:meth:`SymmBuffer.zero_workspace_` restores a clean workspace after a failed call.
+once here and the host never resets it: the kernels' counters only grow (wrap-safe) and their
+count words carry the number of the call that wrote them (`kernels/common/sync.py`).
+:meth:`SymmBuffer.zero_workspace_` restores a clean workspace after a failed call, and
+:meth:`SymmBuffer.skip_call` keeps the call numbers right when a rank gives up a call on the
+host. :meth:`SymmBuffer.loopback` builds the buffers of a whole group on one GPU, for tests of
+the cross-rank protocol without several GPUs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import RECIPES, REGION_NAMES, MegaMoELayout
+from .layout import RECIPES, REGION_NAMES, BarrierSlots, MegaMoELayout
 
 __all__ = ["SymmBuffer", "get_symm_buffer_for_mega_moe"]
 
@@ -102,19 +106,54 @@ class SymmBuffer:
         self.num_ranks: int = num_ranks
         self.handle: object | None = None
         if num_ranks == 1:
+            if device is None and not torch.cuda.is_available():
+                raise RuntimeError(
+                    "get_symm_buffer_for_mega_moe: no CUDA GPU is available; pass device='cpu' "
+                    "for a host-side buffer (one rank: layout, staging and reference checks)")
             dev = torch.device("cuda" if device is None else device)
             buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device=dev)
             buffer_ptrs = [buffer.data_ptr()]
         else:
             buffer, self.handle, buffer_ptrs = self._alloc_symmetric(device)
+        self._attach(buffer, buffer_ptrs)
+
+    def _attach(self, buffer: torch.Tensor, buffer_ptrs: list[int]) -> None:
         self.buffer: torch.Tensor | None = buffer
         self.buffer_ptrs: list[int] = buffer_ptrs
         self._views: dict[str, torch.Tensor] = {
-            name: layout.view(buffer, name) for name in REGION_NAMES if layout.has(name)
+            name: self.layout.view(buffer, name) for name in REGION_NAMES
+            if self.layout.has(name)
         }
         # Every rank's base address, on the buffer's device: the kernels' peer table.
         self.peer_bases: torch.Tensor = torch.tensor(buffer_ptrs, dtype=torch.int64,
                                                      device=buffer.device)
+
+    @classmethod
+    def loopback(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int,
+                 num_topk: int, hidden: int, intermediate_hidden: int,
+                 mma_type: str = "fp8xfp8",
+                 device: torch.device | str | int | None = None) -> list[SymmBuffer]:
+        """The buffers of all ``num_ranks`` ranks of a group, on one GPU, each one's peer table
+        pointing at the others: a whole expert-parallel group in one process, for testing the
+        cross-rank protocol (counts, tags, barriers, the agreement checks) where only one GPU
+        is at hand. Peer traffic then stays in the GPU's memory (no NVLink). Every rank's
+        collective kernels must run at the same time: launch rank r's calls on a stream of its
+        own, with at most SMs / ``num_ranks`` CTAs each (``num_sms``), and synchronize with
+        the host only once every rank's call is launched."""
+        layout = MegaMoELayout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk,
+                               hidden, intermediate_hidden, mma_type)
+        dev = torch.device("cuda" if device is None else device)
+        allocations = [torch.zeros(layout.num_bytes, dtype=torch.uint8, device=dev)
+                       for _ in range(num_ranks)]
+        bases = [allocation.data_ptr() for allocation in allocations]
+        buffers = []
+        for rank, allocation in enumerate(allocations):
+            buf = cls.__new__(cls)
+            buf.layout, buf.group, buf.handle = layout, None, None
+            buf.rank, buf.num_ranks = rank, num_ranks
+            buf._attach(allocation, bases)
+            buffers.append(buf)
+        return buffers
 
     # ------------------------------------------------------------------ allocation
 
@@ -153,6 +192,16 @@ class SymmBuffer:
         dev = self._cuda_device(device)
         group = self.group
         assert group is not None
+        # Every rank must lay the buffer out alike (peers address it by their own layout):
+        # check before allocating, so every rank raises the same error.
+        layouts: list[object] = [None] * self.num_ranks
+        dist.all_gather_object(layouts, self.layout, group=group)
+        if any(other != self.layout for other in layouts):
+            differ = sorted({r for r, other in enumerate(layouts) if other != self.layout})
+            raise ValueError(
+                f"get_symm_buffer_for_mega_moe: the ranks passed different arguments (rank "
+                f"{self.rank}: {self.layout!r}; ranks {differ} differ from it); every rank "
+                f"must pass the same shapes and mma_type")
         buffer = symm_mem.empty(self.layout.num_bytes, dtype=torch.uint8, device=dev)
         handle = symm_mem.rendezvous(buffer, group.group_name)
         handle_rank = getattr(handle, "rank", self.rank)
@@ -211,9 +260,6 @@ class SymmBuffer:
     barrier = _region_property("barrier")
     expert_send_count = _region_property("expert_send_count")
     expert_recv_count = _region_property("expert_recv_count")
-    expert_recv_count_sum = _region_property("expert_recv_count_sum")
-    l1_pool_block_ready = _region_property("l1_pool_block_ready")
-    l2_pool_block_ready = _region_property("l2_pool_block_ready")
     src_token_topk_idx = _region_property("src_token_topk_idx")
     dispatch_pair_slot = _region_property("dispatch_pair_slot")
     token_src_metadata = _region_property("token_src_metadata")
@@ -279,6 +325,18 @@ class SymmBuffer:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def skip_call(self) -> None:
+        """This rank gives up the current collective call before launching it (an entry point
+        raised on the host): count it as made, on the stream, so that the kernels of the next
+        call on this rank carry a different call tag than its peers' if they made this one,
+        and trap saying the ranks are out of step instead of pairing one rank's call with
+        another call of its peers. (If every rank skips the call, the tags stay equal.) The
+        entry points call it; a caller that gives up a call in its own code calls it too."""
+        if self.buffer is None:
+            raise RuntimeError("this SymmBuffer was destroyed")
+        slot = BarrierSlots.CALL_TAG
+        self.barrier[slot:slot + 1].add_(1)
+
     def zero_workspace_(self) -> SymmBuffer:
         """Zero every workspace region (recovery after a failed or interrupted call).
 
@@ -289,7 +347,7 @@ class SymmBuffer:
         if self.buffer is None:
             raise RuntimeError("this SymmBuffer was destroyed")
         self.buffer[: self.layout.workspace_nbytes].zero_()
-        if self.num_ranks > 1:
+        if self.num_ranks > 1 and self.group is not None:
             torch.cuda.synchronize(self.buffer.device)
             self._barrier()
             torch.cuda.synchronize(self.buffer.device)

@@ -70,8 +70,17 @@ def current_stream():
     return driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
+def spin_timeout_ns() -> int:
+    """Compile-time limit in ns of every in-kernel wait, from `CUTE_MEGAMOE_SPIN_TIMEOUT_S`
+    (default 120 s; 0 waits forever). Part of every compiled kernel's cache key."""
+    return int(float(os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "120")) * 1e9)
+
+
 def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
-    """The compiled function for `key`, compiling it with `build()` on first use."""
+    """The compiled function for `key`, compiling it with `build()` on first use. The wait
+    limit is compiled into the kernels, so it is part of the key: changing
+    `CUTE_MEGAMOE_SPIN_TIMEOUT_S` between calls compiles again rather than keeping the old."""
+    key = (key, spin_timeout_ns())
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = build()

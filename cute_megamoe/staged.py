@@ -14,6 +14,7 @@ single-launch kernel must beat.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -107,9 +108,45 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
     `transfer`: how rows cross to the expert's rank, "push" (the source stores them into the
     destination's pool, the default) or "pull" (the destination loads them); every rank must
     pass the same value (the kernels check: on a mismatch they print which and trap, so the
-    CUDA context reports an error instead of pools missing rows).
+    CUDA context reports an error instead of pools missing rows). `block_m` lays out this
+    rank's pool and may differ between ranks (pushing sources use each destination's).
+    A check that fails raises before the launch and counts the call as given up on this rank
+    (`SymmBuffer.skip_call`): if the peers made it, their dispatch of it and this rank's next
+    one trap saying the ranks are out of step, rather than pairing different calls.
 
     The result views the buffer: it is valid until the next `dispatch` on the same buffer."""
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f"sym_buffer: expected a SymmBuffer, got {type(sym_buffer).__name__}")
+    with gives_up_call_on_error(sym_buffer):
+        fn, args, num_tokens = _prepare_dispatch(
+            sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
+            cumulative_local_expert_recv_stats, validate_routing, transfer)
+    fn(*args)
+    layout = sym_buffer.layout
+    return DispatchResult(
+        num_tokens=num_tokens, block_m=block_m,
+        expert_recv_tokens=_state(sym_buffer).recv_tokens, l1_acts=sym_buffer.l1_acts,
+        l1_acts_sf=sym_buffer.l1_acts_sf if layout.has_sf else None,
+        l1_topk_weights=sym_buffer.l1_topk_weights,
+        token_src_metadata=sym_buffer.token_src_metadata)
+
+
+@contextlib.contextmanager
+def gives_up_call_on_error(sym_buffer: SymmBuffer):
+    """Around the host work of a collective call before its first launch: if it raises, this
+    rank gives the call up (`SymmBuffer.skip_call`), so that its next call cannot pair with
+    its peers' current one; the kernels then trap naming the call numbers instead."""
+    try:
+        yield
+    except BaseException:
+        sym_buffer.skip_call()
+        raise
+
+
+def _prepare_dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
+                      cumulative_local_expert_recv_stats, validate_routing, transfer):
+    """Checks and input staging of `dispatch`; returns the compiled kernel, its arguments and
+    the token count."""
     from .kernels.dispatch import TRANSFERS, DispatchKernel
 
     layout = sym_buffer.layout
@@ -139,13 +176,7 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
         lambda: cute.compile(DispatchKernel(layout, block_m, has_stats=has_stats,
                                             transfer=transfer), *args,
                              options=f"--gpu-arch {state.arch}"))
-    fn(*args)
-    return DispatchResult(
-        num_tokens=num_tokens, block_m=block_m, expert_recv_tokens=state.recv_tokens,
-        l1_acts=sym_buffer.l1_acts,
-        l1_acts_sf=sym_buffer.l1_acts_sf if layout.has_sf else None,
-        l1_topk_weights=sym_buffer.l1_topk_weights,
-        token_src_metadata=sym_buffer.token_src_metadata)
+    return fn, args, num_tokens
 
 
 def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
@@ -295,6 +326,18 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     the source ranks' combine buffers, so the combine only reduces; False: L2 writes pool order
     and the combine kernel sends (the torch experts always do that). Every rank must pass the
     same value."""
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f"sym_buffer: expected a SymmBuffer, got {type(sym_buffer).__name__}")
+    with gives_up_call_on_error(sym_buffer):  # what the calls after the dispatch would reject
+        if not isinstance(weights, (ExpertWeights, TorchExpertWeights)):
+            raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
+                            f"{type(weights).__name__}")
+        if isinstance(weights, ExpertWeights) and weights.recipe != sym_buffer.recipe:
+            raise ValueError(f"weights: recipe {weights.recipe!r} does not match the buffer's "
+                             f"{sym_buffer.recipe!r}")
+        if y is not None:
+            n = x.shape[0] if isinstance(x, torch.Tensor) else num_tokens
+            _check_tensor("y", y, torch.bfloat16, (n, sym_buffer.hidden), sym_buffer.device)
     dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens=num_tokens,
                           block_m=block_m, num_sms=num_sms,
                           cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
@@ -302,12 +345,9 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     if isinstance(weights, ExpertWeights):
         expert_out = kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
                                     fast_math, send_to_combine=l2_sends)
-    elif isinstance(weights, TorchExpertWeights):
+    else:
         expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
                                    fast_math)
-    else:
-        raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
-                        f"{type(weights).__name__}")
     return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms)
 
 

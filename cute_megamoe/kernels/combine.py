@@ -29,17 +29,17 @@ How (`send_mode="registers"`, the default): pool order, in rounds.
    issued first.
 
 `send_mode="bulk"`: as one round, the rows moved with 1-D bulk copies through shared memory,
-then a grid barrier, a cross-rank barrier by CTA 0 (system-scope release and acquire), a grid
-barrier, and the reduction.
+then the split barriers and the reduction.
 
 `send_mode="epilogue"`: the rows are in place already: the L2 GEMM's epilogue wrote them into
 the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). The
-barriers of the bulk mode (without the first grid barrier) and the reduction only. The L2
-kernel, earlier on the same stream, waits for its stores to complete before it exits; the
-cross-rank barrier (proxy fence, system-scope fence and release) orders them before this rank's
-arrival, as it does for this kernel's own sends in the other modes.
+split barriers and the reduction only. The L2 kernel, earlier on the same stream, waits for its
+stores to complete before it exits; the split barriers' arrival (proxy fence, system-scope
+fence and release) orders them before this rank's signal, as it does for this kernel's own
+sends in the other modes.
 
-Every rank must use the same mode in a call (`rounds` may differ).
+Ranks may use different modes and `rounds` in one call: every mode delivers all of a rank's
+rows before its arrival at the barrier of their token class, and the barriers are the same.
 
 Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;

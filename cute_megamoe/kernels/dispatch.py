@@ -26,14 +26,17 @@ How (the seed analysis' count -> prefix -> scatter):
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
    symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
 4. Grid barrier; CTA 0 reads the totals, zeroes `expert_send_count` for the next call, and
-   publishes `(epoch << 32) | (push << 31) | count` into every rank's
+   publishes a `layout.CountWord` `tag << 32 | settings << 24 | count` into every rank's
    `expert_recv_count[my_rank][e]` with system-scope release stores (all experts to all
    ranks: a pushing rank needs its destinations' counts from every source, and spinning on
-   local memory is cheaper than on a peer's). The epoch numbers the call (cross-rank barriers
-   passed + 1, the same on every rank), so counts left from the previous call never pass for
-   this one's; nothing is reset. The `push` bit lets every reader check that all ranks
-   launched the same `transfer` (a rank pushing to a pulling peer would itself receive that
-   peer's rows from nobody): on a mismatch the kernel prints which and traps.
+   local memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the
+   same on every rank unless one skipped a call, which traps), so counts left from the
+   previous call never pass for this one's; nothing is reset. The settings carry the
+   publisher's `block_m`, recipe and push bit. Ranks may choose different `block_m`s (each
+   lays out its own pool; a pushing source places a destination's rows with the `block_m`
+   that destination published). The recipe and the transfer must agree (a rank pushing to a
+   pulling peer would itself receive that peer's rows from nobody): every reader compares
+   them with its own and, on a mismatch, prints which setting and both values, and traps.
 5. Every CTA acquires the R x E_l counts of its own experts (when pushing: of every rank's) and
    builds the row and pool-block prefix sums in shared memory, one warp per rank.
 6. Metadata: one thread per received row finds its source (token, k) in `src_token_topk_idx`,
@@ -48,8 +51,9 @@ How (the seed analysis' count -> prefix -> scatter):
    with 1-D bulk copies, peer global -> shared -> local pool, the load of a chunk overlapping
    the store of the previous one (DeepGEMM's pull).
 8. Grid barrier (all rows moved); CTA 0 enters the cross-rank barrier (system-scope release and
-   acquire). After it every rank's pool is complete, and no peer reads this rank's inputs or
-   counts for this call any more: the next call may restage inputs and start over.
+   acquire) and records the call as finished. After it every rank's pool is complete, and no
+   peer reads this rank's inputs or counts for this call any more: the next call may restage
+   inputs and start over.
 
 Why push by default: with both GPUs moving rows at once, loads from a peer top out at 321-323
 GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md, "NVLink ceilings").
@@ -57,7 +61,7 @@ GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md, "N
 Constraints:
 * launched cooperatively with at most one CTA per SM (`num_ctas` <= SMs); every rank launches
   it once per call, also with 0 tokens (the barriers and counts need every rank), with the same
-  `transfer`;
+  `transfer` and recipe (checked: a mismatch traps); `block_m` may differ between ranks;
 * a pushing peer writes this rank's `l1_acts` during the call; it starts only after it has
   every rank's counts of the call, which this rank publishes once its dispatch runs, i.e.
   after its earlier work on the stream (the previous call's GEMMs) has finished;
@@ -73,7 +77,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
-from ..layout.mega_moe import MegaMoELayout
+from ..layout.mega_moe import CountWord, MegaMoELayout
 from .common.pool import (
     BulkRowPipeline,
     build_pool_prefix,
@@ -82,18 +86,17 @@ from .common.pool import (
     gmem_vector,
 )
 from .common.sync import (
-    GRID_BARRIER_SLOT,
+    call_tags,
     cross_rank_barrier,
+    finish_call,
     grid_barrier,
-    rank_barriers_passed,
     report_disagreement,
     spin_timeout_ns,
-    wait_epoch,
+    wait_call_tag,
 )
 
 TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
 SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
-PUSH_BIT = 1 << 31  # in a published count word: the publishing rank pushes (module doc, step 4)
 
 
 def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
@@ -124,6 +127,10 @@ class DispatchKernel:
         self.has_stats = has_stats
         self.transfer = transfer
         self.push = transfer == "push"
+        # published in every count word: this rank's block_m, and what every rank must launch
+        # the call with (the recipe and the transfer, compared by every reader)
+        self.settings = CountWord.settings(block_m, layout.recipe, self.push)
+        self.block_m_mask = (1 << CountWord.BLOCK_M_BITS) - 1
         self.num_ranks = layout.num_ranks
         self.num_experts = layout.num_experts
         self.num_local_experts = layout.num_local_experts
@@ -172,7 +179,7 @@ class DispatchKernel:
         D = self.num_dests
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
-        epoch = rank_barriers_passed(barrier) + 1
+        tag, done = call_tags(barrier)
 
         smem = cutlass.memory.SmemAllocator()
         expert_slot = smem.allocate_tensor(Int32, cute.make_layout(E))  # count, then next slot
@@ -182,6 +189,7 @@ class DispatchKernel:
         expert_count = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
         row_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
         block_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
+        dest_block_m = smem.allocate_tensor(Int32, cute.make_layout(D))  # each pool's BLOCK_M
         pipe = None  # the pull's per-warp staging (see `BulkRowPipeline`)
         if cutlass.const_expr(not self.push):
             pipe = self.rows.for_warp(self.rows.allocate(smem, self.num_warps), warp)
@@ -237,7 +245,7 @@ class DispatchKernel:
                         table + ((expert % E_l) * R + rank) * self.num_slots + slot, p)
             p += self.num_threads
 
-        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
+        grid_barrier(barrier, num_ctas, self.timeout_ns)
 
         # 4. CTA 0 publishes this rank's per-expert counts to every rank
         if bidx == 0:
@@ -245,8 +253,8 @@ class DispatchKernel:
             while e < E:
                 total = cute.arch.load(send_count + e, Int64) & 0xFFFFFFFF
                 cute.arch.store(send_count + e, Int64(0))
-                published = (cutlass.min(total, Int64(self.num_slots)) | (Int64(epoch) << 32)
-                             | Int64(PUSH_BIT if self.push else 0))
+                published = (cutlass.min(total, Int64(self.num_slots)) | (Int64(tag) << 32)
+                             | Int64(self.settings << CountWord.COUNT_BITS))
                 for dst in cutlass.range(R):
                     recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
                     cute.arch.store(recv + rank * E + e, published, sem="release", scope="sys")
@@ -261,12 +269,14 @@ class DispatchKernel:
             if cutlass.const_expr(self.push):
                 dest = i // (R * E_l)
             src = (i // E_l) % R
-            word = wait_epoch(recv + src * E + dest * E_l + i % E_l, epoch,
-                              "expert_recv_count", self.timeout_ns)
-            if (word < 0) != self.push:  # the PUSH_BIT is the sign of the low word
-                report_disagreement("the dispatch transfer (1: push, 0: pull)",
-                                    Int32(word < 0), Int32(self.push), self.timeout_ns > 0)
-            recv_count[i] = word & (PUSH_BIT - 1)
+            expert = dest * E_l + i % E_l
+            word = wait_call_tag(barrier, recv + src * E + expert, tag, done,
+                                 "expert_recv_count", src, expert, self.timeout_ns)
+            settings = (word >> CountWord.COUNT_BITS) & CountWord.SETTINGS_MASK
+            self.check_settings(barrier, settings)
+            if src == dest and i % E_l == 0:  # the destination's own word: its BLOCK_M
+                dest_block_m[i // (R * E_l)] = 16 * ((settings & self.block_m_mask) + 1)
+            recv_count[i] = word & CountWord.COUNT_MASK
             i += self.num_threads
         cute.arch.sync_threads()
         i = tidx
@@ -281,7 +291,7 @@ class DispatchKernel:
         while d < D:
             build_pool_prefix(_part(expert_count, d * E_l, E_l),
                               _part(row_start, d * (E_l + 1), E_l + 1),
-                              _part(block_start, d * (E_l + 1), E_l + 1), E_l, self.block_m)
+                              _part(block_start, d * (E_l + 1), E_l + 1), E_l, dest_block_m[d])
             d += self.num_warps
         cute.arch.sync_threads()
         own = Int32(0)  # this rank's index among the destinations above
@@ -305,16 +315,33 @@ class DispatchKernel:
         # 7. the rows
         if cutlass.const_expr(self.push):
             self.push_rows(peer_bases, my_base, rank, num_tokens, warp, lane, recv_count,
-                           block_start)
+                           block_start, dest_block_m)
         else:
             self.pull_rows(peer_bases, my_base, warp, lane, own_count, own_row_start,
                            own_block_start, pipe)
 
         # 8. all rows moved -> meet the other ranks
-        grid_barrier(barrier + GRID_BARRIER_SLOT, num_ctas, self.timeout_ns)
+        grid_barrier(barrier, num_ctas, self.timeout_ns)
         if bidx == 0:
             cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"), Int32(R),
                                self.timeout_ns)
+            if tidx == 0:
+                finish_call(barrier, tag)
+
+    @cute.jit
+    def check_settings(self, barrier: cute.Pointer, seen: Int32):
+        """Trap, naming the setting and both values, when a peer's published transfer or
+        recipe differs from this rank's (step 4; BLOCK_M may differ)."""
+        agreed = ~self.block_m_mask & CountWord.SETTINGS_MASK
+        if (seen & agreed) != (self.settings & agreed):
+            verbose = self.timeout_ns > 0
+            push_bit = 1 << CountWord.PUSH_SHIFT
+            if (seen & push_bit) != (self.settings & push_bit):
+                report_disagreement(barrier, "the dispatch transfer (1: push, 0: pull)",
+                                    Int32((seen & push_bit) != 0), Int32(self.push), verbose)
+            report_disagreement(barrier, "the recipe (0: fp8xfp4, 1: fp8xfp8, 2: bf16xbf16)",
+                                (seen >> CountWord.RECIPE_SHIFT) & 3,
+                                Int32((self.settings >> CountWord.RECIPE_SHIFT) & 3), verbose)
 
     @cute.jit
     def received_row(self, row: Int32, recv_count: cute.Tensor, row_start: cute.Tensor,
@@ -428,9 +455,9 @@ class DispatchKernel:
     @cute.jit
     def push_rows(self, peer_bases: cute.Tensor, my_base: Int64, rank: Int32,
                   num_tokens: Int32, warp: Int32, lane: Int32, recv_count: cute.Tensor,
-                  block_start: cute.Tensor):
+                  block_start: cute.Tensor, dest_block_m: cute.Tensor):
         """Global warp g: this rank's (token, k) pairs g, g + G, ... into their destination
-        pools (step 7, push)."""
+        pools (step 7, push), each laid out with its destination's BLOCK_M."""
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         E, E_l, R, K = self.num_experts, self.num_local_experts, self.num_ranks, self.num_topk
@@ -452,7 +479,8 @@ class DispatchKernel:
                     if slot < self.num_slots:
                         dest = expert // E_l
                         local_expert = expert % E_l
-                        pool_row = (block_start[dest * (E_l + 1) + local_expert] * self.block_m
+                        pool_row = (block_start[dest * (E_l + 1) + local_expert]
+                                    * dest_block_m[dest]
                                     + self.index_of_source(
                                         rank, slot, _part(recv_count, dest * R * E_l, R * E_l),
                                         local_expert))
@@ -475,6 +503,9 @@ class DispatchKernel:
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         mbar, staging, pending_dst, pending_bytes = pipe
+        # the counts were acquired through the generic proxy; the bulk loads of the peers'
+        # `x` go through the async proxy, which that acquire does not order by itself
+        cute.arch.fence_proxy("async.global")
         num_rows = row_start[self.num_local_experts]
         table = self.regions.ptr(my_base, "src_token_topk_idx")
         x_offset = self.regions.offset("x")

@@ -7,6 +7,7 @@ from .mega_moe import (
     BLOCK_M_MAX,
     DATA_REGION_NAMES,
     MAX_NUM_RANKS,
+    MAX_NUM_TOKENS_PER_RANK,
     MAX_NUM_TOPK,
     MIN_BLOCK_M,
     NUM_BARRIER_SLOTS,
@@ -16,6 +17,8 @@ from .mega_moe import (
     TOKEN_ALIGNMENT,
     WORKSPACE_REGION_NAMES,
     AbsentRegionError,
+    BarrierSlots,
+    CountWord,
     MegaMoELayout,
     Region,
 )
@@ -24,6 +27,7 @@ __all__ = [
     "BLOCK_M_MAX",
     "DATA_REGION_NAMES",
     "MAX_NUM_RANKS",
+    "MAX_NUM_TOKENS_PER_RANK",
     "MAX_NUM_TOPK",
     "MIN_BLOCK_M",
     "NUM_BARRIER_SLOTS",
@@ -33,6 +37,8 @@ __all__ = [
     "TOKEN_ALIGNMENT",
     "WORKSPACE_REGION_NAMES",
     "AbsentRegionError",
+    "BarrierSlots",
+    "CountWord",
     "MegaMoELayout",
     "Region",
 ]

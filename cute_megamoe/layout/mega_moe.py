@@ -29,35 +29,26 @@ aligned global addresses; padding is only ever *between* regions). "Local" means
 touches it; "remote-written" means peers store into it over NVLink through their symmetric
 pointers; "read by peers" means peers load from it.
 
-Workspace (zeroed once at allocation; every kernel resets what it used before it exits, so the
-next call starts clean without a host memset):
+Workspace (zeroed once at allocation and never reset by the host: counters only grow, with
+wrap-safe comparisons, and count words carry the number of the call that wrote them, so the
+next call needs no host memset; :meth:`SymmBuffer.zero_workspace_` is for recovery only):
 
 ``barrier`` int32 [64]
-    Grid-barrier counters and cross-rank-barrier counters/signals (split-phase ones too). The
-    kernels define the slot assignment (`kernels/common/sync.py`). Written and read by all CTAs
-    of this rank; the cross-rank signal slots are remote-written by peers.
+    Grid-barrier counters, cross-rank-barrier counters and signals (split-phase ones too), and
+    the call tags; slot numbers in :class:`BarrierSlots`. Written and read by all CTAs of this
+    rank; the cross-rank signal slots are remote-written by peers.
 ``expert_send_count`` int64 [E]
     Per *global* expert: every CTA of this rank atomically adds ``(1 << 32) | its_count``; the
     returned old value's low 32 bits are the CTA's first slot for that expert (an exclusive
-    prefix over CTAs in atomic order) and the high 32 bits count arrivals, so one atomic both
-    allocates and tells "all CTAs have reported". Local.
+    prefix over CTAs in atomic order). Local; CTA 0 zeroes it once it has read the totals.
 ``expert_recv_count`` int64 [R, E]
     Row ``r`` is written by source rank ``r`` with system-scope release stores:
-    ``(epoch << 32) | count`` for every global expert (each rank gets every rank's counts),
-    ``epoch`` being the call's number (the same on every rank), so a count left from an earlier
-    call is never taken for this one's and nothing needs resetting. Remote-written; read by this
-    rank's dispatch (its own experts' columns; all of them when it pushes rows, to address the
-    destination pools).
-``expert_recv_count_sum`` int64 [E_l]
-    Each source rank atomically adds its per-expert total with a system-scope atomic; the high
-    half counts contributors, the low half the tokens this local expert receives. Remote-written,
-    read by every local role that needs expert sizes (scheduler, pull).
-``l1_pool_block_ready`` int32 [P // 16]
-    Per pool block: rows pulled so far (pull warps release-add, the L1 GEMM producer acquires).
-    Local.
-``l2_pool_block_ready`` int32 [P // 16]
-    Per pool block: L1 epilogue tiles finished (L1 epilogue release-adds, the L2 GEMM producer
-    acquires). Local.
+    ``(call tag << 32) | settings << 24 | count`` for every global expert (each rank gets every
+    rank's counts; :class:`CountWord` gives the fields). The tag numbers the call (the same on
+    every rank), so a count left from an earlier call is never taken for this one's and nothing
+    needs resetting; the settings let every reader check that all ranks launched the call
+    alike. Remote-written; read by this rank's dispatch (its own experts' columns; all of them
+    when it pushes rows, to address the destination pools).
 ``src_token_topk_idx`` int32 [E_l, R, T]
     For each (local expert, source rank, slot): ``token * K + k`` on the source rank. Written by
     the *source* rank's dispatch warps through the symmetric pointer (remote-written), read by
@@ -116,6 +107,7 @@ __all__ = [
     "BLOCK_M_MAX",
     "DATA_REGION_NAMES",
     "MAX_NUM_RANKS",
+    "MAX_NUM_TOKENS_PER_RANK",
     "MAX_NUM_TOPK",
     "MIN_BLOCK_M",
     "NUM_BARRIER_SLOTS",
@@ -125,6 +117,8 @@ __all__ = [
     "TOKEN_ALIGNMENT",
     "WORKSPACE_REGION_NAMES",
     "AbsentRegionError",
+    "BarrierSlots",
+    "CountWord",
     "MegaMoELayout",
     "Region",
 ]
@@ -139,9 +133,14 @@ MIN_BLOCK_M = 16
 REGION_ALIGNMENT = 128
 #: int32 slots of the ``barrier`` region.
 NUM_BARRIER_SLOTS = 64
-#: Limits inherited from DeepGEMM (72 = one NVL72 domain; 32 = one warp's lanes over top-k).
-MAX_NUM_RANKS = 72
+#: Ranks of one group: the kernels keep per-rank tables in shared memory and signal every
+#: (rank, barrier) pair from one warp (8 ranks x 8 split barriers = 64 lanes' worth, two
+#: passes); one NVLink domain of 8 GPUs is what they were written and sized for.
+MAX_NUM_RANKS = 8
+#: One warp's lanes over top-k (DeepGEMM's limit).
 MAX_NUM_TOPK = 32
+#: Token slots per rank: a published count has COUNT_BITS bits (see `CountWord`).
+MAX_NUM_TOKENS_PER_RANK = 1 << 20
 #: Supported (activation x weight) recipes.
 RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
 
@@ -149,9 +148,6 @@ WORKSPACE_REGION_NAMES = (
     "barrier",
     "expert_send_count",
     "expert_recv_count",
-    "expert_recv_count_sum",
-    "l1_pool_block_ready",
-    "l2_pool_block_ready",
     "src_token_topk_idx",
     "dispatch_pair_slot",
     "token_src_metadata",
@@ -170,6 +166,56 @@ DATA_REGION_NAMES = (
 )
 #: Every region name a layout may have, in layout order (SF regions are absent for bf16xbf16).
 REGION_NAMES = WORKSPACE_REGION_NAMES + DATA_REGION_NAMES
+
+
+class BarrierSlots:
+    """int32 slots of the ``barrier`` region (what each holds: `kernels/common/sync.py`)."""
+
+    GRID = 0  # grid barrier: top-bit flip counter
+    CALL_TAG = 1  # local: tag of the last call this rank started or skipped
+    CALL_DONE = 2  # local: tag of the last call this rank finished (its dispatch's barrier)
+    STALL_REPORTED = 3  # local: set by the first thread that reports a stall or disagreement
+    RANK_BARRIER_COUNT = 4  # local: cross-rank barriers passed so far
+    RANK_BARRIER_SIGNAL = 5  # two slots (5, 6), added to by every rank
+    SPLIT_CALLS = 8  # local: calls that have passed the split barriers
+    SPLIT_ARRIVAL = 16  # local, one per split barrier: CTAs of this rank arrived in this call
+    SPLIT_SIGNAL = 24  # one per split barrier: +1 per rank per call, added to by every rank
+
+
+class CountWord:
+    """The int64 word a source rank publishes per (destination, global expert) into
+    ``expert_recv_count``: ``tag << 32 | settings << COUNT_BITS | count``.
+
+    ``tag`` numbers the call; ``settings`` are what every rank must launch the call with
+    (readers compare them with their own and trap on a difference, naming the field):
+    ``push << 7 | recipe << 5 | (block_m // 16 - 1)``.
+    """
+
+    COUNT_BITS = 24
+    COUNT_MASK = (1 << COUNT_BITS) - 1
+    SETTINGS_MASK = 0xFF
+    BLOCK_M_BITS = 5  # block_m // 16 - 1: block_m in 16..512
+    RECIPE_SHIFT = 5
+    PUSH_SHIFT = 7
+
+    @staticmethod
+    def settings(block_m: int, recipe: str, push: bool) -> int:
+        """The settings field (8 bits) of a call launched with these values."""
+        if block_m % 16 != 0 or not 16 <= block_m <= 16 << CountWord.BLOCK_M_BITS:
+            raise ValueError(f"block_m: expected a multiple of 16 in [16, "
+                             f"{16 << CountWord.BLOCK_M_BITS}], got {block_m}")
+        return ((int(push) << CountWord.PUSH_SHIFT) | (RECIPES.index(recipe)
+                << CountWord.RECIPE_SHIFT) | (block_m // 16 - 1))
+
+    @staticmethod
+    def decode(word: int) -> dict[str, int | str | bool]:
+        """The fields of a published word (host side: tests and error reports)."""
+        word &= (1 << 64) - 1
+        settings = (word >> CountWord.COUNT_BITS) & CountWord.SETTINGS_MASK
+        return {"tag": word >> 32, "count": word & CountWord.COUNT_MASK,
+                "block_m": 16 * ((settings & ((1 << CountWord.BLOCK_M_BITS) - 1)) + 1),
+                "recipe": RECIPES[(settings >> CountWord.RECIPE_SHIFT) & 3],
+                "push": bool(settings >> CountWord.PUSH_SHIFT)}
 
 
 class AbsentRegionError(LookupError):
@@ -267,8 +313,9 @@ class MegaMoELayout:
             raise ValueError(f"num_experts must be >= 1, got {e}")
         if e % r != 0:
             raise ValueError(f"num_experts ({e}) must be a multiple of num_ranks ({r})")
-        if m < 1:
-            raise ValueError(f"num_max_tokens_per_rank must be >= 1, got {m}")
+        if not 1 <= m <= MAX_NUM_TOKENS_PER_RANK:
+            raise ValueError(f"num_max_tokens_per_rank must be in [1, "
+                             f"{MAX_NUM_TOKENS_PER_RANK}], got {m}")
         if not 1 <= k <= MAX_NUM_TOPK:
             raise ValueError(f"num_topk must be in [1, {MAX_NUM_TOPK}], got {k}")
         if k > e:
@@ -295,9 +342,6 @@ class MegaMoELayout:
             ("barrier", torch.int32, (NUM_BARRIER_SLOTS,), None),
             ("expert_send_count", torch.int64, (e,), None),
             ("expert_recv_count", torch.int64, (r, e), None),
-            ("expert_recv_count_sum", torch.int64, (e_l,), None),
-            ("l1_pool_block_ready", torch.int32, (num_pool_blocks,), None),
-            ("l2_pool_block_ready", torch.int32, (num_pool_blocks,), None),
             ("src_token_topk_idx", torch.int32, (e_l, r, t), None),
             ("dispatch_pair_slot", torch.int32, (t, k), None),
             ("token_src_metadata", torch.int32, (p, 4), None),

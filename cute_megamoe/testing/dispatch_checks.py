@@ -63,8 +63,9 @@ def make_problem(case: Case, num_experts: int, num_topk: int, hidden: int):
 def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch.Tensor,
                stats_expected: torch.Tensor) -> None:
     from .. import staged
-    from ..kernels.common.sync import SPLIT_ARRIVAL_SLOT, SPLIT_BARRIER_COUNT
+    from ..kernels.common.sync import SPLIT_BARRIER_COUNT
     from ..kernels.dispatch import TRANSFERS
+    from ..layout import BarrierSlots
 
     layout = buf.layout
     rank, num_ranks = buf.rank, buf.num_ranks
@@ -162,7 +163,8 @@ def check_case(buf, case: Case, block_m: int, device: torch.device, stats: torch
         assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), \
             f"combine ({send_mode}, rounds {rounds})"
     # the combine left its per-call arrival counts zeroed for the next call
-    arrivals = buf.barrier[SPLIT_ARRIVAL_SLOT:SPLIT_ARRIVAL_SLOT + SPLIT_BARRIER_COUNT]
+    first = BarrierSlots.SPLIT_ARRIVAL
+    arrivals = buf.barrier[first:first + SPLIT_BARRIER_COUNT]
     assert not bool(arrivals.any()), "split-barrier arrival counts not reset"
 
 

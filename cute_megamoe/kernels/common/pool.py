@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64, Uint8
 from cutlass.experimental import primitives as prims
 
 from .warp import warp_inclusive_sum
@@ -28,10 +28,27 @@ STAGING_BUDGET = 200 * 1024  # shared memory the per-warp staging may take (227 
 
 
 @cute.jit
+def ceil_div_small(n: Int32, d: Int32) -> Int32:
+    """ceil(n / d) for 0 <= n < 2**24 and 1 <= d <= 2**16, d a runtime value, without an
+    integer division (its subroutine call gives the kernel a stack frame and spills around
+    it): an estimate through the approximate reciprocal, off by at most one (the float error
+    stays below 0.5 in this range), then corrected."""
+    top = n + d - 1
+    q = Int32(Float32(top) * cute.arch.rcp_approx(Float32(d)))
+    if q * d > top:
+        q -= 1
+    if (q + 1) * d <= top:
+        q += 1
+    return q
+
+
+@cute.jit
 def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
                       block_start: cute.Tensor, num_experts: cutlass.Constexpr,
-                      block_m: cutlass.Constexpr):
-    """Call from one whole warp; the CTA must sync before reading the results."""
+                      block_m: Int32):
+    """Call from one whole warp; the CTA must sync before reading the results. `block_m` may
+    be a runtime value (a pushing dispatch lays out every destination's pool with that
+    destination's BLOCK_M)."""
     lane = cute.arch.lane_idx()
     row_carry = Int32(0)
     block_carry = Int32(0)
@@ -41,7 +58,7 @@ def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
         if e < num_experts:
             count = expert_count[e]
         row_incl = warp_inclusive_sum(count)
-        block_incl = warp_inclusive_sum((count + block_m - 1) // block_m)
+        block_incl = warp_inclusive_sum(ceil_div_small(count, block_m))
         if e < num_experts:
             row_start[e + 1] = row_carry + row_incl
             block_start[e + 1] = block_carry + block_incl

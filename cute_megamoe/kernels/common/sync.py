@@ -1,4 +1,5 @@
-"""Grid and cross-rank barriers, and bounded spin-waits, for persistent multi-GPU kernels.
+"""Grid and cross-rank barriers, call tags, and bounded spin-waits, for persistent multi-GPU
+kernels.
 
 Memory-model rules (design.md section 5):
 * a flag is never read with a plain load: spins use `ld.acquire` at the flag's scope;
@@ -6,7 +7,9 @@ Memory-model rules (design.md section 5):
 * every barrier starts with `fence.acq_rel.sys` and a proxy fence, so that ordinary stores and
   bulk-async (TMA) stores issued before it are ordered before the release, also across GPUs.
 
-Barrier state lives in the `barrier` workspace region (int32 slots, below) and is never reset:
+Barrier state lives in the `barrier` workspace region (int32 slots, `layout.BarrierSlots`) and
+is never reset. Every counter only grows and wraps modulo 2**32; every comparison of two counter
+values is a difference taken in 32-bit arithmetic, so a server may run for any number of calls:
 * grid barrier: DeepGEMM's top-bit flip. Every CTA adds to one counter; CTA 0 adds
   `2**31 - (num_ctas - 1)`, the others 1. The adds sum to 2**31, so the top bit flips once per
   barrier and the low bits come back to where they were. A CTA waits until the top bit differs
@@ -20,88 +23,86 @@ Barrier state lives in the `barrier` workspace region (int32 slots, below) and i
   passed, read by every CTA at the start of the call. A fast rank may already add its next
   call's 1 while a slow one still waits: the target is then passed, not missed.
 * cross-rank barrier: each rank keeps a local count of barriers passed; barrier b uses signal
-  slot `b % 2` and adds +1 (b // 2 even) or -1 (odd) to that slot on every rank, itself included;
-  the slot then reads R (or 0) on every rank once all have arrived. Two alternating slots let a
-  rank enter barrier b + 1 while a slower rank still reads barrier b's slot; signals swing between
-  0 and R forever. Every rank must execute the same sequence of cross-rank barriers.
+  slot `b & 1` and adds +1 (bit 1 of b clear) or -1 (set) to that slot on every rank, itself
+  included; the slot then reads R (or 0) on every rank once all have arrived. Two alternating
+  slots let a rank enter barrier b + 1 while a slower rank still reads barrier b's slot;
+  signals swing between 0 and R forever. Every rank must execute the same sequence of
+  cross-rank barriers.
+* call tags (`call_tags`, `wait_call_tag`, `finish_call`): a call is numbered by a tag every
+  rank computes alike, `CALL_TAG + 1`; the host adds 1 to `CALL_TAG` when it gives up a call
+  before launching it (`SymmBuffer.skip_call`), so a rank that skipped a call its peers made
+  carries a different tag from then on. Count words carry the tag of the call that wrote them:
+  a reader waits while a word still holds the tag of the last call it finished (`CALL_DONE`)
+  and traps on any other tag, since a peer is then running a call this rank did not make (or
+  skipped one this rank made) and every later call would pair the wrong data.
 
 Waits give up after `timeout_ns` (a compile-time setting, `CUTE_MEGAMOE_SPIN_TIMEOUT_S`, default
-120 s, 0 = never): the first thread to time out prints which counter stalled, its value and the
-target, then traps, so a lost rank shows up as an error instead of a silent hang. Checks that
-the ranks agree on a call's settings trap too, printing what differs unless the setting is 0
-(the printf is then compiled out, with its stack frame).
+120 s, 0 = never; part of the compiled-kernel cache key): the first thread of the rank to time
+out prints which counter stalled, its value and the target (it claims `STALL_REPORTED`, so one
+line per rank), then every timed-out thread traps, so a lost rank shows up as an error instead
+of a silent hang. Checks that the ranks agree on a call's settings and tags trap too, printing
+what differs unless the setting is 0 (the printf is then compiled out, with its stack frame).
 """
 
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-# Slots of the `barrier` region (int32 each)
-GRID_BARRIER_SLOT = 0
-RANK_BARRIER_COUNT_SLOT = 4  # local: cross-rank barriers passed so far
-RANK_BARRIER_SIGNAL_SLOT = 5  # two slots (5, 6), added to by every rank
+from ...layout.mega_moe import BarrierSlots
+from ...runtime import spin_timeout_ns
+
+__all__ = [
+    "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "finish_call", "grid_barrier",
+    "report_disagreement", "spin_timeout_ns", "split_barrier_arrive", "split_barrier_finish",
+    "split_barrier_target", "split_barrier_wait", "wait_call_tag", "wait_reached",
+]
 
 # Split-phase cross-rank barriers (arrive now, wait later): every call of a kernel that uses
 # them passes all SPLIT_BARRIER_COUNT of them, each exactly once
 SPLIT_BARRIER_COUNT = 8
-SPLIT_CALLS_SLOT = 8  # local: calls that have passed them
-SPLIT_ARRIVAL_SLOT = 16  # local, per barrier: CTAs of this rank arrived in this call
-SPLIT_SIGNAL_SLOT = 24  # per barrier: +1 per rank per call, added to by every rank, never reset
 
 TOP_BIT = 0x80000000
 
 
-def spin_timeout_ns() -> int:
-    """Compile-time wait limit in ns from `CUTE_MEGAMOE_SPIN_TIMEOUT_S` (0 disables)."""
-    return int(float(os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "120")) * 1e9)
+@cute.jit
+def _claim_report(barrier_slots: cute.Pointer) -> cutlass.Boolean:
+    """True for the first thread of this rank to report (one message per rank, not per
+    thread)."""
+    return cute.arch.atomic_add(barrier_slots + BarrierSlots.STALL_REPORTED, Int32(1),
+                                scope="gpu") == 0
 
 
 @cute.jit
-def _report_stall(what: cutlass.Constexpr, value: Int32, target: Int32):
-    bidx, _, _ = cute.arch.block_idx()
-    tidx, _, _ = cute.arch.thread_idx()
-    cute.printf("cute_megamoe: wait on " + what + " stalled (cta %d, thread %d): value %d, "
-                "target %d", bidx, tidx, value, target)
+def _report_stall(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: Int32,
+                  target: Int32):
+    if _claim_report(barrier_slots):
+        bidx, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.printf("cute_megamoe: wait on " + what + " stalled (cta %d, thread %d): value %d, "
+                    "target %d", bidx, tidx, value, target)
     cute.arch.inline_ptx("trap;")
 
 
 @cute.jit
-def report_disagreement(what: cutlass.Constexpr, value: Int32, expected: Int32,
-                        verbose: cutlass.Constexpr):
+def report_disagreement(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: Int32,
+                        expected: Int32, verbose: cutlass.Constexpr):
     """Ranks launched one collective kernel with different settings: say which (if `verbose`,
-    from CTA 0 only: every CTA sees it) and stop the kernel (a trap) rather than let it
-    produce wrong data."""
+    from the first thread of the rank to see it) and stop the kernel (a trap) rather than let
+    it produce wrong data."""
     if cutlass.const_expr(verbose):
-        bidx, _, _ = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
-        if bidx == 0:
+        if _claim_report(barrier_slots):
+            bidx, _, _ = cute.arch.block_idx()
+            tidx, _, _ = cute.arch.thread_idx()
             cute.printf("cute_megamoe: ranks disagree on " + what + " (cta %d, thread %d): a "
                         "peer's %d, this rank's %d", bidx, tidx, value, expected)
     cute.arch.inline_ptx("trap;")
 
 
 @cute.jit
-def wait_geq(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
-             what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
-    """Spin until the int32 at `ptr` is >= `target` (acquire at `scope`); returns the value."""
-    value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
-    if value < target:
-        start = cute.arch.globaltimer()
-        while value < target:
-            value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
-            if cutlass.const_expr(timeout_ns > 0):
-                if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    _report_stall(what, value, target)
-    return value
-
-
-@cute.jit
-def wait_eq(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
-            what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
+def wait_eq(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
+            scope: cutlass.Constexpr, what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
     """Spin until the int32 at `ptr` equals `target` (acquire at `scope`)."""
     value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
     if value != target:
@@ -110,12 +111,13 @@ def wait_eq(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
             value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    _report_stall(what, value, target)
+                    _report_stall(barrier_slots, what, value, target)
 
 
 @cute.jit
-def wait_reached(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
-                 what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
+def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
+                 scope: cutlass.Constexpr, what: cutlass.Constexpr,
+                 timeout_ns: cutlass.Constexpr):
     """Spin until the int32 counter at `ptr` has reached `target` (acquire at `scope`), for
     counters that only grow and may wrap: `value - target >= 0` in 32-bit arithmetic."""
     value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
@@ -125,40 +127,66 @@ def wait_reached(ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr,
             value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    _report_stall(what, value, target)
+                    _report_stall(barrier_slots, what, value, target)
 
 
 @cute.jit
-def wait_epoch(ptr: cute.Pointer, epoch: Int32, what: cutlass.Constexpr,
-               timeout_ns: cutlass.Constexpr):
-    """Spin until the int64 at `ptr` is an `(epoch << 32) | value` publication of this `epoch`
-    (acquire at system scope); returns its low 32 bits."""
+def call_tags(barrier_slots: cute.Pointer):
+    """Every CTA at the start of a call: (this call's tag, the tag of the last call this rank
+    finished). See the module doc, "call tags"."""
+    tag = cute.arch.load(barrier_slots + BarrierSlots.CALL_TAG, Int32) + 1
+    done = cute.arch.load(barrier_slots + BarrierSlots.CALL_DONE, Int32)
+    return tag, done
+
+
+@cute.jit
+def wait_call_tag(barrier_slots: cute.Pointer, ptr: cute.Pointer, tag: Int32, done: Int32,
+                  what: cutlass.Constexpr, source: Int32, expert: Int32,
+                  timeout_ns: cutlass.Constexpr):
+    """Spin until the int64 word at `ptr` (written by rank `source` for global `expert`) holds
+    `tag` in its high half (acquire at system scope); returns its low half. A word still at
+    `done` is last call's: wait. Any other tag: the ranks are out of step (a rank skipped or
+    added a call): report and trap."""
     value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
-    if Int32(value >> 32) != epoch:
+    seen = Int32(value >> 32)
+    if seen != tag:
         start = cute.arch.globaltimer()
-        while Int32(value >> 32) != epoch:
+        while seen != tag:
+            if seen != done:
+                if cutlass.const_expr(timeout_ns > 0):  # (0: no printf, no stack frame)
+                    if _claim_report(barrier_slots):
+                        cute.printf("cute_megamoe: ranks are out of step: rank %d published "
+                                    + what + " of expert %d for call %d, this rank is at call "
+                                    "%d (last finished: %d); a rank skipped a call the others "
+                                    "made", source, expert, seen, tag, done)
+                cute.arch.inline_ptx("trap;")
             value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
+            seen = Int32(value >> 32)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    _report_stall(what, Int32(value >> 32), epoch)
+                    if _claim_report(barrier_slots):
+                        cute.printf("cute_megamoe: wait on " + what + " stalled: rank %d has "
+                                    "not published expert %d for call %d (its word holds call "
+                                    "%d)", source, expert, tag, seen)
+                    cute.arch.inline_ptx("trap;")
     return Int32(value & 0xFFFFFFFF)
 
 
 @cute.jit
-def rank_barriers_passed(barrier_slots: cute.Pointer) -> Int32:
-    """Cross-rank barriers this rank has passed: the same on every rank between two of them, so
-    `+ 1` numbers a call of a kernel that ends with one (the dispatch's publication epoch).
-    Read it before the kernel's own cross-rank barrier."""
-    return cute.arch.load(barrier_slots + RANK_BARRIER_COUNT_SLOT, Int32)
+def finish_call(barrier_slots: cute.Pointer, tag: Int32):
+    """One thread, after the call's last cross-rank barrier: this rank finished call `tag`."""
+    cute.arch.store(barrier_slots + BarrierSlots.CALL_TAG, tag)
+    cute.arch.store(barrier_slots + BarrierSlots.CALL_DONE, tag)
 
 
 @cute.jit
-def grid_barrier(counter: cute.Pointer, num_ctas: Int32, timeout_ns: cutlass.Constexpr):
+def grid_barrier(barrier_slots: cute.Pointer, num_ctas: Int32, timeout_ns: cutlass.Constexpr):
     """All CTAs of the grid (all resident: cooperative launch) meet here; every thread calls it."""
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     if tidx == 0:
+        counter = barrier_slots + BarrierSlots.GRID
         cute.arch.fence_proxy("async.global")
         cute.arch.fence_acq_rel_sys()
         add = Int32(1)
@@ -172,7 +200,7 @@ def grid_barrier(counter: cute.Pointer, num_ctas: Int32, timeout_ns: cutlass.Con
                 current = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
                 if cutlass.const_expr(timeout_ns > 0):
                     if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                        _report_stall("grid barrier", current, old)
+                        _report_stall(barrier_slots, "grid barrier", current, old)
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
 
@@ -186,14 +214,14 @@ def cross_rank_barrier(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
     `peer_bases[r] + barrier_offset`."""
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
-    passed = cute.arch.load(barrier_slots + RANK_BARRIER_COUNT_SLOT, Int32)
-    phase = passed % 2
-    delta = Int32(1) - 2 * ((passed // 2) % 2)
+    passed = cute.arch.load(barrier_slots + BarrierSlots.RANK_BARRIER_COUNT, Int32)
+    phase = passed & 1  # bit operations: the count may have wrapped past 2**31
+    delta = Int32(1) - (passed & 2)
     if tidx == 0:
         cute.arch.fence_proxy("async.global")
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
-    signal_offset = barrier_offset + 4 * RANK_BARRIER_SIGNAL_SLOT
+    signal_offset = barrier_offset + 4 * BarrierSlots.RANK_BARRIER_SIGNAL
     r = tidx
     while r < num_ranks:
         peer = cute.make_ptr(Int32, Int64(peer_bases[r]) + signal_offset,
@@ -202,17 +230,18 @@ def cross_rank_barrier(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
         r += cute.arch.block_dim()[0]
     if tidx == 0:
         target = num_ranks if delta > 0 else Int32(0)
-        wait_eq(barrier_slots + RANK_BARRIER_SIGNAL_SLOT + phase, target, "sys",
-                "cross-rank barrier signal", timeout_ns)
-        cute.arch.store(barrier_slots + RANK_BARRIER_COUNT_SLOT, passed + 1)
+        wait_eq(barrier_slots, barrier_slots + BarrierSlots.RANK_BARRIER_SIGNAL + phase, target,
+                "sys", "cross-rank barrier signal", timeout_ns)
+        cute.arch.store(barrier_slots + BarrierSlots.RANK_BARRIER_COUNT, passed + 1)
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
 
 
 @cute.jit
 def split_barrier_target(barrier_slots: cute.Pointer, num_ranks: cutlass.Constexpr) -> Int32:
-    """Every CTA at the start of the call: the slot value this call's split barriers wait for."""
-    return (cute.arch.load(barrier_slots + SPLIT_CALLS_SLOT, Int32) + 1) * num_ranks
+    """Every CTA at the start of the call: the slot value this call's split barriers wait for
+    (wraps modulo 2**32 as the slots do)."""
+    return (cute.arch.load(barrier_slots + BarrierSlots.SPLIT_CALLS, Int32) + 1) * num_ranks
 
 
 @cute.jit
@@ -226,7 +255,7 @@ def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < 32:
         old = Int32(0)
-        arrivals = barrier_slots + SPLIT_ARRIVAL_SLOT + first
+        arrivals = barrier_slots + BarrierSlots.SPLIT_ARRIVAL + first
         if tidx == 0:
             cute.arch.fence_proxy("async.global")
             cute.arch.fence_acq_rel_sys()
@@ -234,12 +263,15 @@ def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
             if old == num_ctas - 1:
                 cute.arch.store(arrivals, Int32(0))  # every CTA has arrived; next: next call
                 cute.arch.fence_acq_rel_sys()
+        # the shuffle below carries no memory ordering: the warp sync orders lane 0's fences
+        # (and what they made visible) before the other lanes' releases
+        cute.arch.sync_warp()
         # the last CTA's warp 0 signals, one (rank, barrier) per lane: releases in parallel
         if cute.arch.shuffle_sync(old, 0) == num_ctas - 1:
             signal = tidx
             while signal < num_ranks * count:
                 peer = cute.make_ptr(Int32, Int64(peer_bases[signal // count]) + barrier_offset
-                                     + 4 * (SPLIT_SIGNAL_SLOT + first + signal % count),
+                                     + 4 * (BarrierSlots.SPLIT_SIGNAL + first + signal % count),
                                      cute.AddressSpace.gmem, assumed_align=4)
                 cute.arch.red(peer, Int32(1), op="add", dtype="s32", sem="release", scope="sys")
                 signal += 32
@@ -252,8 +284,8 @@ def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass
     first .. first + count - 1 (`target` from `split_barrier_target`)."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < count:
-        wait_reached(barrier_slots + SPLIT_SIGNAL_SLOT + first + tidx, target, "sys",
-                     "split barrier signal", timeout_ns)
+        wait_reached(barrier_slots, barrier_slots + BarrierSlots.SPLIT_SIGNAL + first + tidx,
+                     target, "sys", "split barrier signal", timeout_ns)
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
 
@@ -266,5 +298,5 @@ def split_barrier_finish(barrier_slots: cute.Pointer):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     if bidx == 0 and tidx == 0:
-        calls = cute.arch.load(barrier_slots + SPLIT_CALLS_SLOT, Int32)
-        cute.arch.store(barrier_slots + SPLIT_CALLS_SLOT, calls + 1)
+        calls = cute.arch.load(barrier_slots + BarrierSlots.SPLIT_CALLS, Int32)
+        cute.arch.store(barrier_slots + BarrierSlots.SPLIT_CALLS, calls + 1)
