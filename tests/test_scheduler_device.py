@@ -83,6 +83,18 @@ def test_walk_kernel_compiles(arch, cluster_m):
     assert "st.global" in art.ptx
 
 
+@pytest.mark.parametrize("arg", ("num_experts", "block_m", "num_n_blocks", "cluster_m"))
+@pytest.mark.parametrize("value", (0, -1))
+def test_device_scheduler_rejects_zero_sizes(arg, value):
+    """A zero size is rejected on the host, by name, before it reaches a kernel (where
+    block_m 0 divides by zero and num_n_blocks 0 makes the walk spin)."""
+    from cute_megamoe.scheduler.device import ExpertTileScheduler
+
+    sizes = {"num_experts": 8, "block_m": 64, "num_n_blocks": 3, "cluster_m": 1, arg: value}
+    with pytest.raises(ValueError, match=f"{arg} must be >= 1"):
+        ExpertTileScheduler(**sizes)
+
+
 CASES = [  # counts, block_m, n-blocks, CTAs, CTAs per cluster along M, raster band
     ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 1, 1),
     ([300, 41, 129, 1, 77, 256, 5, 200], 128, 2, 132, 1, 1),

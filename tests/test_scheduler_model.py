@@ -22,6 +22,7 @@ from cute_megamoe.scheduler import (
     assign_tiles,
     grouped_gemm_tiles,
     mega_moe_tile_sequence,
+    num_m_blocks,
     pool_block_offsets,
     raster_order,
     waves,
@@ -184,6 +185,34 @@ def test_scheduler_argument_checks():
         HostTileScheduler([1], 64, 128, 128, num_ctas=4, cta=4)
     assert pool_block_offsets([], 64) == [0]
     assert grouped_gemm_tiles([], 64, 128, 128) == []
+
+
+@pytest.mark.parametrize("block_m", [0, -64])
+def test_zero_or_negative_block_size_is_a_clear_error(block_m):
+    """A zero block size names the argument instead of raising a bare ZeroDivisionError."""
+    for call in (
+        lambda: num_m_blocks(5, block_m),
+        lambda: pool_block_offsets([5, 3], block_m),
+        lambda: grouped_gemm_tiles([5, 3], block_m, 128, 256),
+        lambda: mega_moe_tile_sequence([5, 3], block_m, 128, 256, 128, 256, 1),
+        lambda: HostTileScheduler([5, 3], block_m, 128, 256, num_ctas=2, cta=0),
+        lambda: HostMegaMoETileScheduler([5, 3], block_m, 128, 256, 128, 256, 1, 2, 0),
+    ):
+        with pytest.raises(ValueError, match=r"block_m must be >= 1"):
+            call()
+    with pytest.raises(ValueError, match=r"block_n must be >= 1"):
+        grouped_gemm_tiles([5], 64, block_m, 256)
+    with pytest.raises(ValueError, match=r"raster_group must be >= 1"):
+        raster_order(3, 2, block_m)
+    with pytest.raises(ValueError, match=r"experts_per_wave must be >= 1"):
+        waves(4, block_m)
+    with pytest.raises(ValueError, match=r"num_ctas must be >= 1"):
+        assign_tiles(4, block_m)
+    with pytest.raises(ValueError, match=r"count must be >= 0"):
+        num_m_blocks(-1, 64)
+    with pytest.raises(TypeError, match=r"block_m must be an int"):
+        num_m_blocks(5, 64.0)
+    assert num_m_blocks(0, 64) == 0 and num_m_blocks(5, 1) == 5 and num_m_blocks(65, 64) == 2
 
 
 # ---------------------------------------------------------------------------- heuristics

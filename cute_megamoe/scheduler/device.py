@@ -24,15 +24,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .host_model import _positive
+
 
 class ExpertTileScheduler:
     """Maps a linear tile index to (expert, m-block, n-block, pool block, valid rows)."""
 
     def __init__(self, num_experts: int, block_m: int, num_n_blocks: int, cluster_m: int = 1):
-        self.num_experts = num_experts
-        self.block_m = block_m
-        self.num_n_blocks = num_n_blocks
-        self.cluster_m = cluster_m
+        # Checked here, on the host: a zero would make the device walk divide by zero or spin.
+        self.num_experts = _positive("num_experts", num_experts)
+        self.block_m = _positive("block_m", block_m)
+        self.num_n_blocks = _positive("num_n_blocks", num_n_blocks)
+        self.cluster_m = _positive("cluster_m", cluster_m)
 
     @cute.jit
     def group_start(self, block_start: cute.Tensor, expert: Int32) -> Int32:

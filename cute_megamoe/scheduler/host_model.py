@@ -78,9 +78,20 @@ def _num_n_blocks(block_n: int, n: int, what: str = "n") -> int:
     return n // block_n
 
 
+def _non_negative(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
 def num_m_blocks(count: int, block_m: int) -> int:
-    """Pool blocks of ``block_m`` rows one expert with ``count`` rows occupies."""
-    return ceil_div(count, block_m)
+    """Pool blocks of ``block_m`` rows one expert with ``count`` rows occupies.
+
+    ``block_m`` must be >= 1 and ``count`` >= 0 (``ValueError`` naming the argument otherwise).
+    """
+    return ceil_div(_non_negative("count", count), _positive("block_m", block_m))
 
 
 def pool_block_offsets(expert_counts: Sequence[int] | torch.Tensor, block_m: int) -> list[int]:
@@ -114,6 +125,9 @@ class Tile:
 def raster_order(num_groups: int, num_n: int, raster_group: int) -> list[tuple[int, int]]:
     """One expert's ``(group, n_block)`` pairs in walk order: bands of ``raster_group``
     groups, each band n-block by n-block with its groups fastest."""
+    _non_negative("num_groups", num_groups)
+    _non_negative("num_n", num_n)
+    _positive("raster_group", raster_group)
     order = []
     for band_first in range(0, num_groups, raster_group):
         band = range(band_first, min(band_first + raster_group, num_groups))
@@ -149,18 +163,14 @@ def grouped_gemm_tiles(
 
 def assign_tiles(num_tiles: int, num_ctas: int) -> list[list[int]]:
     """Persistent-grid assignment: CTA ``c`` takes tile indices ``c, c + S, c + 2S, ...``."""
-    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 0:
-        raise ValueError(f"num_tiles must be a non-negative int, got {num_tiles!r}")
+    _non_negative("num_tiles", num_tiles)
     _positive("num_ctas", num_ctas)
     return [list(range(c, num_tiles, num_ctas)) for c in range(num_ctas)]
 
 
 def waves(num_local_experts: int, experts_per_wave: int) -> list[range]:
     """Local experts grouped into consecutive waves of ``experts_per_wave`` (last may be short)."""
-    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int):
-        raise TypeError("num_local_experts must be an int")
-    if num_local_experts < 0:
-        raise ValueError(f"num_local_experts must be >= 0, got {num_local_experts}")
+    _non_negative("num_local_experts", num_local_experts)
     _positive("experts_per_wave", experts_per_wave)
     return [
         range(start, min(start + experts_per_wave, num_local_experts))
