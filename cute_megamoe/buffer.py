@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .heuristics import get_num_sms
 from .layout import RECIPES, REGION_NAMES, BarrierSlots, MegaMoELayout
 
 __all__ = ["SymmBuffer", "get_symm_buffer_for_mega_moe"]
@@ -105,6 +106,8 @@ class SymmBuffer:
         self.rank: int = rank
         self.num_ranks: int = num_ranks
         self.handle: object | None = None
+        # SMs this rank's kernels take by default (None: all of the GPU's)
+        self.num_sms: int | None = None
         if num_ranks == 1:
             if device is None and not torch.cuda.is_available():
                 raise RuntimeError(
@@ -139,7 +142,8 @@ class SymmBuffer:
         is at hand. Peer traffic then stays in the GPU's memory (no NVLink). Every rank's
         collective kernels must run at the same time: launch rank r's calls on a stream of its
         own, with at most SMs / ``num_ranks`` CTAs each (``num_sms``), and synchronize with
-        the host only once every rank's call is launched."""
+        the host only once every rank's call is launched: the buffers' ``num_sms`` is set to
+        that share, which the entry points use when not told otherwise."""
         layout = MegaMoELayout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk,
                                hidden, intermediate_hidden, mma_type)
         dev = torch.device("cuda" if device is None else device)
@@ -151,6 +155,7 @@ class SymmBuffer:
             buf = cls.__new__(cls)
             buf.layout, buf.group, buf.handle = layout, None, None
             buf.rank, buf.num_ranks = rank, num_ranks
+            buf.num_sms = max(1, get_num_sms(dev) // num_ranks)
             buf._attach(allocation, bases)
             buffers.append(buf)
         return buffers

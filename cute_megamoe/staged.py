@@ -72,7 +72,9 @@ class _BufferState:
     def __init__(self, sym_buffer: SymmBuffer):
         device = sym_buffer.device
         self.arch = get_arch(device)
-        self.num_sms = get_num_sms(device)
+        # SMs this rank's kernels use by default (`SymmBuffer.num_sms`: a share of the GPU when
+        # several ranks share it, see `SymmBuffer.loopback`)
+        self.num_sms = sym_buffer.num_sms or get_num_sms(device)
         self.peer_bases = as_ptr(sym_buffer.peer_bases)
         self.recv_tokens = torch.zeros(sym_buffer.layout.num_local_experts, dtype=torch.int32,
                                        device=device)

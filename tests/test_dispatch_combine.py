@@ -223,3 +223,38 @@ def test_layer_on_gemm_kernels_matches_reference_multi_rank(recipe, num_ranks):
     run_multiprocess(num_ranks, recipe, num_experts=8, num_topk=4, hidden=512, block_m=128,
                      port=29711 + 10 * num_ranks + GEMM_RECIPES.index(recipe),
                      mode="layer_kernels")
+
+
+@pytest.mark.gpu
+def test_ceil_div_small_is_exact_over_its_range():
+    """`pool.ceil_div_small` (the dispatch's per-destination BLOCK_M division, without an
+    integer-division call) for every n < 2**24 and every BLOCK_M a pool may have."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.common.pool import ceil_div_small
+    from cute_megamoe.runtime import as_ptr, current_stream
+
+    @cute.kernel
+    def kernel(out: cute.Pointer, d: Int32, count: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        n = bidx * 256 + tidx
+        if n < count:
+            cute.arch.store(out + n, ceil_div_small(n, d))
+
+    @cute.jit
+    def launch(out: cute.Pointer, d: Int32, count: Int32, stream):
+        kernel(out, d, count).launch(grid=[(count + 255) // 256, 1, 1], block=[256, 1, 1],
+                                     stream=stream)
+
+    count = 1 << 24
+    out = torch.empty(count, dtype=torch.int32, device="cuda")
+    n = torch.arange(count, device="cuda", dtype=torch.int64)
+    fn = None
+    for d in range(16, 513, 16):
+        args = (as_ptr(out, align=4), Int32(d), Int32(count), current_stream())
+        fn = fn or cute.compile(launch, *args)
+        fn(*args)
+        want = ((n + d - 1) // d).to(torch.int32)
+        assert torch.equal(out, want), f"d = {d}: first wrong n {int((out != want).nonzero()[0])}"
