@@ -4,7 +4,7 @@
 
 With a CUDA GPU the layer runs on our kernels where they exist: on Hopper with the fp8xfp8
 (default there) or bf16xbf16 recipe every step is ours (input staging, dispatch, the L1/L2
-grouped GEMMs with the SwiGLU epilogue, combine: `fp8_mega_moe` / `bf16_mega_moe`); otherwise
+grouped GEMMs with the SwiGLU epilogue, combine: `stage_inputs` + `mega_moe`); otherwise
 the expert GEMMs are `torch._grouped_mm` between our staging/dispatch/combine kernels. Without
 a GPU (or with `--cpu`) it runs only `mega_moe_reference`, the pure-PyTorch definition of the
 layer (default recipe fp8xfp4, DeepGEMM's).
@@ -102,12 +102,11 @@ def main(argv: list[str] | None = None) -> None:
         ours = args.recipe in SUPPORTED_RECIPES.get(arch, ())
         if ours:
             weights = ExpertWeights.from_bf16(w1, w2, args.recipe, arch=arch)
-            layer = api.bf16_mega_moe if args.recipe == "bf16xbf16" else api.fp8_mega_moe
             y_out = torch.empty_like(x)
 
             def run():
                 api.stage_inputs(buf, x, topk_idx, topk_w, validate_routing=False)
-                return layer(y_out, weights, buf, activation_clamp=args.clamp)
+                return api.mega_moe(y_out, weights, buf, activation_clamp=args.clamp)
         else:
             weights = staged.TorchExpertWeights.from_bf16(w1, w2, args.recipe)
 

@@ -9,9 +9,10 @@ pool block `pool_block_offsets(counts, block_m)[e]`, pad rows to a multiple of `
 pool) then L2, and returns BF16 `[P, H]` in pool order, pad rows unwritten. Everything is
 checked on the host before the first launch.
 
-Kernels per arch (`SUPPORTED_RECIPES`): Hopper `kernels/sm90_expert_gemm.py` (fp8xfp8,
-bf16xbf16; GPU-tested); Blackwell `kernels/sm100_expert_gemm.py` (fp8xfp4, bf16xbf16; compiled
-and SASS-checked for sm_100a, never run: no Blackwell GPU was available).
+Kernels per arch (`tables.GEMM_RECIPES`, also `SUPPORTED_RECIPES` here): Hopper
+`kernels/sm90_expert_gemm.py` (fp8xfp8, bf16xbf16; GPU-tested); Blackwell
+`kernels/sm100_expert_gemm.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked for sm_100a, never
+run: no Blackwell GPU was available). The launches themselves are built in `launch.py`.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ from dataclasses import dataclass
 import torch
 
 from . import quant
-from .api import _check_tensor
-from .heuristics import get_num_sms, select_cluster_m
+from .checks import check_gemm_block_m, check_mn_major, check_tensor, routing_checks_on
+from .heuristics import get_num_sms
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
-from .runtime import as_ptr, compiled_kernel, current_stream, env_flag, get_arch
+from .launch import expert_gemm_calls, gemm_kernel
+from .runtime import get_arch
+from .tables import BLOCK_MS, GEMM_RECIPES, check_recipe, normalize_arch
 from .utils import ceil_div
 
-#: Recipes with grouped-GEMM kernels, per arch.
-SUPPORTED_RECIPES = {"sm_90a": ("fp8xfp8", "bf16xbf16"), "sm_100a": ("fp8xfp4", "bf16xbf16")}
-#: BLOCK_M values the kernels implement, per arch.
-BLOCK_MS = {"sm_90a": (64, 128), "sm_100a": (64, 128, 256)}
+#: Recipes with grouped-GEMM kernels, per arch (`tables.GEMM_RECIPES`).
+SUPPORTED_RECIPES = GEMM_RECIPES
 
 _ACT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.float8_e4m3fn,
               "bf16xbf16": torch.bfloat16}
 _ACT_SF_DTYPE = {"fp8xfp8": torch.float32, "fp8xfp4": torch.int32}  # per 128 K / 4 x UE8M0
+#: dtype of the L1 weight of each recipe (FP4: e2m1 packed two per byte).
+_WEIGHT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.int8,
+                 "bf16xbf16": torch.bfloat16}
 
 
 def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.Tensor:
@@ -54,6 +58,52 @@ def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.T
                                    value=1.0).contiguous()
 
 
+def weights_recipe(l1_weights: object, name: str = "l1_weights") -> str:
+    """The recipe of L1 weights as `quant.quantize_weights_for_recipe` or
+    `quant.transform_weights_for_mega_moe` return them: a BF16 tensor (``bf16xbf16``) or a
+    (weight, scale) pair with e4m3 (``fp8xfp8``) or packed-FP4 int8 (``fp8xfp4``) weights."""
+    if isinstance(l1_weights, torch.Tensor):
+        if l1_weights.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: a plain tensor must be BF16 (bf16xbf16), got "
+                            f"{l1_weights.dtype}")
+        return "bf16xbf16"
+    if not (isinstance(l1_weights, tuple) and len(l1_weights) == 2
+            and isinstance(l1_weights[0], torch.Tensor)):
+        raise TypeError(f"{name}: expected a BF16 tensor or a (weight, scale) tuple, got "
+                        f"{type(l1_weights).__name__}")
+    for recipe in ("fp8xfp8", "fp8xfp4"):
+        if l1_weights[0].dtype == _WEIGHT_DTYPE[recipe]:
+            return recipe
+    raise TypeError(f"{name}[0]: expected torch.float8_e4m3fn (FP8) or torch.int8 (packed "
+                    f"FP4) weights, got {l1_weights[0].dtype}")
+
+
+def _resolve_arch(arch: str | None, recipe: str, like: object) -> str:
+    """``arch`` normalized; None: the arch of the CUDA device ``like``'s tensors live on, else
+    the one arch with grouped-GEMM kernels for ``recipe``, else (bf16xbf16 on the CPU) the
+    current CUDA device's. Raises naming the recipe if that arch has no kernels for it."""
+    if arch is None:
+        tensor = like[0] if isinstance(like, tuple) else like
+        candidates = [a for a, recipes in GEMM_RECIPES.items() if recipe in recipes]
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            arch = get_arch(tensor.device)
+        elif len(candidates) == 1:
+            arch = candidates[0]
+        elif torch.cuda.is_available():
+            arch = get_arch()
+        else:
+            raise ValueError(f"arch: {recipe} weights on the CPU without a GPU: give the arch "
+                             f"they are for ({', '.join(candidates)})")
+    arch = normalize_arch(arch)
+    if recipe not in GEMM_RECIPES[arch]:
+        raise ValueError(
+            f"recipe {recipe!r} has no grouped-GEMM kernels on {arch!r} (supported: "
+            f"{GEMM_RECIPES}); run it with torch expert GEMMs between our kernels: "
+            f"cute_megamoe.MegaMoE, cute_megamoe.fp8_fp4_mega_moe, or "
+            f"staged.staged_mega_moe with staged.TorchExpertWeights")
+    return arch
+
+
 @dataclass
 class ExpertWeights:
     """One rank's expert weights as the grouped GEMMs of ``arch`` read them.
@@ -68,6 +118,12 @@ class ExpertWeights:
     * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
       ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
       word, UTCCP row order, MN-major: ``quant.weight_sf_for_sm100``).
+
+    ``arch`` (any spelling; stored as ``"sm_90a"`` / ``"sm_100a"``) defaults to the arch of the
+    GPU the weights live on; for weights on the CPU, to the one arch with kernels for the
+    recipe (fp8xfp8: sm_90a, fp8xfp4: sm_100a) or, for bf16xbf16, the current GPU's (give it
+    explicitly without a GPU). A recipe without grouped-GEMM kernels on the arch raises
+    (`tables.GEMM_RECIPES`): use `staged.TorchExpertWeights` there.
     """
 
     recipe: str
@@ -75,7 +131,11 @@ class ExpertWeights:
     w2: torch.Tensor
     w1_sf: torch.Tensor | None = None
     w2_sf: torch.Tensor | None = None
-    arch: str = "sm_90a"
+    arch: str | None = None
+
+    def __post_init__(self) -> None:
+        check_recipe(self.recipe)
+        self.arch = _resolve_arch(self.arch, self.recipe, self.w1)
 
     @property
     def num_experts(self) -> int:
@@ -89,79 +149,57 @@ class ExpertWeights:
     def intermediate(self) -> int:
         return self.w1.shape[1] // 2
 
+    @property
+    def device(self) -> torch.device:
+        return self.w1.device
+
+    @classmethod
+    def from_transformed(cls, l1_weights, l2_weights, recipe: str | None = None,
+                         arch: str | None = None) -> ExpertWeights:
+        """From what `quant.transform_weights_for_mega_moe` returned (DeepGEMM's layout: for
+        fp8xfp4 its default, the sm_100a one). ``recipe`` defaults to the weights' own
+        (`weights_recipe`); ``arch`` as in the class doc. No copy where the layouts agree
+        (bf16xbf16, and fp8xfp4 scales that are MN-major as DeepGEMM's are)."""
+        found = weights_recipe(l1_weights)
+        if recipe is not None and check_recipe(recipe) != found:
+            raise TypeError(f"l1_weights: {found} weights, expected {recipe}")
+        recipe = found
+        arch = _resolve_arch(arch, recipe, l1_weights)
+        if recipe == "bf16xbf16":
+            if not isinstance(l2_weights, torch.Tensor) or l2_weights.dtype != torch.bfloat16:
+                raise TypeError("l2_weights: bf16xbf16 weights must be a BF16 tensor")
+            return cls(recipe, l1_weights.contiguous(), l2_weights.contiguous(), arch=arch)
+        if not (isinstance(l2_weights, tuple) and len(l2_weights) == 2
+                and isinstance(l2_weights[0], torch.Tensor)
+                and l2_weights[0].dtype == l1_weights[0].dtype):
+            raise TypeError(f"l2_weights: expected a ({_WEIGHT_DTYPE[recipe]}, scale) tuple "
+                            f"like l1_weights")
+        if recipe == "fp8xfp8":
+            sf1 = _block_weight_sf(l1_weights[1], "l1_weights[1]", gate_up=True)
+            sf2 = _block_weight_sf(l2_weights[1], "l2_weights[1]", gate_up=False)
+        else:
+            sf1 = quant.weight_sf_for_sm100(l1_weights[1])
+            sf2 = quant.weight_sf_for_sm100(l2_weights[1])
+        return cls(recipe, l1_weights[0].contiguous(), l2_weights[0].contiguous(), sf1, sf2,
+                   arch=arch)
+
     @classmethod
     def from_quantized(cls, l1_weights, l2_weights, recipe: str,
-                       arch: str = "sm_90a") -> ExpertWeights:
+                       arch: str | None = None) -> ExpertWeights:
         """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved)."""
-        if arch not in SUPPORTED_RECIPES or recipe not in SUPPORTED_RECIPES[arch]:
-            raise ValueError(f"recipe {recipe!r} has no grouped-GEMM kernels on {arch!r} "
-                             f"(supported: {SUPPORTED_RECIPES})")
+        check_recipe(recipe)
+        arch = _resolve_arch(arch, recipe, l1_weights)
         l1, l2 = quant.transform_weights_for_mega_moe(l1_weights, l2_weights, arch=arch)
-        if recipe == "bf16xbf16":
-            if not isinstance(l1, torch.Tensor) or l1.dtype != torch.bfloat16:
-                raise TypeError("bf16xbf16 weights must be bf16 tensors")
-            return cls(recipe, l1.contiguous(), l2.contiguous(), arch=arch)
-        want = torch.float8_e4m3fn if recipe == "fp8xfp8" else torch.int8
-        if not isinstance(l1, tuple) or l1[0].dtype != want:
-            raise TypeError(f"{recipe} weights must be ({want}, scale) pairs")
-        if recipe == "fp8xfp8":
-            sf1 = _block_weight_sf(l1[1], "l1_weights[1]", gate_up=True)
-            sf2 = _block_weight_sf(l2[1], "l2_weights[1]", gate_up=False)
-        else:
-            sf1, sf2 = quant.weight_sf_for_sm100(l1[1]), quant.weight_sf_for_sm100(l2[1])
-        return cls(recipe, l1[0].contiguous(), l2[0].contiguous(), sf1, sf2, arch=arch)
+        return cls.from_transformed(l1, l2, recipe, arch)
 
     @classmethod
     def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str,
-                  arch: str = "sm_90a") -> ExpertWeights:
+                  arch: str | None = None) -> ExpertWeights:
         """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does."""
+        check_recipe(recipe)
+        arch = _resolve_arch(arch, recipe, w1)
         return cls.from_quantized(quant.quantize_weights_for_recipe(w1, recipe),
                                   quant.quantize_weights_for_recipe(w2, recipe), recipe, arch)
-
-
-def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
-                n: int, k: int, block_m: int, activation_clamp: float | None = None,
-                fast_math: bool = True, combine_layout=None):
-    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its ten
-    pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
-    peer_bases, src_metadata)`` (what `expert_ffn` passes; the compile tests use the same plan).
-    ``combine_layout``: L2 sends its rows to the source ranks' combine buffers of a symmetric
-    buffer with this `MegaMoELayout`."""
-    from cutlass import (
-        BFloat16,
-        Float4E2M1FN,
-        Float8E4M3FN,
-        Float8E8M0FNU,
-        Float32,
-        Int32,
-        Int64,
-        Uint8,
-    )
-
-    clamp = activation_clamp if phase == "l1" else None
-    if arch == "sm_90a":
-        from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
-
-        ab = Float8E4M3FN if recipe == "fp8xfp8" else BFloat16
-        dtypes = (ab, Float32, ab, Float32, Int32, Float32, ab if phase == "l1" else BFloat16,
-                  Float32, Int64, Int32)
-    elif arch == "sm_100a":
-        from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
-
-        if recipe == "bf16xbf16":  # no scales: a_sf, b_sf, out_sf point at topk_weights
-            dtypes = (BFloat16, Float32, BFloat16, Float32, Int32, Float32, BFloat16, Float32,
-                      Int64, Int32)
-        else:
-            dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
-                      Float8E4M3FN if phase == "l1" else BFloat16, Uint8, Int64, Int32)
-    else:
-        raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
-    extra = {"combine_layout": combine_layout}
-    if arch == "sm_90a":
-        extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
-    kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
-                    activation_clamp=clamp, fast_math=fast_math, **extra)
-    return kernel, dtypes
 
 
 def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, int, int]:
@@ -170,21 +208,21 @@ def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, i
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     recipe = weights.recipe
     if recipe == "fp8xfp4":
-        _check_tensor("weights.w1", weights.w1, torch.int8, (e_l, 2 * inter, hidden // 2), device)
-        _check_tensor("weights.w2", weights.w2, torch.int8, (e_l, hidden, inter // 2), device)
-        _check_tensor("weights.w1_sf", weights.w1_sf, torch.int32,
-                      (e_l, hidden // 128, 2 * inter), device)
-        _check_tensor("weights.w2_sf", weights.w2_sf, torch.int32, (e_l, inter // 128, hidden),
-                      device)
+        check_tensor("weights.w1", weights.w1, torch.int8, (e_l, 2 * inter, hidden // 2), device)
+        check_tensor("weights.w2", weights.w2, torch.int8, (e_l, hidden, inter // 2), device)
+        check_tensor("weights.w1_sf", weights.w1_sf, torch.int32,
+                     (e_l, hidden // 128, 2 * inter), device)
+        check_tensor("weights.w2_sf", weights.w2_sf, torch.int32, (e_l, inter // 128, hidden),
+                     device)
         return e_l, hidden, inter
     dtype = _ACT_DTYPE[recipe]
-    _check_tensor("weights.w1", weights.w1, dtype, (e_l, 2 * inter, hidden), device)
-    _check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter), device)
+    check_tensor("weights.w1", weights.w1, dtype, (e_l, 2 * inter, hidden), device)
+    check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter), device)
     if recipe == "fp8xfp8":
-        _check_tensor("weights.w1_sf", weights.w1_sf, torch.float32,
-                      (e_l, hidden // SF_BLOCK, weight_sf_row_len(2 * inter)), device)
-        _check_tensor("weights.w2_sf", weights.w2_sf, torch.float32,
-                      (e_l, inter // SF_BLOCK, weight_sf_row_len(hidden)), device)
+        check_tensor("weights.w1_sf", weights.w1_sf, torch.float32,
+                     (e_l, hidden // SF_BLOCK, weight_sf_row_len(2 * inter)), device)
+        check_tensor("weights.w2_sf", weights.w2_sf, torch.float32,
+                     (e_l, inter // SF_BLOCK, weight_sf_row_len(hidden)), device)
     return e_l, hidden, inter
 
 
@@ -199,14 +237,6 @@ def check_pool_capacity(expert_recv_tokens: torch.Tensor, block_m: int, pool_row
     if need > pool_rows:
         raise ValueError(f"expert_recv_tokens: the experts need {need} pool rows in blocks of "
                          f"{block_m}, the pool has {pool_rows}")
-
-
-def _check_mn_major(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, cols: int,
-                    device) -> None:
-    """A ``[rows, cols]`` view of a contiguous ``[cols, rows]`` tensor (strides (1, rows))."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    _check_tensor(name, t.t(), dtype, (cols, rows), device)
 
 
 def _sf_view(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -242,6 +272,18 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             Collective in effect: the source ranks' combine reads these rows after its
             cross-rank barrier (`staged.combine` with ``expert_out=None``).
     """
+    launches, out = _prepare_expert_ffn(
+        acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m, activation_clamp,
+        fast_math, l2_acts, l2_acts_sf, out, num_sms, validate_counts, combine_buffer)
+    for launch in launches:
+        launch()
+    return out  # None with combine_buffer
+
+
+def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m,
+                        activation_clamp, fast_math, l2_acts, l2_acts_sf, out, num_sms,
+                        validate_counts, combine_buffer):
+    """The checks of `expert_ffn` and its two launches (not made yet), and its result."""
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
     device = acts.device
@@ -249,14 +291,13 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
         raise ValueError(f"acts: expected a CUDA tensor, got device {device}")
     arch = get_arch(device)
     recipe = weights.recipe if isinstance(weights, ExpertWeights) else None
-    if arch not in SUPPORTED_RECIPES or recipe not in SUPPORTED_RECIPES[arch]:
+    if recipe not in GEMM_RECIPES[arch]:
         raise ValueError(f"expert_ffn: no grouped-GEMM kernels for recipe {recipe!r} on {arch} "
-                         f"(supported: {SUPPORTED_RECIPES})")
+                         f"(supported: {GEMM_RECIPES})")
     if weights.arch != arch:
         raise ValueError(f"weights: prepared for {weights.arch}, this GPU is {arch}")
     e_l, hidden, inter = _check_weights(weights, device)
-    if block_m not in BLOCK_MS[arch]:
-        raise ValueError(f"block_m: expected one of {BLOCK_MS[arch]} on {arch}, got {block_m}")
+    check_gemm_block_m(block_m, arch)
     act_dtype, sf_dtype = _ACT_DTYPE[recipe], _ACT_SF_DTYPE.get(recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:
         raise ValueError(f"acts: expected shape [P, {hidden}], got {tuple(acts.shape)}")
@@ -264,27 +305,24 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     if pool_rows % block_m != 0:
         raise ValueError(f"acts: pool rows ({pool_rows}) must be a multiple of block_m "
                          f"({block_m})")
-    _check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
-    _check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
-    _check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
-    if validate_counts is None:
-        validate_counts = env_flag("CUTE_MEGAMOE_CHECK_ROUTING", default=True)
-    if validate_counts:
+    check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
+    check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
+    check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
+    if routing_checks_on(validate_counts):
         check_pool_capacity(expert_recv_tokens, block_m, pool_rows)
     if sf_dtype is not None:
         if acts_sf is None:
             raise ValueError(f"acts_sf: required for {recipe}")
-        _check_mn_major("acts_sf", acts_sf, sf_dtype, pool_rows, hidden // 128, device)
+        check_mn_major("acts_sf", acts_sf, sf_dtype, pool_rows, hidden // 128, device)
     elif acts_sf is not None:
         raise ValueError("acts_sf: must be None for bf16xbf16")
     if l2_acts is None:
         l2_acts = torch.empty(pool_rows, inter, dtype=act_dtype, device=device)
-    _check_tensor("l2_acts", l2_acts, act_dtype, (pool_rows, inter), device)
+    check_tensor("l2_acts", l2_acts, act_dtype, (pool_rows, inter), device)
     if sf_dtype is not None:
         if l2_acts_sf is None:
             l2_acts_sf = _sf_view(pool_rows, inter // 128, sf_dtype, device)
-        _check_mn_major("l2_acts_sf", l2_acts_sf, sf_dtype, pool_rows, inter // 128, device)
-    combine_layout = None
+        check_mn_major("l2_acts_sf", l2_acts_sf, sf_dtype, pool_rows, inter // 128, device)
     if combine_buffer is not None:
         combine_layout = combine_buffer.layout
         if out is not None:
@@ -297,7 +335,7 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     else:
         if out is None:
             out = torch.empty(pool_rows, hidden, dtype=torch.bfloat16, device=device)
-        _check_tensor("out", out, torch.bfloat16, (pool_rows, hidden), device)
+        check_tensor("out", out, torch.bfloat16, (pool_rows, hidden), device)
     if arch == "sm_100a":
         # the sm100 epilogue stores 32- / 64-byte row chunks (`out` is None with a
         # combine_buffer, whose rows are 128-byte aligned)
@@ -307,49 +345,11 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     grid = get_num_sms(device) if num_sms is None else num_sms
     if block_m == 256:
         grid -= grid % 2  # 2-CTA clusters
-
-    from cutlass import Int32
-
-    stream = current_stream()
-    for phase in ("l1", "l2"):
-        if phase == "l1":
-            n, k = 2 * inter, hidden
-            tensors = (acts, acts_sf, weights.w1, weights.w1_sf, expert_recv_tokens,
-                       topk_weights, l2_acts, l2_acts_sf)
-        else:
-            n, k = hidden, inter
-            tensors = (l2_acts, l2_acts_sf, weights.w2, weights.w2_sf, expert_recv_tokens,
-                       None, out, None)
-        to_combine = phase == "l2" and combine_layout is not None
-        tensors += ((combine_buffer.peer_bases, combine_buffer.token_src_metadata)
-                    if to_combine else (None, None))
-        key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
-               activation_clamp if phase == "l1" else None, bool(fast_math),
-               combine_layout if to_combine else None)
-        plan = {}
-
-        def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):
-            plan["kernel"], plan["dtypes"] = gemm_kernel(
-                arch, recipe, phase, e_l, pool_rows, n, k, block_m, activation_clamp, fast_math,
-                combine_layout=combine_layout if to_combine else None)
-            return plan
-
-        entry = compiled_kernel(key + ("plan",), build)
-        # an unused pointer argument points at topk_weights (never dereferenced); a cluster
-        # launch needs a whole number of clusters
-        cluster_m = getattr(entry["kernel"], "cluster_m", 1)
-        args = (*(as_ptr(topk_weights if t is None else t, align=4 if i == 4 else 16, dtype=d)
-                  for i, (t, d) in enumerate(zip(tensors, entry["dtypes"], strict=True))),
-                Int32(max(cluster_m, grid - grid % cluster_m)), stream)
-
-        def compile_it(entry=entry, args=args):
-            import cutlass.cute as cute
-
-            return cute.compile(entry["kernel"], *args, options=f"--gpu-arch {arch}")
-
-        compiled_kernel(key, compile_it)(*args)
-    return out  # None with combine_buffer
+    calls = expert_gemm_calls(arch, recipe, block_m, grid, weights, acts, acts_sf, topk_weights,
+                              expert_recv_tokens, l2_acts, l2_acts_sf, out, activation_clamp,
+                              fast_math, combine_buffer)
+    return calls, out
 
 
 __all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "check_pool_capacity", "expert_ffn",
-           "gemm_kernel"]
+           "gemm_kernel", "weights_recipe"]

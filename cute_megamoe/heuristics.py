@@ -5,7 +5,8 @@ summarised in ``docs/reference-deepgemm-megamoe.md`` section 7) in spirit, restr
 block sizes our kernels implement. The thresholds are starting points, not measurements: they
 are to be re-tuned with the benchmarks once the kernels run. All functions are pure except
 :func:`get_num_sms`, which reads the CUDA device when there is one (the arch comes from
-`runtime.get_arch`).
+`runtime.get_arch`). Architectures may be given in any spelling `tables.normalize_arch` takes;
+the block sizes come from `tables.BLOCK_MS`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import math
 
 import torch
 
-from .utils import ceil_div, normalize_arch
+from .tables import BLOCK_MS, normalize_arch
+from .utils import ceil_div
 
 __all__ = [
     "BLOCK_M_CANDIDATES",
     "DEFAULT_NUM_SMS",
+    "block_m_for_call",
     "expected_tokens_per_expert",
     "experts_per_wave",
     "get_num_sms",
@@ -30,11 +33,8 @@ __all__ = [
 #: SMs of an H100 / H200 SXM, the default when no GPU is visible.
 DEFAULT_NUM_SMS = 132
 
-#: BLOCK_M values each architecture's grouped-GEMM kernels implement.
-BLOCK_M_CANDIDATES: dict[str, tuple[int, ...]] = {
-    "sm90": (64, 128),
-    "sm100": (64, 128, 256),
-}
+#: BLOCK_M values each architecture's grouped-GEMM kernels implement (`tables.BLOCK_MS`).
+BLOCK_M_CANDIDATES: dict[str, tuple[int, ...]] = BLOCK_MS
 
 # select_block_m thresholds: (largest expected tokens per expert, BLOCK_M), first match wins;
 # above the last threshold the largest candidate is used. The +0.5 keeps an exact integer
@@ -45,8 +45,8 @@ BLOCK_M_CANDIDATES: dict[str, tuple[int, ...]] = {
 # sm90 (wgmma, 64 rows per consumer warpgroup): 64 up to 64.5, else 128 (measured: BM 64 wins
 # up to 64 pairs per expert, BM 128 from 256, docs/performance.md).
 _BLOCK_M_THRESHOLDS: dict[str, tuple[tuple[float, int], ...]] = {
-    "sm90": ((64.5, 64),),
-    "sm100": ((64.5, 64), (128.5, 128)),
+    "sm_90a": ((64.5, 64),),
+    "sm_100a": ((64.5, 64), (128.5, 128)),
 }
 
 
@@ -92,6 +92,17 @@ def select_block_m(expected_tokens_per_expert: float, arch: str) -> int:
     return BLOCK_M_CANDIDATES[key][-1]
 
 
+def block_m_for_call(
+    num_tokens: int, num_ranks: int, num_topk: int, num_experts: int, arch: str
+) -> int:
+    """The BLOCK_M of a call with ``num_tokens`` tokens on this rank when none is given: what
+    every entry point (`staged.dispatch`, `staged.staged_mega_moe`, `api.mega_moe`,
+    `cute_megamoe.MegaMoE`) uses by default. Ranks may choose differently."""
+    return select_block_m(
+        expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts), arch
+    )
+
+
 def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
     """CTAs per cluster along M for a grouped GEMM of output width ``n`` on ``arch``.
 
@@ -104,7 +115,7 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
     block per expert) neighbouring blocks rarely share an expert. sm100 pairs CTAs through
     its 2-CTA MMA at BLOCK_M 256 instead: 1 here.
     """
-    if normalize_arch(arch) == "sm90" and block_m == 128 and n % 256 == 0:
+    if normalize_arch(arch) == "sm_90a" and block_m == 128 and n % 256 == 0:
         return 2
     return 1
 

@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import torch
 
-from cute_megamoe.utils import align, ceil_div, normalize_arch
+from cute_megamoe.checks import check_tensor
+from cute_megamoe.tables import RECIPES, normalize_arch
+from cute_megamoe.utils import align, ceil_div
 
 __all__ = [
     "RECIPES",
@@ -99,9 +101,6 @@ __all__ = [
 # Constants
 # ----------------------------------------------------------------------------------------------
 
-#: Recipes understood by the package: activations x weights.
-RECIPES: tuple[str, ...] = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
-
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 #: Lower clamp of the group amax in the reference casts (not in the epilogue re-quantizer).
@@ -134,12 +133,6 @@ WeightPair = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # ----------------------------------------------------------------------------------------------
 # Argument checks
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_tensor(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
 
 
 def _check_dim(x: torch.Tensor, dim: int, name: str) -> None:
@@ -224,7 +217,7 @@ def pack_ue8m0_to_int(x: torch.Tensor) -> torch.Tensor:
     Group ``g`` lands in byte ``g % 4`` (little-endian) of word ``g // 4``. ``+0.0`` packs to
     byte 0 as in DeepGEMM; ``2^-127`` (the value of byte 0) is accepted as well.
     """
-    _check_tensor(x, "x")
+    check_tensor("x", x, for_kernel=False)
     if x.dim() == 0 or x.size(-1) % 4 != 0:
         raise ValueError(f"x's last dim must be a multiple of 4, got shape {tuple(x.shape)}")
     return _pack_bytes(_float_to_ue8m0_bytes(x, "x"))
@@ -235,7 +228,7 @@ def unpack_ue8m0_from_int(packed: torch.Tensor) -> torch.Tensor:
 
     Byte ``b`` decodes to ``2^(b - 127)``; byte 0 decodes to ``2^-127`` (float32 subnormal).
     """
-    _check_tensor(packed, "packed")
+    check_tensor("packed", packed, for_kernel=False)
     _check_dtype(packed, torch.int32, "packed")
     return _ue8m0_bytes_to_float(packed.contiguous().view(torch.uint8))
 
@@ -263,7 +256,7 @@ def _reference_scale(amax: torch.Tensor, max_value: float, use_ue8m0: bool) -> t
 
 
 def _check_cast_args(x: torch.Tensor, gran_k: int) -> None:
-    _check_tensor(x, "x")
+    check_tensor("x", x, for_kernel=False)
     _check_dim(x, 2, "x")
     _check_floating(x, "x")
     _check_gran(gran_k, "gran_k")
@@ -340,7 +333,7 @@ def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
     Strict ``>`` thresholds (ties go to the smaller magnitude), sign in bit 3, no ``-0``;
     NaN maps to code 0 and values beyond 5.0 to 6.0 (code 7), as in DeepGEMM.
     """
-    _check_tensor(x, "x")
+    check_tensor("x", x, for_kernel=False)
     magnitude = x.abs()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for threshold in E2M1_THRESHOLDS:
@@ -352,7 +345,7 @@ def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """Pack e2m1 codes ``[..., n]`` (n even) two per byte: element ``2i`` in the low nibble."""
-    _check_tensor(codes, "codes")
+    check_tensor("codes", codes, for_kernel=False)
     if codes.dim() == 0 or codes.size(-1) % 2 != 0:
         raise ValueError(f"codes' last dim must be even, got shape {tuple(codes.shape)}")
     if codes.dtype in (torch.int8, torch.uint8):
@@ -365,7 +358,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Unpack int8 ``[..., n/2]`` (two e2m1 codes per byte) into int8 codes ``[..., n]``."""
-    _check_tensor(packed, "packed")
+    check_tensor("packed", packed, for_kernel=False)
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"packed must have dtype torch.int8 or torch.uint8, got {packed.dtype}")
     if packed.dim() == 0:
@@ -377,7 +370,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def transpose_packed_fp4(a: torch.Tensor) -> torch.Tensor:
     """Transpose a packed e2m1 matrix: int8 ``[m, n/2]`` -> int8 ``[n, m/2]`` (``m`` even)."""
-    _check_tensor(a, "a")
+    check_tensor("a", a, for_kernel=False)
     _check_dtype(a, torch.int8, "a")
     _check_dim(a, 2, "a")
     if a.size(0) % 2 != 0:
@@ -387,7 +380,7 @@ def transpose_packed_fp4(a: torch.Tensor) -> torch.Tensor:
 
 def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
     """Decode e2m1 codes (low 4 bits of each element) to float32; code 8 (``-0``) gives +0.0."""
-    _check_tensor(codes, "codes")
+    check_tensor("codes", codes, for_kernel=False)
     table = torch.tensor(
         E2M1_VALUES + (0.0,) + tuple(-v for v in E2M1_VALUES[1:]),
         dtype=torch.float32,
@@ -437,7 +430,7 @@ def _column_scales(sf: torch.Tensor, n: int, gran_k: int, name: str) -> torch.Te
 
 
 def _token_scales(sf: torch.Tensor, m: int, use_packed_ue8m0: bool, name: str) -> torch.Tensor:
-    _check_tensor(sf, name)
+    check_tensor(name, sf, for_kernel=False)
     if use_packed_ue8m0:
         _check_dtype(sf, torch.int32, name)
         sf = unpack_ue8m0_from_int(sf)
@@ -452,7 +445,7 @@ def cast_back_from_fp8(
     x_fp8: torch.Tensor, sf: torch.Tensor, gran_k: int = 128, use_packed_ue8m0: bool = False
 ) -> torch.Tensor:
     """Inverse of :func:`per_token_cast_to_fp8`: float32 ``q * sf`` per ``gran_k`` columns."""
-    _check_tensor(x_fp8, "x_fp8")
+    check_tensor("x_fp8", x_fp8, for_kernel=False)
     _check_dim(x_fp8, 2, "x_fp8")
     _check_gran(gran_k, "gran_k")
     m, n = x_fp8.shape
@@ -464,7 +457,7 @@ def cast_back_from_fp4(
     packed: torch.Tensor, sf: torch.Tensor, gran_k: int = 128, use_packed_ue8m0: bool = False
 ) -> torch.Tensor:
     """Inverse of :func:`per_token_cast_to_fp4`: float32 ``[m, 2 * packed.shape[1]]``."""
-    _check_tensor(packed, "packed")
+    check_tensor("packed", packed, for_kernel=False)
     _check_dim(packed, 2, "packed")
     _check_gran(gran_k, "gran_k")
     m, half_n = packed.shape
@@ -477,9 +470,9 @@ def cast_back_from_fp8_block(
     x_fp8: torch.Tensor, sf: torch.Tensor, gran_k: int = 128
 ) -> torch.Tensor:
     """Inverse of :func:`per_block_cast_to_fp8`: float32 ``[m, n]``."""
-    _check_tensor(x_fp8, "x_fp8")
+    check_tensor("x_fp8", x_fp8, for_kernel=False)
     _check_dim(x_fp8, 2, "x_fp8")
-    _check_tensor(sf, "sf")
+    check_tensor("sf", sf, for_kernel=False)
     _check_gran(gran_k, "gran_k")
     m, n = x_fp8.shape
     _check_shape(sf, (ceil_div(m, gran_k), ceil_div(n, gran_k)), "sf")
@@ -504,7 +497,7 @@ def requant_fp8_pow2(
     ``[m, ceil(n / gran_k)]`` (``2^-127`` for an all-zero group), or with ``use_packed_ue8m0``
     the UE8M0 bytes ``e + 127`` packed four per int32 (padded with byte 127).
     """
-    _check_tensor(h, "h")
+    check_tensor("h", h, for_kernel=False)
     _check_dim(h, 2, "h")
     _check_floating(h, "h")
     _check_gran(gran_k, "gran_k")
@@ -534,7 +527,7 @@ def _permute_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _check_interleavable(t: torch.Tensor, gran: int, name: str) -> None:
-    _check_tensor(t, name)
+    check_tensor(name, t, for_kernel=False)
     _check_gran(gran, "gran")
     if t.dim() < 2 or t.size(1) % (2 * gran) != 0:
         raise ValueError(
@@ -569,7 +562,7 @@ def deinterleave_gate_up(t: torch.Tensor, gran: int = INTERLEAVE_GRAN) -> torch.
 
 
 def _check_utccp(sf: torch.Tensor, name: str) -> None:
-    _check_tensor(sf, name)
+    check_tensor(name, sf, for_kernel=False)
     _check_dtype(sf, torch.int32, name)
     _check_dim(sf, 3, name)
     if sf.size(1) % UTCCP_ROWS != 0:
@@ -604,7 +597,7 @@ def weight_sf_for_sm100(sf: torch.Tensor) -> torch.Tensor:
     """The FP4 weight scales as the sm100 expert GEMM reads them: int32 ``[E, K/128, N]``.
 
     ``sf`` is the ``int32 [E, N, K/128]`` scale tensor that :func:`transform_weights_for_mega_moe`
-    returns for ``arch="sm100"`` (rows already UTCCP-transposed, any strides). The result holds
+    returns for ``arch="sm_100a"`` (rows already UTCCP-transposed, any strides). The result holds
     the same words, MN-major and contiguous (DeepGEMM's physical layout), so the 128 rows of one
     word form one 512-byte chunk the TMA can load as the block-scaled MMA's scale chunk.
     """
@@ -616,7 +609,8 @@ def _unpack_pair(obj: object, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(obj, tuple) or len(obj) != 2:
         raise TypeError(f"{name} must be a (weight, scale) tuple")
     w, sf = obj
-    return _check_tensor(w, f"{name}[0]"), _check_tensor(sf, f"{name}[1]")
+    return (check_tensor(f"{name}[0]", w, for_kernel=False),
+            check_tensor(f"{name}[1]", sf, for_kernel=False))
 
 
 def _check_3d(t: torch.Tensor, name: str) -> tuple[int, int, int]:
@@ -657,11 +651,11 @@ def _transform_fp4(l1: object, l2: object, arch: str) -> tuple[WeightPair, Weigh
     _check_shape(sf1, (num_experts, n1, ceil_div(hidden, 4 * 32)), "l1_weights[1]")
     _check_shape(w2, (num_experts, hidden, inter // 2), "l2_weights[0]")
     _check_shape(sf2, (num_experts, hidden, ceil_div(inter, 4 * 32)), "l2_weights[1]")
-    if arch == "sm100":
+    if arch == "sm_100a":
         for t, name in ((sf1, "l1_weights[1]"), (sf2, "l2_weights[1]")):
             _check_utccp(t, name)
     l1_sf, l2_sf = interleave_gate_up(sf1), sf2
-    if arch == "sm100":
+    if arch == "sm_100a":
         l1_sf, l2_sf = transpose_sf_for_utccp(l1_sf), transpose_sf_for_utccp(sf2)
     return (interleave_gate_up(w1), l1_sf), (w2, l2_sf)
 
@@ -680,7 +674,7 @@ def _transform_fp8(l1: object, l2: object) -> tuple[WeightPair, WeightPair]:
 
 
 def _transform_bf16(l1: torch.Tensor, l2: object) -> tuple[WeightPair, WeightPair]:
-    _check_tensor(l2, "l2_weights")
+    check_tensor("l2_weights", l2, for_kernel=False)
     _check_dtype(l1, torch.bfloat16, "l1_weights")
     _check_dtype(l2, torch.bfloat16, "l2_weights")
     num_experts, n1, hidden = _check_3d(l1, "l1_weights")
@@ -693,7 +687,7 @@ def transform_weights_for_mega_moe(
     l1_weights: WeightPair,
     l2_weights: WeightPair,
     activation: str = "swiglu",
-    arch: str = "sm100",
+    arch: str = "sm_100a",
 ) -> tuple[WeightPair, WeightPair]:
     """Put expert weights into the layout the Mega-MoE kernels read (done once at load time).
 
@@ -711,6 +705,8 @@ def transform_weights_for_mega_moe(
     * BF16xBF16: plain bf16 tensors ``[E, 2I, H]`` and ``[E, H, I]``; L1 interleaved.
 
     Returns ``(l1_transformed, l2_transformed)`` with the same structure as the inputs.
+    ``arch`` (any spelling `tables.normalize_arch` takes) only changes the FP4 scales; the
+    default is DeepGEMM's layout, the one `cute_megamoe.fp8_fp4_mega_moe` consumes on every GPU.
     """
     if activation != "swiglu":
         raise ValueError(f"activation must be 'swiglu', got {activation!r}")
@@ -744,7 +740,7 @@ def quantize_weights_for_recipe(w: torch.Tensor, recipe: str) -> WeightPair:
     * ``'bf16xbf16'``: ``w`` as bf16.
     """
     check_recipe(recipe)
-    _check_tensor(w, "w")
+    check_tensor("w", w, for_kernel=False)
     _check_dim(w, 3, "w")
     _check_floating(w, "w")
     num_experts, n, k = w.shape
@@ -770,7 +766,7 @@ def dequantize_weights_for_recipe(q: WeightPair, recipe: str) -> torch.Tensor:
     """
     check_recipe(recipe)
     if recipe == "bf16xbf16":
-        _check_tensor(q, "q")
+        check_tensor("q", q, for_kernel=False)
         return q.float()
     w, sf = _unpack_pair(q, "q")
     num_experts, n, k_stored = _check_3d(w, "q[0]")
@@ -807,7 +803,7 @@ def quantize_activations_for_recipe(x: torch.Tensor, recipe: str) -> WeightPair:
     * ``'bf16xbf16'``: ``x`` as bf16.
     """
     check_recipe(recipe)
-    _check_tensor(x, "x")
+    check_tensor("x", x, for_kernel=False)
     _check_dim(x, 2, "x")
     if recipe == "bf16xbf16":
         return x.to(torch.bfloat16)
@@ -820,7 +816,7 @@ def dequantize_activations_for_recipe(q: WeightPair, recipe: str) -> torch.Tenso
     """Float32 ``[m, H]`` from :func:`quantize_activations_for_recipe` output."""
     check_recipe(recipe)
     if recipe == "bf16xbf16":
-        _check_tensor(q, "q")
+        check_tensor("q", q, for_kernel=False)
         return q.float()
     x, sf = _unpack_pair(q, "q")
     gran_k = 32 if recipe == "fp8xfp4" else FP8_BLOCK

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_tensor
 from .quant import (
     cast_back_from_fp8,
     check_recipe,
@@ -500,7 +501,7 @@ def _check_list(name: str, value: object, num_ranks: int | None) -> int:
     return len(value)
 
 
-def _check_tensor(
+def _check_rank_tensor(
     name: str,
     r: int,
     t: torch.Tensor,
@@ -508,18 +509,9 @@ def _check_tensor(
     shape: tuple[int | None, ...],
     device: torch.device,
 ) -> tuple[int, ...]:
-    """Checks dtype, rank, device and the known dims (None = free); returns the shape."""
-    if t.dtype != dtype:
-        raise TypeError(f"{name}[{r}] must be {dtype}, got {t.dtype}")
-    if t.dim() != len(shape):
-        raise ValueError(f"{name}[{r}] must be {len(shape)}-D, got shape {tuple(t.shape)}")
-    for got, want in zip(t.shape, shape, strict=True):
-        if want is not None and got != want:
-            want_s = tuple("*" if w is None else w for w in shape)
-            raise ValueError(f"{name}[{r}] must have shape {want_s}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}[{r}] is on {t.device}, expected {device} (the device of x[0])")
-    return tuple(t.shape)
+    """`checks.check_tensor` of rank ``r``'s entry of list ``name`` (None dims free; any
+    strides); returns the shape."""
+    return tuple(check_tensor(f"{name}[{r}]", t, dtype, shape, device, for_kernel=False).shape)
 
 
 def _check_inputs(
@@ -545,7 +537,7 @@ def _check_inputs(
     device = x[0].device
 
     # Weights fix E_l, I and H.
-    _, two_inter, hidden = _check_tensor(
+    _, two_inter, hidden = _check_rank_tensor(
         "l1_weights", 0, l1_weights[0], torch.bfloat16, (None, None, None), device
     )
     num_local_experts = l1_weights[0].shape[0]
@@ -565,7 +557,7 @@ def _check_inputs(
             f"got H={hidden}, I={inter} (from l1_weights[0])"
         )
     for r in range(num_ranks):
-        _check_tensor(
+        _check_rank_tensor(
             "l1_weights",
             r,
             l1_weights[r],
@@ -573,7 +565,7 @@ def _check_inputs(
             (num_local_experts, two_inter, hidden),
             device,
         )
-        _check_tensor(
+        _check_rank_tensor(
             "l2_weights",
             r,
             l2_weights[r],
@@ -585,11 +577,11 @@ def _check_inputs(
     # Activations and routing fix K.
     num_topk = None
     for r in range(num_ranks):
-        _check_tensor("x", r, x[r], torch.bfloat16, (None, hidden), device)
+        _check_rank_tensor("x", r, x[r], torch.bfloat16, (None, hidden), device)
         n = x[r].shape[0]
         if topk_idx[r].dtype != torch.int64:
             raise TypeError(f"topk_idx[{r}] must be torch.int64, got {topk_idx[r].dtype}")
-        _check_tensor("topk_idx", r, topk_idx[r], torch.int64, (n, num_topk), device)
+        _check_rank_tensor("topk_idx", r, topk_idx[r], torch.int64, (n, num_topk), device)
         if num_topk is None:
             num_topk = topk_idx[r].shape[1]
             if num_topk < 1:
@@ -597,9 +589,9 @@ def _check_inputs(
                     f"topk_idx[{r}] must have K >= 1 columns, got shape {tuple(topk_idx[r].shape)}"
                 )
         _check_topk_idx(topk_idx[r], r, num_ranks * num_local_experts, "topk_idx")
-        _check_tensor("topk_weights", r, topk_weights[r], torch.float32, (n, num_topk), device)
+        _check_rank_tensor("topk_weights", r, topk_weights[r], torch.float32, (n, num_topk), device)
         if stats is not None:
-            _check_tensor(
+            _check_rank_tensor(
                 "cumulative_local_expert_recv_stats",
                 r,
                 stats[r],

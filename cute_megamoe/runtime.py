@@ -14,7 +14,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-ARCH_BY_MAJOR = {9: "sm_90a", 10: "sm_100a"}
+from .tables import ARCH_BY_MAJOR
+
 _COMPILED: dict[Hashable, object] = {}
 
 

@@ -7,29 +7,53 @@
 `dispatch` and `combine` are collective: every rank of the buffer's group calls them, in the
 same order, once per call (also with 0 tokens). `staged_mega_moe` runs a whole layer with the
 expert FFN on our grouped-GEMM kernels (`kernel_experts`, `expert_gemm.ExpertWeights`; what
-`fp8_mega_moe` / `bf16_mega_moe` call) or on torch ops (`torch_experts`,
-`TorchExpertWeights`, every recipe: the debugging path). It is the baseline the fused
+`api.mega_moe` / `fp8_mega_moe` call) or on torch ops (`torch_experts`,
+`TorchExpertWeights`, every recipe and arch: what `MegaMoE` and `fp8_fp4_mega_moe` run where
+an arch has no grouped-GEMM kernels for the recipe). It is the baseline the fused
 single-launch kernel must beat.
+
+Per-call experiment knobs live here and only here: ``transfer`` (every rank must pass the
+same: the kernels check), ``send_mode`` and ``rounds`` (free per rank), ``l2_sends`` (every
+rank the same) and ``block_m`` (free per rank; default: the heuristics,
+`heuristics.block_m_for_call`). `cute_megamoe.MegaMoE` fixes them at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 
-import cutlass.cute as cute
 import torch
-from cutlass import Int32
 
 from . import quant, reference
-from .api import _check_tensor, stage_inputs
 from .buffer import SymmBuffer
-from .expert_gemm import ExpertWeights
-from .heuristics import get_num_sms, select_combine_rounds
-from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
+from .checks import (
+    MAX_INT32,
+    check_activation_clamp,
+    check_block_m,
+    check_choice,
+    check_cuda_buffer,
+    check_fast_math,
+    check_routing,
+    check_sym_buffer,
+    check_tensor,
+    check_token_count,
+    routing_checks_on,
+)
+from .expert_gemm import ExpertWeights, _prepare_expert_ffn, weights_recipe
+from .heuristics import block_m_for_call, select_combine_rounds
+from .launch import KernelCall, buffer_state, combine_call, dispatch_call, staging_call
+from .tables import check_recipe
 
-DEFAULT_BLOCK_M = 128
+#: How dispatched rows cross to the expert's rank (`kernels.dispatch`); ranks must agree.
+TRANSFERS = ("push", "pull")
+#: How the combine moves the rows back (`kernels.combine`); ranks may differ.
+SEND_MODES = ("registers", "bulk")
+#: Token classes of the combine's split barriers (`kernels.common.sync.SPLIT_BARRIER_COUNT`).
+_TOKEN_CLASSES = 8
+
+# the launch state of a buffer (`launch.buffer_state`), under its old name
+_state = buffer_state
 
 
 @dataclass
@@ -65,44 +89,67 @@ class DispatchResult:
         return (self.pool_block_offsets()[1:] * self.block_m).to(torch.int32)
 
 
-class _BufferState:
-    """Per-buffer launch state built once: the arch, SM count, pointer arguments and the
-    per-expert count tensor (reused by every dispatch on the buffer, like the pool itself)."""
-
-    def __init__(self, sym_buffer: SymmBuffer):
-        device = sym_buffer.device
-        self.arch = get_arch(device)
-        # SMs this rank's kernels use by default (`SymmBuffer.num_sms`: a share of the GPU when
-        # several ranks share it, see `SymmBuffer.loopback`)
-        self.num_sms = sym_buffer.num_sms or get_num_sms(device)
-        self.peer_bases = as_ptr(sym_buffer.peer_bases)
-        self.recv_tokens = torch.zeros(sym_buffer.layout.num_local_experts, dtype=torch.int32,
-                                       device=device)
-        self.recv_tokens_ptr = as_ptr(self.recv_tokens, align=4)
-        self.expert_out: torch.Tensor | None = None  # BF16 [P, H] of `kernel_experts`
+@contextlib.contextmanager
+def gives_up_call_on_error(sym_buffer: SymmBuffer):
+    """Around the host work of a collective call before its first launch: if it raises, this
+    rank gives the call up (`SymmBuffer.skip_call`), so that its next call cannot pair with
+    its peers' current one; the kernels then trap naming the call numbers instead. Entry
+    points run all their checks inside one such block and launch only after it."""
+    try:
+        yield
+    except BaseException:
+        sym_buffer.skip_call()
+        raise
 
 
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# ----------------------------------------------------------------------------- staging
+
+def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, *, validate_routing: bool | None = None) -> None:
+    """Quantize `x` (BF16 `[n, hidden]`) into `sym_buffer.x` / `x_sf` and copy the routing.
+
+    One GPU kernel (`kernels/staging.py`), bit-exact with `quant.quantize_activations_for_recipe`
+    for the buffer's recipe. Not collective. `validate_routing` (default: the
+    `CUTE_MEGAMOE_CHECK_ROUTING` switch, on unless set to 0) checks every expert index on the
+    host first; it synchronizes the stream, so hot loops that trust their router (and CUDA
+    graph capture) turn it off.
+    """
+    check_sym_buffer(sym_buffer)
+    launch = _prepare_staging(sym_buffer, x, topk_idx, topk_weights, validate_routing)
+    if launch is not None:
+        launch()
 
 
-def _state(sym_buffer: SymmBuffer) -> _BufferState:
-    state = _STATES.get(sym_buffer)
-    if state is None:
-        state = _STATES[sym_buffer] = _BufferState(sym_buffer)
-    return state
+def _prepare_staging(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
+                     validate_routing: bool | None) -> KernelCall | None:
+    """The checks of `stage_inputs` and its launch (None for 0 tokens)."""
+    layout = sym_buffer.layout
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected 2 dims [num_tokens, hidden], got shape {tuple(x.shape)}")
+    n = x.shape[0]
+    if n > layout.num_tokens:
+        raise ValueError(
+            f"x: {n} tokens exceed the buffer's num_max_tokens_per_rank ({layout.num_tokens})")
+    device = check_cuda_buffer(sym_buffer)
+    check_tensor("x", x, torch.bfloat16, (n, layout.hidden), device)
+    check_tensor("topk_idx", topk_idx, torch.int64, (n, layout.num_topk), device)
+    check_tensor("topk_weights", topk_weights, torch.float32, (n, layout.num_topk), device)
+    if n * layout.hidden > MAX_INT32:
+        raise ValueError(f"x: num_tokens * hidden = {n * layout.hidden} exceeds 2**31 - 1")
+    if routing_checks_on(validate_routing):
+        check_routing(topk_idx, layout.num_experts)
+    if n == 0:
+        return None
+    return staging_call(sym_buffer, x, topk_idx, topk_weights)
 
 
-def _grid(state: _BufferState, num_sms: int | None) -> int:
-    if num_sms is None:
-        return state.num_sms
-    if not 1 <= num_sms <= state.num_sms:
-        raise ValueError(f"num_sms: expected 1..{state.num_sms}, got {num_sms}")
-    return num_sms
-
+# ----------------------------------------------------------------------------- dispatch
 
 def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Tensor | None,
              topk_weights: torch.Tensor | None, *, num_tokens: int | None = None,
-             block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
+             block_m: int | None = None, num_sms: int | None = None,
              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
              validate_routing: bool | None = None, transfer: str = "push") -> DispatchResult:
     """Stage this rank's inputs (unless `x` is None: then `num_tokens` rows were staged into
@@ -111,75 +158,70 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
     destination's pool, the default) or "pull" (the destination loads them); every rank must
     pass the same value (the kernels check: on a mismatch they print which and trap, so the
     CUDA context reports an error instead of pools missing rows). `block_m` lays out this
-    rank's pool and may differ between ranks (pushing sources use each destination's).
+    rank's pool (a multiple of 16 up to 256; default: `heuristics.block_m_for_call`) and may
+    differ between ranks (pushing sources use each destination's).
     A check that fails raises before the launch and counts the call as given up on this rank
     (`SymmBuffer.skip_call`): if the peers made it, their dispatch of it and this rank's next
     one trap saying the ranks are out of step, rather than pairing different calls.
 
     The result views the buffer: it is valid until the next `dispatch` on the same buffer."""
-    if not isinstance(sym_buffer, SymmBuffer):
-        raise TypeError(f"sym_buffer: expected a SymmBuffer, got {type(sym_buffer).__name__}")
+    check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
-        fn, args, num_tokens = _prepare_dispatch(
+        launches, dispatched = _prepare_dispatch(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
             cumulative_local_expert_recv_stats, validate_routing, transfer)
-    fn(*args)
-    layout = sym_buffer.layout
-    return DispatchResult(
-        num_tokens=num_tokens, block_m=block_m,
-        expert_recv_tokens=_state(sym_buffer).recv_tokens, l1_acts=sym_buffer.l1_acts,
-        l1_acts_sf=sym_buffer.l1_acts_sf if layout.has_sf else None,
-        l1_topk_weights=sym_buffer.l1_topk_weights,
-        token_src_metadata=sym_buffer.token_src_metadata)
+    for launch in launches:
+        launch()
+    return dispatched
 
 
-@contextlib.contextmanager
-def gives_up_call_on_error(sym_buffer: SymmBuffer):
-    """Around the host work of a collective call before its first launch: if it raises, this
-    rank gives the call up (`SymmBuffer.skip_call`), so that its next call cannot pair with
-    its peers' current one; the kernels then trap naming the call numbers instead."""
-    try:
-        yield
-    except BaseException:
-        sym_buffer.skip_call()
-        raise
+def _grid(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
+    most = buffer_state(sym_buffer).num_sms
+    if num_sms is None:
+        return most
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= most:
+        raise ValueError(f"num_sms: expected 1..{most}, got {num_sms!r}")
+    return num_sms
 
 
 def _prepare_dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
-                      cumulative_local_expert_recv_stats, validate_routing, transfer):
-    """Checks and input staging of `dispatch`; returns the compiled kernel, its arguments and
-    the token count."""
-    from .kernels.dispatch import TRANSFERS, DispatchKernel
-
+                      cumulative_local_expert_recv_stats, validate_routing, transfer
+                      ) -> tuple[list[KernelCall], DispatchResult]:
+    """The checks of `dispatch`; its launches (staging when `x` is given, then the dispatch),
+    not made yet; and the result they will fill."""
     layout = sym_buffer.layout
-    state = _state(sym_buffer)
-    has_stats = cumulative_local_expert_recv_stats is not None
-    if has_stats:
-        _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                      torch.int32, (layout.num_local_experts,), sym_buffer.device)
-    if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
-        raise ValueError(f"block_m: expected a multiple of 16 in [16, {layout.block_m_max}], "
-                         f"got {block_m}")
-    if transfer not in TRANSFERS:
-        raise ValueError(f"transfer: expected one of {TRANSFERS}, got {transfer!r}")
-    num_ctas = _grid(state, num_sms)
+    device = check_cuda_buffer(sym_buffer)
+    check_choice("transfer", transfer, TRANSFERS)
+    stats = cumulative_local_expert_recv_stats
+    if stats is not None:
+        check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32,
+                     (layout.num_local_experts,), device)
+    launches = []
     if x is not None:
-        stage_inputs(sym_buffer, x, topk_idx, topk_weights, validate_routing=validate_routing)
+        staging = _prepare_staging(sym_buffer, x, topk_idx, topk_weights, validate_routing)
+        launches += [staging] if staging is not None else []
         num_tokens = x.shape[0]
-    elif num_tokens is None or not 0 <= num_tokens <= layout.num_tokens:
+    elif num_tokens is None:
         raise ValueError(f"num_tokens: with x=None give the staged row count (0.."
-                         f"{layout.num_tokens}), got {num_tokens}")
-    stats = (as_ptr(cumulative_local_expert_recv_stats, align=4) if has_stats
-             else state.recv_tokens_ptr)
-    args = (state.peer_bases, Int32(sym_buffer.rank), Int32(num_tokens), state.recv_tokens_ptr,
-            stats, Int32(num_ctas), current_stream())
-    fn = compiled_kernel(
-        ("dispatch", state.arch, layout, block_m, has_stats, transfer),
-        lambda: cute.compile(DispatchKernel(layout, block_m, has_stats=has_stats,
-                                            transfer=transfer), *args,
-                             options=f"--gpu-arch {state.arch}"))
-    return fn, args, num_tokens
+                         f"{layout.num_tokens})")
+    else:
+        check_token_count("num_tokens", num_tokens, layout.num_tokens)
+    state = buffer_state(sym_buffer)
+    if block_m is None:
+        block_m = block_m_for_call(num_tokens, layout.num_ranks, layout.num_topk,
+                                   layout.num_experts, state.arch)
+    check_block_m(block_m, layout.block_m_max)
+    num_ctas = _grid(sym_buffer, num_sms)
+    launches.append(dispatch_call(sym_buffer, num_tokens, block_m, num_ctas, stats, transfer))
+    dispatched = DispatchResult(
+        num_tokens=num_tokens, block_m=block_m, expert_recv_tokens=state.recv_tokens,
+        l1_acts=sym_buffer.l1_acts, l1_acts_sf=sym_buffer.l1_acts_sf if layout.has_sf else None,
+        l1_topk_weights=sym_buffer.l1_topk_weights,
+        token_src_metadata=sym_buffer.token_src_metadata)
+    return launches, dispatched
 
+
+# ----------------------------------------------------------------------------- combine
 
 def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
             dispatched: DispatchResult, y: torch.Tensor | None = None, *,
@@ -188,48 +230,60 @@ def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
     """Send `expert_out` (BF16 [P, H], pool order) back to the source ranks and reduce over
     top-k into `y` (BF16 [num_tokens, H], allocated when None). Collective. `send_mode`: how
     the pool-order sends move the rows, "registers" (16-byte register copies, the default) or
-    "bulk" (bulk copies through shared memory); every rank must pass the same mode. `rounds`
+    "bulk" (bulk copies through shared memory); ranks may pass different modes. `rounds`
     ("registers" only; None: by the token count, `heuristics.select_combine_rounds`): how many
     of the 8 token classes each round of sends takes, each round's reduction running while the
     next round's rows move; ranks may pass different values (see `kernels.combine`).
     `expert_out=None`: every rank's L2 GEMM wrote its rows into the combine buffers already
     (`kernel_experts(..., send_to_combine=True)`); only the barrier and the reduction run
-    (`send_mode` and `rounds` are ignored)."""
-    from .kernels.combine import CombineKernel
+    (`send_mode` and `rounds` are ignored). A failing check raises without giving the call up
+    (the dispatch of the call was made; a corrected `combine` may still complete it), so the
+    layer entry points check `y` and the settings before their dispatch."""
+    check_sym_buffer(sym_buffer)
+    launch, y = _prepare_combine(sym_buffer, expert_out, dispatched, y, num_sms, send_mode,
+                                 rounds)
+    launch()
+    return y
 
+
+def _combine_rounds(send_mode: str, rounds, num_tokens: int,
+                    epilogue: bool) -> tuple[str, tuple[int, ...]]:
+    """The send mode and rounds `combine` compiles for (checked)."""
+    if epilogue:
+        return "epilogue", (_TOKEN_CLASSES,)
+    check_choice("send_mode", send_mode, SEND_MODES)
+    if rounds is None:
+        rounds = (_TOKEN_CLASSES,) if send_mode == "bulk" else select_combine_rounds(num_tokens)
+    rounds = tuple(rounds)
+    if (not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in rounds)
+            or sum(rounds) != _TOKEN_CLASSES or (len(rounds) > 1 and send_mode != "registers")):
+        raise ValueError(f"rounds: positive class counts summing to {_TOKEN_CLASSES} (several "
+                         f"rounds only with send_mode='registers'), got {rounds} with "
+                         f"{send_mode!r}")
+    return send_mode, rounds
+
+
+def _prepare_combine(sym_buffer, expert_out, dispatched, y, num_sms, send_mode, rounds
+                     ) -> tuple[KernelCall, torch.Tensor]:
     layout = sym_buffer.layout
-    device = sym_buffer.device
-    state = _state(sym_buffer)
+    device = check_cuda_buffer(sym_buffer)
+    if not isinstance(dispatched, DispatchResult):
+        raise TypeError(f"dispatched: expected a DispatchResult, got "
+                        f"{type(dispatched).__name__}")
     n = dispatched.num_tokens
-    if expert_out is None:
-        send_mode = "epilogue"
-    else:
+    if expert_out is not None:
         if send_mode == "epilogue":
             raise ValueError('send_mode="epilogue" means expert_out=None')
-        _check_tensor("expert_out", expert_out, torch.bfloat16,
-                      (layout.num_pool_rows, layout.hidden), device)
+        check_tensor("expert_out", expert_out, torch.bfloat16,
+                     (layout.num_pool_rows, layout.hidden), device)
+    send_mode, rounds = _combine_rounds(send_mode, rounds, n, expert_out is None)
     if y is None:
         y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
-    _check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
-    if send_mode == "epilogue" or (rounds is None and send_mode == "bulk"):
-        rounds = (8,)
-    elif rounds is None:
-        rounds = select_combine_rounds(n)
-    rounds = tuple(rounds)
-    num_ctas = _grid(state, num_sms)
-    # (in "epilogue" mode the kernel never reads expert_out: any valid pointer does)
-    out_ptr = as_ptr(sym_buffer.l1_topk_weights if expert_out is None else expert_out)
-    args = (state.peer_bases, Int32(sym_buffer.rank), Int32(n), out_ptr,
-            as_ptr(dispatched.expert_recv_tokens, align=4),
-            as_ptr(y) if n > 0 else out_ptr,  # y is not touched when n == 0
-            Int32(num_ctas), current_stream())
-    fn = compiled_kernel(
-        ("combine", state.arch, layout, dispatched.block_m, send_mode, rounds),
-        lambda: cute.compile(CombineKernel(layout, dispatched.block_m, send_mode=send_mode,
-                                           rounds=rounds), *args,
-                             options=f"--gpu-arch {state.arch}"))
-    fn(*args)
-    return y
+    check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
+    num_ctas = _grid(sym_buffer, num_sms)
+    launch = combine_call(sym_buffer, n, dispatched.block_m, expert_out,
+                          dispatched.expert_recv_tokens, y, num_ctas, send_mode, rounds)
+    return launch, y
 
 
 # ----------------------------------------------------------------------------- torch experts
@@ -238,16 +292,30 @@ def combine(sym_buffer: SymmBuffer, expert_out: torch.Tensor | None,
 class TorchExpertWeights:
     """This rank's expert weights dequantized to BF16 for `torch._grouped_mm`: `w1` [E_l, 2I, H]
     (gate | up, not interleaved) and `w2` [E_l, H, I], contiguous; the GEMMs use their
-    transposed views (K-major B operands)."""
+    transposed views (K-major B operands). Any recipe on any arch (FP4 x 2^k is exact in
+    BF16; FP8 with an f32 block scale rounds once to BF16)."""
 
     w1: torch.Tensor
     w2: torch.Tensor
 
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1.shape[1] // 2
+
     @classmethod
     def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str) -> TorchExpertWeights:
         """From BF16 master weights [E_l, 2I, H] / [E_l, H, I]: quantize per recipe exactly as
-        the reference does, then dequantize (FP4 x 2^k is exact in BF16; FP8 with an f32
-        block scale rounds once to BF16)."""
+        the reference does, then dequantize."""
+        check_recipe(recipe)
+
         def prep(w):
             if recipe == "bf16xbf16":
                 return w
@@ -257,13 +325,39 @@ class TorchExpertWeights:
 
         return cls(prep(w1).contiguous(), prep(w2).contiguous())
 
+    @classmethod
+    def from_transformed(cls, l1_weights, l2_weights) -> TorchExpertWeights:
+        """From what `quant.transform_weights_for_mega_moe` returned with its default arch
+        (DeepGEMM's layout: L1 rows and scales gate/up interleaved, FP4 scales in UTCCP row
+        order): undo the layout, then dequantize (the recipe is the weights' own)."""
+        recipe = weights_recipe(l1_weights)
+        if recipe == "bf16xbf16":
+            if not isinstance(l2_weights, torch.Tensor) or l2_weights.dtype != torch.bfloat16:
+                raise TypeError("l2_weights: bf16xbf16 weights must be a BF16 tensor")
+            return cls(quant.deinterleave_gate_up(l1_weights).contiguous(),
+                       l2_weights.contiguous())
+        if not (isinstance(l2_weights, tuple) and len(l2_weights) == 2
+                and isinstance(l2_weights[0], torch.Tensor)
+                and l2_weights[0].dtype == l1_weights[0].dtype):
+            raise TypeError("l2_weights: expected a (weight, scale) tuple like l1_weights")
+        (w1, sf1), (w2, sf2) = l1_weights, l2_weights
+        if recipe == "fp8xfp4":
+            sf1, sf2 = quant.untranspose_sf_for_utccp(sf1), quant.untranspose_sf_for_utccp(sf2)
+        l1 = (quant.deinterleave_gate_up(w1), quant.deinterleave_gate_up(sf1))
+
+        def deq(q):
+            return quant.dequantize_weights_for_recipe(q, recipe).to(torch.bfloat16)
+
+        return cls(deq(l1).contiguous(), deq((w2, sf2)).contiguous())
+
 
 def torch_experts(dispatched: DispatchResult, weights: TorchExpertWeights, recipe: str,
                   activation_clamp: float | None = None, fast_math: bool = True) -> torch.Tensor:
     """The expert FFN over the pool with torch ops: BF16 [P, H] in pool order (rows past the
     last expert's blocks are zero, pad rows inside them hold garbage; neither is sent).
     Numerics follow the reference: L1 rounded to BF16, clamp, SiLU, routing weight,
-    requantization per recipe, L2 rounded to BF16. Reads the pool size back to the host."""
+    requantization per recipe, L2 rounded to BF16. Reads the pool size back to the host (a
+    synchronization: this path cannot be captured in a CUDA graph)."""
     offs = dispatched.pool_row_ends()
     used = int(offs[-1]) if offs.numel() else 0  # only the blocks the dispatch filled
     out = torch.zeros(dispatched.num_pool_rows, weights.w2.shape[1], dtype=torch.bfloat16,
@@ -284,6 +378,8 @@ def torch_experts(dispatched: DispatchResult, weights: TorchExpertWeights, recip
     return out
 
 
+# ----------------------------------------------------------------------------- kernel experts
+
 def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: ExpertWeights,
                    activation_clamp: float | None = None, fast_math: bool = True,
                    send_to_combine: bool = False) -> torch.Tensor | None:
@@ -292,66 +388,117 @@ def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: 
     valid until the next call). No host synchronization. `send_to_combine`: the L2 epilogue
     writes every row straight into its source rank's combine buffer over NVLink instead, and
     None is returned; follow with `combine(sym_buffer, None, ...)` on every rank."""
-    from .expert_gemm import expert_ffn
+    check_sym_buffer(sym_buffer)
+    launches, out = _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
+                                            fast_math, send_to_combine)
+    for launch in launches:
+        launch()
+    return out
 
+
+def _check_kernel_weights(sym_buffer: SymmBuffer, weights: ExpertWeights) -> None:
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights: expected ExpertWeights, got {type(weights).__name__}")
     if weights.recipe != sym_buffer.recipe:
         raise ValueError(f"weights: recipe {weights.recipe!r} does not match the buffer's "
                          f"{sym_buffer.recipe!r}")
-    state = _state(sym_buffer)
+
+
+def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
+                            send_to_combine) -> tuple[list[KernelCall], torch.Tensor | None]:
+    _check_kernel_weights(sym_buffer, weights)
+    state = buffer_state(sym_buffer)
     if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
                                        dtype=torch.bfloat16, device=sym_buffer.device)
     fp8 = sym_buffer.layout.has_sf
-    return expert_ffn(dispatched.l1_acts, dispatched.l1_acts_sf, dispatched.l1_topk_weights,
-                      dispatched.expert_recv_tokens, weights, block_m=dispatched.block_m,
-                      activation_clamp=activation_clamp, fast_math=fast_math,
-                      l2_acts=sym_buffer.l2_acts,
-                      l2_acts_sf=sym_buffer.l2_acts_sf if fp8 else None,
-                      out=None if send_to_combine else state.expert_out,
-                      num_sms=state.num_sms, validate_counts=False,
-                      combine_buffer=sym_buffer if send_to_combine else None)
+    return _prepare_expert_ffn(
+        dispatched.l1_acts, dispatched.l1_acts_sf, dispatched.l1_topk_weights,
+        dispatched.expert_recv_tokens, weights, dispatched.block_m, activation_clamp, fast_math,
+        sym_buffer.l2_acts, sym_buffer.l2_acts_sf if fp8 else None,
+        None if send_to_combine else state.expert_out, state.num_sms, False,
+        sym_buffer if send_to_combine else None)
 
+
+# ----------------------------------------------------------------------------- the layer
 
 def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Tensor | None,
                     topk_weights: torch.Tensor | None,
                     weights: TorchExpertWeights | ExpertWeights, *,
                     num_tokens: int | None = None, y: torch.Tensor | None = None,
                     activation_clamp: float | None = None, fast_math: bool = True,
-                    block_m: int = DEFAULT_BLOCK_M, num_sms: int | None = None,
+                    block_m: int | None = None, num_sms: int | None = None,
                     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                    validate_routing: bool | None = None,
-                    l2_sends: bool = True) -> torch.Tensor:
+                    validate_routing: bool | None = None, l2_sends: bool = True,
+                    transfer: str = "push", send_mode: str = "registers",
+                    rounds: tuple[int, ...] | None = None) -> torch.Tensor:
     """One whole layer: our dispatch and combine kernels around the expert FFN, on our
     grouped-GEMM kernels (`ExpertWeights`) or torch ops (`TorchExpertWeights`). With `x=None`
-    the inputs were staged already (`num_tokens` rows). Collective. `l2_sends` (with our GEMM
-    kernels; measured on Hopper, compiled only on Blackwell): the L2 epilogue sends the rows to
-    the source ranks' combine buffers, so the combine only reduces; False: L2 writes pool order
-    and the combine kernel sends (the torch experts always do that). Every rank must pass the
-    same value."""
-    if not isinstance(sym_buffer, SymmBuffer):
-        raise TypeError(f"sym_buffer: expected a SymmBuffer, got {type(sym_buffer).__name__}")
-    with gives_up_call_on_error(sym_buffer):  # what the calls after the dispatch would reject
-        if not isinstance(weights, (ExpertWeights, TorchExpertWeights)):
+    the inputs were staged already (`num_tokens` rows). Collective. Returns `y` (BF16
+    [num_tokens, H], allocated when None).
+
+    `l2_sends` (with our GEMM kernels; measured on Hopper, compiled only on Blackwell): the L2
+    epilogue sends the rows to the source ranks' combine buffers, so the combine only reduces;
+    False: L2 writes pool order and the combine kernel sends (the torch experts always do
+    that; `send_mode` and `rounds` apply then). Every rank must pass the same `l2_sends` and
+    `transfer`; `block_m` (default: the heuristics), `send_mode` and `rounds` may differ.
+    Every check runs before the first launch; one that fails gives the call up on this rank
+    (`gives_up_call_on_error`). The torch experts read the pool size back to the host, so only
+    the kernel path can be captured in a CUDA graph (with `validate_routing=False`)."""
+    check_sym_buffer(sym_buffer)
+    with gives_up_call_on_error(sym_buffer):
+        on_kernels = isinstance(weights, ExpertWeights)
+        if not on_kernels and not isinstance(weights, TorchExpertWeights):
             raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
                             f"{type(weights).__name__}")
-        if isinstance(weights, ExpertWeights) and weights.recipe != sym_buffer.recipe:
-            raise ValueError(f"weights: recipe {weights.recipe!r} does not match the buffer's "
-                             f"{sym_buffer.recipe!r}")
-        if y is not None:
-            n = x.shape[0] if isinstance(x, torch.Tensor) else num_tokens
-            _check_tensor("y", y, torch.bfloat16, (n, sym_buffer.hidden), sym_buffer.device)
-    dispatched = dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens=num_tokens,
-                          block_m=block_m, num_sms=num_sms,
-                          cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                          validate_routing=validate_routing)
-    if isinstance(weights, ExpertWeights):
-        expert_out = kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
-                                    fast_math, send_to_combine=l2_sends)
+        if on_kernels:
+            _check_kernel_weights(sym_buffer, weights)
+        else:
+            _check_torch_weights(sym_buffer, weights)
+        activation_clamp = check_activation_clamp(activation_clamp)
+        check_fast_math(fast_math)
+        if not isinstance(l2_sends, bool):
+            raise TypeError(f"l2_sends: expected a bool, got {type(l2_sends).__name__}")
+        epilogue = on_kernels and l2_sends
+        n = x.shape[0] if isinstance(x, torch.Tensor) else num_tokens
+        if isinstance(n, int):
+            _combine_rounds(send_mode, rounds, n, epilogue)
+        if y is not None and isinstance(n, int):
+            check_tensor("y", y, torch.bfloat16, (n, sym_buffer.hidden), sym_buffer.device)
+        launches, dispatched = _prepare_dispatch(
+            sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
+            cumulative_local_expert_recv_stats, validate_routing, transfer)
+        if on_kernels:
+            expert_launches, expert_out = _prepare_kernel_experts(
+                sym_buffer, dispatched, weights, activation_clamp, fast_math, epilogue)
+    for launch in launches:
+        launch()
+    if on_kernels:
+        for launch in expert_launches:
+            launch()
     else:
         expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
                                    fast_math)
-    return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms)
+    return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms, send_mode=send_mode,
+                   rounds=rounds)
 
 
-__all__ = ["DispatchResult", "ExpertWeights", "TorchExpertWeights", "combine", "dispatch",
-           "kernel_experts", "staged_mega_moe", "torch_experts"]
+def _check_torch_weights(sym_buffer: SymmBuffer, weights: TorchExpertWeights) -> None:
+    """BF16 [E_l, 2I, H] / [E_l, H, I] on the buffer's device (I is free: the torch experts
+    do not use the buffer's L2 pool)."""
+    lay = sym_buffer.layout
+    device = sym_buffer.device
+    w1 = weights.w1
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.shape[1] % 2 != 0:
+        raise ValueError(f"weights.w1: expected a tensor [E_l, 2I, H], got "
+                         f"{getattr(w1, 'shape', type(w1).__name__)}")
+    inter = w1.shape[1] // 2
+    check_tensor("weights.w1", w1, torch.bfloat16, (lay.num_local_experts, 2 * inter, lay.hidden),
+                 device)
+    check_tensor("weights.w2", weights.w2, torch.bfloat16,
+                 (lay.num_local_experts, lay.hidden, inter), device)
+
+
+__all__ = ["SEND_MODES", "TRANSFERS", "DispatchResult", "ExpertWeights", "TorchExpertWeights",
+           "combine", "dispatch", "gives_up_call_on_error", "kernel_experts", "stage_inputs",
+           "staged_mega_moe", "torch_experts"]

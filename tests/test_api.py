@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cute_megamoe.api import _check_tensor, check_routing
+from cute_megamoe.checks import check_routing, check_tensor
 
 
 def test_check_routing_accepts_valid_and_masked_slots():
@@ -27,12 +27,12 @@ def test_check_routing_rejects_repeated_expert_in_a_token():
 
 def test_check_tensor_names_the_argument():
     t = torch.zeros(4, 8)
-    assert _check_tensor("x", t, torch.float32, (4, 8), t.device) is t
+    assert check_tensor("x", t, torch.float32, (4, 8), t.device) is t
     with pytest.raises(TypeError, match="x: expected dtype"):
-        _check_tensor("x", t, torch.bfloat16, (4, 8), t.device)
+        check_tensor("x", t, torch.bfloat16, (4, 8), t.device)
     with pytest.raises(ValueError, match="x: expected shape"):
-        _check_tensor("x", t, torch.float32, (4, 9), t.device)
+        check_tensor("x", t, torch.float32, (4, 9), t.device)
     with pytest.raises(ValueError, match="x: must be contiguous"):
-        _check_tensor("x", t.t(), torch.float32, (8, 4), t.device)
+        check_tensor("x", t.t(), torch.float32, (8, 4), t.device)
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
-        _check_tensor("x", [1, 2], torch.float32, (2,), t.device)
+        check_tensor("x", [1, 2], torch.float32, (2,), t.device)

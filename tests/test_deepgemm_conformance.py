@@ -25,9 +25,9 @@ Skipped unless a CUDA GPU is present and ``import deep_gemm`` works (on the GPU 
    L2 input; L2 alone as DeepGEMM's L2 on *our* L2 input against our output; and the whole
    chain (DeepGEMM L1 -> reference SwiGLU/requant -> DeepGEMM L2) against our output. Error
    statistics are printed for each.
-3. **SM100 only** (marked ``sm100``): our layer (``stage_inputs`` + ``fp8_mega_moe`` /
-   ``bf16_mega_moe``) against ``deep_gemm.fp8_fp4_mega_moe`` / ``bf16_mega_moe`` on the same
-   inputs; staged inputs, weights and receive statistics bit-exact, ``y`` within tolerance.
+3. **SM100 only** (marked ``sm100``): our layer (``stage_inputs`` + ``mega_moe``) against
+   ``deep_gemm.fp8_fp4_mega_moe`` / ``bf16_mega_moe`` on the same inputs; staged inputs,
+   weights and receive statistics bit-exact, ``y`` within tolerance.
 
 Each tolerance comparison prints ``[deepgemm] <name>: <error statistics>`` (so does a bit-exact
 comparison that fails), and the module ends with a summary: per comparison, how many cases
@@ -980,9 +980,8 @@ def test_layer_against_deep_gemm_mega_moe(recipe, activation_clamp, fast_math):
         cm.stage_inputs(buf, x, topk_idx, topk_w)
         y_ours = torch.full_like(x, float("nan"))
         stats_ours = stats0.clone()
-        layer = cm.bf16_mega_moe if recipe == "bf16xbf16" else cm.fp8_mega_moe
-        layer(y_ours, ours_w, buf, cumulative_local_expert_recv_stats=stats_ours,
-              activation_clamp=activation_clamp, fast_math=fast_math)
+        cm.mega_moe(y_ours, ours_w, buf, cumulative_local_expert_recv_stats=stats_ours,
+                    activation_clamp=activation_clamp, fast_math=fast_math)
 
         # DeepGEMM, prepared as its own Mega MoE test does
         dg_buf = deep_gemm.get_symm_buffer_for_mega_moe(group, experts, tokens, topk, hidden,

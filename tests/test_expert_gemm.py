@@ -8,6 +8,7 @@ random pools with poisoned outputs, random / skewed / sparse / empty experts, bo
 clamp on and off, fast and precise SiLU, and a small grid (many tiles per CTA).
 """
 
+import copy
 import zlib
 
 import pytest
@@ -26,7 +27,8 @@ def test_weights_fp8_block_scales_k_major_gate_up_order():
     w2 = torch.randn(e, hidden, inter, generator=gen).to(torch.bfloat16)
     q1 = quant.quantize_weights_for_recipe(w1, "fp8xfp8")
     q2 = quant.quantize_weights_for_recipe(w2, "fp8xfp8")
-    w = ExpertWeights.from_quantized(q1, q2, "fp8xfp8")
+    w = ExpertWeights.from_quantized(q1, q2, "fp8xfp8")  # CPU weights: the arch with kernels
+    assert w.arch == "sm_90a"
     # q*[1] are [E, N/128, K/128] block scales of the [gate | up] rows: the kernels read them
     # K-block major, whatever the interleave of the weight rows
     # rows padded to 16 bytes: 4 blocks for the 512 L1 rows, 3 -> 4 for the 384 L2 rows
@@ -51,8 +53,8 @@ def test_weights_reject_per_row_scales_and_other_recipes():
     for gate_up in (False, True):
         with pytest.raises(ValueError, match="equal within every block"):
             _block_weight_sf(sf, "sf", gate_up)
-    with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_90a'"):
-        ExpertWeights.from_quantized(None, None, "fp8xfp4")
+    with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_90a'.*TorchExpertWeights"):
+        ExpertWeights.from_quantized(None, None, "fp8xfp4", arch="sm90")
     with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_100a'"):
         ExpertWeights.from_quantized(None, None, "fp8xfp8", arch="sm_100a")
 
@@ -72,7 +74,7 @@ def test_weights_fp4_for_sm100():
 def test_weights_bf16_interleaved():
     w1 = torch.randn(2, 32, 128).to(torch.bfloat16)
     w2 = torch.randn(2, 128, 16).to(torch.bfloat16)
-    w = ExpertWeights.from_bf16(w1, w2, "bf16xbf16")
+    w = ExpertWeights.from_bf16(w1, w2, "bf16xbf16", arch="sm_90a")
     assert w.w1_sf is None and torch.equal(w.w1, quant.interleave_gate_up(w1))
 
 
@@ -91,7 +93,8 @@ def test_expert_ffn_rejects_cpu_tensors():
     from cute_megamoe.expert_gemm import expert_ffn
 
     w = ExpertWeights.from_bf16(torch.zeros(1, 32, 128, dtype=torch.bfloat16),
-                                torch.zeros(1, 128, 16, dtype=torch.bfloat16), "bf16xbf16")
+                                torch.zeros(1, 128, 16, dtype=torch.bfloat16), "bf16xbf16",
+                                arch="sm_90a")
     with pytest.raises(ValueError, match="CUDA"):
         expert_ffn(torch.zeros(64, 128, dtype=torch.bfloat16), None, torch.zeros(64),
                    torch.zeros(1, dtype=torch.int32), w, block_m=64)
@@ -304,9 +307,12 @@ def test_expert_ffn_rejects_bad_inputs():
     args = (p.acts, p.acts_sf, p.topk_weights, counts, p.weights)
     with pytest.raises(ValueError, match="block_m"):
         expert_ffn(*args, block_m=96)
+    with pytest.raises(ValueError, match="no grouped-GEMM kernels on 'sm_100a'"):
+        ExpertWeights(p.weights.recipe, p.weights.w1, p.weights.w2, p.weights.w1_sf,
+                      p.weights.w2_sf, arch="sm_100a")
+    bad = copy.copy(p.weights)
+    bad.arch = "sm_100a"  # (weights prepared elsewhere, then relabelled)
     with pytest.raises(ValueError, match="prepared for sm_100a"):
-        bad = ExpertWeights(p.weights.recipe, p.weights.w1, p.weights.w2, p.weights.w1_sf,
-                            p.weights.w2_sf, arch="sm_100a")
         expert_ffn(p.acts, p.acts_sf, p.topk_weights, counts, bad, block_m=64)
     with pytest.raises(ValueError, match="acts_sf"):
         expert_ffn(p.acts, None, p.topk_weights, counts, p.weights, block_m=64)

@@ -300,7 +300,7 @@ EXPERT_PATHS = ("torch", "kernels")
 def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
                        activation_clamp: float | None = 10.0, experts: str = "torch") -> float:
     """The whole staged layer against the reference: our dispatch/combine around torch GEMMs
-    (`experts="torch"`) or, through `stage_inputs` + `fp8_mega_moe` / `bf16_mega_moe`, around
+    (`experts="torch"`) or, through `stage_inputs` + `mega_moe`, around
     our grouped-GEMM kernels (`experts="kernels"`).
 
     Returns ||y - y_ref|| / ||y_ref|| for this rank; raises when over the recipe's bound (the
@@ -335,8 +335,7 @@ def check_staged_layer(buf, case: Case, intermediate: int, block_m: int, device,
                                           layout.recipe)
         api.stage_inputs(buf, dev[rank], idxs[rank].to(device), ws[rank].to(device))
         y = torch.full_like(dev[rank], float("nan"))
-        layer = api.bf16_mega_moe if layout.recipe == "bf16xbf16" else api.fp8_mega_moe
-        layer(y, weights, buf, activation_clamp=activation_clamp, block_m=block_m)
+        api.mega_moe(y, weights, buf, activation_clamp=activation_clamp, block_m=block_m)
         # the layer above had the L2 epilogue send rows to the combine buffers; the same
         # inputs with pool-order L2 output and the combine kernel's sends give the same bits
         y_sent = torch.full_like(y, float("nan"))

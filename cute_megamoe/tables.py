@@ -1,0 +1,76 @@
+"""The package's tables: recipes, architectures, and which kernels exist where.
+
+Every other module takes these names from here (a leaf module: it imports nothing from the
+package). One spelling of an architecture is public, the CuTe DSL target name ``"sm_90a"`` /
+``"sm_100a"`` (what `runtime.get_arch` returns, what ``cute.compile`` takes as ``--gpu-arch``,
+what `expert_gemm.ExpertWeights.arch` holds); `normalize_arch` turns any accepted spelling
+(``"sm90"``, ``"sm90a"``, ``"SM_100A"``, ``"sm100f"``) into it, at the edges of the API.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ARCHS",
+    "ARCH_BY_MAJOR",
+    "BLOCK_MS",
+    "GEMM_RECIPES",
+    "RECIPES",
+    "check_recipe",
+    "has_gemm_kernels",
+    "normalize_arch",
+]
+
+#: Recipes (activations x weights) the package understands.
+RECIPES: tuple[str, ...] = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
+
+#: Architectures with kernels, in their public (CuTe DSL target) spelling.
+ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+
+#: The architecture of a CUDA device by compute-capability major.
+ARCH_BY_MAJOR: dict[int, str] = {9: "sm_90a", 10: "sm_100a"}
+
+#: Recipes with grouped-GEMM expert kernels, per architecture. Elsewhere the expert GEMMs run
+#: on torch ops between our dispatch and combine kernels (`staged.torch_experts`).
+GEMM_RECIPES: dict[str, tuple[str, ...]] = {
+    "sm_90a": ("fp8xfp8", "bf16xbf16"),
+    "sm_100a": ("fp8xfp4", "bf16xbf16"),
+}
+
+#: BLOCK_M values the grouped-GEMM kernels implement, per architecture (the heuristics choose
+#: among them; dispatch and combine take any multiple of 16 up to the layout's maximum).
+BLOCK_MS: dict[str, tuple[int, ...]] = {
+    "sm_90a": (64, 128),
+    "sm_100a": (64, 128, 256),
+}
+
+_ARCH_KEYS = {"sm90": "sm_90a", "sm100": "sm_100a"}
+
+
+def normalize_arch(arch: str) -> str:
+    """Any accepted spelling of an architecture -> its public one (``"sm_90a"`` / ``"sm_100a"``).
+
+    ``"sm_90a"``, ``"sm90a"``, ``"sm90"`` -> ``"sm_90a"``; likewise ``"sm_100a"`` (and the
+    ``f`` family suffix). Raises ``TypeError`` / ``ValueError`` naming the value otherwise.
+    """
+    if not isinstance(arch, str):
+        raise TypeError(f"arch: expected a str, got {type(arch).__name__}")
+    key = arch.lower().replace("_", "")
+    if key.endswith(("a", "f")):
+        key = key[:-1]
+    if key not in _ARCH_KEYS:
+        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+    return _ARCH_KEYS[key]
+
+
+def check_recipe(recipe: str, name: str = "recipe") -> str:
+    """``recipe`` if it is one of `RECIPES`, else ``TypeError`` / ``ValueError`` naming it."""
+    if not isinstance(recipe, str):
+        raise TypeError(f"{name}: expected a str, got {type(recipe).__name__}")
+    if recipe not in RECIPES:
+        raise ValueError(f"{name}: expected one of {RECIPES}, got {recipe!r}")
+    return recipe
+
+
+def has_gemm_kernels(arch: str, recipe: str) -> bool:
+    """Whether ``arch`` has grouped-GEMM expert kernels for ``recipe`` (`GEMM_RECIPES`)."""
+    return recipe in GEMM_RECIPES[normalize_arch(arch)]
