@@ -19,7 +19,7 @@ from .checks import check_layer_output, check_routing, check_sym_buffer
 from .expert_gemm import ExpertWeights
 from .staged import gives_up_call_on_error, stage_inputs, staged_mega_moe
 
-__all__ = ["bf16_mega_moe", "check_routing", "fp8_mega_moe", "mega_moe", "stage_inputs"]
+__all__ = ["check_routing", "fp8_mega_moe", "mega_moe", "stage_inputs"]
 
 _FP8_RECIPES = ("fp8xfp8", "fp8xfp4")
 
@@ -56,22 +56,6 @@ def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer
                  transfer: str = "push", l2_sends: bool = True) -> torch.Tensor:
     """`mega_moe` for the FP8-activation recipes (``fp8xfp8``, ``fp8xfp4``) only."""
     return _mega_moe(_FP8_RECIPES, "fp8_mega_moe", y, weights, sym_buffer,
-                     cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
-                     num_sms, transfer, l2_sends)
-
-
-def bf16_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
-                  cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                  activation_clamp: float | None = None, fast_math: bool = True,
-                  block_m: int | None = None, num_sms: int | None = None,
-                  transfer: str = "push", l2_sends: bool = True) -> torch.Tensor:
-    """`mega_moe` for the ``bf16xbf16`` recipe only, with our weights object.
-
-    Kept for existing callers of ``api.bf16_mega_moe``; new code calls `mega_moe`. NOTE: the
-    package-level ``cute_megamoe.bf16_mega_moe`` is DeepGEMM's entry point
-    (`deepgemm_api.bf16_mega_moe`: ``(y, l1_weights, l2_weights, sym_buffer, ...)``).
-    """
-    return _mega_moe(("bf16xbf16",), "bf16_mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
                      num_sms, transfer, l2_sends)
 

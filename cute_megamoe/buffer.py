@@ -387,17 +387,32 @@ def get_symm_buffer_for_mega_moe(
     num_topk: int,
     hidden: int,
     intermediate_hidden: int,
+    use_fp8_dispatch: bool | None = None,
     mma_type: str = "fp8xfp4",
+    activation: str = "swiglu",
+    *,
     device: torch.device | str | int | None = None,
 ) -> SymmBuffer:
     """Allocate (collectively, with several ranks) and zero the buffer for a Mega MoE layer.
 
-    DeepGEMM's function name and argument order. ``group=None`` means one process and one rank
-    (all experts local); ``device`` defaults to CUDA and may be ``'cpu'`` then. With a process
-    group of several ranks every rank must call this with the same arguments, after
-    ``torch.cuda.set_device``; the buffer lives on the current CUDA device. ``mma_type`` is one
-    of ``'fp8xfp4'``, ``'fp8xfp8'``, ``'bf16xbf16'``.
+    DeepGEMM's function, name and signature. ``group=None`` means one process and one rank
+    (all experts local); ``device`` (ours, keyword only) defaults to CUDA and may be ``'cpu'``
+    then. With a process group of several ranks every rank must call this with the same
+    arguments (checked: different ones raise on every rank), after ``torch.cuda.set_device``;
+    the buffer lives on the current CUDA device. ``mma_type`` is one of ``'fp8xfp4'``,
+    ``'fp8xfp8'``, ``'bf16xbf16'``. ``use_fp8_dispatch`` is deprecated in DeepGEMM and only
+    checked against ``mma_type`` (FP8 activations for the fp8 recipes); ``activation`` must be
+    ``'swiglu'``.
     """
+    if activation != "swiglu":
+        raise ValueError(f"activation: only 'swiglu' is implemented, got {activation!r}")
+    if use_fp8_dispatch is not None:
+        if not isinstance(use_fp8_dispatch, bool):
+            raise TypeError(f"use_fp8_dispatch: expected None or a bool (DeepGEMM's 7th "
+                            f"argument; pass mma_type by keyword), got {use_fp8_dispatch!r}")
+        if use_fp8_dispatch != (mma_type != "bf16xbf16"):
+            raise ValueError(f"use_fp8_dispatch={use_fp8_dispatch} contradicts "
+                             f"mma_type={mma_type!r}")
     return SymmBuffer(
         group,
         num_experts,

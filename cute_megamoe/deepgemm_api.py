@@ -30,8 +30,10 @@ from collections.abc import Callable
 
 import torch
 
-from .buffer import SymmBuffer
-from .buffer import get_symm_buffer_for_mega_moe as _get_symm_buffer
+from .buffer import (
+    SymmBuffer,
+    get_symm_buffer_for_mega_moe,  # DeepGEMM's signature
+)
 from .checks import (
     check_activation,
     check_cuda_buffer,
@@ -42,7 +44,7 @@ from .expert_gemm import ExpertWeights, _block_weight_sf, weights_recipe
 from .quant import transform_weights_for_mega_moe, weight_sf_for_sm100
 from .runtime import get_arch
 from .staged import TorchExpertWeights, gives_up_call_on_error, staged_mega_moe
-from .tables import GEMM_RECIPES, check_recipe
+from .tables import GEMM_RECIPES
 
 __all__ = [
     "RECIPE_SF_GRANULARITY",
@@ -56,37 +58,6 @@ __all__ = [
 #: FP8 buffer recipe: DeepGEMM's own (1, 1, 32) for fp8xfp4; (1, 128, 128) for our fp8xfp8
 #: (per-token scales per 128, weights per 128x128 block).
 RECIPE_SF_GRANULARITY = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (1, 128, 128)}
-
-
-def get_symm_buffer_for_mega_moe(
-    group: torch.distributed.ProcessGroup | None,
-    num_experts: int,
-    num_max_tokens_per_rank: int,
-    num_topk: int,
-    hidden: int,
-    intermediate_hidden: int,
-    use_fp8_dispatch: bool | None = None,
-    mma_type: str = "fp8xfp4",
-    activation: str = "swiglu",
-    *,
-    device: torch.device | str | int | None = None,
-) -> SymmBuffer:
-    """DeepGEMM's signature for `buffer.get_symm_buffer_for_mega_moe` (collective with
-    several ranks). ``use_fp8_dispatch`` is deprecated in DeepGEMM and only checked against
-    ``mma_type`` (FP8 activations for the fp8 recipes); ``activation`` must be ``'swiglu'``.
-    ``group=None`` is one process and one rank; ``device`` (ours, keyword only) may then be
-    ``'cpu'`` for a host-side buffer."""
-    check_activation(activation)
-    check_recipe(mma_type, "mma_type")
-    if use_fp8_dispatch is not None:
-        if not isinstance(use_fp8_dispatch, bool):
-            raise TypeError(f"use_fp8_dispatch: expected None or a bool (DeepGEMM's 7th "
-                            f"argument; pass mma_type by keyword), got {use_fp8_dispatch!r}")
-        if use_fp8_dispatch != (mma_type != "bf16xbf16"):
-            raise ValueError(f"use_fp8_dispatch={use_fp8_dispatch} contradicts "
-                             f"mma_type={mma_type!r}")
-    return _get_symm_buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
-                            intermediate_hidden, mma_type=mma_type, device=device)
 
 
 def fp8_fp4_mega_moe(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],

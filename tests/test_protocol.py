@@ -147,7 +147,7 @@ def test_calls_across_the_counter_wraps_loopback(num_ranks, calls_made):
 @pytest.mark.parametrize("recipe", ["fp8xfp8", "bf16xbf16"])
 def test_layer_with_different_block_m_per_rank_loopback(recipe):
     """The issue's example: R = 2, top-8 of 256 experts, 1000 tokens on rank 0 (BLOCK_M 64) and
-    1100 on rank 1 (BLOCK_M 128), through `fp8_mega_moe` / `bf16_mega_moe`, against the
+    1100 on rank 1 (BLOCK_M 128), through `api.mega_moe`, against the
     reference; then 0 / 1 / 300 tokens."""
     from cute_megamoe.heuristics import expected_tokens_per_expert, select_block_m
     from cute_megamoe.testing.protocol_checks import Ranks, check_layer_calls

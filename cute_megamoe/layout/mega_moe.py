@@ -101,6 +101,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tables import RECIPES  # the package's one recipe table (re-exported)
 from ..utils import align
 
 __all__ = [
@@ -141,8 +142,6 @@ MAX_NUM_RANKS = 8
 MAX_NUM_TOPK = 32
 #: Token slots per rank: a published count has COUNT_BITS bits (see `CountWord`).
 MAX_NUM_TOKENS_PER_RANK = 1 << 20
-#: Supported (activation x weight) recipes.
-RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
 
 WORKSPACE_REGION_NAMES = (
     "barrier",

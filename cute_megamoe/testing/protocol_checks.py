@@ -9,7 +9,7 @@ seed, so a check is written once for both.
   routings, masks and a BLOCK_M drawn per rank and call; every call's counts, pool placement
   and combined output are checked exactly (the expert of a pool row is the row scaled by its
   routing weight, so `y` has one exact value).
-* `check_layer_calls`: the whole layer (`fp8_mega_moe` / `bf16_mega_moe`) with different token
+* `check_layer_calls`: the whole layer (`api.mega_moe`) with different token
   counts per rank, i.e. different BLOCK_M choices, against the reference.
 * `set_counters_near_wrap`: puts every barrier counter and call tag of a group's buffers just
   below 2**31 or 2**32, as after that many calls, so that `check_calls` runs across the wrap.
@@ -184,7 +184,7 @@ def check_calls(ranks: Ranks, num_calls: int, seed: int = 0, transfer: str = "pu
 
 def check_layer_calls(ranks: Ranks, tokens_per_call: list[tuple[int, ...]], seed: int = 0,
                       intermediate: int | None = None) -> list[float]:
-    """The whole layer on our kernels (`fp8_mega_moe` / `bf16_mega_moe`, BLOCK_M chosen per
+    """The whole layer on our kernels (`api.mega_moe`, BLOCK_M chosen per
     rank from its own token count) for each entry of `tokens_per_call`, against the reference
     (the tolerance of `dispatch_checks.check_staged_layer`). Returns the relative errors."""
     from .. import api, staged
@@ -204,7 +204,7 @@ def check_layer_calls(ranks: Ranks, tokens_per_call: list[tuple[int, ...]], seed
            .to(torch.bfloat16).to(device) for _ in range(layout.num_ranks)]
     weights = {buf.rank: ExpertWeights.from_bf16(w1s[buf.rank], w2s[buf.rank], recipe)
                for buf in ranks.buffers}
-    layer = api.bf16_mega_moe if recipe == "bf16xbf16" else api.fp8_mega_moe
+    layer = api.mega_moe
     # warm-up (see `Ranks`): every BLOCK_M the layer will pick, every rank using it, phased
     arch = get_arch(device)
     for block_m in sorted({select_block_m(expected_tokens_per_expert(
@@ -341,9 +341,9 @@ def _run_with_foreign_recipe(ranks: Ranks, inputs) -> None:
 
     from .. import api
     from ..kernels.dispatch import DispatchKernel
+    from ..launch import buffer_state as _state
     from ..layout import CountWord
     from ..runtime import current_stream
-    from ..staged import _state
 
     def args(buf):
         state = _state(buf)
