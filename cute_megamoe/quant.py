@@ -52,8 +52,11 @@ is device-independent.
 Deliberate differences from DeepGEMM (only on inputs DeepGEMM rejects or never produces):
 ``unpack_ue8m0_from_int`` decodes byte 0 as ``2^-127`` (the UE8M0 meaning) where DeepGEMM gives
 ``0.0``, and ``pack_ue8m0_to_int`` accepts ``2^-127``; ``per_token_cast_to_fp8`` pads a packed
-scale row to a multiple of four groups (as DeepGEMM's FP4 cast does) instead of failing; argument
-errors raise ``ValueError`` / ``TypeError`` instead of ``AssertionError``.
+scale row to a multiple of four groups (as DeepGEMM's FP4 cast does) instead of failing; the
+pad bytes of packed scale rows are ``127`` (1.0, as DeepGEMM's FP4 cast writes them) where
+DeepGEMM's ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` writes ``0`` (no kernel reads them);
+argument errors raise ``ValueError`` / ``TypeError`` instead of ``AssertionError``. The
+conformance tests (`tests/test_deepgemm_conformance.py`) check everything else bit-exact.
 """
 
 from __future__ import annotations
