@@ -177,6 +177,19 @@ def test_rejects_bad_configurations():
         Sm100ExpertGemmKernel("l1", "fp8xfp4", 4, 1024, 384, 256, 128)
     with pytest.raises(ValueError, match="k"):
         Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 200, 128)
+    # one CTA per SM: a num_stages override that would let two CTAs (each holding its TMEM
+    # columns for the whole run) share an SM is refused; the default never does
+    for recipe in ("fp8xfp4", "bf16xbf16"):
+        for block_m in (64, 128, 256):
+            kernel = Sm100ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m)
+            with pytest.raises(ValueError, match="share an SM"):
+                Sm100ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m,
+                                      num_stages=2)
+            # a stage: 128 A rows and the B rows (a 2-CTA pair splits them) of 128 bytes each
+            # (128 e4m3 / FP4 codes, or 64 BF16), plus two 512-byte scale chunks for fp8xfp4
+            b_rows = 64 if block_m == 256 else 128
+            stage = (128 + b_rows) * 128 + (1024 if recipe == "fp8xfp4" else 0)
+            assert kernel.num_stages * stage > 233472 // 2, (recipe, block_m, kernel.num_stages)
 
 
 # ------------------------------------------------------------------------------ compile (CPU)
@@ -218,6 +231,9 @@ def test_compiles_sm100_with_block_scaled_mma_and_no_spills(phase, block_m):
     assert f"tcgen05.mma.{group}.kind::mxf8f6f4.block_scale.block32" in art.ptx
     assert f"tcgen05.cp.{group}.32x128b.warpx4" in art.ptx
     assert "tcgen05.ld.sync.aligned.32x32b" in art.ptx
+    # accumulator hand-offs between the MMA warp and the epilogue (as DeepGEMM orders them)
+    assert art.ptx.count("tcgen05.fence::after_thread_sync") == 2
+    assert art.ptx.count("tcgen05.fence::before_thread_sync") == 1
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     suffix = ".2CTA" if block_m == 256 else ""
@@ -253,6 +269,9 @@ def test_compiles_sm100_bf16_with_f16_mma_and_no_spills(phase, block_m):
     assert f"tcgen05.mma.{group}.kind::f16" in art.ptx
     assert "block_scale" not in art.ptx and "tcgen05.cp" not in art.ptx
     assert "tcgen05.ld.sync.aligned.32x32b" in art.ptx
+    # accumulator hand-offs between the MMA warp and the epilogue (as DeepGEMM orders them)
+    assert art.ptx.count("tcgen05.fence::after_thread_sync") == 2
+    assert art.ptx.count("tcgen05.fence::before_thread_sync") == 1
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     suffix = ".2CTA" if block_m == 256 else ""

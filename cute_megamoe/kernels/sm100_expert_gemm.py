@@ -91,6 +91,7 @@ from cutlass import (
     Uint8,
 )
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.experimental import primitives as prims
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from ..scheduler.device import ExpertTileScheduler
@@ -106,6 +107,7 @@ BLOCK_K_BF16 = 64  # bf16xbf16 K per stage: 128 bytes per row (one 128B swizzle 
 SF_VEC = 32
 ROW_GROUP = 128  # token rows per CTA-level MMA tile / scale chunk
 SMEM_CAPACITY = 232448  # sm_100 per-CTA shared memory (227 KB)
+SM_SMEM_CAPACITY = 233472  # sm_100 shared memory per SM (228 KB), shared by resident CTAs
 SMEM_RESERVED = 8192  # barriers, TMEM pointer, 1 KB static, 1024-byte alignment of each buffer
 # (on sm90 a 2 KB margin overflowed the 227 KB limit by 2 KB once the buffers were aligned)
 MAX_STAGES = 8
@@ -200,9 +202,15 @@ class Sm100ExpertGemmKernel:
             stage_bytes = (ROW_GROUP + b_rows) * BLOCK_K_BF16 * 2
         prefix_bytes = 2 * 4 * (num_experts + 1)
         fit = (SMEM_CAPACITY - SMEM_RESERVED - prefix_bytes) // stage_bytes
+        # one CTA per SM, a checked invariant: the grid is persistent (one CTA per SM) and
+        # every CTA allocates its TMEM columns for the whole run; a second CTA on an SM could
+        # wait for TMEM forever. Fewer stages than this would let two CTAs' shared memory
+        # (its lower bound: the stages and the prefix arrays) fit on one SM.
+        fewest = max(2, (SM_SMEM_CAPACITY // 2 - prefix_bytes) // stage_bytes + 1)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
-        if not 2 <= self.num_stages <= fit:
-            raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
+        if not fewest <= self.num_stages <= fit:
+            raise ValueError(f"num_stages must be in [{fewest}, {fit}] (fewer would let two "
+                             f"CTAs share an SM), got {num_stages}")
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
 
     # ------------------------------------------------------------------------------ host side
@@ -568,6 +576,9 @@ class Sm100ExpertGemmKernel:
             t_acc = t_acc_base[(None, None, None, acc_state.index)]
             if is_leader:
                 acc_pipe.producer_acquire(acc_state)
+                # the epilogue's TMEM loads of this stage (ordered before its release by its
+                # before-fence) complete before these MMAs overwrite it
+                prims.tcgen05_fence("after_thread_sync")
                 tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for _kb in cutlass.range(self.num_k_blocks, unroll=1):
                     ab_pipe.consumer_wait(ab_state)
@@ -634,6 +645,7 @@ class Sm100ExpertGemmKernel:
             if cutlass.const_expr(self.phase == "l2"):
                 row_dst = self.row_destination(out, peer_bases, src_metadata, pool_row, valid)
             acc_pipe.consumer_wait(state)
+            prims.tcgen05_fence("after_thread_sync")  # the MMAs' results, then our TMEM loads
             for c in cutlass.range_constexpr(num_chunks):
                 cute.copy(t2r, src[(None, None, None, 0, c, state.index)], acc)
                 cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before using acc
@@ -645,6 +657,7 @@ class Sm100ExpertGemmKernel:
                         self.swiglu_store_bf16(acc, weight, out, pool_row, 2 * n_block + c)
                     else:
                         self.store_bf16(acc, row_dst, n_block * TILE_N + c * 32)
+            prims.tcgen05_fence("before_thread_sync")  # our TMEM loads, then the MMA's reuse
             acc_pipe.consumer_release(state)
             state.advance()
             tile += tile_stride
