@@ -71,13 +71,12 @@ GEMMs for 256 pairs; on an H200 a call with 32 such experts and 4096 pairs takes
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .checks import check_tensor
+from .checks import check_activation_clamp, check_fast_math, check_tensor
 from .quant import (
     cast_back_from_fp8,
     check_recipe,
@@ -209,8 +208,8 @@ def swiglu_reference(
             f"topk_weight must be a float32 tensor of shape ({acc.shape[0]},), "
             f"got {_describe(topk_weight)}"
         )
-    clamp = _check_clamp(activation_clamp)
-    _check_fast_math(fast_math)
+    clamp = check_activation_clamp(activation_clamp)
+    check_fast_math(fast_math)
 
     inter = acc.shape[1] // 2
     gate = acc[:, :inter].to(torch.bfloat16).float()
@@ -339,8 +338,8 @@ def mega_moe_reference(
         A ``MegaMoEReferenceResult``, on the inputs' device.
     """
     check_recipe(recipe)
-    clamp = _check_clamp(activation_clamp)
-    _check_fast_math(fast_math)
+    clamp = check_activation_clamp(activation_clamp)
+    check_fast_math(fast_math)
     dims = _check_inputs(
         x,
         topk_idx,
@@ -456,23 +455,6 @@ def _describe(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"Tensor(dtype={t.dtype}, shape={tuple(t.shape)}, device={t.device})"
     return type(t).__name__
-
-
-def _check_clamp(activation_clamp: float | None) -> float | None:
-    if activation_clamp is None:
-        return None
-    if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
-        raise TypeError(
-            f"activation_clamp must be None or a float, got {type(activation_clamp).__name__}"
-        )
-    if math.isnan(activation_clamp) or activation_clamp < 0:
-        raise ValueError(f"activation_clamp must be >= 0, got {activation_clamp!r}")
-    return float(activation_clamp)
-
-
-def _check_fast_math(fast_math: bool) -> None:
-    if not isinstance(fast_math, bool):
-        raise TypeError(f"fast_math must be a bool, got {type(fast_math).__name__}")
 
 
 def _check_topk_idx(idx: object, r: int, num_experts: int, name: str) -> None:
