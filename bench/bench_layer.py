@@ -6,13 +6,19 @@
   `ours_pool_order` is the same layer with L2 writing pool order and the combine kernel sending
   (graph; the two graphs alternate, median over rounds); and the steps of `ours` alone
   (graphs): staging + dispatch, the expert FFN (L1 + L2, with the sends), the combine;
+* `fused`: the fused layer (`fused.fused_mega_moe`: input staging + one persistent kernel for
+  dispatch, L1, L2 and combine), eager and CUDA graph, alternating with `ours` in the graph
+  rounds; `weight_floor_us`: the weights' bytes at the copy ceiling (`bench.common.copy_ceiling`,
+  same run), the decode floor;
 * `staged_torch`: our staging/dispatch/combine kernels around torch grouped GEMMs;
 * `torch_baseline`: PyTorch only (NCCL all-to-all + the same torch grouped GEMMs).
 
 Eager calls are timed with CUDA events (the two torch paths read sizes back to the host, so
 they cannot be graph-captured), median of repeats, max over ranks.
 
-    python -m bench.bench_layer [--tokens 128,1024,4096] [--recipe fp8xfp8]
+    python -m bench.bench_layer [--tokens 128,1024,4096] [--recipe fp8xfp8] [--quick]
+
+`--quick`: only `ours` and `fused` (no steps, no torch paths).
 """
 
 from __future__ import annotations
@@ -26,16 +32,17 @@ import torch
 import torch.distributed as dist
 
 from bench.bench_dispatch import _time, _time_graph
-from bench.common import Results, gpu_clocks
+from bench.common import Results, copy_ceiling, gpu_clocks
 
 
-def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir):
+def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
+            quick=False):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
                             device_id=torch.device("cuda", rank))
-    from cute_megamoe import staged
+    from cute_megamoe import fused, staged
     from cute_megamoe.baseline import torch_moe_layer
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.expert_gemm import ExpertWeights
@@ -54,6 +61,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     del w1, w2
     buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, experts, max(tokens), topk, hidden,
                                        inter, mma_type=recipe)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (
+        kernel_weights.w1, kernel_weights.w2, kernel_weights.w1_sf, kernel_weights.w2_sf)
+        if t is not None)
+    weight_floor = weight_bytes / copy_ceiling(min(weight_bytes, 2 << 30))
     res = Results("layer", meta={"ranks": num_ranks, "recipe": recipe, "experts": experts,
                                  "topk": topk, "hidden": hidden, "intermediate": inter,
                                  "clocks_before": gpu_clocks()})
@@ -69,6 +80,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             staged.staged_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
                                    block_m=block_m, validate_routing=False, l2_sends=l2_sends)
 
+        def fused_layer(x=x, idx=idx, w=w, block_m=block_m):
+            fused.fused_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
+                                 block_m=block_m, validate_routing=False)
+
         def ours_pool_order(x=x, idx=idx, w=w, block_m=block_m):
             ours(x, idx, w, block_m, l2_sends=False)
 
@@ -80,12 +95,29 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             torch_moe_layer(x, idx, w, weights, num_experts=experts, recipe=recipe,
                             activation_clamp=10.0, group=dist.group.WORLD)
 
-        t_ours = _time(ours, 5)
-        graphs = {"sends": [], "pool": []}
+        t_ours, t_fused = _time(ours, 5), _time(fused_layer, 5)
+        graphs = {"sends": [], "pool": [], "fused": []}
         for _ in range(3):  # alternate: the GPU's clocks drift at its power limit
             graphs["sends"].append(_time_graph(ours, 5, repeats=3))
-            graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
-        t_graph, t_pool = (None if None in v else statistics.median(v) for v in graphs.values())
+            graphs["fused"].append(_time_graph(fused_layer, 5, repeats=3))
+            if not quick:
+                graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
+        t_graph, t_pool, t_fused_graph = (None if None in v or not v else statistics.median(v)
+                                          for v in graphs.values())
+        flops = 2 * int((idx >= 0).sum()) * 3 * hidden * inter
+        fused_best = min(t_fused, t_fused_graph or t_fused)
+        fused_cols = dict(fused_us=t_fused * 1e6,
+                          fused_graph_us=None if t_fused_graph is None else t_fused_graph * 1e6,
+                          fused_tflops=flops / fused_best / 1e12,
+                          staged_over_fused=(t_graph or t_ours) / fused_best,
+                          weight_floor_us=weight_floor * 1e6,
+                          fused_over_floor=fused_best / weight_floor)
+        if quick:
+            best = min(t_ours, t_graph or t_ours)
+            res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
+                    ours_graph_us=None if t_graph is None else t_graph * 1e6,
+                    ours_tflops=flops / best / 1e12, **fused_cols)
+            continue
 
         # the steps alone (each repeated on its own; the rows the L2 epilogue re-sends are the
         # same every time and no combine reads them meanwhile)
@@ -103,20 +135,24 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             t = _time_graph(fn, 5)
             step_us[f"{name}_graph_us"] = None if t is None else t * 1e6
         t_staged, t_base = _time(staged_torch, 5), _time(base, 5)
-        flops = 2 * int((idx >= 0).sum()) * 3 * hidden * inter
         best = min(t_ours, t_graph or t_ours)
         res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
                 ours_graph_us=None if t_graph is None else t_graph * 1e6,
                 ours_pool_order_graph_us=None if t_pool is None else t_pool * 1e6, **step_us,
                 staged_torch_us=t_staged * 1e6, torch_baseline_us=t_base * 1e6,
-                speedup_vs_baseline=t_base / best, ours_tflops=flops / best / 1e12)
+                speedup_vs_baseline=t_base / min(best, fused_best),
+                ours_tflops=flops / best / 1e12, **fused_cols)
     res.meta["clocks_after"] = gpu_clocks()
     if rank == 0:
         print(f"saved {res.save(out_dir or None)}")
-        print(res.table(["tokens", "block_m", "ours_us", "ours_graph_us",
-                         "ours_pool_order_graph_us", "dispatch_graph_us", "experts_graph_us",
-                         "combine_graph_us", "staged_torch_us",
-                         "torch_baseline_us", "speedup_vs_baseline", "ours_tflops"]))
+        cols = ["tokens", "block_m", "ours_us", "ours_graph_us", "fused_us", "fused_graph_us",
+                "staged_over_fused", "ours_tflops", "fused_tflops", "weight_floor_us",
+                "fused_over_floor"]
+        if not quick:
+            cols += ["ours_pool_order_graph_us", "dispatch_graph_us", "experts_graph_us",
+                     "combine_graph_us", "staged_torch_us", "torch_baseline_us",
+                     "speedup_vs_baseline"]
+        print(res.table(cols))
     buf.destroy()
     dist.barrier()
     dist.destroy_process_group()
@@ -134,10 +170,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--port", type=int, default=29544)
+    p.add_argument("--quick", action="store_true", help="only ours and fused")
     a = p.parse_args()
     mp.spawn(_worker, args=(a.ranks, a.port, [int(t) for t in a.tokens.split(",")], a.recipe,
                             a.experts, a.topk, a.hidden, a.intermediate,
-                            os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", "")),
+                            os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick),
              nprocs=a.ranks, join=True)
 
 

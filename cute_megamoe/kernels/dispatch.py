@@ -149,6 +149,13 @@ class DispatchKernel:
             self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
 
+    def smem_bytes(self) -> int:
+        """Shared memory `run` allocates (push: the pull's row staging is not counted), with
+        room for each array's alignment."""
+        D, R, E_l = self.num_dests, self.num_ranks, self.num_local_experts
+        words = self.num_experts + D * R * E_l + D * E_l + 2 * D * (E_l + 1) + D
+        return 4 * words + 6 * 16
+
     @cute.jit
     def __call__(
         self,
@@ -170,6 +177,18 @@ class DispatchKernel:
     @cute.kernel
     def kernel(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
                expert_recv_tokens: cute.Tensor, stats: cute.Tensor):
+        self.run(peer_bases, rank, num_tokens, expert_recv_tokens, stats,
+                 cutlass.memory.SmemAllocator())
+
+    @cute.jit
+    def run(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
+            expert_recv_tokens: cute.Tensor, stats: cute.Tensor, smem):
+        """The whole dispatch (steps 1-8) by every thread of every CTA of a cooperative grid of
+        `num_threads`-thread CTAs, with shared memory from the allocator `smem`; also the first
+        phase of the fused layer kernel (`sm90_mega_moe`). Returns this rank's pool prefix sums
+        in shared memory, `(row_start, block_start)` (`E_l + 1` each, `block_m` rows per block).
+        Only CTA 0 has passed the final cross-rank barrier on return: a caller that goes on to
+        use the pool first meets the other CTAs at a grid barrier."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -181,7 +200,6 @@ class DispatchKernel:
         barrier = self.regions.ptr(my_base, "barrier")
         tag, done = call_tags(barrier)
 
-        smem = cutlass.memory.SmemAllocator()
         expert_slot = smem.allocate_tensor(Int32, cute.make_layout(E))  # count, then next slot
         # per destination d (own rank only when pulling): [d][src][expert] counts, [d][expert]
         # totals, [d][expert + 1] prefix sums
@@ -327,6 +345,7 @@ class DispatchKernel:
                                self.timeout_ns)
             if tidx == 0:
                 finish_call(barrier, tag)
+        return own_row_start, own_block_start
 
     @cute.jit
     def check_settings(self, barrier: cute.Pointer, seen: Int32):

@@ -75,6 +75,7 @@ from ..scheduler.device import ExpertTileScheduler
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
+from .common.sync import spin_timeout_ns, wait_reached
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
@@ -97,7 +98,7 @@ class Sm90ExpertGemmKernel:
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
                  wg_skew: int | None = None, staging_parts: int | None = None,
-                 raster_group: int | None = None, combine_layout=None):
+                 raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0):
         self.phase, self.recipe = phase, recipe
         self.is_fp8 = recipe == "fp8xfp8"
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
@@ -136,9 +137,12 @@ class Sm90ExpertGemmKernel:
             stage_bytes += (self.sfa_len + self.sfb_len) * 4
         self.stage_tx_bytes = stage_bytes
 
+        # `smem_reserved`: bytes a fused kernel's other phases take from the budget
+        self.smem_budget = SMEM_BUDGET - smem_reserved
+
         def stages_fit(parts):  # pipeline stages left beside staging rows of 1/parts tile row
             staging = self.staging_layout(parts)[1]
-            return min(MAX_STAGES, (SMEM_BUDGET - staging) // (stage_bytes + 64))
+            return min(MAX_STAGES, (self.smem_budget - staging) // (stage_bytes + 64))
 
         # BF16: the staging rows hold the whole tile row, or a chunk or half a chunk at a time
         # when that leaves room for more pipeline stages (L2 at BLOCK_M 128: 4 stages instead
@@ -156,7 +160,7 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"staging_parts must be one of {choices}, got {staging_parts}")
         self.staging_parts = staging_parts
         self.staging_stride, self.staging_bytes = self.staging_layout(self.staging_parts)
-        fit = (SMEM_BUDGET - self.staging_bytes) // (stage_bytes + 64)
+        fit = (self.smem_budget - self.staging_bytes) // (stage_bytes + 64)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
         if not 2 <= self.num_stages <= fit:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
@@ -184,8 +188,23 @@ class Sm90ExpertGemmKernel:
             wg_skew = 2 if phase == "l2" else 0
         self.wg_skew = min(wg_skew, self.num_stages - 1, self.num_k_blocks - 1) \
             if self.num_mma_wgs == 2 else 0
+        # What a fused kernel changes (`share_ring`): the ring's scale-vector strides, the
+        # bytes of a stage the ring's mbarriers expect beyond their transaction count, and the
+        # readiness of L2 tiles on L1 tiles (`ready_arrivals`: the L1 producer side signals
+        # each pool block's counter once per consumer warp per n-block; L2 waits for them)
+        self.sfa_stride, self.sfb_stride = self.sfa_len, self.sfb_len
+        self.ring_tx_bytes = self.stage_tx_bytes
+        self.extra_tx_bytes = 0
+        self.signals_ready = False
+        self.waits_ready = 0  # arrivals an L2 tile waits for per pool block (0: no wait)
+        self.timeout_ns = spin_timeout_ns()
 
     # ------------------------------------------------------------------------------ host side
+    def tile_signals(self) -> int:
+        """Arrivals at a pool block's readiness counter once all of this phase's tiles of the
+        block are done (`signals_ready`): one per consumer warp per n-block."""
+        return self.num_n_blocks * self.num_mma_wgs * 4
+
     def staging_layout(self, parts: int) -> tuple[int, int]:
         """(row stride, total bytes) of the consumer warps' staging rows when they hold
         ``1 / parts`` of a tile's output row."""
@@ -199,6 +218,32 @@ class Sm90ExpertGemmKernel:
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.block_k),
             self.ab_dtype)
         return cute.tile_to_shape(atom, (rows, self.block_k, slots), order=(0, 1, 2))
+
+    def mma_and_stage_layouts(self):
+        """The consumer warpgroups' tiled WGMMA and the ring's A and B shared-memory layouts
+        (host side of a `cute.jit` function)."""
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wgs, 1, 1),
+            tiler_mn=(64, WG_N))
+        a_layout = self._smem_layout(self.block_m, self.num_stages)
+        b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
+        return tiled_mma, a_layout, b_layout
+
+    def tma_loads(self, a: cute.Pointer, b: cute.Pointer, a_layout, b_layout):
+        """TMA atoms and tensors of the A pool ``[P, K]`` and the weights ``[E * N, K]``
+        (host side of a `cute.jit` function): ``(tma_a, m_a, tma_b, m_b)``."""
+        m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
+                                                   stride=(self.k, 1)))
+        m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
+                                                   stride=(self.k, 1)))
+        tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_layout, (None, None, 0)),
+            (self.block_m, self.block_k))
+        tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_layout, (None, None, 0)),
+            (WG_N, self.block_k))
+        return tma_a, tma_m_a, tma_b, tma_m_b
 
     @cute.jit
     def __call__(
@@ -216,25 +261,15 @@ class Sm90ExpertGemmKernel:
         num_ctas: Int32,
         stream,
     ):
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wgs, 1, 1),
-            tiler_mn=(64, WG_N))
-        a_layout = self._smem_layout(self.block_m, self.num_stages)
-        b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
-        m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
-                                                   stride=(self.k, 1)))
-        m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
-                                                   stride=(self.k, 1)))
-        tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_layout, (None, None, 0)),
-            (self.block_m, self.block_k))
-        tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_layout, (None, None, 0)),
-            (WG_N, self.block_k))
-        tma_b_mc, _ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b,
-            cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
+        tiled_mma, a_layout, b_layout = self.mma_and_stage_layouts()
+        tma_a, tma_m_a, tma_b, tma_m_b = self.tma_loads(a, b, a_layout, b_layout)
+        tma_b_mc = tma_b
+        if cutlass.const_expr(self.cluster_m > 1):
+            tma_b_mc, _ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(),
+                cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
+                                                     stride=(self.k, 1))),
+                cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
 
         @cute.struct
         class SharedStorage:
@@ -242,9 +277,9 @@ class Sm90ExpertGemmKernel:
             block_start: cute.struct.MemRange[Int32, self.num_experts + 1]
             row_start: cute.struct.MemRange[Int32, self.num_experts + 1]
             sfa: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.num_stages * self.sfa_len], 16]
+                cute.struct.MemRange[Float32, self.num_stages * self.sfa_stride], 16]
             sfb: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.num_stages * self.sfb_len], 16]
+                cute.struct.MemRange[Float32, self.num_stages * self.sfb_stride], 16]
             sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_layout)],
                                   1024]
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
@@ -287,8 +322,7 @@ class Sm90ExpertGemmKernel:
         storage = smem.allocate(self.shared_storage)
         block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
         row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        sfa = storage.sfa.get_tensor(cute.make_layout((self.sfa_len, self.num_stages)))
-        sfb = storage.sfb.get_tensor(cute.make_layout((self.sfb_len, self.num_stages)))
+        sfa, sfb = self.scale_stages(storage.sfa.data_ptr(), storage.sfb.data_ptr())
         sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         staging = storage.staging.data_ptr()
@@ -300,7 +334,7 @@ class Sm90ExpertGemmKernel:
             # multicast writes into this CTA's stages too)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      self.cluster_m * self.num_mma_wgs * 4),
-            tx_count=self.stage_tx_bytes,
+            tx_count=self.ring_tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
@@ -317,28 +351,47 @@ class Sm90ExpertGemmKernel:
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb, a_sf, b_sf,
-                             ab_pipe, block_start, row_start, num_tiles, cluster, num_clusters,
-                             raster_group, rank, lane)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages)
+                state, _ = self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb,
+                                        a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
+                                        cluster, num_clusters, raster_group, rank, lane, state)
+                ab_pipe.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                 self.num_stages)
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, cluster, num_clusters, raster_group, rank, wg - 1,
                          warp % 4, lane,
                          topk_weights, out, out_sf, peer_bases, src_metadata,
-                         staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride))
+                         staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride), state,
+                         state.clone())
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # no CTA leaves while its peer may still signal it
             cute.arch.cluster_wait()
 
     @cute.jit
+    def scale_stages(self, sfa_ptr: cute.Pointer, sfb_ptr: cute.Pointer):
+        """The ring's activation and weight scale vectors in shared memory, ``[len, stage]``."""
+        sfa = cute.make_tensor(sfa_ptr, cute.make_layout((self.sfa_len, self.num_stages),
+                                                         stride=(1, self.sfa_stride)))
+        sfb = cute.make_tensor(sfb_ptr, cute.make_layout((self.sfb_len, self.num_stages),
+                                                         stride=(1, self.sfb_stride)))
+        return sfa, sfb
+
+    @cute.jit
     def produce(self, tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb, a_sf: cute.Pointer,
                 b_sf: cute.Pointer, ab_pipe, block_start, row_start, num_tiles: Int32,
-                cluster: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
-                lane: Int32):
-        """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of every tile;
-        in a cluster whose two pool blocks share an expert, only chunk ``rank`` of B, to both
-        CTAs."""
+                first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
+                lane: Int32, state, ready: cute.Pointer = None,
+                barrier_slots: cute.Pointer = None):
+        """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
+        ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; in a cluster whose
+        two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
+        ring's producer state. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
+        start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it. Returns
+        ``(state, the first tile index past num_tiles)``."""
         g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
         g_b = cute.local_tile(m_b, (WG_N, self.block_k), (None, None))
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
@@ -348,9 +401,8 @@ class Sm90ExpertGemmKernel:
         t_sb_mc, t_gb_mc = cpasync.tma_partition(tma_b_mc, 0, cute.make_layout(1),
                                                  cute.group_modes(sb, 0, 2),
                                                  cute.group_modes(g_b, 0, 2))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         b_blocks_per_expert = self.n // WG_N
-        tile = cluster
+        tile = first_tile
         owner = Int32(0)
         while tile < num_tiles:
             multicast = cutlass.Boolean(False)
@@ -366,9 +418,21 @@ class Sm90ExpertGemmKernel:
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
+            if cutlass.const_expr(self.waits_ready > 0):
+                wait_reached(barrier_slots, ready + pool_block, Int32(self.waits_ready), "gpu",
+                             "L1 tiles of a pool block", self.timeout_ns)
+                # the L1 rows came through bulk (async proxy) stores and generic stores; the
+                # acquire above is generic: order the TMA loads below after it
+                cute.arch.fence_proxy("async.global")
             for kb in cutlass.range(self.num_k_blocks):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
+                if cutlass.const_expr(self.extra_tx_bytes > 0):
+                    # this phase's stages carry more scale bytes than the ring's count; expect
+                    # them before any copy of the stage can complete
+                    if lane == 0:
+                        cute.arch.mbarrier_expect_tx(bar, self.extra_tx_bytes)
+                    cute.arch.sync_warp()
                 cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
                           tma_bar_ptr=bar)
                 if cutlass.const_expr(self.cluster_m > 1):
@@ -383,17 +447,17 @@ class Sm90ExpertGemmKernel:
                 if cutlass.const_expr(self.is_fp8):
                     if lane == 0:
                         prims.cp_async_bulk_shared_cluster_global(
-                            sfa.iterator + state.index * self.sfa_len,
+                            sfa.iterator + state.index * self.sfa_stride,
                             a_sf + (Int64(kb) * self.num_pool_rows + sf_block * self.block_m),
                             bar, Int32(self.sfa_len * 4))
                         prims.cp_async_bulk_shared_cluster_global(
-                            sfb.iterator + state.index * self.sfb_len,
+                            sfb.iterator + state.index * self.sfb_stride,
                             b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
                             bar, Int32(self.sfb_len * 4))
                 ab_pipe.producer_commit(state)
                 state.advance()
             tile += num_clusters
-        ab_pipe.producer_tail(state)
+        return state, tile
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
@@ -404,13 +468,19 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
-                num_tiles: Int32, cluster: Int32, num_clusters: Int32, raster_group: Int32,
+                num_tiles: Int32, first_tile: Int32, num_clusters: Int32, raster_group: Int32,
                 rank: Int32, mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
-                staging: cute.Pointer):
-        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of each tile;
-        ``staging``: this warp's shared-memory staging rows."""
+                staging: cute.Pointer, state, prev, ready: cute.Pointer = None):
+        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
+        ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
+        warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
+        releases a stage one k-block late, from ``prev``; equal between tiles). With
+        ``signals_ready`` (L1 of the fused kernel) each warp adds 1 to ``ready[pool_block]``
+        once its rows of a tile are in global memory, one tile late (its stores drain while the
+        next tile's WGMMAs run) and at the end. Returns ``(state, prev, the first tile index
+        past num_tiles)``; all of the warp's stores are complete on return."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -418,15 +488,14 @@ class Sm90ExpertGemmKernel:
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         num_k_phases = cute.size(t_ra, mode=[2])
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
         # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its chunk.
         warp_row0 = 64 * mma_wg + ROWS_PER_WARP * warp_in_wg
         row0 = warp_row0 + lane // 4
         col0 = 2 * (lane % 4)
-        tile = cluster
+        tile = first_tile
         owner = Int32(0)
+        pending = Int32(-1)  # the pool block of the previous tile, not signalled yet
         if cutlass.const_expr(self.wg_skew > 0):
             if mma_wg == 1 and tile < num_tiles:
                 cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
@@ -441,7 +510,7 @@ class Sm90ExpertGemmKernel:
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
                 for kb in cutlass.range(self.num_k_blocks):
-                    self.release_skew(mma_wg, kb, tile == cluster)
+                    self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
@@ -471,7 +540,7 @@ class Sm90ExpertGemmKernel:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 for kb in cutlass.range(self.num_k_blocks):
-                    self.release_skew(mma_wg, kb, tile == cluster)
+                    self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
                     warpgroup.fence()
                     for c in cutlass.range_constexpr(self.chunks):
@@ -488,10 +557,35 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(prev)
                 prev.advance()
+            if cutlass.const_expr(self.signals_ready):
+                if pending >= 0:
+                    self.signal_ready(ready, pending, lane)
             self.epilogue(accs, topk_weights, row_dst, out_sf, staging, row_base, warp_row0,
                           row0, col0, valid_m, n_block, lane)
+            pending = pool_block
             tile += num_clusters
-        cute.arch.cp_async_bulk_wait_group(0)
+        if cutlass.const_expr(self.signals_ready):
+            if pending >= 0:
+                self.signal_ready(ready, pending, lane)
+        if lane < ROWS_PER_WARP:
+            cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.sync_warp()
+        return state, prev, tile
+
+    @cute.jit
+    def signal_ready(self, ready: cute.Pointer, pool_block: Int32, lane: Int32):
+        """This warp's rows of pool block ``pool_block`` (an L1 tile) are in global memory:
+        wait for its bulk stores to complete (not only to have read the staging rows), then
+        add 1 to ``ready[pool_block]`` with a release at GPU scope. The warp sync orders the
+        other lanes' scale stores before lane 0's release; the proxy fence orders the bulk
+        (async-proxy) writes before it."""
+        if lane < ROWS_PER_WARP:
+            cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.fence_proxy("async.global")
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.red(ready + pool_block, Int32(1), op="add", dtype="s32", sem="release",
+                          scope="gpu")
 
     @cute.jit
     def row_destination(self, out: cute.Pointer, peer_bases: cute.Pointer,
@@ -682,3 +776,36 @@ class Sm90ExpertGemmKernel:
         v1.store(q1.load().to(Float8E4M3FN))
         self.stage_rows(v0, staging, lane, col0)
         self.stage_rows(v1, staging, lane, WG_N // 2 + col0)
+
+
+def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel) -> None:
+    """Configure the two phases of the fused layer kernel to run one after the other through
+    one pipeline ring and one set of staging rows (`kernels/sm90_mega_moe.py`): the same stage
+    count, scale-vector and staging-row strides (the larger of the two, so that a stage or a
+    warp's staging rows sit at the same place in both phases and the L2 tiles may start while
+    L1 stages are still in use), the ring's transaction count the smaller phase's (the larger
+    one expects the difference per stage), and L2 tiles waiting for the L1 tiles of their pool
+    block. Both must have the same dtype, BLOCK_M and tile width, and no clusters."""
+    if (l1.phase, l2.phase) != ("l1", "l2"):
+        raise ValueError("share_ring: expected an L1 and an L2 kernel")
+    if (l1.ab_dtype, l1.block_m, l1.block_k, l1.chunks) != (l2.ab_dtype, l2.block_m, l2.block_k,
+                                                            l2.chunks):
+        raise ValueError(
+            f"share_ring: L1 and L2 tiles differ (block_n {l1.block_n} vs {l2.block_n}: the "
+            f"fused kernel needs hidden and 2 * intermediate to be multiples of {2 * WG_N})")
+    if l1.cluster_m != 1 or l2.cluster_m != 1:
+        raise ValueError("share_ring: the fused kernel runs without clusters")
+    num_stages = min(l1.num_stages, l2.num_stages)
+    stride = max(l1.staging_stride, l2.staging_stride)
+    staging_bytes = max(l1.staging_bytes, l2.staging_bytes)
+    ring_tx = min(l1.stage_tx_bytes, l2.stage_tx_bytes)
+    for k in (l1, l2):
+        k.num_stages = num_stages
+        k.staging_stride, k.staging_bytes = stride, staging_bytes
+        k.sfa_stride = max(l1.sfa_len, l2.sfa_len)
+        k.sfb_stride = max(l1.sfb_len, l2.sfb_len)
+        k.ring_tx_bytes = ring_tx
+        k.extra_tx_bytes = k.stage_tx_bytes - ring_tx
+        k.wg_skew = 0  # (the skew barrier counts on the CTA's first tile of a launch)
+    l1.signals_ready = True
+    l2.waits_ready = l1.tile_signals()

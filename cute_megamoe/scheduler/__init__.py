@@ -9,6 +9,7 @@ from .host_model import (
     HostTileScheduler,
     Tile,
     assign_tiles,
+    fused_tile_walk,
     grouped_gemm_tiles,
     mega_moe_tile_sequence,
     num_m_blocks,
@@ -19,6 +20,7 @@ from .host_model import (
 
 __all__ = [
     "HostMegaMoETileScheduler",
+    "fused_tile_walk",
     "HostTileScheduler",
     "Tile",
     "assign_tiles",

@@ -31,6 +31,7 @@ from ..utils import ceil_div
 
 __all__ = [
     "HostMegaMoETileScheduler",
+    "fused_tile_walk",
     "HostTileScheduler",
     "Tile",
     "assign_tiles",
@@ -323,3 +324,29 @@ class HostMegaMoETileScheduler:
                     block_idx += self.num_ctas
             wave_pool_offset = pool_offset
             wave_start = wave_end
+
+
+def fused_tile_walk(
+    expert_counts: Sequence[int] | torch.Tensor,
+    block_m: int,
+    l1_block_n: int,
+    l1_n: int,
+    l2_block_n: int,
+    l2_n: int,
+    num_ctas: int,
+    cta: int,
+    raster_groups: tuple[int, int] = (1, 1),
+) -> list[tuple[str, Tile]]:
+    """One CTA's tiles in the sm90 fused layer kernel (`kernels/sm90_mega_moe.py`): the L1
+    grouped GEMM's tiles followed by the L2 one's, each in :class:`HostTileScheduler` order
+    (no clusters; ``raster_groups`` of L1 and L2), CTA ``cta`` taking positions
+    ``cta, cta + num_ctas, ...`` of the concatenation: the linear index carries from L1 into
+    L2, so the grid stays busy across the phase change."""
+    _positive("num_ctas", num_ctas)
+    if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
+        raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+    seq = [(PHASE_L1, t) for t in grouped_gemm_tiles(expert_counts, block_m, l1_block_n, l1_n,
+                                                      raster_groups[0])]
+    seq += [(PHASE_L2, t) for t in grouped_gemm_tiles(expert_counts, block_m, l2_block_n, l2_n,
+                                                       raster_groups[1])]
+    return [seq[i] for i in range(cta, len(seq), num_ctas)]

@@ -1,0 +1,272 @@
+"""The whole Mega MoE layer on Hopper (sm_90a) in one persistent launch per rank.
+
+What it computes, on every rank of an R-rank group (all ranks launch it once per call, with
+this rank's staged inputs in the symmetric buffer, `kernels/staging.py`):
+
+    y = combine(L2(SwiGLU(L1(dispatch(x, topk_idx)))))
+
+bit-identical to the staged layer (`staged.staged_mega_moe` with `ExpertWeights` and
+`l2_sends=True`: the same dispatch, grouped GEMMs, epilogues and reduction, run as phases of
+one kernel), for `fp8xfp8` and `bf16xbf16`.
+
+How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads, launched cooperatively.
+1. Dispatch (every thread, `DispatchKernel.run`): count, prefix, scatter, publish the counts
+   (tagged with the call number, `layout.CountWord`), push the rows into the destinations'
+   pools, meet the other ranks. It leaves this rank's pool prefix sums in shared memory; a
+   grid barrier then tells every CTA that the pool is complete.
+2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
+   warpgroups run WGMMA and the epilogues). One walk over the L1 tiles followed by the L2 tiles
+   (CTA c takes tiles c, c + G, ... of the concatenation,
+   `scheduler.host_model.fused_tile_walk`), through one ring of pipeline stages
+   (`sm90_expert_gemm.share_ring`), so a CTA's first L2 tiles load while its last L1 tiles still
+   compute. An L2 tile waits only for the L1 tiles of its own pool block: every consumer warp
+   adds 1 to the block's counter in `pool_block_ready` once its rows of an L1 tile are in global
+   memory (release at GPU scope, after its bulk stores completed), and the L2 producer acquires
+   it (and fences the async proxy) before its TMA loads. L1 tiles wait for nothing, and every
+   CTA walks its L1 tiles before its L2 tiles, so the waits always end. The L2 epilogue writes
+   each row into its source rank's combine buffer over NVLink.
+3. Combine (every thread, `CombineKernel.send_and_reduce` in its "epilogue" mode): the split
+   barriers meet the other ranks once every CTA's rows are delivered, then the top-k
+   reduction in ascending k writes `y`.
+
+Readiness counters are per call: every CTA zeroes its share at the start, and the grid
+barriers of step 1 order that before any use; nothing else is reset (the barriers and call tags
+of `common/sync.py` only grow, wrap-safe), so back-to-back calls and CUDA-graph replays need
+nothing from the host.
+
+Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
+BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256, no clusters); the grid at
+most one CTA per SM (cooperative launch: the host checks the grid before launching).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, Int64, Uint8
+from cutlass.cute.nvgpu import cpasync
+
+from ..layout.device import BufferRegions
+from ..layout.mega_moe import MegaMoELayout
+from .combine import CombineKernel
+from .common.sync import grid_barrier, spin_timeout_ns
+from .dispatch import DispatchKernel
+from .sm90_expert_gemm import (
+    CONSUMER_REGS,
+    PRODUCER_REGS,
+    ROWS_PER_WARP,
+    SMEM_BUDGET,
+    Sm90ExpertGemmKernel,
+    share_ring,
+)
+
+RECIPES = ("fp8xfp8", "bf16xbf16")
+# registers of every thread in the combine phase: the consumers give back what the producer
+# warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
+COMBINE_REGS = 168
+REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
+
+
+class Sm90MegaMoEKernel:
+    """The fused layer for one rank (see the module docstring)."""
+
+    def __init__(self, layout: MegaMoELayout, block_m: int,
+                 activation_clamp: float | None = None, fast_math: bool = True,
+                 has_stats: bool = False):
+        if layout.recipe not in RECIPES:
+            raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
+                             f"{layout.recipe!r}")
+        if block_m not in (64, 128):
+            raise ValueError(f"block_m: the sm_90a fused kernel runs 64 or 128, got {block_m}")
+        self.layout = layout
+        self.regions = BufferRegions(layout)
+        self.block_m = block_m
+        self.num_threads = 128 * (1 + block_m // 64)
+        self.num_ranks = layout.num_ranks
+        self.num_local_experts = layout.num_local_experts
+        self.num_pool_blocks = layout.num_pool_rows // block_m
+        self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
+                                       has_stats=has_stats, transfer="push")
+        self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
+                                     send_mode="epilogue")
+        reserved = self.dispatch.smem_bytes()
+        e_l, p = layout.num_local_experts, layout.num_pool_rows
+        h, inter = layout.hidden, layout.intermediate_hidden
+        self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
+                                       activation_clamp=activation_clamp, fast_math=fast_math,
+                                       smem_reserved=reserved)
+        self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
+                                       fast_math=fast_math, combine_layout=layout,
+                                       smem_reserved=reserved)
+        share_ring(self.l1, self.l2)
+        self.num_stages = self.l1.num_stages
+        if self.smem_bytes() > SMEM_BUDGET + 8192:
+            raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
+                             f"memory, more than an SM has")
+        self.timeout_ns = spin_timeout_ns()
+
+    def pointer_args(self) -> tuple[tuple[str, object], ...]:
+        """``(name, CuTe dtype)`` of the pointer arguments of ``__call__``, in order (the
+        launcher and the compile tests build them from this). The scale pointers of
+        ``bf16xbf16`` are never dereferenced."""
+        from cutlass import BFloat16, Float32
+
+        ab = self.l1.ab_dtype
+        return (("peer_bases", Int64), ("expert_recv_tokens", Int32), ("stats", Int32),
+                ("l1_acts", ab), ("l1_acts_sf", Float32), ("l1_topk_weights", Float32),
+                ("l2_acts", ab), ("l2_acts_sf", Float32), ("token_src_metadata", Int32),
+                ("w1", ab), ("w1_sf", Float32), ("w2", ab), ("w2_sf", Float32),
+                ("pool_block_ready", Int32), ("y", BFloat16))
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA (an upper bound: alignment padding included)."""
+        k = self.l1
+        elt = k.ab_dtype.width // 8
+        ring = self.num_stages * ((k.block_m + k.block_n) * k.block_k * elt
+                                  + 4 * (k.sfa_stride + k.sfb_stride) + 16)
+        return ring + k.staging_bytes + self.dispatch.smem_bytes() + 3 * 1024
+
+    @cute.jit
+    def __call__(
+        self,
+        peer_bases: cute.Pointer,  # Int64 [R]: every rank's buffer base address
+        rank: Int32,
+        num_tokens: Int32,
+        expert_recv_tokens: cute.Pointer,  # Int32 [E_l], output
+        stats: cute.Pointer,  # Int32 [E_l], incremented when has_stats
+        l1_acts: cute.Pointer,  # the buffer's regions (their addresses, for the TMA descriptors)
+        l1_acts_sf: cute.Pointer,
+        l1_topk_weights: cute.Pointer,
+        l2_acts: cute.Pointer,
+        l2_acts_sf: cute.Pointer,
+        token_src_metadata: cute.Pointer,
+        w1: cute.Pointer,  # [E_l, 2I, H] and its block scales (see `expert_gemm.ExpertWeights`)
+        w1_sf: cute.Pointer,
+        w2: cute.Pointer,  # [E_l, H, I]
+        w2_sf: cute.Pointer,
+        pool_block_ready: cute.Pointer,  # Int32 [P / BLOCK_M], per-call readiness counters
+        y: cute.Pointer,  # BF16 [num_tokens, H]
+        num_ctas: Int32,
+        stream,
+    ):
+        tiled_mma, a_layout, b_layout = self.l1.mma_and_stage_layouts()
+        tma_a1, m_a1, tma_b1, m_b1 = self.l1.tma_loads(l1_acts, w1, a_layout, b_layout)
+        tma_a2, m_a2, tma_b2, m_b2 = self.l2.tma_loads(l2_acts, w2, a_layout, b_layout)
+        k = self.l1
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, self.num_stages * 2]
+            sfa: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self.num_stages * k.sfa_stride], 16]
+            sfb: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self.num_stages * k.sfb_stride], 16]
+            sa: cute.struct.Align[cute.struct.MemRange[k.ab_dtype, cute.cosize(a_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[k.ab_dtype, cute.cosize(b_layout)], 1024]
+            staging: cute.struct.Align[cute.struct.MemRange[Uint8, k.staging_bytes], 128]
+
+        self.shared_storage = SharedStorage
+        per_expert = cute.make_layout(self.num_local_experts)
+        self.kernel(tiled_mma, tma_a1, m_a1, tma_b1, m_b1, tma_a2, m_a2, tma_b2, m_b2,
+                    a_layout, b_layout, peer_bases, rank, num_tokens,
+                    cute.make_tensor(expert_recv_tokens, per_expert),
+                    cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
+                    l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, y).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], min_blocks_per_mp=1,
+            stream=stream, cooperative=True)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a1: cute.CopyAtom, m_a1: cute.Tensor,
+               tma_b1: cute.CopyAtom, m_b1: cute.Tensor, tma_a2: cute.CopyAtom,
+               m_a2: cute.Tensor, tma_b2: cute.CopyAtom, m_b2: cute.Tensor,
+               a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+               peer_bases_ptr: cute.Pointer, rank: Int32, num_tokens: Int32,
+               expert_recv_tokens: cute.Tensor, stats: cute.Tensor, l1_acts_sf: cute.Pointer,
+               l1_topk_weights: cute.Pointer, l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
+               token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
+               pool_block_ready: cute.Pointer, y: cute.Pointer):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        peer_bases = cute.make_tensor(peer_bases_ptr, cute.make_layout(self.num_ranks))
+        my_base = Int64(peer_bases[rank])
+        barrier = self.regions.ptr(my_base, "barrier")
+        if warp == 0:
+            for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sfa, sfb = self.l1.scale_stages(storage.sfa.data_ptr(), storage.sfb.data_ptr())
+        sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.l1.num_mma_wgs * 4),
+            tx_count=self.l1.ring_tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+
+        # this call's readiness counters start at 0 (ordered before any use by the grid
+        # barriers of the dispatch)
+        i = bidx * self.num_threads + tidx
+        while i < self.num_pool_blocks:
+            cute.arch.store(pool_block_ready + i, Int32(0))
+            i += grid * self.num_threads
+
+        # 1. dispatch; after the grid barrier every CTA knows that CTA 0 has met the other
+        # ranks, so every rank's rows are in this rank's pool
+        row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
+                                                   expert_recv_tokens, stats, smem)
+        grid_barrier(barrier, grid, self.timeout_ns)
+
+        # 2. L1 tiles then L2 tiles, one walk, one ring
+        l1_tiles = self.l1.scheduler.num_tiles(block_start)
+        l2_tiles = self.l2.scheduler.num_tiles(block_start)
+        wg = warp // 4
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages)
+                state, tile = self.l1.produce(
+                    tma_a1, m_a1, tma_b1, tma_b1, m_b1, sa, sb, sfa, sfb, l1_acts_sf, w1_sf,
+                    ring, block_start, row_start, l1_tiles, bidx, grid,
+                    Int32(self.l1.raster_group), Int32(0), lane, state)
+                state, _ = self.l2.produce(
+                    tma_a2, m_a2, tma_b2, tma_b2, m_b2, sa, sb, sfa, sfb, l2_acts_sf, w2_sf,
+                    ring, block_start, row_start, l2_tiles, tile - l1_tiles, grid,
+                    Int32(self.l2.raster_group), Int32(0), lane, state, pool_block_ready,
+                    barrier)
+                ring.producer_tail(state)
+            # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
+            cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
+            cute.arch.setmaxregister_increase(COMBINE_REGS)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            staging = storage.staging.data_ptr() + (warp - 4) * (ROWS_PER_WARP
+                                                               * self.l1.staging_stride)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                 self.num_stages)
+            state, prev, tile = self.l1.consume(
+                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx,
+                grid, Int32(self.l1.raster_group), Int32(0), wg - 1, warp % 4, lane,
+                l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
+                staging, state, state.clone(), pool_block_ready)
+            self.l2.consume(
+                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
+                tile - l1_tiles, grid, Int32(self.l2.raster_group), Int32(0), wg - 1, warp % 4,
+                lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
+                token_src_metadata, staging, state, prev)
+            cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
+            cute.arch.setmaxregister_decrease(COMBINE_REGS)
+
+        # 3. combine: the rows are in the source ranks' combine buffers (the L2 epilogues
+        # waited for their stores); meet the other ranks, reduce
+        self.combine.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
+                                     l1_topk_weights, row_start, block_start, y, None)

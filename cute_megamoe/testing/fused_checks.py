@@ -1,0 +1,167 @@
+"""Checks of the fused layer kernel (`fused.fused_mega_moe`) against the staged layer.
+
+The staged layer (`staged.staged_mega_moe` on our kernels, L2 sending the rows) runs the same
+numerics as separate launches, so the fused kernel must give the same `y` bit for bit, the same
+received counts and the same cumulative statistics; `y` is also compared with the PyTorch
+reference (within the layer tolerance), and poisoned with NaN before every call so that a row
+the kernel never writes shows up. Works for the ranks of a group in this process
+(`protocol_checks.Ranks`: one rank, or a loopback group on one GPU).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .. import reference
+from .dispatch_checks import LAYER_TOLERANCE
+from .protocol_checks import Ranks, make_call
+
+ROUTINGS = ("random", "masked", "one_expert", "skewed")
+
+
+class FusedLayer:
+    """Per-rank weights (random BF16 masters, quantized per recipe) and the two layers."""
+
+    def __init__(self, ranks: Ranks, seed: int = 0, activation_clamp: float = 10.0):
+        from ..expert_gemm import ExpertWeights
+
+        self.ranks = ranks
+        layout = ranks.layout
+        self.clamp = activation_clamp
+        e_l, h, inter = layout.num_local_experts, layout.hidden, layout.intermediate_hidden
+        device = ranks.buffers[0].device
+        self.device = device
+        gen = torch.Generator().manual_seed(seed + 11)
+        self.w1s = [(torch.randn(e_l, 2 * inter, h, generator=gen) / h**0.5)
+                    .to(torch.bfloat16).to(device) for _ in range(layout.num_ranks)]
+        self.w2s = [(torch.randn(e_l, h, inter, generator=gen) / inter**0.5)
+                    .to(torch.bfloat16).to(device) for _ in range(layout.num_ranks)]
+        self.weights = {buf.rank: ExpertWeights.from_bf16(self.w1s[buf.rank],
+                                                          self.w2s[buf.rank], layout.recipe)
+                        for buf in ranks.buffers}
+        self.stats = {buf.rank: {kind: torch.zeros(e_l, dtype=torch.int32, device=device)
+                                 for kind in ("fused", "staged")} for buf in ranks.buffers}
+
+    def inputs(self, tokens: tuple[int, ...], routing: str, seed: int):
+        xs, idxs, ws = make_call(self.ranks.layout, tokens, routing, seed)
+        return xs, idxs, ws, {buf.rank: tuple(t[buf.rank].to(self.device) for t in (xs, idxs, ws))
+                              for buf in self.ranks.buffers}
+
+    def run(self, kind: str, inputs: dict, block_ms: dict, ys: dict) -> None:
+        """Every local rank's layer call (`kind` "fused" or "staged") into ``ys[rank]``."""
+        from .. import fused, staged
+
+        def step(buf):
+            x, idx, w = inputs[buf.rank]
+            kwargs = dict(y=ys[buf.rank], activation_clamp=self.clamp,
+                          block_m=block_ms[buf.rank], validate_routing=False,
+                          cumulative_local_expert_recv_stats=self.stats[buf.rank][kind])
+            if kind == "fused":
+                fused.fused_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
+            else:
+                staged.staged_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
+
+        self.ranks.run(step)
+
+    def warm_up(self, block_ms: tuple[int, ...]) -> None:
+        """Load every kernel a later call uses with every rank using it (see `Ranks`)."""
+        r = self.ranks.layout.num_ranks
+        for block_m in block_ms:
+            _, _, _, inputs = self.inputs((1,) * r, "random", block_m)
+            for kind in ("staged", "fused"):
+                ys = {b.rank: torch.empty(1, self.ranks.layout.hidden, dtype=torch.bfloat16,
+                                          device=self.device) for b in self.ranks.buffers}
+                self.run(kind, inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
+        torch.cuda.synchronize(self.device)
+        for per_rank in self.stats.values():
+            for t in per_rank.values():
+                t.zero_()
+
+    def check_call(self, tokens: tuple[int, ...], routing: str, block_ms: dict, seed: int,
+                   against_reference: bool = True) -> None:
+        """One call of both layers on the same inputs: `y`, counts and stats equal, every row
+        written, `y` near the reference."""
+        layout = self.ranks.layout
+        xs, idxs, ws, inputs = self.inputs(tokens, routing, seed)
+        ys = {kind: {b.rank: torch.full((tokens[b.rank], layout.hidden), float("nan"),
+                                        dtype=torch.bfloat16, device=self.device)
+                     for b in self.ranks.buffers} for kind in ("fused", "staged")}
+        for kind in ("staged", "fused"):
+            self.run(kind, inputs, block_ms, ys[kind])
+        torch.cuda.synchronize(self.device)
+        what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
+        for buf in self.ranks.buffers:
+            got, want = ys["fused"][buf.rank], ys["staged"][buf.rank]
+            assert not bool(got.isnan().any()), f"{what}: rank {buf.rank}: rows not written"
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                f"{what}: rank {buf.rank}: fused y differs from the staged layer's " \
+                f"({int((got.view(torch.int16) != want.view(torch.int16)).sum())} elements)"
+            stats = self.stats[buf.rank]
+            assert torch.equal(stats["fused"], stats["staged"]), f"{what}: stats differ"
+        if against_reference:
+            ref = reference.mega_moe_reference(
+                xs, idxs, ws, [w.cpu() for w in self.w1s], [w.cpu() for w in self.w2s],
+                recipe=layout.recipe, activation_clamp=self.clamp)
+            for buf in self.ranks.buffers:
+                y, want = ys["fused"][buf.rank].float().cpu(), ref.y[buf.rank].float()
+                if want.numel() == 0 or float(want.norm()) == 0.0:
+                    assert bool((y == want).all()), f"{what}: rank {buf.rank}: expected zeros"
+                    continue
+                err = float((y - want).norm() / want.norm())
+                assert err < LAYER_TOLERANCE[layout.recipe], \
+                    f"{what}: rank {buf.rank}: rel. error {err:.3g} against the reference"
+
+
+def check_fused_calls(layer: FusedLayer, num_calls: int, max_tokens: int, seed: int = 0,
+                      block_ms: tuple[int, ...] = (64, 128), reference_every: int = 10) -> None:
+    """`num_calls` back-to-back calls with random token counts per rank (0 and 1 included),
+    routings and per-rank BLOCK_M, each checked against the staged layer."""
+    rng = random.Random(seed)
+    r = layer.ranks.layout.num_ranks
+    for call in range(num_calls):
+        tokens = tuple(rng.choice((0, 1, rng.randint(0, max_tokens), max_tokens))
+                       for _ in range(r))
+        chosen = {b.rank: rng.choice(block_ms) for b in layer.ranks.buffers}
+        layer.check_call(tokens, ROUTINGS[call % len(ROUTINGS)], chosen, seed * 7919 + call,
+                         against_reference=call % reference_every == 0)
+
+
+def check_fused_graph(layer: FusedLayer, tokens: int, num_replays: int, seed: int = 0) -> None:
+    """One rank (R = 1): the fused call captured in a CUDA graph, replayed `num_replays` times
+    with new inputs copied in between, each replay equal to an eager staged call."""
+    from .. import fused, staged
+
+    (buf,) = layer.ranks.buffers
+    layout = buf.layout
+    weights = layer.weights[buf.rank]
+    _, _, _, inputs = layer.inputs((tokens,), "random", seed)
+    x, idx, w = (t.clone() for t in inputs[buf.rank])
+    y = torch.empty(tokens, layout.hidden, dtype=torch.bfloat16, device=layer.device)
+
+    def call():
+        fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=layer.clamp,
+                             validate_routing=False)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for replay in range(num_replays):
+        _, _, _, new = layer.inputs((tokens,), ROUTINGS[replay % len(ROUTINGS)],
+                                    seed * 131 + replay)
+        for dst, src in zip((x, idx, w), new[buf.rank], strict=True):
+            dst.copy_(src)
+        y.fill_(float("nan"))
+        graph.replay()
+        want = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=layer.clamp,
+                                      validate_routing=False)
+        torch.cuda.synchronize(layer.device)
+        assert not bool(y.isnan().any()), f"replay {replay}: rows not written"
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \
+            f"replay {replay}: graph replay differs from the staged layer"

@@ -1,0 +1,231 @@
+"""The fused layer kernel (`kernels/sm90_mega_moe.py`, `fused.fused_mega_moe`), issue 17.
+
+CPU: it compiles for sm_90a with tensor cores, TMA, bulk stores and no spills; the two GEMM
+phases share one ring as configured; the host model of its tile walk. GPU: bit-exact with the
+staged layer (and near the reference) at R = 1 and on a loopback group of 2 ranks on one GPU,
+for random, skewed, masked and one-expert routings, empty experts, 0 / 1 tokens, token counts
+that are not multiples of BLOCK_M, shapes that are not powers of two; back-to-back calls with
+changing token counts; CUDA-graph replays; bad inputs refused before any launch.
+"""
+
+import pytest
+import torch
+
+from cute_megamoe.layout import BarrierSlots, MegaMoELayout
+
+RECIPES = ("fp8xfp8", "bf16xbf16")
+
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused kernel is sm_90a only")
+
+
+# ----------------------------------------------------------------------------- CPU
+
+def _compile(recipe: str, block_m: int, layout=None):
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
+    kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True)
+    ptrs = [fake_ptr(dtype, 4 if dtype.width == 32 and name in (
+                "expert_recv_tokens", "stats", "pool_block_ready") else 16)
+            for name, dtype in kernel.pointer_args()]
+    art = compile_for_arch(kernel, ptrs[0], Int32(0), Int32(0), *ptrs[1:], Int32(132),
+                           fake_stream(), arch="sm_90a")
+    return kernel, art
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypatch):
+    # waits that never time out: no printf, so any local-memory store would be a spill
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, block_m)
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA" if recipe == "fp8xfp8" else "HGMMA") > 0
+    assert art.count("UTMALDG") > 0  # A and B of both GEMMs by TMA
+    assert art.count("UBLKCP.G.S") > 0  # epilogue rows leave by bulk stores
+    assert art.count("USETMAXREG") == 4  # producer down and up, consumers up and down
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    assert kernel.smem_bytes() <= 227 * 1024
+
+
+@pytest.mark.compile
+def test_compiles_with_stall_reports_and_no_local_memory():
+    """With the default timeout every wait can print which counter stalled (a stack frame for
+    the printf arguments), still without register spills."""
+    _, art = _compile("fp8xfp8", 128)
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.resource_usage()["LOCAL"] == 0
+
+
+def test_the_two_gemm_phases_share_one_ring():
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel, share_ring
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
+    k = Sm90MegaMoEKernel(layout, 128)
+    l1, l2 = k.l1, k.l2
+    assert l1.num_stages == l2.num_stages >= 2
+    assert l1.staging_stride == l2.staging_stride
+    assert l1.staging_bytes == l2.staging_bytes >= max(l1.staging_layout(1)[1],
+                                                       l2.staging_layout(1)[1])
+    assert l1.sfb_stride == l2.sfb_stride == max(l1.sfb_len, l2.sfb_len)
+    # one transaction count for the ring: each phase expects exactly its stage's bytes
+    for g in (l1, l2):
+        assert g.ring_tx_bytes + g.extra_tx_bytes == g.stage_tx_bytes
+        assert g.extra_tx_bytes >= 0 and g.wg_skew == 0 and g.cluster_m == 1
+    assert l1.signals_ready and not l2.signals_ready
+    # L2 waits for one arrival per consumer warp of every L1 n-block of its pool block
+    assert l2.waits_ready == (2 * 2048 // 256) * 2 * 4
+    # tiles of different widths cannot share a ring (hidden 384: L2 tiles of 128 columns)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        share_ring(Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 512, 384, 128),
+                   Sm90ExpertGemmKernel("l2", "fp8xfp8", 4, 1024, 384, 256, 128))
+
+
+def test_fused_kernel_rejects_what_it_cannot_run():
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    with pytest.raises(ValueError, match="recipe"):
+        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4"), 128)
+    with pytest.raises(ValueError, match="block_m"):
+        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), 96)
+
+
+def test_host_model_of_the_fused_walk():
+    """Every L1 and L2 tile exactly once over the grid, L1 before L2 on every CTA, and the
+    index carries from L1 into L2."""
+    from cute_megamoe.scheduler import fused_tile_walk, grouped_gemm_tiles
+
+    counts = [3, 0, 130, 64, 1]
+    walks = [fused_tile_walk(counts, 64, 256, 512, 256, 768, 5, c, (2, 1)) for c in range(5)]
+    l1 = grouped_gemm_tiles(counts, 64, 256, 512, 2)
+    l2 = grouped_gemm_tiles(counts, 64, 256, 768, 1)
+    seen = sorted((p, t.pool_block, t.n_block) for w in walks for p, t in w)
+    assert seen == sorted([("l1", t.pool_block, t.n_block) for t in l1]
+                          + [("l2", t.pool_block, t.n_block) for t in l2])
+    for w in walks:
+        phases = [p for p, _ in w]
+        assert phases == sorted(phases)  # "l1" < "l2"
+    # CTA c's first L2 tile is position (first index past L1) - len(L1) of the L2 walk
+    for c, w in enumerate(walks):
+        first = next(((i, t) for i, (p, t) in enumerate(w) if p == "l2"), None)
+        if first is not None:
+            i, t = first
+            assert t == l2[c + 5 * i - len(l1)]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _one_rank(recipe, num_experts, max_tokens, topk, hidden, inter):
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    return Ranks.loopback(1, num_experts, max_tokens, topk, hidden, inter, recipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fused_matches_staged_one_rank(recipe):
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
+    layer.warm_up((64, 128))
+    cases = [(100, "random"), (300, "one_expert"), (129, "masked"), (77, "skewed"),
+             (0, "random"), (1, "random"), (1, "masked"), (3, "skewed")]
+    for i, (n, routing) in enumerate(cases):
+        for block_m in (64, 128):
+            layer.check_call((n,), routing, {0: block_m}, seed=i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fused_matches_staged_uneven_shape(recipe):
+    """Not powers of two: hidden 2560, intermediate 1536, 40 experts, top-5."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank(recipe, 40, 200, 5, 2560, 1536))
+    layer.warm_up((64, 128))
+    for i, (n, routing) in enumerate([(200, "random"), (37, "masked"), (200, "one_expert")]):
+        layer.check_call((n,), routing, {0: 64 if i % 2 else 128}, seed=100 + i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fused_two_ranks_on_one_gpu(recipe):
+    """A loopback group (both ranks' buffers on one GPU, each on its own stream with half the
+    SMs): different token counts and BLOCK_M per rank, 0 tokens on a rank."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
+    layer.warm_up((64, 128))
+    layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=1)
+    layer.check_call((1, 130), "one_expert", {0: 64, 1: 128}, seed=2)
+    check_fused_calls(layer, 40, 200, seed=3)
+
+
+@pytest.mark.gpu
+def test_fused_500_back_to_back_calls():
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256))
+    layer.warm_up((64, 128))
+    check_fused_calls(layer, 500, 256, seed=5, reference_every=50)
+
+
+@pytest.mark.gpu
+def test_fused_500_graph_replays():
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_graph
+
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256))
+    layer.warm_up((64, 128))
+    check_fused_graph(layer, 100, 500, seed=6)
+
+
+@pytest.mark.gpu
+def test_fused_refuses_bad_input_before_launch():
+    _gpu()
+    from cute_megamoe import fused
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 64, 4, 512, 256))
+    (buf,) = layer.ranks.buffers
+    w = layer.weights[0]
+    x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, 16, (8, 4), device="cuda")
+    tw = torch.rand(8, 4, device="cuda")
+    bad = [
+        (dict(x=x.float()), "x"),
+        (dict(idx=idx.to(torch.int32)), "topk_idx"),
+        (dict(block_m=96), "block_m"),
+        (dict(num_sms=10**6), "num_sms"),
+        (dict(y=torch.empty(8, 256, dtype=torch.bfloat16, device="cuda")), "y"),
+        (dict(idx=torch.full((8, 4), 16, device="cuda")), "topk_idx"),
+    ]
+    for change, what in bad:
+        args = dict(x=x, idx=idx, tw=tw)
+        kwargs = {k: v for k, v in change.items() if k not in args}
+        args.update({k: v for k, v in change.items() if k in args})
+        tag = int(buf.barrier[BarrierSlots.CALL_TAG])
+        with pytest.raises((TypeError, ValueError), match=what):
+            fused.fused_mega_moe(buf, args["x"], args["idx"], args["tw"], w,
+                                 validate_routing=True, **kwargs)
+        # the call was given up (counted), nothing launched
+        assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1, what
