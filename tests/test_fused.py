@@ -57,7 +57,7 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
     assert art.count("STL") == 0 and art.count("LDL") == 0
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-    assert kernel.smem_bytes() <= 227 * 1024
+    assert kernel.smem_bytes() <= 227 * 1024 - 2048
 
 
 @pytest.mark.compile
@@ -209,7 +209,7 @@ def test_fused_refuses_bad_input_before_launch():
     (buf,) = layer.ranks.buffers
     w = layer.weights[0]
     x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
-    idx = torch.randint(0, 16, (8, 4), device="cuda")
+    idx = torch.stack([torch.randperm(16)[:4] for _ in range(8)]).cuda()  # distinct per token
     tw = torch.rand(8, 4, device="cuda")
     bad = [
         (dict(x=x.float()), "x"),
@@ -217,7 +217,7 @@ def test_fused_refuses_bad_input_before_launch():
         (dict(block_m=96), "block_m"),
         (dict(num_sms=10**6), "num_sms"),
         (dict(y=torch.empty(8, 256, dtype=torch.bfloat16, device="cuda")), "y"),
-        (dict(idx=torch.full((8, 4), 16, device="cuda")), "topk_idx"),
+        (dict(idx=idx + 16), "topk_idx"),  # out of range
     ]
     for change, what in bad:
         args = dict(x=x, idx=idx, tw=tw)

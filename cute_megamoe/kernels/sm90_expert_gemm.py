@@ -149,11 +149,11 @@ class Sm90ExpertGemmKernel:
         # of 3, +5 %; BF16 keeps a k-block of WGMMAs, so a stage, in flight). FP8: whole rows
         # (the L1 requantization needs both chunks; L2 with half-chunk parts and 4 stages lost
         # 2-7 %: the waits between parts stall the epilogue). Measured interleaved
-        # (docs/performance.md).
-        choices = (1,) if self.is_fp8 else (1, self.chunks, 2 * self.chunks)
+        # (docs/performance.md). FP8 L2 in parts only when asked (the fused kernel's ring).
+        choices = (1,) if (self.is_fp8 and phase == "l1") else (1, self.chunks, 2 * self.chunks)
         if staging_parts is None:
             staging_parts = 1
-            for parts in choices:
+            for parts in ((1,) if self.is_fp8 else choices):
                 if stages_fit(parts) > stages_fit(staging_parts):
                     staging_parts = parts
         if staging_parts not in choices:
@@ -778,14 +778,17 @@ class Sm90ExpertGemmKernel:
         self.stage_rows(v1, staging, lane, WG_N // 2 + col0)
 
 
-def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel) -> None:
+def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
+               num_stages: int | None = None) -> None:
     """Configure the two phases of the fused layer kernel to run one after the other through
     one pipeline ring and one set of staging rows (`kernels/sm90_mega_moe.py`): the same stage
     count, scale-vector and staging-row strides (the larger of the two, so that a stage or a
     warp's staging rows sit at the same place in both phases and the L2 tiles may start while
     L1 stages are still in use), the ring's transaction count the smaller phase's (the larger
     one expects the difference per stage), and L2 tiles waiting for the L1 tiles of their pool
-    block. Both must have the same dtype, BLOCK_M and tile width, and no clusters."""
+    block. Both must have the same dtype, BLOCK_M and tile width, and no clusters.
+    ``num_stages``: the ring's stage count (default: the smaller of the two phases' own; the
+    caller checks that it fits shared memory)."""
     if (l1.phase, l2.phase) != ("l1", "l2"):
         raise ValueError("share_ring: expected an L1 and an L2 kernel")
     if (l1.ab_dtype, l1.block_m, l1.block_k, l1.chunks) != (l2.ab_dtype, l2.block_m, l2.block_k,
@@ -795,7 +798,7 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel) -> None:
             f"fused kernel needs hidden and 2 * intermediate to be multiples of {2 * WG_N})")
     if l1.cluster_m != 1 or l2.cluster_m != 1:
         raise ValueError("share_ring: the fused kernel runs without clusters")
-    num_stages = min(l1.num_stages, l2.num_stages)
+    num_stages = num_stages or min(l1.num_stages, l2.num_stages)
     stride = max(l1.staging_stride, l2.staging_stride)
     staging_bytes = max(l1.staging_bytes, l2.staging_bytes)
     ring_tx = min(l1.stage_tx_bytes, l2.stage_tx_bytes)

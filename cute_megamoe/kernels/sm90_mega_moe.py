@@ -54,14 +54,17 @@ from .common.sync import grid_barrier, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
     CONSUMER_REGS,
+    MAX_STAGES,
     PRODUCER_REGS,
     ROWS_PER_WARP,
-    SMEM_BUDGET,
     Sm90ExpertGemmKernel,
     share_ring,
 )
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
+# dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
+# `smem_bytes` does not count
+SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
@@ -73,7 +76,7 @@ class Sm90MegaMoEKernel:
 
     def __init__(self, layout: MegaMoELayout, block_m: int,
                  activation_clamp: float | None = None, fast_math: bool = True,
-                 has_stats: bool = False):
+                 has_stats: bool = False, l2_staging_parts: int | None = None):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -98,12 +101,18 @@ class Sm90MegaMoEKernel:
                                        smem_reserved=reserved)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
-                                       smem_reserved=reserved)
+                                       smem_reserved=reserved, staging_parts=l2_staging_parts)
         share_ring(self.l1, self.l2)
+        # as many ring stages as shared memory holds next to the staging rows and the
+        # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel)
         self.num_stages = self.l1.num_stages
-        if self.smem_bytes() > SMEM_BUDGET + 8192:
+        while (self.num_stages < MAX_STAGES
+               and self.smem_bytes(self.num_stages + 1) <= SM_SMEM_CAPACITY):
+            self.num_stages += 1
+        share_ring(self.l1, self.l2, self.num_stages)
+        if self.smem_bytes() > SM_SMEM_CAPACITY:
             raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
-                             f"memory, more than an SM has")
+                             f"memory, more than a CTA may have ({SM_SMEM_CAPACITY})")
         self.timeout_ns = spin_timeout_ns()
 
     def pointer_args(self) -> tuple[tuple[str, object], ...]:
@@ -119,12 +128,13 @@ class Sm90MegaMoEKernel:
                 ("w1", ab), ("w1_sf", Float32), ("w2", ab), ("w2_sf", Float32),
                 ("pool_block_ready", Int32), ("y", BFloat16))
 
-    def smem_bytes(self) -> int:
-        """Shared memory of one CTA (an upper bound: alignment padding included)."""
+    def smem_bytes(self, num_stages: int | None = None) -> int:
+        """Shared memory of one CTA with ``num_stages`` ring stages (default: the kernel's),
+        an upper bound: alignment padding included."""
         k = self.l1
         elt = k.ab_dtype.width // 8
-        ring = self.num_stages * ((k.block_m + k.block_n) * k.block_k * elt
-                                  + 4 * (k.sfa_stride + k.sfb_stride) + 16)
+        ring = (num_stages or self.num_stages) * ((k.block_m + k.block_n) * k.block_k * elt
+                                                  + 4 * (k.sfa_stride + k.sfb_stride) + 16)
         return ring + k.staging_bytes + self.dispatch.smem_bytes() + 3 * 1024
 
     @cute.jit

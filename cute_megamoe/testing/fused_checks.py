@@ -66,14 +66,28 @@ class FusedLayer:
         self.ranks.run(step)
 
     def warm_up(self, block_ms: tuple[int, ...]) -> None:
-        """Load every kernel a later call uses with every rank using it (see `Ranks`)."""
+        """Load every kernel a later call uses with every rank using it (see `Ranks`: a
+        kernel's first launch waits for the running ones, so the staged layer warms up in
+        phases, every rank's dispatch before anyone's GEMMs; the fused layer is one launch)."""
+        from .. import staged
+
         r = self.ranks.layout.num_ranks
         for block_m in block_ms:
             _, _, _, inputs = self.inputs((1,) * r, "random", block_m)
-            for kind in ("staged", "fused"):
-                ys = {b.rank: torch.empty(1, self.ranks.layout.hidden, dtype=torch.bfloat16,
-                                          device=self.device) for b in self.ranks.buffers}
-                self.run(kind, inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
+            results = dict(zip(
+                [b.rank for b in self.ranks.buffers],
+                self.ranks.run(lambda buf, block_m=block_m, inputs=inputs: staged.dispatch(
+                    buf, *inputs[buf.rank], block_m=block_m, validate_routing=False,
+                    cumulative_local_expert_recv_stats=self.stats[buf.rank]["staged"])),
+                strict=True))
+            self.ranks.run(lambda buf, results=results: staged.kernel_experts(
+                buf, results[buf.rank], self.weights[buf.rank], self.clamp,
+                send_to_combine=True))
+            self.ranks.run(lambda buf, results=results: staged.combine(buf, None,
+                                                                       results[buf.rank]))
+            ys = {b.rank: torch.empty(1, self.ranks.layout.hidden, dtype=torch.bfloat16,
+                                      device=self.device) for b in self.ranks.buffers}
+            self.run("fused", inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
         torch.cuda.synchronize(self.device)
         for per_rank in self.stats.values():
             for t in per_rank.values():
