@@ -1,13 +1,20 @@
-"""Where the host time of an eager layer call goes (one rank, one GPU).
+"""Where the host time of an eager layer call goes (one rank, one GPU), per launch path.
 
     python3 -m bench.host_overhead [--tokens 1] [--recipe fp8xfp8] [--calls 200]
+                                   [--paths tvm-ffi cute-dsl]
 
-Times, at `tokens` tokens, R = 1, 128 experts, DeepSeek-V3 expert shape: the eager layer call
-(CUDA events over back-to-back calls), the same calls in one CUDA graph, the host time of one
-call's submission alone (`time.perf_counter`, no synchronization; the GPU is not the bottleneck
-when the host is slower than the kernels), and a cProfile of the eager calls (the functions
-with the most own time). Writes `host_overhead-*.json` under `bench/results/` (or
-`CUTE_MEGAMOE_RESULTS_DIR`).
+For each launch path (`runtime.LaunchPath`: ``tvm-ffi``, the raw TVM-FFI functions, and
+``cute-dsl``, CuTe DSL's own call path; the package's default is what `CUTE_MEGAMOE_TVM_FFI`
+chose at import, and this benchmark switches between them with `runtime.set_launch_path`)
+and each `tokens`: first that every path gives the bit-identical `y` on the same inputs
+(and the first path twice, so that a difference would not be the kernels' own), then, at R = 1,
+128 experts, DeepSeek-V3 expert shape, the eager layer call (CUDA events over back-to-back
+calls), the same calls in one CUDA graph, their difference (the goal of issue 16: at most
+40 us at 1 token), the host time of one call's submission alone (`time.perf_counter`, no
+synchronization; the GPU is not the bottleneck when the host is slower than the kernels), and
+a cProfile of the eager calls (the functions with the most own time). Writes
+`host_overhead-*.json` under `bench/results/` (or `CUTE_MEGAMOE_RESULTS_DIR`); exits non-zero
+when the paths' outputs differ.
 """
 
 from __future__ import annotations
@@ -69,6 +76,10 @@ def _host_us(fn, calls: int) -> float:
     return statistics.median(samples)
 
 
+#: Issue 16's goal: eager minus graph time of a 1-token layer call, in us.
+GOAL_US = 40.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1])
@@ -79,13 +90,20 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--layers", nargs="+", default=["staged"], choices=("staged", "fused"),
+                        help="the staged layer (five launches) and / or the fused one (two)")
+    parser.add_argument("--paths", nargs="+", default=None,
+                        help="launch paths (default: every one that imports here)")
     args = parser.parse_args()
 
-    from cute_megamoe import staged
+    from cute_megamoe import fused, runtime, staged
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.expert_gemm import ExpertWeights
     from cute_megamoe.testing.dispatch_checks import make_routing
 
+    default_path = runtime.launch_path().name
+    paths = args.paths or [name for name, path in runtime.LAUNCH_PATHS.items()
+                           if not path.tvm_ffi or runtime.tvm_ffi_available()]
     gen = torch.Generator().manual_seed(0)
     wgen = torch.Generator(device="cuda").manual_seed(0)
     e, h, inter = args.experts, args.hidden, args.intermediate
@@ -95,44 +113,87 @@ def main() -> None:
     del w1, w2
     buf = get_symm_buffer_for_mega_moe(None, e, max(args.tokens), args.topk, h, inter,
                                        mma_type=args.recipe)
-    res = Results("host_overhead", meta={"ranks": 1, "recipe": args.recipe, "experts": e,
-                                         "topk": args.topk, "hidden": h, "intermediate": inter,
-                                         "clocks_before": gpu_clocks()})
-    profiles = {}
+    res = Results("host_overhead", meta={
+        "ranks": 1, "recipe": args.recipe, "experts": e, "topk": args.topk, "hidden": h,
+        "intermediate": inter, "paths": paths, "default_launch_path": default_path,
+        "tvm_ffi_available": runtime.tvm_ffi_available(), "goal_us": GOAL_US,
+        "clocks_before": gpu_clocks()})
+    inputs = {}
     for n in args.tokens:
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
-        idx, w = idx.cuda(), w.cuda()
+        inputs[n] = (x, idx.cuda(), w.cuda())
 
-        def layer(x=x, idx=idx, w=w):
-            staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
-                                   validate_routing=False)
+    def layer(n, kind="staged"):
+        x, idx, w = inputs[n]
+        entry = staged.staged_mega_moe if kind == "staged" else fused.fused_mega_moe
+        return entry(buf, x, idx, w, weights, activation_clamp=10.0, validate_routing=False)
 
-        eager = _events_us(layer, 20)
-        graph = _graph_us(layer, 20)
-        host = _host_us(layer, args.calls)
-        profiler = cProfile.Profile()
+    # 1. the same bits on every path (and on the first path twice), and fused = staged
+    identical = {}
+    for n in args.tokens:
+        if "fused" in args.layers:
+            same = torch.equal(layer(n, "fused").view(torch.int16),
+                               layer(n, "staged").view(torch.int16))
+            print(f"{n} tokens: fused y bit-identical to staged: {same}")
+            identical[f"fused/{n}"] = {"fused_vs_staged": same}
+        ys = []
+        for name in [paths[0], *paths]:
+            runtime.set_launch_path(name)
+            ys.append(layer(n).clone())
         torch.cuda.synchronize()
-        profiler.enable()
-        for i in range(args.calls):
-            layer()
-            if i % 10 == 9:
-                torch.cuda.synchronize()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile_rows)
-        profiles[n] = text.getvalue()
-        res.add(tokens=n, eager_us=eager, graph_us=graph, eager_minus_graph_us=eager - graph,
-                host_submit_us=host)
+        bits = [y.view(torch.int16) for y in ys]
+        identical[str(n)] = {"repeat": torch.equal(bits[0], bits[1]),
+                        **{name: torch.equal(bits[0], b) for name, b in zip(paths, bits[1:],
+                                                                             strict=True)}}
+        print(f"{n} tokens: y bit-identical across paths {paths}: "
+              f"{all(identical[str(n)].values())} {identical[str(n)]}")
+    res.meta["bit_identical"] = identical
+
+    # 2. the times, per path
+    profiles = {}
+    for name, kind in [(p, k) for p in paths for k in args.layers]:
+        runtime.set_launch_path(name)
+        for n in args.tokens:
+            def call(n=n, kind=kind):
+                layer(n, kind)
+
+            eager = _events_us(call, 20)
+            graph = _graph_us(call, 20)
+            host = _host_us(call, args.calls)
+            profiler = cProfile.Profile()
+            torch.cuda.synchronize()
+            profiler.enable()
+            for i in range(args.calls):
+                call()
+                if i % 10 == 9:
+                    torch.cuda.synchronize()
+            profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+            stats.print_stats(args.profile_rows)
+            profiles[f"{name}/{kind}/{n}"] = text.getvalue()
+            res.add(path=name, layer=kind, tokens=n, eager_us=eager, graph_us=graph,
+                    eager_minus_graph_us=eager - graph, host_submit_us=host,
+                    python_calls_per_call=stats.total_calls / args.calls)
+    runtime.set_launch_path(default_path)
     res.meta["clocks_after"] = gpu_clocks()
     res.meta["profiles"] = profiles
     print(f"saved {res.save()}")
-    for n, text in profiles.items():
-        print(f"--- cProfile, {n} tokens, {args.calls} calls (own time) ---")
+    for key, text in profiles.items():
+        print(f"--- cProfile, {key} tokens, {args.calls} calls (own time) ---")
         print("\n".join(text.splitlines()[:args.profile_rows + 12]))
-    print(res.table(["tokens", "eager_us", "graph_us", "eager_minus_graph_us",
-                     "host_submit_us"]))
+    print(res.table(["path", "layer", "tokens", "eager_us", "graph_us", "eager_minus_graph_us",
+                     "host_submit_us", "python_calls_per_call"]))
+    for row in res.rows:
+        if row["tokens"] == 1:
+            verdict = "meets" if row["eager_minus_graph_us"] <= GOAL_US else "misses"
+            print(f"{row['path']} {row['layer']}: eager - graph at 1 token = "
+                  f"{row['eager_minus_graph_us']:.1f} us, {verdict} the goal "
+                  f"(<= {GOAL_US:.0f} us)")
     buf.destroy()
+    if not all(all(v.values()) for v in identical.values()):
+        raise SystemExit("the launch paths' outputs differ (see above)")
 
 
 if __name__ == "__main__":

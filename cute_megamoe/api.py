@@ -17,6 +17,7 @@ import torch
 from .buffer import SymmBuffer
 from .checks import check_layer_output, check_routing, check_sym_buffer
 from .expert_gemm import ExpertWeights
+from .fused import fused_mega_moe
 from .staged import gives_up_call_on_error, stage_inputs, staged_mega_moe
 
 __all__ = ["check_routing", "fp8_mega_moe", "mega_moe", "stage_inputs"]
@@ -28,7 +29,7 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
              activation_clamp: float | None = None, fast_math: bool = True,
              block_m: int | None = None, num_sms: int | None = None, transfer: str = "push",
-             l2_sends: bool = True) -> torch.Tensor:
+             l2_sends: bool = True, fused: bool = False) -> torch.Tensor:
     """One MoE layer on every rank of the buffer's group (collective), any recipe.
 
     The inputs are what `stage_inputs` (or the caller, DeepGEMM style) put into `sym_buffer`
@@ -42,30 +43,43 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
     ``transfer`` and ``l2_sends`` must be the same on every rank (`staged`). A check that
     fails raises before any launch and counts the call as given up on this rank
     (`SymmBuffer.skip_call`), so that it cannot pair its next call with the peers' current
-    one (the kernels trap naming the call numbers instead).
+    one (the kernels trap naming the call numbers instead). ``fused``: the whole layer as one
+    persistent kernel (`fused.fused_mega_moe`; sm_90a, fp8xfp8 / bf16xbf16, push and L2
+    sends, bit-identical to the staged kernels).
     """
     return _mega_moe(None, "mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
-                     num_sms, transfer, l2_sends)
+                     num_sms, transfer, l2_sends, fused)
 
 
 def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
                  cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                  activation_clamp: float | None = None, fast_math: bool = True,
                  block_m: int | None = None, num_sms: int | None = None,
-                 transfer: str = "push", l2_sends: bool = True) -> torch.Tensor:
+                 transfer: str = "push", l2_sends: bool = True,
+                 fused: bool = False) -> torch.Tensor:
     """`mega_moe` for the FP8-activation recipes (``fp8xfp8``, ``fp8xfp4``) only."""
     return _mega_moe(_FP8_RECIPES, "fp8_mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
-                     num_sms, transfer, l2_sends)
+                     num_sms, transfer, l2_sends, fused)
 
 
 def _mega_moe(recipes: tuple[str, ...] | None, name: str, y, weights, sym_buffer,
               cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m, num_sms,
-              transfer, l2_sends) -> torch.Tensor:
+              transfer, l2_sends, fused=False) -> torch.Tensor:
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         n = _check_layer_call(recipes, name, y, weights, sym_buffer)
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+        if fused and (transfer != "push" or l2_sends is not True):
+            raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
+                             "the L2 epilogue (transfer='push', l2_sends=True)")
+    if fused:
+        return fused_mega_moe(
+            sym_buffer, None, None, None, weights, num_tokens=n, y=y,
+            activation_clamp=activation_clamp, fast_math=fast_math, block_m=block_m,
+            num_sms=num_sms, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
     # (staged_mega_moe checks the rest inside its own give-up block, before its first launch)
     return staged_mega_moe(
         sym_buffer, None, None, None, weights, num_tokens=n, y=y,

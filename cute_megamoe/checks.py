@@ -25,6 +25,7 @@ __all__ = [
     "check_block_m",
     "check_choice",
     "check_cuda_buffer",
+    "check_cuda_device",
     "check_fast_math",
     "check_gemm_block_m",
     "check_layer_output",
@@ -46,15 +47,22 @@ def check_tensor(name: str, t: object, dtype: torch.dtype | None = None,
     """``t`` if it is a tensor of ``dtype``, ``shape`` (None entries: any size) and ``device``
     (each None: any); with ``for_kernel`` (the default) also contiguous with its data 16-byte
     aligned, as the kernels' vector loads and TMA need. The package's one tensor check: the
-    entry points, `quant` and `reference` all use it."""
+    entry points, `quant` and `reference` all use it. Cheap where it passes (identity and tuple
+    compares; it runs several times per layer call)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None and t.dtype != dtype:
+    if dtype is not None and t.dtype is not dtype and t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if shape is not None and not _shape_matches(tuple(t.shape), tuple(shape)):
-        raise ValueError(f"{name}: expected shape {_shape_str(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != torch.device(device):
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if shape is not None:
+        got = t.shape
+        if not (got == shape if type(shape) is tuple and None not in shape
+                else _shape_matches(tuple(got), tuple(shape))):
+            raise ValueError(f"{name}: expected shape {_shape_str(shape)}, got {tuple(got)}")
+    if device is not None:
+        if type(device) is not torch.device:
+            device = torch.device(device)
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if for_kernel:
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous (strides {t.stride()})")
@@ -126,6 +134,13 @@ def check_cuda_buffer(sym_buffer: SymmBuffer) -> torch.device:
     if device.type != "cuda":
         raise ValueError(f"sym_buffer: must live on a CUDA device to run the kernels, not "
                          f"{device}")
+    return device
+
+
+def check_cuda_device(name: str, device: torch.device) -> torch.device:
+    """``device`` (``name``'s) if it is a CUDA device."""
+    if device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got device {device}")
     return device
 
 

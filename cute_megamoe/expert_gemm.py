@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from . import quant
-from .checks import check_gemm_block_m, check_mn_major, check_tensor, routing_checks_on
+from .checks import (
+    check_cuda_device,
+    check_gemm_block_m,
+    check_mn_major,
+    check_tensor,
+    routing_checks_on,
+)
 from .heuristics import get_num_sms
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
 from .launch import expert_gemm_calls, gemm_kernel
@@ -286,9 +292,7 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
     """The checks of `expert_ffn` and its two launches (not made yet), and its result."""
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
-    device = acts.device
-    if device.type != "cuda":
-        raise ValueError(f"acts: expected a CUDA tensor, got device {device}")
+    device = check_cuda_device("acts", acts.device)
     arch = get_arch(device)
     recipe = weights.recipe if isinstance(weights, ExpertWeights) else None
     if recipe not in GEMM_RECIPES[arch]:

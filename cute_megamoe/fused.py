@@ -12,7 +12,7 @@ not).
 
 from __future__ import annotations
 
-import weakref
+import os
 
 import torch
 
@@ -21,24 +21,30 @@ from .checks import (
     check_activation_clamp,
     check_cuda_buffer,
     check_fast_math,
+    check_routing,
     check_sym_buffer,
     check_tensor,
     check_token_count,
+    routing_checks_on,
 )
 from .expert_gemm import ExpertWeights
 from .heuristics import block_m_for_call
-from .launch import KernelCall, buffer_state
-from .runtime import as_ptr, compiled_kernel, current_stream
-from .staged import _prepare_staging, gives_up_call_on_error
+from .launch import (
+    FUSED_SLOTS,
+    STAGING_SLOTS,
+    KernelCall,
+    buffer_state,
+    existing_buffer_state,
+    fused_call,
+)
+from .runtime import launch_path
+from .staged import _MAX_PLANS, _LayerPlan, _prepare_staging, gives_up_call_on_error
 
-__all__ = ["FUSED_BLOCK_MS", "FUSED_RECIPES", "fused_call", "fused_mega_moe", "supports"]
+__all__ = ["FUSED_BLOCK_MS", "FUSED_RECIPES", "fused_mega_moe", "supports"]
 
 FUSED_RECIPES = ("fp8xfp8", "bf16xbf16")
 FUSED_BLOCK_MS = (64, 128)
 _TILE_N = 256  # hidden and 2 * intermediate: whole 256-column tiles (one ring for both GEMMs)
-
-# per buffer: the readiness counters of the pool blocks (int32, one per 64-row block)
-_READY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
@@ -57,57 +63,6 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
     return None
 
 
-def _ready_counters(sym_buffer: SymmBuffer) -> torch.Tensor:
-    ready = _READY.get(sym_buffer)
-    if ready is None:
-        ready = _READY[sym_buffer] = torch.zeros(
-            sym_buffer.layout.num_pool_rows // min(FUSED_BLOCK_MS), dtype=torch.int32,
-            device=sym_buffer.device)
-    return ready
-
-
-def fused_call(sym_buffer: SymmBuffer, weights: ExpertWeights, num_tokens: int, block_m: int,
-               y: torch.Tensor | None, num_ctas: int, stats: torch.Tensor | None,
-               activation_clamp: float | None, fast_math: bool) -> KernelCall:
-    """`kernels/sm90_mega_moe.py` for ``num_tokens`` staged rows into ``y`` (collective)."""
-    import cutlass.cute as cute
-    from cutlass import Int32
-
-    from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
-    layout = sym_buffer.layout
-    state = buffer_state(sym_buffer)
-    has_stats = stats is not None
-    key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats)
-    plan = compiled_kernel(key + ("plan",), lambda: {"kernel": Sm90MegaMoEKernel(
-        layout, block_m, activation_clamp=activation_clamp, fast_math=fast_math,
-        has_stats=has_stats)})
-    kernel = plan["kernel"]
-    fp8 = layout.has_sf
-    spare = sym_buffer.l1_topk_weights  # stands for an unused pointer (never dereferenced)
-    tensors = {
-        "peer_bases": sym_buffer.peer_bases, "expert_recv_tokens": state.recv_tokens,
-        "stats": stats if has_stats else state.recv_tokens, "l1_acts": sym_buffer.l1_acts,
-        "l1_acts_sf": sym_buffer.l1_acts_sf if fp8 else spare,
-        "l1_topk_weights": sym_buffer.l1_topk_weights, "l2_acts": sym_buffer.l2_acts,
-        "l2_acts_sf": sym_buffer.l2_acts_sf if fp8 else spare,
-        "token_src_metadata": sym_buffer.token_src_metadata, "w1": weights.w1,
-        "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
-        "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": _ready_counters(sym_buffer),
-        "y": y if num_tokens > 0 else spare,
-    }
-    ptrs = [as_ptr(tensors[name], align=16 if dtype.width != 32 or name in (
-                "l1_acts_sf", "l1_topk_weights", "l2_acts_sf", "w1_sf", "w2_sf",
-                "token_src_metadata") else 4, dtype=dtype)
-            for name, dtype in kernel.pointer_args()]
-    args = (ptrs[0], Int32(sym_buffer.rank), Int32(num_tokens), *ptrs[1:], Int32(num_ctas),
-            current_stream())
-    fn = compiled_kernel(key, lambda: cute.compile(kernel, *args,
-                                                   options=f"--gpu-arch {state.arch}"))
-    return KernelCall(fn, args)
-
-
 def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                    topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
                    weights: ExpertWeights, *, num_tokens: int | None = None,
@@ -123,6 +78,15 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
     runs before the first launch; one that fails gives the call up on this rank
     (`staged.gives_up_call_on_error`). No host synchronization with
     ``validate_routing=False``: CUDA-graph capturable."""
+    key = _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math,
+                    block_m, num_sms, cumulative_local_expert_recv_stats)
+    state = existing_buffer_state(sym_buffer) if key is not None else None
+    plan = None if state is None else state.plans.get(key)
+    n = x.shape[0] if x is not None else num_tokens
+    if plan is not None and plan.accepts(x, topk_idx, topk_weights, weights, n, y,
+                                         cumulative_local_expert_recv_stats):
+        return plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
+                           cumulative_local_expert_recv_stats, validate_routing)
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         layout = sym_buffer.layout
@@ -164,9 +128,83 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
         launches.append(fused_call(sym_buffer, weights, n, block_m, y, grid, stats,
                                    activation_clamp, fast_math))
+    if key is not None and n > 0:
+        plans = state.plans
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = _FusedPlan(sym_buffer, weights, x is not None, launches)
     for launch in launches:
         launch()
     return y
+
+
+class _FusedPlan(_LayerPlan):
+    """The two launches of one fused-layer configuration on one buffer (staging, the fused
+    kernel), kept from the call that made them; checks as `staged._LayerPlan`."""
+
+    def __init__(self, sym_buffer: SymmBuffer, weights: ExpertWeights, staged: bool,
+                 launches: list[KernelCall]):
+        layout = sym_buffer.layout
+        fused = launches[-1]
+        self.path = fused.path
+        self.device = sym_buffer.device
+        self.num_tokens = layout.num_tokens
+        self.hidden = layout.hidden
+        self.topk_shape_k = layout.num_topk
+        self.num_experts = layout.num_experts
+        self.stats_shape = (layout.num_local_experts,)
+        self.weight_meta = tuple(None if t is None else (t.dtype, t.shape)
+                                 for t in (weights.w1, weights.w2, weights.w1_sf, weights.w2_sf))
+        self.staging = launches[0].prepare(STAGING_SLOTS) if staged else None
+        self.fused = fused.prepare(FUSED_SLOTS)
+        self.no_stats = fused.args[FUSED_SLOTS[1]]  # the counts stand in
+
+    def launch(self, sym_buffer: SymmBuffer, x, topk_idx, topk_weights, n: int,
+               y: torch.Tensor | None, stats: torch.Tensor | None,
+               validate_routing: bool | None) -> torch.Tensor:
+        if self.staging is not None and routing_checks_on(validate_routing):
+            with gives_up_call_on_error(sym_buffer):
+                check_routing(topk_idx, self.num_experts)
+        path = self.path
+        ptr = path.ptr
+        if y is None:
+            y = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=self.device)
+        stream = path.stream()
+        count = path.int32(n)
+        if self.staging is not None:
+            self.staging(ptr(x), ptr(topk_idx), ptr(topk_weights), count, stream)
+        self.fused(count, self.no_stats if stats is None else ptr(stats, 4), ptr(y), stream)
+        return y
+
+
+def _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math, block_m,
+              num_sms, stats) -> tuple | None:
+    """The configuration of a call (None where a call is too odd to have one: then the full
+    checks run and name what is wrong)."""
+    try:
+        if not isinstance(weights, ExpertWeights) or sym_buffer.buffer is None:
+            return None
+        if x is not None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                return None
+            n = x.shape[0]
+        elif type(num_tokens) is int:
+            n = num_tokens
+        else:
+            return None
+        layout = sym_buffer.layout
+        sf1, sf2 = weights.w1_sf, weights.w2_sf
+        return ("fused", x is not None, y is not None, stats is not None, weights.recipe,
+                weights.arch, weights.w1.data_ptr(), weights.w2.data_ptr(),
+                None if sf1 is None else sf1.data_ptr(),
+                None if sf2 is None else sf2.data_ptr(), type(activation_clamp),
+                activation_clamp, type(fast_math), fast_math, type(block_m), block_m,
+                type(num_sms), num_sms,
+                block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
+                                 weights.arch) if block_m is None and n >= 0 else None,
+                os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S"), launch_path().name)
+    except (TypeError, AttributeError, ValueError, KeyError):
+        return None
 
 
 def _check_weights_fit(sym_buffer: SymmBuffer, weights: ExpertWeights) -> None:

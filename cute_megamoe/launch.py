@@ -1,13 +1,17 @@
 """One launcher per kernel: input staging, dispatch, the two grouped GEMMs, combine.
 
-Each ``*_call`` function builds a kernel's arguments (raw pointers and sizes), compiles the
-kernel on first use (`runtime.compiled_kernel`, keyed by everything baked into it) and returns
-a `KernelCall`, the compiled function and its arguments; ``call()`` launches it on the current
-stream. Launchers check nothing a user can get wrong: the entry points (`staged`,
-`expert_gemm`, `api`) check their inputs with `checks` first, inside
-`staged.gives_up_call_on_error` for the collective ones, and launch only once every check of
-the call has passed. CuTe DSL is imported here only inside functions, so the package imports
-without it.
+Each ``*_call`` function describes a kernel's arguments (raw pointers and sizes: `Ptr`, ints,
+`STREAM`), compiles the kernel on first use (`runtime.compiled_kernel`, keyed by everything
+baked into it) and returns a `KernelCall`, the callable and its arguments in the form the
+launch path (`runtime.launch_path`) takes; ``call()`` launches it on the current stream.
+Launchers check nothing a user can get wrong: the entry points (`staged`, `expert_gemm`,
+`api`) check their inputs with `checks` first, inside `staged.gives_up_call_on_error` for the
+collective ones, and launch only once every check of the call has passed. CuTe DSL is imported
+here only inside functions, so the package imports without it.
+
+Hot path: a `KernelCall` can be kept and launched again with only the arguments that change
+per call filled in (`KernelCall.prepare`; the ``*_SLOTS`` constants name them per kernel);
+`staged` keeps one such plan per buffer and layer configuration.
 """
 
 from __future__ import annotations
@@ -20,15 +24,25 @@ import torch
 
 from .buffer import SymmBuffer
 from .heuristics import get_num_sms, select_cluster_m
-from .runtime import as_ptr, compiled_kernel, current_stream, get_arch
+from .runtime import LAUNCH_PATHS, LaunchPath, as_ptr, compiled_kernel, get_arch, launch_path
 
 __all__ = [
+    "COMBINE_SLOTS",
+    "DISPATCH_SLOTS",
+    "GEMM_SLOTS",
+    "STAGING_SLOTS",
+    "STREAM",
     "BufferState",
     "KernelCall",
+    "PreparedCall",
+    "Ptr",
     "buffer_state",
     "combine_call",
     "dispatch_call",
+    "existing_buffer_state",
     "expert_gemm_calls",
+    "FUSED_SLOTS",
+    "fused_call",
     "gemm_kernel",
     "staging_call",
 ]
@@ -36,18 +50,105 @@ __all__ = [
 
 @dataclass(frozen=True)
 class KernelCall:
-    """A compiled kernel and the arguments of one launch; ``call()`` launches it."""
+    """A compiled kernel and the arguments of one launch; ``call()`` launches it. ``path`` is
+    the launch path the arguments are in."""
 
     fn: Callable
     args: tuple
+    path: LaunchPath | None = None
 
     def __call__(self) -> None:
         self.fn(*self.args)
 
+    def prepare(self, slots: tuple[int, ...]) -> PreparedCall:
+        """This launch, to be made again with the arguments at ``slots`` replaced."""
+        return PreparedCall(self.fn, self.args, slots)
+
+
+class PreparedCall:
+    """A launch kept for reuse: ``call(*values)`` launches with ``values`` (in the launch
+    path's form) at ``slots`` and the kept arguments elsewhere."""
+
+    __slots__ = ("args", "fn", "slots")
+
+    def __init__(self, fn: Callable, args: tuple, slots: tuple[int, ...]):
+        self.fn = fn
+        self.args = list(args)
+        self.slots = slots
+
+    def __call__(self, *values) -> None:
+        args = self.args.copy()
+        for slot, value in zip(self.slots, values, strict=True):
+            args[slot] = value
+        self.fn(*args)
+
+
+# Per kernel, the argument slots a layer call fills in (the rest is fixed per buffer, weights
+# and configuration): staging (x, topk_idx, topk_weights, num_tokens, stream), dispatch
+# (num_tokens, stats, stream), the GEMMs (stream), combine (num_tokens, y, stream).
+STAGING_SLOTS = (0, 1, 2, 7, 8)
+DISPATCH_SLOTS = (2, 4, 6)
+GEMM_SLOTS = (11,)
+COMBINE_SLOTS = (2, 5, 7)
+# the fused layer kernel: (num_tokens, stats, y, stream)
+FUSED_SLOTS = (2, 4, 16, 18)
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """A pointer argument: ``tensor``'s first element, ``align`` bytes assumed, typed as its
+    dtype or the CuTe ``dtype`` given."""
+
+    tensor: torch.Tensor
+    align: int = 16
+    dtype: object = None
+
+
+#: The stream argument (the current stream).
+STREAM = object()
+
+#: The argument form `cute.compile` takes as examples, whatever the launch path: the CuTe DSL
+#: call path's (`cute.Pointer`, ``Int32``, ``CUstream``; TVM-FFI maps them to its pointer,
+#: int32 and stream parameters).
+_COMPILE_FORM = LAUNCH_PATHS["cute-dsl"]
+
+
+def _call_args(path: LaunchPath, specs: tuple) -> tuple:
+    """``specs`` (`Ptr`, int, `STREAM`) as ``path`` passes them."""
+    stream = path.stream()
+    return tuple(path.ptr(s.tensor, s.align, s.dtype) if isinstance(s, Ptr)
+                 else stream if s is STREAM else path.int32(s) for s in specs)
+
+
+# The DSL's compiled objects whose raw TVM-FFI functions are in use: an object owns its
+# module (engine, loaded CUDA library), so it lives as long as the entry (the process, like
+# `runtime.compiled_kernel`'s cache).
+_OWNERS: list = []
+
+
+def _compile(kernel, specs: tuple, arch: str, path: LaunchPath) -> Callable:
+    """Compile ``kernel`` for ``arch`` on ``path`` (with `cute.Pointer` / ``Int32`` /
+    ``CUstream`` example arguments, whatever the path) and return what a launch calls."""
+    import cutlass.cute as cute
+
+    compiled = cute.compile(kernel, *_call_args(_COMPILE_FORM, specs),
+                            options=path.options(arch))
+    entry = path.entry(compiled)
+    if entry is not compiled:
+        _OWNERS.append(compiled)
+    return entry
+
+
+def _kernel_call(key: tuple, make_kernel: Callable, specs: tuple, arch: str) -> KernelCall:
+    path = launch_path()
+    fn = compiled_kernel(key, lambda: _compile(make_kernel(), specs, arch, path))
+    return KernelCall(fn, _call_args(path, specs), path)
+
 
 class BufferState:
-    """Per-buffer launch state built once: the arch, SM count, pointer arguments and the
-    per-expert count tensor (reused by every dispatch on the buffer, like the pool itself)."""
+    """Per-buffer launch state built once: the arch, SM count, the per-expert count tensor
+    (reused by every dispatch on the buffer, like the pool itself), the expert FFN's output
+    and the layer plans of `staged` (one per configuration)."""
 
     def __init__(self, sym_buffer: SymmBuffer):
         device = sym_buffer.device
@@ -55,11 +156,18 @@ class BufferState:
         # SMs this rank's kernels use by default (`SymmBuffer.num_sms`: a share of the GPU when
         # several ranks share it, see `SymmBuffer.loopback`)
         self.num_sms = sym_buffer.num_sms or get_num_sms(device)
-        self.peer_bases = as_ptr(sym_buffer.peer_bases)
         self.recv_tokens = torch.zeros(sym_buffer.layout.num_local_experts, dtype=torch.int32,
                                        device=device)
+        # `cute.Pointer`s of the peer table and the counts, for callers that compile kernels
+        # of their own (`testing.protocol_checks`)
+        self.peer_bases = as_ptr(sym_buffer.peer_bases)
         self.recv_tokens_ptr = as_ptr(self.recv_tokens, align=4)
         self.expert_out: torch.Tensor | None = None  # BF16 [P, H] of `staged.kernel_experts`
+        self.plans: dict = {}  # `staged`'s and `fused`'s layer plans by configuration
+        # the fused kernel's per-call readiness counters, one per pool block of 64 rows (its
+        # smallest BLOCK_M), plus one for a 2-CTA cluster's dummy block
+        self.pool_block_ready = torch.zeros(sym_buffer.layout.num_pool_rows // 64 + 1,
+                                            dtype=torch.int32, device=device)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -73,29 +181,31 @@ def buffer_state(sym_buffer: SymmBuffer) -> BufferState:
     return state
 
 
+def existing_buffer_state(sym_buffer: object) -> BufferState | None:
+    """The launch state of ``sym_buffer`` if one was built (no CUDA needed), else None."""
+    try:
+        return _STATES.get(sym_buffer)
+    except TypeError:  # not weak-referenceable: not a buffer
+        return None
+
+
 # ----------------------------------------------------------------------------- staging
 
 def staging_call(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> KernelCall:
     """`kernels/staging.py`: quantize ``x`` (BF16 ``[n, H]``, n > 0) into the buffer's ``x`` /
     ``x_sf`` and copy the routing."""
-    import cutlass.cute as cute
-    from cutlass import Int32
-
     from .kernels.staging import InputStagingKernel
 
     layout = sym_buffer.layout
     arch = get_arch(sym_buffer.device)
     recipe = layout.recipe
     out_sf = sym_buffer.x_sf if layout.has_sf else sym_buffer.topk_weights  # unused for bf16
-    args = (as_ptr(x), as_ptr(topk_idx), as_ptr(topk_weights), as_ptr(sym_buffer.x),
-            as_ptr(out_sf), as_ptr(sym_buffer.topk_idx), as_ptr(sym_buffer.topk_weights),
-            Int32(x.shape[0]), current_stream())
-    fn = compiled_kernel(
-        ("staging", arch, recipe, layout.hidden, layout.num_topk),
-        lambda: cute.compile(InputStagingKernel(recipe, layout.hidden, layout.num_topk), *args,
-                             options=f"--gpu-arch {arch}"))
-    return KernelCall(fn, args)
+    specs = (Ptr(x), Ptr(topk_idx), Ptr(topk_weights), Ptr(sym_buffer.x), Ptr(out_sf),
+             Ptr(sym_buffer.topk_idx), Ptr(sym_buffer.topk_weights), x.shape[0], STREAM)
+    return _kernel_call(("staging", arch, recipe, layout.hidden, layout.num_topk),
+                        lambda: InputStagingKernel(recipe, layout.hidden, layout.num_topk),
+                        specs, arch)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -103,23 +213,18 @@ def staging_call(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
 def dispatch_call(sym_buffer: SymmBuffer, num_tokens: int, block_m: int, num_ctas: int,
                   stats: torch.Tensor | None, transfer: str) -> KernelCall:
     """`kernels/dispatch.py` for ``num_tokens`` staged rows (collective)."""
-    import cutlass.cute as cute
-    from cutlass import Int32
-
     from .kernels.dispatch import DispatchKernel
 
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
-    stats_ptr = as_ptr(stats, align=4) if has_stats else state.recv_tokens_ptr
-    args = (state.peer_bases, Int32(sym_buffer.rank), Int32(num_tokens), state.recv_tokens_ptr,
-            stats_ptr, Int32(num_ctas), current_stream())
-    fn = compiled_kernel(
-        ("dispatch", state.arch, layout, block_m, has_stats, transfer),
-        lambda: cute.compile(DispatchKernel(layout, block_m, has_stats=has_stats,
-                                            transfer=transfer), *args,
-                             options=f"--gpu-arch {state.arch}"))
-    return KernelCall(fn, args)
+    counts = Ptr(state.recv_tokens, align=4)
+    specs = (Ptr(sym_buffer.peer_bases), sym_buffer.rank, num_tokens, counts,
+             Ptr(stats, align=4) if has_stats else counts, num_ctas, STREAM)
+    return _kernel_call(("dispatch", state.arch, layout, block_m, has_stats, transfer),
+                        lambda: DispatchKernel(layout, block_m, has_stats=has_stats,
+                                               transfer=transfer),
+                        specs, state.arch)
 
 
 # ----------------------------------------------------------------------------- combine
@@ -130,25 +235,20 @@ def combine_call(sym_buffer: SymmBuffer, num_tokens: int, block_m: int,
                  rounds: tuple[int, ...]) -> KernelCall:
     """`kernels/combine.py` into ``y`` (collective). ``expert_out`` None: send mode
     ``"epilogue"`` (the L2 GEMMs sent the rows; the kernel never reads ``expert_out``)."""
-    import cutlass.cute as cute
-    from cutlass import Int32
-
     from .kernels.combine import CombineKernel
 
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     # any valid pointer stands for an unused argument
-    out_ptr = as_ptr(sym_buffer.l1_topk_weights if expert_out is None else expert_out)
-    args = (state.peer_bases, Int32(sym_buffer.rank), Int32(num_tokens), out_ptr,
-            as_ptr(expert_recv_tokens, align=4),
-            as_ptr(y) if num_tokens > 0 else out_ptr,  # y is not touched when n == 0
-            Int32(num_ctas), current_stream())
-    fn = compiled_kernel(
-        ("combine", state.arch, layout, block_m, send_mode, rounds),
-        lambda: cute.compile(CombineKernel(layout, block_m, send_mode=send_mode,
-                                           rounds=rounds), *args,
-                             options=f"--gpu-arch {state.arch}"))
-    return KernelCall(fn, args)
+    out = Ptr(sym_buffer.l1_topk_weights if expert_out is None else expert_out)
+    specs = (Ptr(sym_buffer.peer_bases), sym_buffer.rank, num_tokens, out,
+             Ptr(expert_recv_tokens, align=4),
+             Ptr(y) if num_tokens > 0 else out,  # y is not touched when n == 0
+             num_ctas, STREAM)
+    return _kernel_call(("combine", state.arch, layout, block_m, send_mode, rounds),
+                        lambda: CombineKernel(layout, block_m, send_mode=send_mode,
+                                              rounds=rounds),
+                        specs, state.arch)
 
 
 # ----------------------------------------------------------------------------- grouped GEMMs
@@ -207,13 +307,10 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
     """The L1 (+ SwiGLU + requant into ``l2_acts``) and L2 launches of the expert FFN over a
     pool (`expert_gemm.expert_ffn` checks their inputs). ``combine_buffer``: L2 writes every
     row into its source rank's combine buffer (``out`` unused)."""
-    import cutlass.cute as cute
-    from cutlass import Int32
-
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     pool_rows = acts.shape[0]
     combine_layout = None if combine_buffer is None else combine_buffer.layout
-    stream = current_stream()
+    path = launch_path()
     calls = []
     for phase in ("l1", "l2"):
         if phase == "l1":
@@ -242,12 +339,49 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         # an unused pointer argument points at topk_weights (never dereferenced); a cluster
         # launch needs a whole number of clusters
         cluster_m = getattr(entry["kernel"], "cluster_m", 1)
-        args = (*(as_ptr(topk_weights if t is None else t, align=4 if i == 4 else 16, dtype=d)
-                  for i, (t, d) in enumerate(zip(tensors, entry["dtypes"], strict=True))),
-                Int32(max(cluster_m, grid - grid % cluster_m)), stream)
-
-        def compile_it(entry=entry, args=args):
-            return cute.compile(entry["kernel"], *args, options=f"--gpu-arch {arch}")
-
-        calls.append(KernelCall(compiled_kernel(key, compile_it), args))
+        specs = (*(Ptr(topk_weights if t is None else t, 4 if i == 4 else 16, d)
+                   for i, (t, d) in enumerate(zip(tensors, entry["dtypes"], strict=True))),
+                 max(cluster_m, grid - grid % cluster_m), STREAM)
+        fn = compiled_kernel(key, lambda entry=entry, specs=specs: _compile(
+            entry["kernel"], specs, arch, path))
+        calls.append(KernelCall(fn, _call_args(path, specs), path))
     return calls
+
+
+# ----------------------------------------------------------------------------- fused layer
+
+def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
+               y: torch.Tensor | None, num_ctas: int, stats: torch.Tensor | None,
+               activation_clamp: float | None, fast_math: bool) -> KernelCall:
+    """`kernels/sm90_mega_moe.py`: the whole layer for ``num_tokens`` staged rows into ``y``
+    (collective). ``num_ctas`` is rounded down to whole clusters."""
+    from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    layout = sym_buffer.layout
+    state = buffer_state(sym_buffer)
+    has_stats = stats is not None
+    key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
+           has_stats)
+    kernel = compiled_kernel(key + ("kernel",), lambda: Sm90MegaMoEKernel(
+        layout, block_m, activation_clamp=activation_clamp, fast_math=fast_math,
+        has_stats=has_stats))
+    fp8 = layout.has_sf
+    spare = sym_buffer.l1_topk_weights  # stands for an unused pointer (never dereferenced)
+    tensors = {
+        "peer_bases": sym_buffer.peer_bases, "expert_recv_tokens": state.recv_tokens,
+        "stats": stats if has_stats else state.recv_tokens, "l1_acts": sym_buffer.l1_acts,
+        "l1_acts_sf": sym_buffer.l1_acts_sf if fp8 else spare,
+        "l1_topk_weights": sym_buffer.l1_topk_weights, "l2_acts": sym_buffer.l2_acts,
+        "l2_acts_sf": sym_buffer.l2_acts_sf if fp8 else spare,
+        "token_src_metadata": sym_buffer.token_src_metadata, "w1": weights.w1,
+        "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
+        "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": state.pool_block_ready,
+        "y": y if num_tokens > 0 else spare,
+    }
+    ptrs = [Ptr(tensors[name], 4 if name in ("expert_recv_tokens", "stats", "pool_block_ready")
+                else 16, dtype) for name, dtype in kernel.pointer_args()]
+    # whole clusters (with `cluster_m` 2); at most one CTA per SM: the cooperative grid is
+    # co-resident
+    num_ctas = max(kernel.cluster_m, num_ctas - num_ctas % kernel.cluster_m)
+    specs = (ptrs[0], sym_buffer.rank, num_tokens, *ptrs[1:], num_ctas, STREAM)
+    return _kernel_call(key, lambda: kernel, specs, state.arch)

@@ -24,7 +24,9 @@ Paths (`MegaMoEConfig.path`):
   (``group`` None), the definition of the layer (slow; for tests and CPU-only development).
 
 ``forward`` is registered as the custom op ``torch.ops.cute_megamoe.mega_moe`` (with a fake
-implementation), so ``torch.compile`` traces a model holding the layer as one opaque node.
+implementation), so ``torch.compile`` traces a model holding the layer as one opaque node. In
+plain eager calls (nothing tracing, plain tensors, nothing for autograd to record) ``forward``
+runs the op's implementation directly: the same result without the dispatcher's host time.
 Inference only (no backward).
 """
 
@@ -51,6 +53,8 @@ from .checks import (
 )
 from .deepgemm_api import get_symm_buffer_for_mega_moe
 from .expert_gemm import ExpertWeights
+from .fused import FUSED_BLOCK_MS, fused_mega_moe
+from .fused import supports as fused_support
 from .layout import BLOCK_M_MAX, MegaMoELayout
 from .runtime import get_arch
 from .staged import TRANSFERS, TorchExpertWeights, staged_mega_moe
@@ -76,6 +80,7 @@ class MegaMoEConfig:
     validate_routing: bool  # check the routing on the host (synchronizes)
     block_m: int | None  # None: the heuristics per call
     num_sms: int | None  # None: the buffer's default
+    fused: bool = False  # one persistent kernel for the layer (`fused`; sm_90a kernels path)
 
 
 _LAYERS: dict[int, weakref.ref] = {}
@@ -108,6 +113,9 @@ class MegaMoE(torch.nn.Module):
             switch (on).
         block_m, num_sms: fixed BLOCK_M (a multiple of 16; on the kernels path one the arch's
             kernels implement) and SM count; None: per call by the heuristics / all SMs.
+        fused: run the layer as one persistent kernel (`fused.fused_mega_moe`: sm_90a, the
+            kernels path, fp8xfp8 / bf16xbf16, push, L2 sends). Bit-identical to the staged
+            kernels; off by default while it is slower at prefill sizes (docs/performance.md).
     """
 
     def __init__(self, group: torch.distributed.ProcessGroup | None, num_experts: int,
@@ -119,7 +127,7 @@ class MegaMoE(torch.nn.Module):
                  activation_clamp: float | None = None, fast_math: bool = True,
                  transfer: str = "push", l2_sends: bool = True,
                  validate_routing: bool | None = None, block_m: int | None = None,
-                 num_sms: int | None = None) -> None:
+                 num_sms: int | None = None, fused: bool = False) -> None:
         super().__init__()
         check_recipe(recipe)
         activation_clamp = check_activation_clamp(activation_clamp)
@@ -129,6 +137,11 @@ class MegaMoE(torch.nn.Module):
             raise TypeError(f"l2_sends: expected a bool, got {type(l2_sends).__name__}")
         if experts is not None:
             check_choice("experts", experts, ("kernels", "torch"))
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+        if fused and (transfer != "push" or not l2_sends):
+            raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
+                             "the L2 epilogue (transfer='push', l2_sends=True)")
         device = _resolve_device(device)
         num_ranks = 1 if group is None else _group_size(group)
         # the shapes, checked before anything is allocated
@@ -158,6 +171,9 @@ class MegaMoE(torch.nn.Module):
                                  "BF16 weights: pass w1 and w2")
             if experts is not None:
                 raise ValueError(f"experts={experts!r} needs CUDA; this layer runs on {device}")
+            if fused:
+                raise ValueError("fused: the fused kernel needs a CUDA device (this layer runs "
+                                 "the reference on the CPU)")
             self.sym_buffer: SymmBuffer | None = None
             self.weights = (w1.to(device), w2.to(device))
         else:
@@ -176,13 +192,20 @@ class MegaMoE(torch.nn.Module):
                     group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                     intermediate_hidden, mma_type=recipe, device=device)
             self.weights = weights
+            if fused:
+                reason = "it runs on the kernels path" if path != "kernels" else \
+                    fused_support(self.sym_buffer, weights)
+                if reason is None and block_m is not None and block_m not in FUSED_BLOCK_MS:
+                    reason = f"it runs BLOCK_M {FUSED_BLOCK_MS}, not {block_m}"
+                if reason is not None:
+                    raise ValueError(f"fused: {reason}")
         self.group = group
         self.layout = layout
         self.config = MegaMoEConfig(
             recipe=recipe, path=path, arch=arch, activation_clamp=activation_clamp,
             fast_math=fast_math, transfer=transfer, l2_sends=l2_sends,
             validate_routing=routing_checks_on(validate_routing), block_m=block_m,
-            num_sms=num_sms)
+            num_sms=num_sms, fused=fused)
         self.layer_id = next(_IDS)
         _LAYERS[self.layer_id] = weakref.ref(self)
         weakref.finalize(self, _LAYERS.pop, self.layer_id, None)
@@ -221,6 +244,12 @@ class MegaMoE(torch.nn.Module):
         ``num_max_tokens_per_rank``), ``topk_idx`` (int64 ``[n, K]``, global expert indices,
         -1 masks a slot, distinct per row) and ``topk_weights`` (f32 ``[n, K]``). Collective
         with a group: every rank calls it, in the same order, also with 0 tokens."""
+        if _op_would_only_run_the_impl(x, topk_idx, topk_weights):
+            # what the custom op's eager kernel runs, without ~15-30 us of dispatcher
+            if torch.is_grad_enabled():
+                with torch.no_grad():  # as below autograd, where the op runs it
+                    return self._forward_impl(x, topk_idx, topk_weights)
+            return self._forward_impl(x, topk_idx, topk_weights)
         return mega_moe_op(x, topk_idx, topk_weights, self.layer_id)
 
     def _forward_impl(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -246,6 +275,12 @@ class MegaMoE(torch.nn.Module):
                                    "the layer with validate_routing=False to capture it in a "
                                    "CUDA graph")
         with torch.cuda.device(self.sym_buffer.device):
+            if cfg.fused:
+                return fused_mega_moe(
+                    self.sym_buffer, x, topk_idx, topk_weights, self.weights,
+                    activation_clamp=cfg.activation_clamp, fast_math=cfg.fast_math,
+                    block_m=cfg.block_m, num_sms=cfg.num_sms,
+                    validate_routing=cfg.validate_routing)
             return staged_mega_moe(
                 self.sym_buffer, x, topk_idx, topk_weights, self.weights,
                 activation_clamp=cfg.activation_clamp, fast_math=cfg.fast_math,
@@ -287,6 +322,23 @@ def mega_moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 def _(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
       layer_id: int) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+def _op_would_only_run_the_impl(x, topk_idx, topk_weights) -> bool:
+    """Whether calling `mega_moe_op` would do nothing but run `MegaMoE._forward_impl` below
+    autograd: plain eager (no torch.compile / export / jit tracing, no torch-function or
+    dispatch mode, no functorch transform), plain tensors (not FX proxies, fake or other
+    subclasses) and no input autograd would record. Then `forward` calls the implementation
+    directly; otherwise it goes through the op, so tracers see one opaque node."""
+    if torch.compiler.is_compiling():  # first: dynamo folds it, and stops reading here
+        return False
+    return (type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
+            and type(topk_weights) is torch.Tensor
+            and not (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad))
+            and not torch._C._is_tracing()
+            and torch._C._len_torch_function_stack() == 0
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 # ----------------------------------------------------------------------------- helpers

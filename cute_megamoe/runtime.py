@@ -1,9 +1,19 @@
-"""Host runtime: arch detection, torch -> CuTe argument conversion, the compiled-kernel cache.
+"""Host runtime: arch detection, the launch path, torch -> kernel arguments, the compiled-kernel
+cache.
 
 Kernels are compiled once per static configuration (recipe, shapes that are baked in, arch) and
 kept in a process-wide dict; `cute.compile` itself never caches. Tensors are passed to kernels
-as raw `cute.Pointer`s plus integer sizes: building a pointer costs far less per call than a
-DLPack conversion, and the kernels know their layouts statically.
+as raw pointers plus integer sizes: the kernels know their layouts statically.
+
+Launch paths (`LaunchPath`, chosen once at import; `CUTE_MEGAMOE_TVM_FFI`):
+
+* ``"tvm-ffi"`` (when ``apache-tvm-ffi`` imports): kernels are compiled with
+  ``--enable-tvm-ffi`` and launched through the raw positional ``tvm_ffi.Function``
+  (``compiled._tvm_ffi_function``; CuTe DSL 4.8.1's keyword wrapper around it costs what the
+  path saves). Its C stub takes a pointer argument as a Python int (the address), an ``Int32``
+  as an int and the stream as an int (``cudaStream_t``), and checks them itself.
+* ``"cute-dsl"``: CuTe DSL's own call path (a `cute.Pointer` per pointer, `cutlass.Int32`,
+  a `cuda.CUstream`; ~10-17 us of Python per launch in the DSL).
 """
 
 from __future__ import annotations
@@ -15,6 +25,22 @@ from collections.abc import Callable, Hashable
 import torch
 
 from .tables import ARCH_BY_MAJOR
+
+__all__ = [
+    "LAUNCH_PATHS",
+    "LaunchPath",
+    "as_ptr",
+    "compiled_kernel",
+    "current_raw_stream",
+    "current_stream",
+    "cutlass_dtype",
+    "env_flag",
+    "get_arch",
+    "launch_path",
+    "set_launch_path",
+    "spin_timeout_ns",
+    "tvm_ffi_available",
+]
 
 _COMPILED: dict[Hashable, object] = {}
 
@@ -66,9 +92,23 @@ def as_ptr(tensor: torch.Tensor, align: int = 16, dtype=None):
 
 
 def current_stream():
+    """The current CUDA stream as a `cuda.CUstream` (what `cute.compile` and the CuTe DSL call
+    path take)."""
     from cuda.bindings import driver
 
     return driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+# `cudaStream_t` of the current stream of a device as an int, without building a torch Stream
+# (what inductor's generated code uses); None in CPU builds of torch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_raw_stream() -> int:
+    """The current CUDA stream of the current device, as an int (``cudaStream_t``)."""
+    if _raw_stream is None:
+        return torch.cuda.current_stream().cuda_stream
+    return _raw_stream(torch.cuda.current_device())
 
 
 def spin_timeout_ns() -> int:
@@ -80,8 +120,9 @@ def spin_timeout_ns() -> int:
 def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
     """The compiled function for `key`, compiling it with `build()` on first use. The wait
     limit is compiled into the kernels, so it is part of the key: changing
-    `CUTE_MEGAMOE_SPIN_TIMEOUT_S` between calls compiles again rather than keeping the old."""
-    key = (key, spin_timeout_ns())
+    `CUTE_MEGAMOE_SPIN_TIMEOUT_S` between calls compiles again rather than keeping the old.
+    So is the launch path (`launch_path`): its kernels are compiled differently."""
+    key = (key, spin_timeout_ns(), _PATH.name)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = build()
@@ -94,3 +135,107 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----------------------------------------------------------------------------- launch paths
+
+class LaunchPath:
+    """How compiled kernels are called: the compile option, the form of each argument and the
+    callable (see the module doc). Every method converts one argument of one launch."""
+
+    def __init__(self, name: str, tvm_ffi: bool):
+        self.name = name
+        self.tvm_ffi = tvm_ffi
+
+    def __repr__(self) -> str:
+        return f"LaunchPath({self.name!r})"
+
+    def options(self, arch: str) -> str:
+        """The `cute.compile` options of a kernel for ``arch`` on this path."""
+        return f"--gpu-arch {arch} --enable-tvm-ffi" if self.tvm_ffi else f"--gpu-arch {arch}"
+
+    def entry(self, compiled) -> Callable:
+        """What a launch calls: the raw positional `tvm_ffi.Function` (when the compile built
+        one: a kernel compiled for another arch than the GPU's has none, and the DSL's object
+        then says so when called), or the DSL's compiled object."""
+        if self.tvm_ffi:
+            raw = getattr(compiled, "_tvm_ffi_function", None)
+            return compiled if raw is None else raw
+        return compiled
+
+    def ptr(self, tensor: torch.Tensor, align: int = 16, dtype=None):
+        """A pointer argument to ``tensor``'s first element (``align``, ``dtype``: as
+        `as_ptr`; the TVM-FFI stub takes the address alone)."""
+        if self.tvm_ffi:
+            return tensor.data_ptr()
+        return as_ptr(tensor, align, dtype)
+
+    def int32(self, value: int):
+        """An ``Int32`` argument."""
+        if self.tvm_ffi:
+            return int(value)
+        from cutlass import Int32
+
+        return Int32(value)
+
+    def stream(self):
+        """The current CUDA stream as a stream argument."""
+        if self.tvm_ffi:
+            return current_raw_stream()
+        return current_stream()
+
+
+#: The launch paths by name.
+LAUNCH_PATHS = {"tvm-ffi": LaunchPath("tvm-ffi", True), "cute-dsl": LaunchPath("cute-dsl", False)}
+
+
+def _import_tvm_ffi() -> str | None:
+    """None if `tvm_ffi` imports, else why not."""
+    try:
+        import tvm_ffi  # noqa: F401
+    except Exception as exc:  # ImportError, or a wheel for another Python / glibc
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+_TVM_FFI_MISSING = _import_tvm_ffi()
+
+
+def tvm_ffi_available() -> bool:
+    """Whether `apache-tvm-ffi` imported (checked once, at import)."""
+    return _TVM_FFI_MISSING is None
+
+
+def _default_path() -> LaunchPath:
+    """`CUTE_MEGAMOE_TVM_FFI`: "0" the CuTe DSL path, "1" TVM-FFI (an error without it),
+    unset TVM-FFI where `tvm_ffi` imports."""
+    value = os.environ.get("CUTE_MEGAMOE_TVM_FFI")
+    if value is None or value.strip() == "":
+        return LAUNCH_PATHS["tvm-ffi" if tvm_ffi_available() else "cute-dsl"]
+    if not env_flag("CUTE_MEGAMOE_TVM_FFI"):
+        return LAUNCH_PATHS["cute-dsl"]
+    if not tvm_ffi_available():
+        raise ImportError(f"CUTE_MEGAMOE_TVM_FFI={value} asks for the TVM-FFI launch path, but "
+                          f"tvm_ffi does not import ({_TVM_FFI_MISSING}); pip install "
+                          f"apache-tvm-ffi, or set CUTE_MEGAMOE_TVM_FFI=0")
+    return LAUNCH_PATHS["tvm-ffi"]
+
+
+_PATH: LaunchPath = _default_path()
+
+
+def launch_path() -> LaunchPath:
+    """The launch path in use (chosen at import, see `_default_path`)."""
+    return _PATH
+
+
+def set_launch_path(name: str) -> LaunchPath:
+    """Use launch path ``name`` from now on (tests and benchmarks compare the two); returns the
+    previous one. Compiled kernels and launch plans are kept per path."""
+    global _PATH
+    if name not in LAUNCH_PATHS:
+        raise ValueError(f"name: expected one of {tuple(LAUNCH_PATHS)}, got {name!r}")
+    if LAUNCH_PATHS[name].tvm_ffi and not tvm_ffi_available():
+        raise RuntimeError(f"the TVM-FFI launch path needs tvm_ffi ({_TVM_FFI_MISSING})")
+    previous, _PATH = _PATH, LAUNCH_PATHS[name]
+    return previous

@@ -20,7 +20,7 @@ rank the same) and ``block_m`` (free per rank; default: the heuristics,
 
 from __future__ import annotations
 
-import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,19 @@ from .checks import (
 )
 from .expert_gemm import ExpertWeights, _prepare_expert_ffn, weights_recipe
 from .heuristics import block_m_for_call, select_combine_rounds
-from .launch import KernelCall, buffer_state, combine_call, dispatch_call, staging_call
+from .launch import (
+    COMBINE_SLOTS,
+    DISPATCH_SLOTS,
+    GEMM_SLOTS,
+    STAGING_SLOTS,
+    KernelCall,
+    buffer_state,
+    combine_call,
+    dispatch_call,
+    existing_buffer_state,
+    staging_call,
+)
+from .runtime import launch_path
 from .tables import check_recipe
 
 #: How dispatched rows cross to the expert's rank (`kernels.dispatch`); ranks must agree.
@@ -51,6 +63,8 @@ TRANSFERS = ("push", "pull")
 SEND_MODES = ("registers", "bulk")
 #: Token classes of the combine's split barriers (`kernels.common.sync.SPLIT_BARRIER_COUNT`).
 _TOKEN_CLASSES = 8
+#: Layer plans kept per buffer (`_LayerPlan`; a few per layer configuration in practice).
+_MAX_PLANS = 512
 
 # the launch state of a buffer (`launch.buffer_state`), under its old name
 _state = buffer_state
@@ -89,17 +103,24 @@ class DispatchResult:
         return (self.pool_block_offsets()[1:] * self.block_m).to(torch.int32)
 
 
-@contextlib.contextmanager
-def gives_up_call_on_error(sym_buffer: SymmBuffer):
+class gives_up_call_on_error:  # noqa: N801 (a context manager, used as a function)
     """Around the host work of a collective call before its first launch: if it raises, this
     rank gives the call up (`SymmBuffer.skip_call`), so that its next call cannot pair with
     its peers' current one; the kernels then trap naming the call numbers instead. Entry
     points run all their checks inside one such block and launch only after it."""
-    try:
-        yield
-    except BaseException:
-        sym_buffer.skip_call()
-        raise
+
+    __slots__ = ("sym_buffer",)
+
+    def __init__(self, sym_buffer: SymmBuffer):
+        self.sym_buffer = sym_buffer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.sym_buffer.skip_call()
+        return False
 
 
 # ----------------------------------------------------------------------------- staging
@@ -444,7 +465,18 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     `transfer`; `block_m` (default: the heuristics), `send_mode` and `rounds` may differ.
     Every check runs before the first launch; one that fails gives the call up on this rank
     (`gives_up_call_on_error`). The torch experts read the pool size back to the host, so only
-    the kernel path can be captured in a CUDA graph (with `validate_routing=False`)."""
+    the kernel path can be captured in a CUDA graph (with `validate_routing=False`).
+
+    On our kernels, the first call of a configuration keeps its launches as a plan on the
+    buffer (`_LayerPlan`); later calls with that configuration check their inputs, fill in
+    what changes (the inputs' and `y`'s addresses, the token count, the stream) and launch."""
+    plan, key, n = _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y,
+                              activation_clamp, fast_math, block_m, num_sms,
+                              cumulative_local_expert_recv_stats, l2_sends, transfer, send_mode,
+                              rounds)
+    if plan is not None:
+        return plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
+                           cumulative_local_expert_recv_stats, validate_routing)
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         on_kernels = isinstance(weights, ExpertWeights)
@@ -471,16 +503,153 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
         if on_kernels:
             expert_launches, expert_out = _prepare_kernel_experts(
                 sym_buffer, dispatched, weights, activation_clamp, fast_math, epilogue)
-    for launch in launches:
-        launch()
-    if on_kernels:
-        for launch in expert_launches:
+            # (checked above: cannot fail; prepared here so that nothing runs before it)
+            combine_launch, y = _prepare_combine(sym_buffer, expert_out, dispatched, y, num_sms,
+                                                 send_mode, rounds)
+    if not on_kernels:
+        for launch in launches:
             launch()
-    else:
         expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
                                    fast_math)
-    return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms, send_mode=send_mode,
-                   rounds=rounds)
+        return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms,
+                       send_mode=send_mode, rounds=rounds)
+    if key is not None and dispatched.num_tokens > 0:
+        plans = buffer_state(sym_buffer).plans
+        if len(plans) >= _MAX_PLANS:  # (weights at ever new addresses, say)
+            plans.clear()
+        plans[key] = _LayerPlan(sym_buffer, weights, x is not None, launches, expert_launches,
+                                combine_launch)
+    for launch in (*launches, *expert_launches, combine_launch):
+        launch()
+    return y
+
+
+class _LayerPlan:
+    """The launches of one layer configuration on one buffer, kept from the call that made
+    them: `launch` checks a later call's inputs and launches them again with the per-call
+    arguments filled in (`launch.PreparedCall`). Holds no tensor of the buffer or the weights
+    (only their addresses), so it keeps no memory alive."""
+
+    def __init__(self, sym_buffer: SymmBuffer, weights: ExpertWeights, staged: bool,
+                 launches: list[KernelCall], expert_launches: list[KernelCall],
+                 combine_launch: KernelCall):
+        layout = sym_buffer.layout
+        self.path = combine_launch.path
+        self.device = sym_buffer.device
+        self.num_tokens = layout.num_tokens
+        self.hidden = layout.hidden
+        self.topk_shape_k = layout.num_topk
+        self.num_experts = layout.num_experts
+        self.stats_shape = (layout.num_local_experts,)
+        self.weight_meta = tuple(None if t is None else (t.dtype, t.shape)
+                                 for t in _weight_tensors(weights))
+        staging = launches[0] if staged else None
+        dispatch = launches[-1]
+        self.staging = None if staging is None else staging.prepare(STAGING_SLOTS)
+        self.dispatch = dispatch.prepare(DISPATCH_SLOTS)
+        self.no_stats = dispatch.args[DISPATCH_SLOTS[1]]  # the counts stand in
+        self.gemms = tuple(call.prepare(GEMM_SLOTS) for call in expert_launches)
+        self.combine = combine_launch.prepare(COMBINE_SLOTS)
+
+    def _fits(self, t: object, dtype: torch.dtype, shape: tuple) -> bool:
+        """What `checks.check_tensor` asks of a kernel argument, as a bool."""
+        return (isinstance(t, torch.Tensor) and t.dtype is dtype and t.shape == shape
+                and t.device == self.device and t.is_contiguous() and t.data_ptr() % 16 == 0)
+
+    def accepts(self, x, topk_idx, topk_weights, weights, n: int, y, stats) -> bool:
+        """Whether every check of the call passes (else the full checks run and raise)."""
+        if not 0 < n <= self.num_tokens:
+            return False
+        if self.staging is not None:
+            k = self.topk_shape_k
+            if not (self._fits(x, torch.bfloat16, (n, self.hidden))
+                    and self._fits(topk_idx, torch.int64, (n, k))
+                    and self._fits(topk_weights, torch.float32, (n, k))
+                    and n * self.hidden <= MAX_INT32):
+                return False
+        if y is not None and not self._fits(y, torch.bfloat16, (n, self.hidden)):
+            return False
+        if stats is not None and not self._fits(stats, torch.int32, self.stats_shape):
+            return False
+        for t, meta in zip(_weight_tensors(weights), self.weight_meta, strict=True):
+            if meta is None:
+                if t is not None:
+                    return False
+            elif not (isinstance(t, torch.Tensor) and t.dtype is meta[0] and t.shape == meta[1]
+                      and t.device == self.device and t.is_contiguous()):
+                return False
+        return True
+
+    def launch(self, sym_buffer: SymmBuffer, x, topk_idx, topk_weights, n: int,
+               y: torch.Tensor | None, stats: torch.Tensor | None,
+               validate_routing: bool | None) -> torch.Tensor:
+        if self.staging is not None and routing_checks_on(validate_routing):
+            with gives_up_call_on_error(sym_buffer):
+                check_routing(topk_idx, self.num_experts)
+        path = self.path
+        ptr, int32 = path.ptr, path.int32
+        if y is None:
+            y = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=self.device)
+        stream = path.stream()
+        count = int32(n)
+        if self.staging is not None:
+            self.staging(ptr(x), ptr(topk_idx), ptr(topk_weights), count, stream)
+        self.dispatch(count, self.no_stats if stats is None else ptr(stats, 4), stream)
+        for gemm in self.gemms:
+            gemm(stream)
+        self.combine(count, ptr(y), stream)
+        return y
+
+
+def _weight_tensors(weights: ExpertWeights) -> tuple:
+    return weights.w1, weights.w2, weights.w1_sf, weights.w2_sf
+
+
+def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, activation_clamp,
+               fast_math, block_m, num_sms, stats, l2_sends, transfer, send_mode, rounds
+               ) -> tuple[_LayerPlan | None, tuple | None, int | None]:
+    """The plan of this call's configuration if one exists and the call passes every check
+    (else None: the full checks run), the configuration's key (None where it has none: then
+    no plan is kept), and the token count."""
+    if not isinstance(weights, ExpertWeights):
+        return None, None, None
+    try:
+        if sym_buffer.buffer is None:  # destroyed: the checks say so
+            return None, None, None
+        if x is not None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                return None, None, None
+            n = x.shape[0]
+        elif type(num_tokens) is int:
+            n = num_tokens
+        else:
+            return None, None, None
+        if rounds is not None and not (type(rounds) is tuple
+                                       and all(type(r) is int for r in rounds)):
+            return None, None, n
+        layout = sym_buffer.layout
+        epilogue = l2_sends is True
+        sf1, sf2 = weights.w1_sf, weights.w2_sf
+        key = (x is not None, y is not None, stats is not None, weights.recipe, weights.arch,
+               weights.w1.data_ptr(), weights.w2.data_ptr(),
+               None if sf1 is None else sf1.data_ptr(), None if sf2 is None else sf2.data_ptr(),
+               type(activation_clamp), activation_clamp, type(fast_math), fast_math,
+               type(l2_sends), l2_sends, transfer, send_mode, rounds, type(block_m), block_m,
+               type(num_sms), num_sms,
+               # what the heuristics choose for this token count (a plan exists only where
+               # the weights' arch is the GPU's)
+               block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
+                                weights.arch) if block_m is None and n >= 0 else None,
+               select_combine_rounds(n) if rounds is None and not epilogue and n >= 0
+               and send_mode == "registers" else None,
+               os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S"), launch_path().name)
+        state = existing_buffer_state(sym_buffer)
+        plan = None if state is None else state.plans.get(key)
+        if plan is None or not plan.accepts(x, topk_idx, topk_weights, weights, n, y, stats):
+            return None, key, n
+    except (TypeError, AttributeError, ValueError, KeyError):  # odd arguments: the checks
+        return None, None, None                                # name them
+    return plan, key, n
 
 
 def _check_torch_weights(sym_buffer: SymmBuffer, weights: TorchExpertWeights) -> None:

@@ -25,14 +25,15 @@ def _gpu():
 
 # ----------------------------------------------------------------------------- CPU
 
-def _compile(recipe: str, block_m: int, layout=None):
+def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1):
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
     layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
-    kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True)
+    kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True,
+                               cluster_m=cluster_m)
     ptrs = [fake_ptr(dtype, 4 if dtype.width == 32 and name in (
                 "expert_recv_tokens", "stats", "pool_block_ready") else 16)
             for name, dtype in kernel.pointer_args()]
@@ -61,6 +62,21 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
 
 
 @pytest.mark.compile
+def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile("fp8xfp8", 128, cluster_m=2)
+    assert kernel.l1.cluster_m == kernel.l2.cluster_m == 2
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.count("UTMALDG.2D.MULTICAST") > 0
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    with pytest.raises(ValueError, match="cluster_m"):
+        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), 64, cluster_m=2)
+
+
+@pytest.mark.compile
 def test_compiles_with_stall_reports_and_no_local_memory():
     """With the default timeout every wait can print which counter stalled (a stack frame for
     the printf arguments), still without register spills."""
@@ -85,7 +101,7 @@ def test_the_two_gemm_phases_share_one_ring():
     # one transaction count for the ring: each phase expects exactly its stage's bytes
     for g in (l1, l2):
         assert g.ring_tx_bytes + g.extra_tx_bytes == g.stage_tx_bytes
-        assert g.extra_tx_bytes >= 0 and g.wg_skew == 0 and g.cluster_m == 1
+        assert g.extra_tx_bytes >= 0 and g.wg_skew == 0 and g.cluster_m == k.cluster_m == 1
     assert l1.signals_ready and not l2.signals_ready
     # L2 waits for one arrival per consumer warp of every L1 n-block of its pool block
     assert l2.waits_ready == (2 * 2048 // 256) * 2 * 4
@@ -229,3 +245,44 @@ def test_fused_refuses_bad_input_before_launch():
                                  validate_routing=True, **kwargs)
         # the call was given up (counted), nothing launched
         assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1, what
+
+
+def test_module_refuses_fused_where_it_cannot_run():
+    import cute_megamoe as cm
+
+    w1 = torch.randn(8, 512, 512).to(torch.bfloat16)
+    w2 = torch.randn(8, 512, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="fused"):
+        cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu", fused=True)
+    with pytest.raises(ValueError, match="fused"):
+        cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu", fused=True,
+                   transfer="pull")
+    with pytest.raises(TypeError, match="fused"):
+        cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu", fused=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_module_and_api_run_the_fused_kernel(recipe):
+    """`MegaMoE(fused=True)` and `api.mega_moe(..., fused=True)` give the staged kernels' y."""
+    _gpu()
+    import cute_megamoe as cm
+    from cute_megamoe import api
+
+    gen = torch.Generator().manual_seed(3)
+    w1 = (torch.randn(16, 512, 512, generator=gen) / 512**0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(16, 512, 256, generator=gen) / 256**0.5).to(torch.bfloat16).cuda()
+    layers = {f: cm.MegaMoE(None, 16, 256, 4, 512, 256, recipe, w1, w2, fused=f,
+                            activation_clamp=10.0) for f in (False, True)}
+    from cute_megamoe.testing.dispatch_checks import make_routing
+
+    for n in (1, 100, 256):
+        idx, w = make_routing(n, 16, 4, "masked", gen)
+        x = torch.randn(n, 512, generator=gen).to(torch.bfloat16).cuda()
+        ys = {f: layer(x, idx.cuda(), w.cuda()) for f, layer in layers.items()}
+        assert torch.equal(ys[True].view(torch.int16), ys[False].view(torch.int16)), n
+        layer = layers[True]
+        api.stage_inputs(layer.sym_buffer, x, idx.cuda(), w.cuda())
+        y = torch.full_like(x, float("nan"))
+        api.mega_moe(y, layer.weights, layer.sym_buffer, activation_clamp=10.0, fused=True)
+        assert torch.equal(y.view(torch.int16), ys[False].view(torch.int16)), n

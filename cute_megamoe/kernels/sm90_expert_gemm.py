@@ -245,6 +245,16 @@ class Sm90ExpertGemmKernel:
             (WG_N, self.block_k))
         return tma_a, tma_m_a, tma_b, tma_m_b
 
+    def tma_multicast_b(self, b: cute.Pointer, b_layout):
+        """The TMA atom that multicasts a weight tile chunk to both CTAs of a cluster (host
+        side of a `cute.jit` function)."""
+        atom, _ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp(),
+            cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
+                                                 stride=(self.k, 1))),
+            cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
+        return atom
+
     @cute.jit
     def __call__(
         self,
@@ -265,11 +275,7 @@ class Sm90ExpertGemmKernel:
         tma_a, tma_m_a, tma_b, tma_m_b = self.tma_loads(a, b, a_layout, b_layout)
         tma_b_mc = tma_b
         if cutlass.const_expr(self.cluster_m > 1):
-            tma_b_mc, _ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(),
-                cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
-                                                     stride=(self.k, 1))),
-                cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
+            tma_b_mc = self.tma_multicast_b(b, b_layout)
 
         @cute.struct
         class SharedStorage:
@@ -786,7 +792,7 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
     warp's staging rows sit at the same place in both phases and the L2 tiles may start while
     L1 stages are still in use), the ring's transaction count the smaller phase's (the larger
     one expects the difference per stage), and L2 tiles waiting for the L1 tiles of their pool
-    block. Both must have the same dtype, BLOCK_M and tile width, and no clusters.
+    block. Both must have the same dtype, BLOCK_M, tile width and cluster size.
     ``num_stages``: the ring's stage count (default: the smaller of the two phases' own; the
     caller checks that it fits shared memory)."""
     if (l1.phase, l2.phase) != ("l1", "l2"):
@@ -796,8 +802,8 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
         raise ValueError(
             f"share_ring: L1 and L2 tiles differ (block_n {l1.block_n} vs {l2.block_n}: the "
             f"fused kernel needs hidden and 2 * intermediate to be multiples of {2 * WG_N})")
-    if l1.cluster_m != 1 or l2.cluster_m != 1:
-        raise ValueError("share_ring: the fused kernel runs without clusters")
+    if l1.cluster_m != l2.cluster_m:
+        raise ValueError("share_ring: both phases run in clusters of the same size")
     num_stages = num_stages or min(l1.num_stages, l2.num_stages)
     stride = max(l1.staging_stride, l2.staging_stride)
     staging_bytes = max(l1.staging_bytes, l2.staging_bytes)

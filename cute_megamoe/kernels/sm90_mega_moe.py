@@ -35,8 +35,9 @@ of `common/sync.py` only grow, wrap-safe), so back-to-back calls and CUDA-graph 
 nothing from the host.
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
-BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256, no clusters); the grid at
-most one CTA per SM (cooperative launch: the host checks the grid before launching).
+BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
+128, the grid then a whole number of clusters); the grid at most one CTA per SM (cooperative
+launch: the host checks the grid before launching).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class Sm90MegaMoEKernel:
 
     def __init__(self, layout: MegaMoELayout, block_m: int,
                  activation_clamp: float | None = None, fast_math: bool = True,
-                 has_stats: bool = False, l2_staging_parts: int | None = None):
+                 has_stats: bool = False, l2_staging_parts: int | None = None,
+                 cluster_m: int = 1):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -89,6 +91,13 @@ class Sm90MegaMoEKernel:
         self.num_ranks = layout.num_ranks
         self.num_local_experts = layout.num_local_experts
         self.num_pool_blocks = layout.num_pool_rows // block_m
+        # `cluster_m` 2 (BLOCK_M 128): CTA pairs walk neighbouring pool blocks in lockstep and
+        # multicast the weight tile, as the staged GEMMs do. Off by default: interleaved on an
+        # H200 it changed the fused layer by -2 to +3 % (docs/performance.md), and ranks that
+        # share a GPU (loopback tests) can leave a cooperative grid no room for its SM pairs
+        if cluster_m not in (1, 2) or (cluster_m == 2 and block_m != 128):
+            raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128; got {cluster_m}")
+        self.cluster_m = cluster_m
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push")
         self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
@@ -98,10 +107,11 @@ class Sm90MegaMoEKernel:
         h, inter = layout.hidden, layout.intermediate_hidden
         self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
                                        activation_clamp=activation_clamp, fast_math=fast_math,
-                                       smem_reserved=reserved)
+                                       smem_reserved=reserved, cluster_m=self.cluster_m)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
-                                       smem_reserved=reserved, staging_parts=l2_staging_parts)
+                                       smem_reserved=reserved, staging_parts=l2_staging_parts,
+                                       cluster_m=self.cluster_m)
         share_ring(self.l1, self.l2)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel)
@@ -163,6 +173,10 @@ class Sm90MegaMoEKernel:
         tiled_mma, a_layout, b_layout = self.l1.mma_and_stage_layouts()
         tma_a1, m_a1, tma_b1, m_b1 = self.l1.tma_loads(l1_acts, w1, a_layout, b_layout)
         tma_a2, m_a2, tma_b2, m_b2 = self.l2.tma_loads(l2_acts, w2, a_layout, b_layout)
+        tma_b1_mc, tma_b2_mc = tma_b1, tma_b2
+        if cutlass.const_expr(self.cluster_m > 1):
+            tma_b1_mc = self.l1.tma_multicast_b(w1, b_layout)
+            tma_b2_mc = self.l2.tma_multicast_b(w2, b_layout)
         k = self.l1
 
         @cute.struct
@@ -178,18 +192,20 @@ class Sm90MegaMoEKernel:
 
         self.shared_storage = SharedStorage
         per_expert = cute.make_layout(self.num_local_experts)
-        self.kernel(tiled_mma, tma_a1, m_a1, tma_b1, m_b1, tma_a2, m_a2, tma_b2, m_b2,
-                    a_layout, b_layout, peer_bases, rank, num_tokens,
+        self.kernel(tiled_mma, tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, tma_a2, m_a2, tma_b2,
+                    tma_b2_mc, m_b2, a_layout, b_layout, peer_bases, rank, num_tokens,
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, y).launch(
-            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], min_blocks_per_mp=1,
-            stream=stream, cooperative=True)
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
+            cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
+            cooperative=True)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a1: cute.CopyAtom, m_a1: cute.Tensor,
-               tma_b1: cute.CopyAtom, m_b1: cute.Tensor, tma_a2: cute.CopyAtom,
-               m_a2: cute.Tensor, tma_b2: cute.CopyAtom, m_b2: cute.Tensor,
+               tma_b1: cute.CopyAtom, tma_b1_mc: cute.CopyAtom, m_b1: cute.Tensor,
+               tma_a2: cute.CopyAtom, m_a2: cute.Tensor, tma_b2: cute.CopyAtom,
+               tma_b2_mc: cute.CopyAtom, m_b2: cute.Tensor,
                a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
                peer_bases_ptr: cute.Pointer, rank: Int32, num_tokens: Int32,
                expert_recv_tokens: cute.Tensor, stats: cute.Tensor, l1_acts_sf: cute.Pointer,
@@ -201,6 +217,12 @@ class Sm90MegaMoEKernel:
         grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        # the tile walk goes by clusters; cta_rank: this CTA's pool block within its cluster's
+        cta_rank = Int32(0)
+        if cutlass.const_expr(self.cluster_m > 1):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster = bidx // self.cluster_m
+        num_clusters = grid // self.cluster_m
         peer_bases = cute.make_tensor(peer_bases_ptr, cute.make_layout(self.num_ranks))
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
@@ -216,16 +238,22 @@ class Sm90MegaMoEKernel:
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # every consumer warp frees a stage in each CTA of the cluster (the peer's
+            # multicast writes into this CTA's stages too)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.l1.num_mma_wgs * 4),
+                                                     self.cluster_m * self.l1.num_mma_wgs * 4),
             tx_count=self.l1.ring_tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
         cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster_m > 1):
+            cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
+            cute.arch.cluster_wait()
 
         # this call's readiness counters start at 0 (ordered before any use by the grid
         # barriers of the dispatch)
+        # (a cluster's dummy block past the pool's last has a counter too)
         i = bidx * self.num_threads + tidx
-        while i < self.num_pool_blocks:
+        while i < self.num_pool_blocks + self.cluster_m - 1:
             cute.arch.store(pool_block_ready + i, Int32(0))
             i += grid * self.num_threads
 
@@ -245,13 +273,13 @@ class Sm90MegaMoEKernel:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
                 state, tile = self.l1.produce(
-                    tma_a1, m_a1, tma_b1, tma_b1, m_b1, sa, sb, sfa, sfb, l1_acts_sf, w1_sf,
-                    ring, block_start, row_start, l1_tiles, bidx, grid,
-                    Int32(self.l1.raster_group), Int32(0), lane, state)
+                    tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb, sfa, sfb, l1_acts_sf, w1_sf,
+                    ring, block_start, row_start, l1_tiles, cluster, num_clusters,
+                    Int32(self.l1.raster_group), cta_rank, lane, state)
                 state, _ = self.l2.produce(
-                    tma_a2, m_a2, tma_b2, tma_b2, m_b2, sa, sb, sfa, sfb, l2_acts_sf, w2_sf,
-                    ring, block_start, row_start, l2_tiles, tile - l1_tiles, grid,
-                    Int32(self.l2.raster_group), Int32(0), lane, state, pool_block_ready,
+                    tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, l2_acts_sf, w2_sf,
+                    ring, block_start, row_start, l2_tiles, tile - l1_tiles, num_clusters,
+                    Int32(self.l2.raster_group), cta_rank, lane, state, pool_block_ready,
                     barrier)
                 ring.producer_tail(state)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
@@ -264,17 +292,21 @@ class Sm90MegaMoEKernel:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             state, prev, tile = self.l1.consume(
-                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx,
-                grid, Int32(self.l1.raster_group), Int32(0), wg - 1, warp % 4, lane,
+                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, cluster,
+                num_clusters, Int32(self.l1.raster_group), cta_rank, wg - 1, warp % 4, lane,
                 l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
                 staging, state, state.clone(), pool_block_ready)
             self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
-                tile - l1_tiles, grid, Int32(self.l2.raster_group), Int32(0), wg - 1, warp % 4,
-                lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
+                tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
+                warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
                 token_src_metadata, staging, state, prev)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(COMBINE_REGS)
+
+        if cutlass.const_expr(self.cluster_m > 1):
+            cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
+            cute.arch.cluster_wait()
 
         # 3. combine: the rows are in the source ranks' combine buffers (the L2 epilogues
         # waited for their stores); meet the other ranks, reduce

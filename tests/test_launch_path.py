@@ -1,0 +1,306 @@
+"""The launch paths and the layer's hot path (CPU; what they cost is `bench/host_overhead.py`'s).
+
+* Structure (CPU, no compile): `staged.staged_mega_moe` on our kernels keeps the launches of a
+  configuration as a plan on the buffer; a later call runs its checks, fills in only what
+  changes (inputs' and ``y``'s addresses, the token count, the stream) and launches: no
+  compiled-kernel lookup, no pointer building for the buffer or the weights, the same
+  arguments the full path builds. Checked on both launch paths with a fake CUDA environment
+  (the "must be on CUDA" checks, arch, SM count and stream stubbed; kernels recorded instead
+  of compiled). A wrong input still raises before any launch and gives the call up.
+* TVM-FFI (``compile``): every launcher's kernel compiles with ``--enable-tvm-ffi`` for sm_90a,
+  yields a raw positional ``tvm_ffi.Function``, and its C stub accepts the arguments in the
+  form the launchers build (ints for pointers, ``Int32`` and the stream) up to the point where
+  it needs a GPU (loading the module: a CUDA runtime error), in a subprocess whose
+  ``CUTE_DSL_ARCH=sm_90a`` lets the DSL build the host JIT engine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cute_megamoe import expert_gemm, launch, runtime, staged
+from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+from cute_megamoe.expert_gemm import ExpertWeights
+from cute_megamoe.layout import BarrierSlots
+from cute_megamoe.testing.dispatch_checks import make_routing
+
+E, T, K, H, INTER = 8, 64, 4, 256, 128
+#: apache-tvm-ffi is a dependency, but a GPU machine may run the tests from a source tree
+needs_tvm_ffi = pytest.mark.skipif(not runtime.tvm_ffi_available(),
+                                   reason="apache-tvm-ffi does not import here")
+PATHS = [pytest.param("tvm-ffi", marks=needs_tvm_ffi), "cute-dsl"]
+KERNELS = ("InputStagingKernel", "DispatchKernel", "l1", "l2", "CombineKernel")
+
+
+class _Recorder:
+    """A "compiled kernel" that records its launches."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __call__(self, *args) -> None:
+        self.log.append((self.name, args))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The host layer on a CPU buffer as if on an sm_90a GPU: kernels recorded, not compiled.
+    Yields counters of the compiles, compiled-kernel lookups and `cute.Pointer`s built."""
+    counts = {"compile": 0, "compiled_kernel": 0, "as_ptr": 0}
+    log: list = []
+
+    def fake_compile(kernel, specs, arch, path):
+        counts["compile"] += 1
+        name = type(kernel).__name__
+        return _Recorder(getattr(kernel, "phase", name) if "Gemm" in name else name, log)
+
+    real_compiled_kernel, real_as_ptr = runtime.compiled_kernel, runtime.as_ptr
+
+    def counting_compiled_kernel(key, build):
+        counts["compiled_kernel"] += 1
+        return real_compiled_kernel(key, build)
+
+    def counting_as_ptr(*args, **kwargs):
+        counts["as_ptr"] += 1
+        return real_as_ptr(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(staged, "check_cuda_buffer", lambda buf: buf.device)
+    monkeypatch.setattr(expert_gemm, "check_cuda_device", lambda name, device: device)
+    for module in (launch, expert_gemm):
+        monkeypatch.setattr(module, "get_arch", lambda *args: "sm_90a")
+    monkeypatch.setattr(launch, "get_num_sms", lambda *args: 132)
+    monkeypatch.setattr(runtime, "current_raw_stream", lambda: 1234)
+    monkeypatch.setattr(runtime, "current_stream", lambda: "stream-1234")
+    monkeypatch.setattr(runtime, "_COMPILED", {})  # keep the recorders out of the real cache
+    monkeypatch.setattr(runtime, "as_ptr", counting_as_ptr)
+    monkeypatch.setattr(launch, "compiled_kernel", counting_compiled_kernel)
+    monkeypatch.setattr(launch, "_compile", fake_compile)
+    previous = runtime.launch_path().name
+    yield counts, log
+    runtime.set_launch_path(previous)
+
+
+def _layer_inputs(n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    idx, w = make_routing(n, E, K, "random", gen)
+    return torch.randn(n, H, generator=gen).to(torch.bfloat16), idx, w
+
+
+def _address(arg) -> int:
+    """The address a pointer argument carries on either path (an int on TVM-FFI, a
+    `cute.Pointer` on the CuTe DSL path)."""
+    return arg if isinstance(arg, int) else arg._pointer
+
+
+def _value(arg) -> object:
+    """A launch argument as something comparable: an address, an int, or the stream's text."""
+    if isinstance(arg, int) or hasattr(arg, "_pointer"):
+        return _address(arg)
+    if isinstance(arg, str):  # the stubbed stream
+        return arg
+    return int(arg)  # cutlass.Int32
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_layer_calls_reuse_the_plan_and_fill_in_only_what_changes(fake_cuda, path):
+    counts, log = fake_cuda
+    runtime.set_launch_path(path)
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp8",
+                                       device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16)
+    weights = ExpertWeights.from_bf16(w1, w2, "fp8xfp8", arch="sm_90a")
+
+    def layer(n, seed, **kwargs):
+        x, idx, w = _layer_inputs(n, seed)
+        before = (dict(counts), len(log))
+        y = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
+                                   validate_routing=False, **kwargs)
+        spent = {k: counts[k] - before[0][k] for k in counts}
+        return (x, idx, w, y), spent, log[before[1]:]
+
+    first, spent, launched = layer(5, 1)
+    assert [name for name, _ in launched] == list(KERNELS)
+    assert spent["compile"] == 5
+    assert len(launch.buffer_state(buf).plans) == 1
+    # later calls: the plan, with the new inputs' addresses and token count
+    for n, seed in ((5, 2), (7, 3)):
+        (x, idx, w, y), spent, launched = layer(n, seed)
+        assert [name for name, _ in launched] == list(KERNELS)
+        assert spent["compile"] == 0 and spent["compiled_kernel"] == 0
+        # pointers built per call: the four tensors of the call (x, topk_idx, topk_weights,
+        # y) on the CuTe DSL path, none on TVM-FFI: never the buffer's or the weights'
+        assert spent["as_ptr"] == (0 if path == "tvm-ffi" else 4)
+        args = dict(launched)
+        assert [_address(a) for a in args["InputStagingKernel"][:3]] == \
+            [x.data_ptr(), idx.data_ptr(), w.data_ptr()]
+        assert _address(args["CombineKernel"][launch.COMBINE_SLOTS[1]]) == y.data_ptr()
+        for name, slot in (("InputStagingKernel", 7), ("DispatchKernel", 2),
+                           ("CombineKernel", 2)):
+            assert int(args[name][slot]) == n
+        assert y.shape == (n, H) and y.dtype == torch.bfloat16
+    assert len(launch.buffer_state(buf).plans) == 1  # 5 and 7 tokens: one configuration
+
+    # the plan's launches are the full path's: drop the plans, repeat the last call
+    fast = launched
+    launch.buffer_state(buf).plans.clear()
+    before = len(log)
+    y2 = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
+                                validate_routing=False, y=y)
+    assert y2 is y
+    full = log[before:]
+    assert [name for name, _ in full] == [name for name, _ in fast]
+    for (name, a), (_, b) in zip(fast, full, strict=True):
+        assert [_value(v) for v in a] == [_value(v) for v in b], name
+
+    # a new configuration (another SiLU) builds a plan of its own, beside the y-given one
+    _, spent, _ = layer(5, 4, fast_math=False)
+    assert spent["compile"] == 2  # the GEMMs (both keyed by fast_math)
+    assert len(launch.buffer_state(buf).plans) == 2
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_layer_checks_still_run_before_any_launch_with_a_plan(fake_cuda, path):
+    """With a plan in place, a wrong input raises as without one, naming the argument, gives
+    the call up once and launches nothing."""
+    counts, log = fake_cuda
+    runtime.set_launch_path(path)
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="bf16xbf16",
+                                       device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    weights = ExpertWeights.from_bf16(
+        torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16),
+        torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16), "bf16xbf16", arch="sm_90a")
+    x, idx, w = _layer_inputs(6, 6)
+    for _ in range(2):
+        staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False)
+    assert len(launch.buffer_state(buf).plans) == 1
+    tag = int(buf.barrier[BarrierSlots.CALL_TAG])
+    y_wrong = torch.empty(6, H, dtype=torch.float32)
+    cases = [
+        (TypeError, "x: expected dtype", dict(x=x.float())),
+        (ValueError, "topk_idx: expected shape", dict(topk_idx=idx[:, :2].contiguous())),
+        (ValueError, "topk_weights: must be contiguous",
+         dict(topk_weights=w.t().contiguous().t())),
+        (ValueError, "x: 9999 tokens exceed", dict(x=torch.zeros(9999, H, dtype=torch.bfloat16),
+                                                   topk_idx=torch.zeros(9999, K, dtype=torch.int64),
+                                                   topk_weights=torch.zeros(9999, K))),
+        (TypeError, "y: expected dtype", dict(y=y_wrong)),
+        (ValueError, "out of range", dict(topk_idx=idx + E, validate_routing=True)),
+        (TypeError, "fast_math: expected a bool", dict(fast_math=1)),
+        (TypeError, "activation_clamp: expected None or a float", dict(activation_clamp=True)),
+    ]
+    for exc, text, change in cases:
+        kwargs = dict(x=x, topk_idx=idx, topk_weights=w, validate_routing=False) | change
+        before = len(log)
+        with pytest.raises(exc, match=text):
+            staged.staged_mega_moe(buf, kwargs.pop("x"), kwargs.pop("topk_idx"),
+                                   kwargs.pop("topk_weights"), weights, **kwargs)
+        assert len(log) == before, text  # nothing launched
+        tag += 1
+        assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag, text  # given up once
+    # a weight changed in place (a shape the kernels were not built for) is seen too
+    weights.w2 = weights.w2[:, :, : INTER // 2]
+    with pytest.raises(ValueError, match="weights.w2: expected shape"):
+        staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False)
+
+
+def test_launch_path_is_chosen_once_and_switchable():
+    assert runtime.launch_path() in runtime.LAUNCH_PATHS.values()
+    previous = runtime.set_launch_path("cute-dsl")
+    try:
+        path = runtime.launch_path()
+        assert (path.name, path.tvm_ffi) == ("cute-dsl", False)
+        assert path.options("sm_90a") == "--gpu-arch sm_90a"
+        assert runtime.LAUNCH_PATHS["tvm-ffi"].options("sm_90a") == \
+            "--gpu-arch sm_90a --enable-tvm-ffi"
+        t = torch.zeros(4, dtype=torch.int32)
+        assert runtime.LAUNCH_PATHS["tvm-ffi"].ptr(t, 4) == t.data_ptr()
+        assert runtime.LAUNCH_PATHS["tvm-ffi"].int32(7) == 7
+        with pytest.raises(ValueError, match="name: expected one of"):
+            runtime.set_launch_path("dlpack")
+    finally:
+        runtime.set_launch_path(previous.name)
+
+
+@needs_tvm_ffi
+@pytest.mark.parametrize("value,expected", [("0", "cute-dsl"), ("1", "tvm-ffi"), ("", "tvm-ffi")])
+def test_launch_path_env_switch(value, expected):
+    env = dict(os.environ, CUTE_MEGAMOE_TVM_FFI=value)
+    out = subprocess.run([sys.executable, "-c", "from cute_megamoe import runtime; "
+                          "print(runtime.launch_path().name)"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == expected
+
+
+# ----------------------------------------------------------------------------- TVM-FFI compile
+
+@needs_tvm_ffi
+@pytest.mark.compile
+def test_every_launcher_compiles_for_tvm_ffi_and_its_stub_takes_the_arguments():
+    """`testing.tvm_ffi_probe` in a subprocess: per launch, the raw function and what its
+    calls did."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="",
+               CUTE_MEGAMOE_TVM_FFI="1")
+    proc = subprocess.run([sys.executable, "-m", "cute_megamoe.testing.tvm_ffi_probe"],
+                          env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    launches = ("staging", "dispatch", "dispatch+stats", "combine", "combine-epilogue", "l1",
+                "l2", "l2-to-combine")
+    assert set(report) == {f"{recipe}/{name}" for recipe in ("fp8xfp8", "bf16xbf16")
+                           for name in launches}
+    for name, r in report.items():
+        assert r["raw_is_tvm_ffi_function"] and r["all_int_args"], name
+        # the stub decoded every argument (ints for pointers, Int32s and the stream), then
+        # needed the GPU
+        assert "Cuda Runtime Error" in r["call"], (name, r["call"])
+        assert "Cuda Runtime Error" in r["prepared_call"], (name, r["prepared_call"])
+        # and it does check them, all before the GPU: the count, the first and last argument
+        assert r["too_few"].startswith("TypeError: Expects"), (name, r["too_few"])
+        for case in ("float_for_pointer", "float_for_stream"):
+            assert r[case].startswith("TypeError: Mismatched type"), (name, r[case])
+            assert "expected handle or int" in r[case], (name, r[case])
+
+
+def test_module_eager_call_skips_the_custom_op_dispatcher_only_when_it_may(monkeypatch):
+    """`MegaMoE.forward` runs its implementation directly in plain eager calls (the same bits),
+    and through the custom op when autograd would record an input or a mode is active."""
+    import cute_megamoe as cm
+    from cute_megamoe import module
+
+    gen = torch.Generator().manual_seed(7)
+    w1 = torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16)
+    moe = cm.MegaMoE(None, E, T, K, H, INTER, "bf16xbf16", w1, w2, device="cpu")
+    x, idx, w = _layer_inputs(9, 8)
+    through_op = []
+    real_op = module.mega_moe_op
+    monkeypatch.setattr(module, "mega_moe_op", lambda *args: through_op.append(1) or
+                        real_op(*args))
+    direct = moe(x, idx, w)
+    assert through_op == []
+    via_op = real_op(x, idx, w, moe.layer_id)
+    assert torch.equal(direct.view(torch.int16), via_op.view(torch.int16))
+    assert not direct.requires_grad
+    moe(x.clone().requires_grad_(), idx, w)
+    assert through_op == [1]
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        moe(x, idx, w)
+    assert through_op == [1, 1]
