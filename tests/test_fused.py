@@ -286,3 +286,17 @@ def test_module_and_api_run_the_fused_kernel(recipe):
         y = torch.full_like(x, float("nan"))
         api.mega_moe(y, layer.weights, layer.sym_buffer, activation_clamp=10.0, fused=True)
         assert torch.equal(y.view(torch.int16), ys[False].view(torch.int16)), n
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fused_one_rank_per_gpu(num_ranks, recipe):
+    """200 calls (R = 2; 50 at 4 and 8), one process per GPU, each against the staged layer."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import run_multiprocess
+
+    if torch.cuda.device_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} GPUs, {torch.cuda.device_count()} present")
+    run_multiprocess(num_ranks, recipe, 200 if num_ranks == 2 else 50,
+                     port=29961 + 10 * num_ranks + RECIPES.index(recipe))

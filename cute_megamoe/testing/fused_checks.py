@@ -137,7 +137,9 @@ def check_fused_calls(layer: FusedLayer, num_calls: int, max_tokens: int, seed: 
     for call in range(num_calls):
         tokens = tuple(rng.choice((0, 1, rng.randint(0, max_tokens), max_tokens))
                        for _ in range(r))
-        chosen = {b.rank: rng.choice(block_ms) for b in layer.ranks.buffers}
+        # (drawn for every rank of the group, so that all processes draw alike)
+        drawn = [rng.choice(block_ms) for _ in range(r)]
+        chosen = {b.rank: drawn[b.rank] for b in layer.ranks.buffers}
         layer.check_call(tokens, ROUTINGS[call % len(ROUTINGS)], chosen, seed * 7919 + call,
                          against_reference=call % reference_every == 0)
 
@@ -179,3 +181,38 @@ def check_fused_graph(layer: FusedLayer, tokens: int, num_replays: int, seed: in
         assert not bool(y.isnan().any()), f"replay {replay}: rows not written"
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \
             f"replay {replay}: graph replay differs from the staged layer"
+
+
+# ----------------------------------------------------------------------------- one GPU per rank
+
+def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_calls: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from ..buffer import get_symm_buffer_for_mega_moe
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
+                            device_id=torch.device("cuda", rank))
+    try:
+        buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, 16 * num_ranks, 256, 4, 512, 256,
+                                           mma_type=recipe)
+        layer = FusedLayer(Ranks([buf], [torch.cuda.Stream()]))
+        layer.warm_up((64, 128))
+        layer.check_call(tuple(256 if r == 0 else 0 for r in range(num_ranks)), "random",
+                         {rank: 128 if rank == 0 else 64}, seed=1)
+        check_fused_calls(layer, num_calls, 256, seed=7)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_multiprocess(num_ranks: int, recipe: str, num_calls: int, port: int = 29957) -> None:
+    """`check_fused_calls` with one process per GPU (needs `num_ranks` GPUs); every process
+    draws the same calls from the seed (its own rank's inputs and BLOCK_M)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(num_ranks, port, recipe, num_calls), nprocs=num_ranks, join=True)
