@@ -91,7 +91,7 @@ DISPATCH_SLOTS = (2, 4, 6)
 GEMM_SLOTS = (11,)
 COMBINE_SLOTS = (2, 5, 7)
 # the fused layer kernel: (num_tokens, stats, y, stream)
-FUSED_SLOTS = (2, 4, 16, 18)
+FUSED_SLOTS = (2, 4, 17, 19)
 
 
 @dataclass(frozen=True)
@@ -352,19 +352,23 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
 
 def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                y: torch.Tensor | None, num_ctas: int, stats: torch.Tensor | None,
-               activation_clamp: float | None, fast_math: bool) -> KernelCall:
+               activation_clamp: float | None, fast_math: bool,
+               phase_clock: torch.Tensor | None = None) -> KernelCall:
     """`kernels/sm90_mega_moe.py`: the whole layer for ``num_tokens`` staged rows into ``y``
-    (collective). ``num_ctas`` is rounded down to whole clusters."""
+    (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
+    ``[num_ctas, len(PHASE_STAMPS)]``, a diagnostic): a kernel that writes each CTA's phase
+    boundaries there (`bench/fused_phases.py`)."""
     from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
+    clocked = phase_clock is not None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats)
+           has_stats, clocked)
     kernel = compiled_kernel(key + ("kernel",), lambda: Sm90MegaMoEKernel(
         layout, block_m, activation_clamp=activation_clamp, fast_math=fast_math,
-        has_stats=has_stats))
+        has_stats=has_stats, phase_clock=clocked))
     fp8 = layout.has_sf
     spare = sym_buffer.l1_topk_weights  # stands for an unused pointer (never dereferenced)
     tensors = {
@@ -376,6 +380,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         "token_src_metadata": sym_buffer.token_src_metadata, "w1": weights.w1,
         "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
         "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": state.pool_block_ready,
+        "phase_clock": phase_clock if clocked else sym_buffer.peer_bases,  # (unused)
         "y": y if num_tokens > 0 else spare,
     }
     ptrs = [Ptr(tensors[name], 4 if name in ("expert_recv_tokens", "stats", "pool_block_ready")

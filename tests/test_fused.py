@@ -25,7 +25,8 @@ def _gpu():
 
 # ----------------------------------------------------------------------------- CPU
 
-def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1):
+def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
+             phase_clock: bool = False):
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -33,8 +34,8 @@ def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1):
 
     layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True,
-                               cluster_m=cluster_m)
-    ptrs = [fake_ptr(dtype, 4 if dtype.width == 32 and name in (
+                               cluster_m=cluster_m, phase_clock=phase_clock)
+    ptrs = [fake_ptr(dtype, 4 if name in (
                 "expert_recv_tokens", "stats", "pool_block_ready") else 16)
             for name, dtype in kernel.pointer_args()]
     art = compile_for_arch(kernel, ptrs[0], Int32(0), Int32(0), *ptrs[1:], Int32(132),
@@ -74,6 +75,19 @@ def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
 
     with pytest.raises(ValueError, match="cluster_m"):
         Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), 64, cluster_m=2)
+
+
+@pytest.mark.compile
+def test_phase_clock_variant_compiles_and_stamps_every_phase(monkeypatch):
+    """The diagnostic build (`bench/fused_phases.py`) reads the global timer once more per
+    phase than the default build."""
+    from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    _, plain = _compile("fp8xfp8", 64)
+    _, clocked = _compile("fp8xfp8", 64, phase_clock=True)
+    # (the spin-waits read the timer too)
+    assert clocked.ptx.count("globaltimer") >= plain.ptx.count("globaltimer") + len(PHASE_STAMPS)
 
 
 @pytest.mark.compile

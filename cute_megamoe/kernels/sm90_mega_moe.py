@@ -63,6 +63,9 @@ from .sm90_expert_gemm import (
 )
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
+# With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool is
+# complete, when its first consumer warp finished its L1 tiles and its L2 tiles, and at the end
+PHASE_STAMPS = ("start", "pool_ready", "l1_done", "l2_done", "end")
 # dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
 # `smem_bytes` does not count
 SM_SMEM_CAPACITY = 227 * 1024 - 2048
@@ -78,7 +81,7 @@ class Sm90MegaMoEKernel:
     def __init__(self, layout: MegaMoELayout, block_m: int,
                  activation_clamp: float | None = None, fast_math: bool = True,
                  has_stats: bool = False, l2_staging_parts: int | None = None,
-                 cluster_m: int = 1):
+                 cluster_m: int = 1, phase_clock: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -86,6 +89,8 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"block_m: the sm_90a fused kernel runs 64 or 128, got {block_m}")
         self.layout = layout
         self.regions = BufferRegions(layout)
+        # write each CTA's phase boundaries (`PHASE_STAMPS`, ns) to `phase_clock` (diagnostic)
+        self.phase_clock = bool(phase_clock)
         self.block_m = block_m
         self.num_threads = 128 * (1 + block_m // 64)
         self.num_ranks = layout.num_ranks
@@ -136,7 +141,7 @@ class Sm90MegaMoEKernel:
                 ("l1_acts", ab), ("l1_acts_sf", Float32), ("l1_topk_weights", Float32),
                 ("l2_acts", ab), ("l2_acts_sf", Float32), ("token_src_metadata", Int32),
                 ("w1", ab), ("w1_sf", Float32), ("w2", ab), ("w2_sf", Float32),
-                ("pool_block_ready", Int32), ("y", BFloat16))
+                ("pool_block_ready", Int32), ("phase_clock", Int64), ("y", BFloat16))
 
     def smem_bytes(self, num_stages: int | None = None) -> int:
         """Shared memory of one CTA with ``num_stages`` ring stages (default: the kernel's),
@@ -166,6 +171,7 @@ class Sm90MegaMoEKernel:
         w2: cute.Pointer,  # [E_l, H, I]
         w2_sf: cute.Pointer,
         pool_block_ready: cute.Pointer,  # Int32 [P / BLOCK_M], per-call readiness counters
+        phase_clock: cute.Pointer,  # Int64 [grid, len(PHASE_STAMPS)], written with phase_clock
         y: cute.Pointer,  # BF16 [num_tokens, H]
         num_ctas: Int32,
         stream,
@@ -196,7 +202,8 @@ class Sm90MegaMoEKernel:
                     tma_b2_mc, m_b2, a_layout, b_layout, peer_bases, rank, num_tokens,
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
-                    l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, y).launch(
+                    l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
+                    y).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True)
@@ -211,7 +218,7 @@ class Sm90MegaMoEKernel:
                expert_recv_tokens: cute.Tensor, stats: cute.Tensor, l1_acts_sf: cute.Pointer,
                l1_topk_weights: cute.Pointer, l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
                token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
-               pool_block_ready: cute.Pointer, y: cute.Pointer):
+               pool_block_ready: cute.Pointer, phase_clock: cute.Pointer, y: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -226,6 +233,8 @@ class Sm90MegaMoEKernel:
         peer_bases = cute.make_tensor(peer_bases_ptr, cute.make_layout(self.num_ranks))
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
+        stamps = phase_clock + bidx * len(PHASE_STAMPS)
+        self.stamp(stamps, 0, tidx == 0)
         if warp == 0:
             for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
                 cpasync.prefetch_descriptor(atom)
@@ -262,6 +271,7 @@ class Sm90MegaMoEKernel:
         row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                    expert_recv_tokens, stats, smem)
         grid_barrier(barrier, grid, self.timeout_ns)
+        self.stamp(stamps, 1, tidx == 0)
 
         # 2. L1 tiles then L2 tiles, one walk, one ring
         l1_tiles = self.l1.scheduler.num_tiles(block_start)
@@ -296,11 +306,13 @@ class Sm90MegaMoEKernel:
                 num_clusters, Int32(self.l1.raster_group), cta_rank, wg - 1, warp % 4, lane,
                 l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
                 staging, state, state.clone(), pool_block_ready)
+            self.stamp(stamps, 2, tidx == 128)
             self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
                 tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
                 warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
                 token_src_metadata, staging, state, prev)
+            self.stamp(stamps, 3, tidx == 128)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(COMBINE_REGS)
 
@@ -312,3 +324,12 @@ class Sm90MegaMoEKernel:
         # waited for their stores); meet the other ranks, reduce
         self.combine.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
                                      l1_topk_weights, row_start, block_start, y, None)
+        self.stamp(stamps, 4, tidx == 0)
+
+    @cute.jit
+    def stamp(self, stamps: cute.Pointer, index: cutlass.Constexpr, mine):
+        """With `phase_clock`: the global timer into ``stamps[index]`` (by the thread where
+        ``mine``)."""
+        if cutlass.const_expr(self.phase_clock):
+            if mine:
+                cute.arch.store(stamps + index, cute.arch.globaltimer())

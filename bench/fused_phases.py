@@ -1,0 +1,93 @@
+"""Where the fused layer kernel's time goes, per phase (one rank, one GPU).
+
+    python3 -m bench.fused_phases [--tokens 128 4096 8192] [--recipe fp8xfp8] [--calls 20]
+
+Runs `kernels/sm90_mega_moe.py` compiled with `phase_clock` (every CTA writes the global timer
+at its start, once the pool is complete, when its first consumer warp finished its L1 tiles and
+its L2 tiles, and at its end: `PHASE_STAMPS`), over `calls` back-to-back calls on staged inputs,
+and reports per phase the median over calls of the time from the grid's first start to the
+median / latest CTA reaching the phase's end. The stamps cost a store per CTA per phase; the
+kernel is otherwise the one the layer runs (`fused_graph_us` of `bench_layer` is the
+uninstrumented time). Writes `fused_phases-*.json` under `bench/results/` (or
+`CUTE_MEGAMOE_RESULTS_DIR`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from bench.common import Results, gpu_clocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096, 8192])
+    parser.add_argument("--recipe", default="fp8xfp8")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+
+    from cute_megamoe import api
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.expert_gemm import ExpertWeights
+    from cute_megamoe.heuristics import block_m_for_call
+    from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
+    from cute_megamoe.launch import buffer_state, fused_call
+    from cute_megamoe.testing.dispatch_checks import make_routing
+
+    gen = torch.Generator().manual_seed(0)
+    wgen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, inter = args.experts, args.hidden, args.intermediate
+    w1 = (torch.randn(e, 2 * inter, h, generator=wgen, device="cuda") / h**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, generator=wgen, device="cuda") / inter**0.5).to(torch.bfloat16)
+    weights = ExpertWeights.from_bf16(w1, w2, args.recipe)
+    del w1, w2
+    buf = get_symm_buffer_for_mega_moe(None, e, max(args.tokens), args.topk, h, inter,
+                                       mma_type=args.recipe)
+    grid = buffer_state(buf).num_sms
+    res = Results("fused_phases", meta={
+        "ranks": 1, "recipe": args.recipe, "experts": e, "topk": args.topk, "hidden": h,
+        "intermediate": inter, "calls": args.calls, "stamps": list(PHASE_STAMPS),
+        "clocks_before": gpu_clocks()})
+    for n in args.tokens:
+        idx, w = make_routing(n, e, args.topk, "random", gen)
+        x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
+        api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
+        block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
+        y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
+        clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
+        call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock)
+        for _ in range(3):
+            call()
+        samples = []
+        for _ in range(args.calls):
+            call()
+            stamps = clock.cpu()
+            # from the grid's first start; per phase end: the median and the latest CTA
+            rel = (stamps - stamps[:, 0].min()).double() / 1e3
+            samples.append({f"{name}_{stat}": float(fn(rel[:, i]))
+                            for i, name in enumerate(PHASE_STAMPS[1:], 1)
+                            for stat, fn in (("median_us", torch.median),
+                                             ("last_us", torch.max))})
+            samples[-1]["start_spread_us"] = float(rel[:, 0].max())
+        row = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        row["l1_us"] = row["l1_done_median_us"] - row["pool_ready_median_us"]
+        row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
+        row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
+        res.add(tokens=n, block_m=block_m, **row)
+    res.meta["clocks_after"] = gpu_clocks()
+    print(f"saved {res.save()}")
+    print(res.table(["tokens", "block_m", "start_spread_us", "pool_ready_last_us", "l1_us",
+                     "l1_done_last_us", "l2_us", "l2_done_last_us", "combine_us",
+                     "end_last_us"]))
+    buf.destroy()
+
+
+if __name__ == "__main__":
+    main()
