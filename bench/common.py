@@ -173,3 +173,17 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
+
+
+def random_expert_weights(num_experts: int, hidden: int, intermediate: int, recipe: str,
+                          seed: int = 0):
+    """`expert_gemm.ExpertWeights` of random BF16 masters ``[E, 2I, H]`` / ``[E, H, I]``
+    (scaled by 1/sqrt(K)) quantized for ``recipe`` on the current GPU."""
+    from cute_megamoe.expert_gemm import ExpertWeights
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen, device="cuda")
+          / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen, device="cuda")
+          / intermediate**0.5).to(torch.bfloat16)
+    return ExpertWeights.from_bf16(w1, w2, recipe)

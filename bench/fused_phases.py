@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from bench.common import Results, gpu_clocks
+from bench.common import Results, gpu_clocks, random_expert_weights
 
 
 def main() -> None:
@@ -35,19 +35,14 @@ def main() -> None:
 
     from cute_megamoe import api
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-    from cute_megamoe.expert_gemm import ExpertWeights
     from cute_megamoe.heuristics import block_m_for_call
     from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
     from cute_megamoe.launch import buffer_state, fused_call
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     gen = torch.Generator().manual_seed(0)
-    wgen = torch.Generator(device="cuda").manual_seed(0)
     e, h, inter = args.experts, args.hidden, args.intermediate
-    w1 = (torch.randn(e, 2 * inter, h, generator=wgen, device="cuda") / h**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e, h, inter, generator=wgen, device="cuda") / inter**0.5).to(torch.bfloat16)
-    weights = ExpertWeights.from_bf16(w1, w2, args.recipe)
-    del w1, w2
+    weights = random_expert_weights(e, h, inter, args.recipe)
     buf = get_symm_buffer_for_mega_moe(None, e, max(args.tokens), args.topk, h, inter,
                                        mma_type=args.recipe)
     grid = buffer_state(buf).num_sms

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench.common import Results, gpu_clocks
+from bench.common import Results, gpu_clocks, random_expert_weights
 
 
 def _events_us(fn, iters: int, repeats: int = 7) -> float:
@@ -98,19 +98,14 @@ def main() -> None:
 
     from cute_megamoe import fused, runtime, staged
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-    from cute_megamoe.expert_gemm import ExpertWeights
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     default_path = runtime.launch_path().name
     paths = args.paths or [name for name, path in runtime.LAUNCH_PATHS.items()
                            if not path.tvm_ffi or runtime.tvm_ffi_available()]
     gen = torch.Generator().manual_seed(0)
-    wgen = torch.Generator(device="cuda").manual_seed(0)
     e, h, inter = args.experts, args.hidden, args.intermediate
-    w1 = (torch.randn(e, 2 * inter, h, generator=wgen, device="cuda") / h**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e, h, inter, generator=wgen, device="cuda") / inter**0.5).to(torch.bfloat16)
-    weights = ExpertWeights.from_bf16(w1, w2, args.recipe)
-    del w1, w2
+    weights = random_expert_weights(e, h, inter, args.recipe)
     buf = get_symm_buffer_for_mega_moe(None, e, max(args.tokens), args.topk, h, inter,
                                        mma_type=args.recipe)
     res = Results("host_overhead", meta={

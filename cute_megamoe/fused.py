@@ -24,7 +24,6 @@ from .checks import (
     check_routing,
     check_sym_buffer,
     check_tensor,
-    check_token_count,
     routing_checks_on,
 )
 from .expert_gemm import ExpertWeights
@@ -38,7 +37,13 @@ from .launch import (
     fused_call,
 )
 from .runtime import launch_path
-from .staged import _MAX_PLANS, _LayerPlan, _prepare_staging, gives_up_call_on_error
+from .staged import (
+    _MAX_PLANS,
+    _LayerPlan,
+    gives_up_call_on_error,
+    grid_size,
+    prepare_layer_call,
+)
 
 __all__ = ["FUSED_BLOCK_MS", "FUSED_RECIPES", "fused_mega_moe", "supports"]
 
@@ -82,7 +87,9 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                     block_m, num_sms, cumulative_local_expert_recv_stats)
     state = existing_buffer_state(sym_buffer) if key is not None else None
     plan = None if state is None else state.plans.get(key)
-    n = x.shape[0] if x is not None else num_tokens
+    n = None
+    if plan is not None:  # (a key exists: x is a 2-D tensor or num_tokens an int)
+        n = x.shape[0] if x is not None else num_tokens
     if plan is not None and plan.accepts(x, topk_idx, topk_weights, weights, n, y,
                                          cumulative_local_expert_recv_stats):
         return plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
@@ -97,32 +104,13 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         _check_weights_fit(sym_buffer, weights)
         activation_clamp = check_activation_clamp(activation_clamp)
         check_fast_math(fast_math)
-        launches = []
-        if x is not None:
-            staging = _prepare_staging(sym_buffer, x, topk_idx, topk_weights, validate_routing)
-            launches += [staging] if staging is not None else []
-            n = x.shape[0]
-        elif num_tokens is None:
-            raise ValueError(f"num_tokens: with x=None give the staged row count (0.."
-                             f"{layout.num_tokens})")
-        else:
-            check_token_count("num_tokens", num_tokens, layout.num_tokens)
-            n = num_tokens
-        state = buffer_state(sym_buffer)
-        if block_m is None:
-            block_m = block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
-                                       state.arch)
+        launches, n, block_m = prepare_layer_call(
+            sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m,
+            cumulative_local_expert_recv_stats, validate_routing)
         if block_m not in FUSED_BLOCK_MS:
             raise ValueError(f"block_m: the fused kernel runs {FUSED_BLOCK_MS}, got {block_m!r}")
-        most = state.num_sms
-        grid = most if num_sms is None else num_sms
-        if isinstance(grid, bool) or not isinstance(grid, int) or not 1 <= grid <= most:
-            raise ValueError(f"num_sms: expected 1..{most} (one CTA per SM, all resident), got "
-                             f"{num_sms!r}")
+        grid = grid_size(sym_buffer, num_sms)
         stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32,
-                         (layout.num_local_experts,), device)
         if y is None:
             y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
         check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)

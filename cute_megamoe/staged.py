@@ -196,7 +196,9 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
     return dispatched
 
 
-def _grid(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
+def grid_size(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
+    """CTAs of a collective kernel: ``num_sms`` (1 up to the buffer's SMs, `launch.BufferState`)
+    or, by default, all of them; one CTA per SM, so that the grid is co-resident."""
     most = buffer_state(sym_buffer).num_sms
     if num_sms is None:
         return most
@@ -205,15 +207,16 @@ def _grid(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
     return num_sms
 
 
-def _prepare_dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
-                      cumulative_local_expert_recv_stats, validate_routing, transfer
-                      ) -> tuple[list[KernelCall], DispatchResult]:
-    """The checks of `dispatch`; its launches (staging when `x` is given, then the dispatch),
-    not made yet; and the result they will fill."""
+def prepare_layer_call(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
+                       num_tokens: int | None, block_m: int | None,
+                       stats: torch.Tensor | None, validate_routing: bool | None
+                       ) -> tuple[list[KernelCall], int, int]:
+    """What every layer call checks and prepares before its dispatch (the staged dispatch and
+    the fused kernel alike): the cumulative stats, the staging launch when ``x`` is given (else
+    ``num_tokens`` staged rows), and BLOCK_M (default: the heuristics). Returns (the staging
+    launch or nothing, the token count, BLOCK_M)."""
     layout = sym_buffer.layout
     device = check_cuda_buffer(sym_buffer)
-    check_choice("transfer", transfer, TRANSFERS)
-    stats = cumulative_local_expert_recv_stats
     if stats is not None:
         check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32,
                      (layout.num_local_experts,), device)
@@ -227,12 +230,25 @@ def _prepare_dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m
                          f"{layout.num_tokens})")
     else:
         check_token_count("num_tokens", num_tokens, layout.num_tokens)
-    state = buffer_state(sym_buffer)
     if block_m is None:
         block_m = block_m_for_call(num_tokens, layout.num_ranks, layout.num_topk,
-                                   layout.num_experts, state.arch)
+                                   layout.num_experts, buffer_state(sym_buffer).arch)
+    return launches, num_tokens, block_m
+
+
+def _prepare_dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
+                      cumulative_local_expert_recv_stats, validate_routing, transfer
+                      ) -> tuple[list[KernelCall], DispatchResult]:
+    """The checks of `dispatch`; its launches (staging when `x` is given, then the dispatch),
+    not made yet; and the result they will fill."""
+    layout = sym_buffer.layout
+    check_choice("transfer", transfer, TRANSFERS)
+    stats = cumulative_local_expert_recv_stats
+    launches, num_tokens, block_m = prepare_layer_call(
+        sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, stats, validate_routing)
+    state = buffer_state(sym_buffer)
     check_block_m(block_m, layout.block_m_max)
-    num_ctas = _grid(sym_buffer, num_sms)
+    num_ctas = grid_size(sym_buffer, num_sms)
     launches.append(dispatch_call(sym_buffer, num_tokens, block_m, num_ctas, stats, transfer))
     dispatched = DispatchResult(
         num_tokens=num_tokens, block_m=block_m, expert_recv_tokens=state.recv_tokens,
@@ -301,7 +317,7 @@ def _prepare_combine(sym_buffer, expert_out, dispatched, y, num_sms, send_mode, 
     if y is None:
         y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
     check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
-    num_ctas = _grid(sym_buffer, num_sms)
+    num_ctas = grid_size(sym_buffer, num_sms)
     launch = combine_call(sym_buffer, n, dispatched.block_m, expert_out,
                           dispatched.expert_recv_tokens, y, num_ctas, send_mode, rounds)
     return launch, y

@@ -16,7 +16,7 @@ import torch
 
 from .. import reference
 from .dispatch_checks import LAYER_TOLERANCE
-from .protocol_checks import Ranks, make_call
+from .protocol_checks import Ranks, init_rank_process, make_call
 
 ROUTINGS = ("random", "masked", "one_expert", "skewed")
 
@@ -186,17 +186,11 @@ def check_fused_graph(layer: FusedLayer, tokens: int, num_replays: int, seed: in
 # ----------------------------------------------------------------------------- one GPU per rank
 
 def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_calls: int) -> None:
-    import os
-
     import torch.distributed as dist
 
     from ..buffer import get_symm_buffer_for_mega_moe
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
-                            device_id=torch.device("cuda", rank))
+    init_rank_process(rank, num_ranks, port)
     try:
         buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, 16 * num_ranks, 256, 4, 512, 256,
                                            mma_type=recipe)

@@ -385,16 +385,24 @@ def expect_trap(scenario: str, timeout_s: float = 20, env: dict | None = None) -
 
 # ----------------------------------------------------------------------------- one GPU per rank
 
-def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_calls: int) -> None:
+def init_rank_process(rank: int, num_ranks: int, port: int) -> None:
+    """A spawned process's NCCL group, one GPU per rank (the workers of the multi-GPU
+    checks)."""
     import torch.distributed as dist
-
-    from ..buffer import get_symm_buffer_for_mega_moe
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
                             device_id=torch.device("cuda", rank))
+
+
+def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_calls: int) -> None:
+    import torch.distributed as dist
+
+    from ..buffer import get_symm_buffer_for_mega_moe
+
+    init_rank_process(rank, num_ranks, port)
     try:
         buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, 8 * num_ranks, 300, 4, 512, 256,
                                            mma_type=recipe)
