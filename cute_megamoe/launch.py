@@ -91,7 +91,7 @@ DISPATCH_SLOTS = (2, 4, 6)
 GEMM_SLOTS = (11,)
 COMBINE_SLOTS = (2, 5, 7)
 # the fused layer kernel: (num_tokens, stats, y, stream)
-FUSED_SLOTS = (2, 4, 17, 19)
+FUSED_SLOTS = (2, 4, 18, 20)
 
 
 @dataclass(frozen=True)
@@ -353,22 +353,25 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
 def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                y: torch.Tensor | None, num_ctas: int, stats: torch.Tensor | None,
                activation_clamp: float | None, fast_math: bool,
-               phase_clock: torch.Tensor | None = None) -> KernelCall:
+               phase_clock: torch.Tensor | None = None,
+               tile_log: torch.Tensor | None = None) -> KernelCall:
     """`kernels/sm90_mega_moe.py`: the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
     ``[num_ctas, len(PHASE_STAMPS)]``, a diagnostic): a kernel that writes each CTA's phase
-    boundaries there (`bench/fused_phases.py`)."""
+    boundaries there (`bench/fused_phases.py`). ``tile_log`` (int32 ``[tiles per CTA, num_ctas,
+    4]``, a diagnostic): a kernel that records every CTA's tiles there
+    (`testing.fused_checks.check_tile_walk`)."""
     from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
-    clocked = phase_clock is not None
+    clocked, logged = phase_clock is not None, tile_log is not None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats, clocked)
+           has_stats, clocked, logged)
     kernel = compiled_kernel(key + ("kernel",), lambda: Sm90MegaMoEKernel(
         layout, block_m, activation_clamp=activation_clamp, fast_math=fast_math,
-        has_stats=has_stats, phase_clock=clocked))
+        has_stats=has_stats, phase_clock=clocked, tile_log=logged))
     fp8 = layout.has_sf
     spare = sym_buffer.l1_topk_weights  # stands for an unused pointer (never dereferenced)
     tensors = {
@@ -381,10 +384,12 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
         "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": state.pool_block_ready,
         "phase_clock": phase_clock if clocked else sym_buffer.peer_bases,  # (unused)
+        "tile_log": tile_log if logged else state.recv_tokens,  # (unused)
         "y": y if num_tokens > 0 else spare,
     }
-    ptrs = [Ptr(tensors[name], 4 if name in ("expert_recv_tokens", "stats", "pool_block_ready")
-                else 16, dtype) for name, dtype in kernel.pointer_args()]
+    ptrs = [Ptr(tensors[name], 4 if name in ("expert_recv_tokens", "stats", "pool_block_ready",
+                                             "tile_log") else 16, dtype)
+            for name, dtype in kernel.pointer_args()]
     # whole clusters (with `cluster_m` 2); at most one CTA per SM: the cooperative grid is
     # co-resident
     num_ctas = max(kernel.cluster_m, num_ctas - num_ctas % kernel.cluster_m)

@@ -26,7 +26,7 @@ def _gpu():
 # ----------------------------------------------------------------------------- CPU
 
 def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
-             phase_clock: bool = False):
+             phase_clock: bool = False, tile_log: bool = False):
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -34,9 +34,9 @@ def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
 
     layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True,
-                               cluster_m=cluster_m, phase_clock=phase_clock)
+                               cluster_m=cluster_m, phase_clock=phase_clock, tile_log=tile_log)
     ptrs = [fake_ptr(dtype, 4 if name in (
-                "expert_recv_tokens", "stats", "pool_block_ready") else 16)
+                "expert_recv_tokens", "stats", "pool_block_ready", "tile_log") else 16)
             for name, dtype in kernel.pointer_args()]
     art = compile_for_arch(kernel, ptrs[0], Int32(0), Int32(0), *ptrs[1:], Int32(132),
                            fake_stream(), arch="sm_90a")
@@ -314,3 +314,22 @@ def test_fused_one_rank_per_gpu(num_ranks, recipe):
         pytest.skip(f"needs {num_ranks} GPUs, {torch.cuda.device_count()} present")
     run_multiprocess(num_ranks, recipe, 200 if num_ranks == 2 else 50,
                      port=29961 + 10 * num_ranks + RECIPES.index(recipe))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_fused_device_tile_walk_equals_host_model(block_m):
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_tile_walk
+
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
+    for i, routing in enumerate(("random", "skewed", "one_expert")):
+        assert check_tile_walk(layer, 300 - 97 * i, routing, block_m, seed=i) > 0
+
+
+@pytest.mark.compile
+def test_tile_log_variant_compiles(monkeypatch):
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile("fp8xfp8", 128, tile_log=True)
+    assert kernel.tile_log
+    assert art.count("QGMMA") > 0 if art.sass is not None else "wgmma" in art.ptx

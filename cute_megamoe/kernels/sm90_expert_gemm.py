@@ -391,13 +391,17 @@ class Sm90ExpertGemmKernel:
                 b_sf: cute.Pointer, ab_pipe, block_start, row_start, num_tiles: Int32,
                 first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
                 lane: Int32, state, ready: cute.Pointer = None,
-                barrier_slots: cute.Pointer = None):
+                barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
+                log_first: Int32 = 0):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; in a cluster whose
         two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
         ring's producer state. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
-        start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it. Returns
-        ``(state, the first tile index past num_tiles)``."""
+        start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it. With
+        ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of this walk is
+        recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
+        ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
+        num_tiles)``."""
         g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
         g_b = cute.local_tile(m_b, (WG_N, self.block_k), (None, None))
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
@@ -418,8 +422,11 @@ class Sm90ExpertGemmKernel:
                 _o, e1, _m1, _n1, _b1, v1 = self.scheduler.tile(
                     tile, owner, block_start, row_start, raster_group, Int32(1))
                 multicast = v1 > 0 and e0 == e1
-            owner, expert, _m, n_block, pool_block, _v = self.scheduler.tile(
+            owner, expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
+            if cutlass.const_expr(tile_log is not None):
+                self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
+                              pool_block, n_block, valid_m, lane)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
@@ -464,6 +471,19 @@ class Sm90ExpertGemmKernel:
                 state.advance()
             tile += num_clusters
         return state, tile
+
+    @cute.jit
+    def log_tile(self, tile_log: cute.Pointer, ordinal: Int32, pool_block: Int32,
+                 n_block: Int32, valid_m: Int32, lane: Int32):
+        """Record this CTA's ``ordinal``-th tile (see `produce`)."""
+        if lane == 0:
+            bidx, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            entry = cute.make_tensor(tile_log + (ordinal * grid + bidx) * 4, cute.make_layout(4))
+            entry[0] = Int32(1 if self.phase == "l1" else 2)
+            entry[1] = pool_block
+            entry[2] = n_block
+            entry[3] = valid_m
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):

@@ -81,7 +81,7 @@ class Sm90MegaMoEKernel:
     def __init__(self, layout: MegaMoELayout, block_m: int,
                  activation_clamp: float | None = None, fast_math: bool = True,
                  has_stats: bool = False, l2_staging_parts: int | None = None,
-                 cluster_m: int = 1, phase_clock: bool = False):
+                 cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -91,6 +91,8 @@ class Sm90MegaMoEKernel:
         self.regions = BufferRegions(layout)
         # write each CTA's phase boundaries (`PHASE_STAMPS`, ns) to `phase_clock` (diagnostic)
         self.phase_clock = bool(phase_clock)
+        # record every CTA's tiles in `tile_log` (diagnostic: the walk against the host model)
+        self.tile_log = bool(tile_log)
         self.block_m = block_m
         self.num_threads = 128 * (1 + block_m // 64)
         self.num_ranks = layout.num_ranks
@@ -141,7 +143,8 @@ class Sm90MegaMoEKernel:
                 ("l1_acts", ab), ("l1_acts_sf", Float32), ("l1_topk_weights", Float32),
                 ("l2_acts", ab), ("l2_acts_sf", Float32), ("token_src_metadata", Int32),
                 ("w1", ab), ("w1_sf", Float32), ("w2", ab), ("w2_sf", Float32),
-                ("pool_block_ready", Int32), ("phase_clock", Int64), ("y", BFloat16))
+                ("pool_block_ready", Int32), ("phase_clock", Int64), ("tile_log", Int32),
+                ("y", BFloat16))
 
     def smem_bytes(self, num_stages: int | None = None) -> int:
         """Shared memory of one CTA with ``num_stages`` ring stages (default: the kernel's),
@@ -172,6 +175,7 @@ class Sm90MegaMoEKernel:
         w2_sf: cute.Pointer,
         pool_block_ready: cute.Pointer,  # Int32 [P / BLOCK_M], per-call readiness counters
         phase_clock: cute.Pointer,  # Int64 [grid, len(PHASE_STAMPS)], written with phase_clock
+        tile_log: cute.Pointer,  # Int32 [tiles per CTA, grid, 4], written with tile_log
         y: cute.Pointer,  # BF16 [num_tokens, H]
         num_ctas: Int32,
         stream,
@@ -203,7 +207,7 @@ class Sm90MegaMoEKernel:
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
-                    y).launch(
+                    tile_log, y).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True)
@@ -218,7 +222,8 @@ class Sm90MegaMoEKernel:
                expert_recv_tokens: cute.Tensor, stats: cute.Tensor, l1_acts_sf: cute.Pointer,
                l1_topk_weights: cute.Pointer, l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
                token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
-               pool_block_ready: cute.Pointer, phase_clock: cute.Pointer, y: cute.Pointer):
+               pool_block_ready: cute.Pointer, phase_clock: cute.Pointer,
+               tile_log: cute.Pointer, y: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -282,15 +287,18 @@ class Sm90MegaMoEKernel:
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
+                log = tile_log if cutlass.const_expr(self.tile_log) else None
                 state, tile = self.l1.produce(
                     tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb, sfa, sfb, l1_acts_sf, w1_sf,
                     ring, block_start, row_start, l1_tiles, cluster, num_clusters,
-                    Int32(self.l1.raster_group), cta_rank, lane, state)
+                    Int32(self.l1.raster_group), cta_rank, lane, state, tile_log=log)
+                # (the L2 tiles of the walk come after this CTA's L1 tiles)
+                l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, l2_acts_sf, w2_sf,
                     ring, block_start, row_start, l2_tiles, tile - l1_tiles, num_clusters,
                     Int32(self.l2.raster_group), cta_rank, lane, state, pool_block_ready,
-                    barrier)
+                    barrier, tile_log=log, log_first=l1_count)
                 ring.producer_tail(state)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)

@@ -210,3 +210,44 @@ def run_multiprocess(num_ranks: int, recipe: str, num_calls: int, port: int = 29
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(num_ranks, port, recipe, num_calls), nprocs=num_ranks, join=True)
+
+
+def check_tile_walk(layer: FusedLayer, tokens: int, routing: str, block_m: int,
+                    seed: int = 0) -> int:
+    """One rank (R = 1): the fused kernel built with its tile log runs one call; every CTA's
+    tiles, in order, must be `scheduler.host_model.fused_tile_walk` of the received counts.
+    Returns the number of tiles checked."""
+    from ..kernels.sm90_mega_moe import Sm90MegaMoEKernel
+    from ..launch import buffer_state, fused_call
+    from ..scheduler import fused_tile_walk
+    from ..staged import stage_inputs
+
+    (buf,) = layer.ranks.buffers
+    layout = buf.layout
+    _, _, _, inputs = layer.inputs((tokens,), routing, seed)
+    stage_inputs(buf, *inputs[buf.rank], validate_routing=False)
+    state = buffer_state(buf)
+    grid = state.num_sms
+    kernel = Sm90MegaMoEKernel(layout, block_m)  # (host side only: the raster groups)
+    n1, n2 = 2 * layout.intermediate_hidden, layout.hidden
+    max_tiles = (layout.num_pool_rows // block_m) * (n1 + n2) // kernel.l1.block_n
+    log = torch.full(((max_tiles + grid - 1) // grid + 1, grid, 4), -1, dtype=torch.int32,
+                     device=layer.device)
+    y = torch.empty(tokens, layout.hidden, dtype=torch.bfloat16, device=layer.device)
+    fused_call(buf, layer.weights[buf.rank], tokens, block_m, y, grid, None, layer.clamp, True,
+               tile_log=log)()
+    torch.cuda.synchronize(layer.device)
+    counts = state.recv_tokens.cpu().tolist()
+    log = log.cpu()
+    checked = 0
+    for cta in range(grid):
+        want = [(1 if phase == "l1" else 2, t.pool_block, t.n_block, t.valid_m)
+                for phase, t in fused_tile_walk(counts, block_m, kernel.l1.block_n, n1,
+                                                kernel.l2.block_n, n2, grid, cta,
+                                                (kernel.l1.raster_group,
+                                                 kernel.l2.raster_group))]
+        got = [tuple(row) for row in log[:, cta].tolist() if row[0] != -1]
+        assert got == want, f"CTA {cta}: device walk {got[:6]}... != host model {want[:6]}..."
+        assert bool((log[len(want):, cta] == -1).all()), f"CTA {cta}: tiles past its walk"
+        checked += len(want)
+    return checked
