@@ -98,6 +98,7 @@ from ..scheduler.device import ExpertTileScheduler
 from .common.gemm_config import check_gemm_config, combine_target
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
+from .common.sync import spin_timeout_ns, wait_reached
 
 RECIPES = ("fp8xfp4", "bf16xbf16")
 BLOCK_MS = (64, 128, 256)
@@ -162,7 +163,7 @@ class Sm100ExpertGemmKernel:
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None,
-                 combine_layout=None):
+                 combine_layout=None, smem_reserved: int = 0):
         self.phase, self.recipe = phase, recipe
         self.block_scaled = recipe == "fp8xfp4"
         self.ab_dtype = Float8E4M3FN if self.block_scaled else BFloat16
@@ -200,7 +201,10 @@ class Sm100ExpertGemmKernel:
             stage_bytes = ROW_GROUP * BLOCK_K + b_rows * BLOCK_K + 2 * 512
         else:
             stage_bytes = (ROW_GROUP + b_rows) * BLOCK_K_BF16 * 2
-        prefix_bytes = 2 * 4 * (num_experts + 1)
+        self.stage_bytes = stage_bytes
+        # `smem_reserved`: what a fused kernel's other phases take (they replace the prefix
+        # arrays: the dispatch leaves its own)
+        prefix_bytes = 2 * 4 * (num_experts + 1) if smem_reserved == 0 else smem_reserved
         fit = (SMEM_CAPACITY - SMEM_RESERVED - prefix_bytes) // stage_bytes
         # one CTA per SM, a checked invariant: the grid is persistent (one CTA per SM) and
         # every CTA allocates its TMEM columns for the whole run; a second CTA on an SM could
@@ -212,8 +216,23 @@ class Sm100ExpertGemmKernel:
             raise ValueError(f"num_stages must be in [{fewest}, {fit}] (fewer would let two "
                              f"CTAs share an SM), got {num_stages}")
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
+        # What a fused kernel changes (`share_ring`): L1 epilogue warps signal a pool block's
+        # readiness counter once per tile after its rows are stored; L2 loads wait for
+        # `waits_ready` arrivals per pool block (0: no wait)
+        self.signals_ready = False
+        self.waits_ready = 0
+        self.timeout_ns = spin_timeout_ns()
 
     # ------------------------------------------------------------------------------ host side
+    def tile_signals(self) -> int:
+        """Arrivals at a pool block's readiness counter once all of this phase's tiles of the
+        block are done (`signals_ready`): one per epilogue warp of each CTA per n-block."""
+        return self.num_n_blocks * len(EPILOGUE_WARPS) * self.cluster_size
+
+    def acc_consumer_arrivals(self) -> int:
+        """Arrivals that free an accumulator stage: every epilogue thread of the CTA pair."""
+        return 32 * len(EPILOGUE_WARPS) * self.cluster_size
+
     def _setup(self):
         """Tiled MMAs, shared-memory layouts and TMEM column budget (needs the traced dtypes)."""
         k_major = OperandMajorMode.K
@@ -284,11 +303,26 @@ class Sm100ExpertGemmKernel:
         stream,
     ):
         self._setup()
+        tma_a, tma_m_a, tma_b, tma_m_b, sf_args = self.tma_atoms(a, a_sf, b, b_sf)
+        self.shared_storage = self._shared_storage()
+        self.kernel(self.tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, self.cluster_layout_vmnk,
+                    self.a_smem_layout, self.b_smem_layout, *sf_args,
+                    cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
+                    topk_weights, out, out_sf, peer_bases, src_metadata).launch(
+            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1), min_blocks_per_mp=1, stream=stream)
+
+    def tma_atoms(self, a: cute.Pointer, a_sf: cute.Pointer, b: cute.Pointer,
+                  b_sf: cute.Pointer):
+        """TMA atoms and tensors of the tokens, weights and (block-scaled) both scale operands
+        (host side of a `cute.jit` function, after `_setup`); sets ``stage_tx_bytes``, the bytes
+        one stage's loads deliver to the MMA CTA's barrier: ``(tma_a, m_a, tma_b, m_b,
+        sf_args)``, ``sf_args`` the block-scaled arguments of ``kernel`` (all None for bf16)."""
         m_a, m_sfa, m_b, m_sfb = self._global_tensors(a, a_sf, b, b_sf)
         a_smem_one = cute.slice_(self.a_smem_layout, (None, None, None, 0))
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, None, 0))
         cluster_shape = self.cluster_layout_vmnk.shape
-        b_internal = cutlass.Int8 if cutlass.const_expr(self.block_scaled) else None
+        b_internal = cutlass.Int8 if self.block_scaled else None
         tma_a, tma_m_a = cute.nvgpu.make_tiled_tma_atom_A(
             sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn,
                                                     self.tiled_mma.thr_id),
@@ -300,7 +334,7 @@ class Sm100ExpertGemmKernel:
             internal_type=b_internal)
         # block-scaled only: the scale operands (None for bf16xbf16, never traced)
         sf_args = (None, None, None, None, None, None, None, None)
-        if cutlass.const_expr(self.block_scaled):
+        if self.block_scaled:
             sfa_smem_one = cute.slice_(self.sfa_smem_layout, (None, None, None, 0))
             sfb_smem_one = cute.slice_(self.sfb_smem_layout, (None, None, None, 0))
             tma_sfa, tma_m_sfa = cute.nvgpu.make_tiled_tma_atom_A(
@@ -325,18 +359,13 @@ class Sm100ExpertGemmKernel:
             self.stage_tx_bytes = (cute.size_in_bytes(BFloat16, a_smem_one)
                                    + cute.size_in_bytes(BFloat16, b_smem_one)
                                    ) * self.cluster_size
-        self.shared_storage = self._shared_storage()
-        self.kernel(self.tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, self.cluster_layout_vmnk,
-                    self.a_smem_layout, self.b_smem_layout, *sf_args,
-                    cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
-                    topk_weights, out, out_sf, peer_bases, src_metadata).launch(
-            grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1],
-            cluster=(*self.cluster_shape_mn, 1), min_blocks_per_mp=1, stream=stream)
+        return tma_a, tma_m_a, tma_b, tma_m_b, sf_args
 
-    def _shared_storage(self):
-        """The shared-memory struct: barriers, TMEM pointer, scheduler prefix arrays and the
-        stage rings (operand tiles 1024-byte aligned for the 128B swizzle; scale tiles only
-        when block-scaled)."""
+    def _shared_storage(self, prefix: bool = True):
+        """The shared-memory struct: barriers, TMEM pointer, scheduler prefix arrays (unless
+        ``prefix`` is False: a fused kernel's dispatch leaves its own) and the stage rings
+        (operand tiles 1024-byte aligned for the 128B swizzle; scale tiles only when
+        block-scaled)."""
         mem, align = cute.struct.MemRange, cute.struct.Align
         a_type, b_type = (Float8E4M3FN, cutlass.Int8) if self.block_scaled else (BFloat16,
                                                                                   BFloat16)
@@ -347,8 +376,8 @@ class Sm100ExpertGemmKernel:
             "acc_empty": mem[Int64, NUM_ACC_STAGES],
             "tmem_dealloc_mbar": Int64,
             "tmem_holding_buf": Int32,
-            "block_start": mem[Int32, self.num_experts + 1],
-            "row_start": mem[Int32, self.num_experts + 1],
+            **({"block_start": mem[Int32, self.num_experts + 1],
+                "row_start": mem[Int32, self.num_experts + 1]} if prefix else {}),
             "sa": align[mem[a_type, cute.cosize(self.a_smem_layout.outer)], 1024],
             "sb": align[mem[b_type, cute.cosize(self.b_smem_layout.outer)], 1024],
         }
@@ -398,7 +427,7 @@ class Sm100ExpertGemmKernel:
             barrier_storage=storage.acc_full.data_ptr(), num_stages=NUM_ACC_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * len(EPILOGUE_WARPS) * self.cluster_size),
+                pipeline.Agent.Thread, self.acc_consumer_arrivals()),
             cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
         tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
@@ -430,22 +459,34 @@ class Sm100ExpertGemmKernel:
         num_tiles = self.scheduler.num_tiles(block_start)
 
         if warp == TMA_WARP:
-            self.load(tiled_mma, tma_a, m_a, tma_b, m_b, cluster_layout_vmnk, cluster_coord, sa,
-                      sb, sf_load, ab_pipe, block_start, row_start, num_tiles, first_tile,
-                      tile_stride, cta_in_pair)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.num_stages)
+            state, _ = self.produce(tiled_mma, tma_a, m_a, tma_b, m_b, cluster_layout_vmnk,
+                                    cluster_coord, sa, sb, sf_load, ab_pipe, block_start,
+                                    row_start, num_tiles, first_tile, tile_stride, cta_in_pair,
+                                    state)
+            ab_pipe.producer_tail(state)
         if warp == MMA_WARP:
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(tiled_mma, sa, sb, sf_mma, t_acc_fake, acc_ptr, ab_pipe, acc_pipe,
-                     block_start, row_start, num_tiles, first_tile, tile_stride, is_leader)
+            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                    self.num_stages)
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     NUM_ACC_STAGES)
+            ab_state, acc_state, _ = self.mma(
+                tiled_mma, sa, sb, sf_mma, t_acc_fake, acc_ptr, ab_pipe, acc_pipe, block_start,
+                row_start, num_tiles, first_tile, tile_stride, is_leader, ab_state, acc_state)
+            acc_pipe.producer_tail(acc_state)
         if warp < MMA_WARP:
             tmem.allocate(self.num_tmem_cols)
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(Float32)
             t_acc = cute.make_tensor(acc_ptr, t_acc_fake.layout)
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                     NUM_ACC_STAGES)
             self.epilogue(t_acc, acc_pipe, block_start, row_start, num_tiles, first_tile,
                           tile_stride, cta_in_pair, tidx, topk_weights, out, out_sf,
-                          peer_bases, src_metadata)
+                          peer_bases, src_metadata, acc_state)
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=EPILOGUE_SYNC_BARRIER,
                                   num_threads=32 * len(EPILOGUE_WARPS)).arrive_and_wait()
@@ -461,11 +502,16 @@ class Sm100ExpertGemmKernel:
         return group
 
     @cute.jit
-    def load(self, tiled_mma, tma_a, m_a, tma_b, m_b, cluster_layout_vmnk, cluster_coord, sa, sb,
-             sf_load, ab_pipe, block_start, row_start, num_tiles: Int32, first_tile: Int32,
-             tile_stride: Int32, cta_in_pair: Int32):
+    def produce(self, tiled_mma, tma_a, m_a, tma_b, m_b, cluster_layout_vmnk, cluster_coord, sa,
+                sb, sf_load, ab_pipe, block_start, row_start, num_tiles: Int32,
+                first_tile: Int32, tile_stride: Int32, cta_in_pair: Int32, state,
+                ready: cute.Pointer = None, barrier_slots: cute.Pointer = None):
         """Warp ``TMA_WARP``: the TMA loads (tokens, weights and, block-scaled, their two scale
-        tiles) of every k-block of every tile of this CTA."""
+        tiles) of every k-block of tiles ``first_tile``, ``first_tile + tile_stride``, ...
+        ``< num_tiles`` of this CTA; ``state``: the ring's producer state. With ``waits_ready``
+        (L2 of the fused kernel) a tile's loads start once ``ready[pool_block]`` (the L1 tiles
+        of the block stored) reaches it. Returns ``(state, the first tile index past
+        num_tiles)``."""
         g_a = cute.local_tile(m_a, cute.slice_(self.mma_tiler, (None, 0, None)),
                               (None, None, None))
         g_b = cute.local_tile(m_b, cute.slice_(self.mma_tiler, (0, None, None)),
@@ -510,12 +556,17 @@ class Sm100ExpertGemmKernel:
                 mask_sfb = cpasync.create_tma_multicast_mask(cluster_layout_sfb_vmnk,
                                                              cluster_coord_sfb, mcast_mode=1)
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile = first_tile
         expert = Int32(0)
         while tile < num_tiles:
             _o, expert, _m, n_block, pool_block, _v = self.scheduler.tile(
                 tile, expert, block_start, row_start, RASTER_GROUP)
+            if cutlass.const_expr(self.waits_ready > 0):
+                wait_reached(barrier_slots, ready + pool_block, Int32(self.waits_ready), "gpu",
+                             "L1 tiles of a pool block", self.timeout_ns)
+                # the L1 rows and scales came through generic stores; the acquire above is
+                # generic: order the TMA (async proxy) loads below after it
+                cute.arch.fence_proxy("async.global")
             # 1-CTA: the 128-row group; 2-CTA: the 256-row MMA tile (= the pool block)
             m_tile = pool_block
             if cutlass.const_expr(not self.use_2cta):
@@ -539,14 +590,16 @@ class Sm100ExpertGemmKernel:
                               tma_bar_ptr=bar, mcast_mask=mask_sfb)
                 state.advance()
             tile += tile_stride
-        ab_pipe.producer_tail(state)
+        return state, tile
 
     @cute.jit
     def mma(self, tiled_mma, sa, sb, sf_mma, t_acc_fake, acc_ptr, ab_pipe, acc_pipe,
             block_start, row_start, num_tiles: Int32, first_tile: Int32, tile_stride: Int32,
-            is_leader):
+            is_leader, ab_state, acc_state):
         """Warp ``MMA_WARP`` (leader CTA issues): block-scaled, UTCCP the scales then the
-        ``kind::mxf8f6f4`` MMAs; BF16, the ``kind::f16`` MMAs."""
+        ``kind::mxf8f6f4`` MMAs; BF16, the ``kind::f16`` MMAs. ``ab_state`` / ``acc_state``:
+        the ring's consumer and the accumulators' producer state. Returns ``(ab_state,
+        acc_state, the first tile index past num_tiles)``."""
         t_acc_base = cute.make_tensor(acc_ptr, t_acc_fake.layout)
         if cutlass.const_expr(self.block_scaled):
             ssfa, ssfb = sf_mma
@@ -564,10 +617,6 @@ class Sm100ExpertGemmKernel:
         r_a = tiled_mma.make_fragment_A(sa)
         r_b = tiled_mma.make_fragment_B(sb)
 
-        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                self.num_stages)
-        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                 NUM_ACC_STAGES)
         tile = first_tile
         expert = Int32(0)
         while tile < num_tiles:
@@ -596,7 +645,7 @@ class Sm100ExpertGemmKernel:
                 acc_pipe.producer_commit(acc_state)
             acc_state.advance()
             tile += tile_stride
-        acc_pipe.producer_tail(acc_state)
+        return ab_state, acc_state, tile
 
     def s2t_partition(self, s_sf: cute.Tensor, t_sf: cute.Tensor):
         """UTCCP (``tcgen05.cp`` 4x32x128b) copy of a scale chunk, and its smem/TMEM views."""
@@ -613,8 +662,12 @@ class Sm100ExpertGemmKernel:
     def epilogue(self, t_acc: cute.Tensor, acc_pipe, block_start, row_start, num_tiles: Int32,
                  first_tile: Int32, tile_stride: Int32, cta_in_pair: Int32, tidx: Int32,
                  topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer,
-                 peer_bases: cute.Pointer, src_metadata: cute.Pointer):
-        """Warps 0-3: thread ``m`` owns accumulator lane ``m`` (one tile row, all columns)."""
+                 peer_bases: cute.Pointer, src_metadata: cute.Pointer, state,
+                 ready: cute.Pointer = None):
+        """Warps 0-3: thread ``m`` owns accumulator lane ``m`` (one tile row, all columns).
+        ``state``: the accumulators' consumer state. With ``signals_ready`` (L1 of the fused
+        kernel) each warp adds 1 to ``ready[pool_block]`` once its rows of a tile are stored.
+        Returns ``(state, the first tile index past num_tiles)``."""
         epi_tile = (ROW_GROUP, self.epi_cols)
         t_acc_epi = cute.flat_divide(t_acc[((None, None), 0, 0, None)], epi_tile)
         atom = cute.make_copy_atom(
@@ -627,7 +680,6 @@ class Sm100ExpertGemmKernel:
         num_chunks = TILE_N // self.epi_cols
         # lane m holds pool row 4 (m % 32) + m // 32 of its 128-row group (see module doc)
         lane_row = 4 * (tidx % 32) + tidx // 32  # lane_to_group_row
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, NUM_ACC_STAGES)
         tile = first_tile
         expert = Int32(0)
         while tile < num_tiles:
@@ -659,8 +711,21 @@ class Sm100ExpertGemmKernel:
                         self.store_bf16(acc, row_dst, n_block * TILE_N + c * 32)
             prims.tcgen05_fence("before_thread_sync")  # our TMEM loads, then the MMA's reuse
             acc_pipe.consumer_release(state)
+            if cutlass.const_expr(self.signals_ready):
+                self.signal_ready(ready, pool_block, tidx % 32)
             state.advance()
             tile += tile_stride
+        return state, tile
+
+    @cute.jit
+    def signal_ready(self, ready: cute.Pointer, pool_block: Int32, lane: Int32):
+        """This warp's rows of pool block ``pool_block`` (one L1 tile) are in global memory: add
+        1 to ``ready[pool_block]`` with a release at GPU scope. The warp sync orders the other
+        lanes' (generic) row and scale stores before lane 0's release."""
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.red(ready + pool_block, Int32(1), op="add", dtype="s32", sem="release",
+                          scope="gpu")
 
     @cute.jit
     def silu_mul(self, g: Float32, u: Float32) -> Float32:
@@ -740,3 +805,24 @@ class Sm100ExpertGemmKernel:
         dst = cute.make_ptr(BFloat16, row_dst + col * 2, cute.AddressSpace.gmem,
                             assumed_align=64)
         cute.autovec_copy(vals, cute.make_tensor(dst, cute.make_layout(32)))
+
+
+def share_ring(l1: Sm100ExpertGemmKernel, l2: Sm100ExpertGemmKernel,
+               num_stages: int | None = None) -> None:
+    """Configure the two phases of the fused layer kernel (`kernels/sm100_mega_moe.py`) to run
+    one after the other through one ring of stages and one pair of TMEM accumulators: the same
+    stage count (default: the smaller of the two phases' own), and L2 tiles waiting for the L1
+    tiles of their pool block (`tile_signals` arrivals). A stage of either phase has the same
+    shape (128 token rows, ``TILE_N / cluster`` weight rows, one k-block, the same scale
+    chunks), so one transaction count serves both. Both must have the same recipe and BLOCK_M."""
+    if (l1.phase, l2.phase) != ("l1", "l2"):
+        raise ValueError("share_ring: expected an L1 and an L2 kernel")
+    if (l1.recipe, l1.block_m) != (l2.recipe, l2.block_m):
+        raise ValueError(f"share_ring: L1 ({l1.recipe}, BLOCK_M {l1.block_m}) and L2 "
+                         f"({l2.recipe}, BLOCK_M {l2.block_m}) differ")
+    assert l1.stage_bytes == l2.stage_bytes
+    num_stages = num_stages or min(l1.num_stages, l2.num_stages)
+    for k in (l1, l2):
+        k.num_stages = num_stages
+    l1.signals_ready = True
+    l2.waits_ready = l1.tile_signals()
