@@ -117,7 +117,7 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         launches.append(fused_call(sym_buffer, weights, n, block_m, y, grid, stats,
                                    activation_clamp, fast_math))
     if key is not None and n > 0:
-        plans = state.plans
+        plans = buffer_state(sym_buffer).plans
         if len(plans) >= _MAX_PLANS:
             plans.clear()
         plans[key] = _FusedPlan(sym_buffer, weights, x is not None, launches)

@@ -304,3 +304,78 @@ def test_module_eager_call_skips_the_custom_op_dispatcher_only_when_it_may(monke
     with Passthrough():
         moe(x, idx, w)
     assert through_op == [1, 1]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypatch):
+    """`fused.fused_mega_moe` keeps its two launches (staging, the fused kernel) as a plan;
+    a later call's launches are exactly what the full path builds for it (`FUSED_SLOTS`:
+    the token count, the stats, y and the stream)."""
+    from cute_megamoe import fused
+
+    counts, log = fake_cuda
+    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    runtime.set_launch_path(path)
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp8",
+                                       device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    weights = ExpertWeights.from_bf16(
+        torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16),
+        torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16), "fp8xfp8", arch="sm_90a")
+    stats = torch.zeros(E, dtype=torch.int32)
+
+    def layer(n, seed):
+        x, idx, w = _layer_inputs(n, seed)
+        y = torch.empty(n, H, dtype=torch.bfloat16)
+        before = (counts["compile"], len(log))
+        fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
+                             validate_routing=False, cumulative_local_expert_recv_stats=stats)
+        return (x, idx, w, y), counts["compile"] - before[0], log[before[1]:]
+
+    _, compiles, launched = layer(5, 1)
+    assert [name for name, _ in launched] == ["InputStagingKernel", "Sm90MegaMoEKernel"]
+    assert compiles == 2
+    (x, idx, w, y), compiles, fast = layer(7, 2)
+    assert compiles == 0
+    args = dict(fast)["Sm90MegaMoEKernel"]
+    n_slot, stats_slot, y_slot, _ = launch.FUSED_SLOTS
+    assert int(args[n_slot]) == 7
+    assert _address(args[stats_slot]) == stats.data_ptr()
+    assert _address(args[y_slot]) == y.data_ptr()
+    # the same launches from the full path
+    launch.buffer_state(buf).plans.clear()
+    before = len(log)
+    fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
+                         validate_routing=False, cumulative_local_expert_recv_stats=stats)
+    full = log[before:]
+    for (name, a), (_, b) in zip(fast, full, strict=True):
+        assert [_value(v) for v in a] == [_value(v) for v in b], name
+
+
+def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
+    """A wrong input to `fused.fused_mega_moe` raises naming it, gives the call up once and
+    launches nothing, with or without a plan."""
+    from cute_megamoe import fused
+
+    counts, log = fake_cuda
+    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp8",
+                                       device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    weights = ExpertWeights.from_bf16(
+        torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16),
+        torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16), "fp8xfp8", arch="sm_90a")
+    x, idx, w = _layer_inputs(5, 0)
+    fused.fused_mega_moe(buf, x, idx, w, weights, validate_routing=False)  # makes a plan
+    for bad, what in ((dict(x=x.float()), "x"), (dict(block_m=96), "block_m"),
+                      (dict(num_sms=10**6), "num_sms"),
+                      (dict(y=torch.empty(5, H + 128, dtype=torch.bfloat16)), "y")):
+        args = {"x": x, **bad}
+        kwargs = {k: v for k, v in bad.items() if k != "x"}
+        tag = int(buf.barrier[BarrierSlots.CALL_TAG])
+        before = len(log)
+        with pytest.raises((TypeError, ValueError), match=what):
+            fused.fused_mega_moe(buf, args["x"], idx, w, weights, validate_routing=False,
+                                 **kwargs)
+        assert len(log) == before, what
+        assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1, what
