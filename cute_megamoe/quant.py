@@ -80,6 +80,7 @@ __all__ = [
     "dequantize_activations_for_recipe",
     "dequantize_weights_for_recipe",
     "fp4_codes_to_float",
+    "fp4_weights_to_fp8_blocks",
     "interleave_gate_up",
     "pack_fp4",
     "pack_ue8m0_to_int",
@@ -794,6 +795,62 @@ def dequantize_weights_for_recipe(q: WeightPair, recipe: str) -> torch.Tensor:
         w.reshape(num_experts * n, k_stored), rows.reshape(num_experts * n, -1), FP8_BLOCK
     )
     return out.view(num_experts, n, k_stored)
+
+
+#: The largest power of two an e2m1 value times 2**d may carry and still fit e4m3 (6 * 2**6 =
+#: 384 <= 448), and how many binades below it e4m3 still holds every e2m1 value exactly (down to
+#: 0.5 * 2**-8 = 2**-9, the smallest e4m3 subnormal).
+FP4_IN_FP8_TOP = 6
+FP4_IN_FP8_EXACT_BINADES = 14
+
+
+def fp4_weights_to_fp8_blocks(q: WeightPair) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weights (``quantize_weights_for_recipe(w, "fp8xfp4")``: e2m1 ``int8 [E, N, K/2]``
+    and UE8M0 scales per 32, int32-packed or float ``[E, N, K/32]``) as e4m3 with a power-of-two
+    f32 scale per 128 x 128 block, the ``fp8xfp8`` weight format (``(e4m3 [E, N, K],
+    f32 [E, ceil(N/128), ceil(K/128)])``): what a Hopper kernel that keeps FP4 weights in HBM
+    decodes on chip before its FP8 WGMMAs (issue 19).
+
+    A block's scale is ``2**b`` with ``b = max(s) - FP4_IN_FP8_TOP`` over its per-32 scale
+    exponents ``s``; an element becomes ``e4m3(e2m1 * 2**(s - b))`` (round to nearest even).
+    Exact, so that the blocks dequantize to exactly the FP4 weights, when every nonzero element
+    has ``s >= max(s) - FP4_IN_FP8_EXACT_BINADES``; an element of a group more than 14 binades
+    below its block's largest is rounded to e4m3's subnormal grid (``2**(b - 9)``), possibly to
+    zero. Never saturates (at most 384).
+    """
+    w, sf = _unpack_pair(q, "q")
+    num_experts, n, half_k = _check_3d(w, "q[0]")
+    _check_dtype(w, torch.int8, "q[0]")
+    k = 2 * half_k
+    if k % 32 != 0:
+        raise ValueError(f"q[0]: K = {k} must be a multiple of 32")
+    _check_dim(sf, 3, "q[1]")
+    if sf.dtype == torch.int32:
+        sf = unpack_ue8m0_from_int(sf.reshape(num_experts * n, -1)).view(num_experts, n, -1)
+    else:
+        _check_floating(sf, "q[1]")
+    if tuple(sf.shape[:2]) != (num_experts, n) or sf.shape[2] < k // 32:
+        raise ValueError(f"q[1]: expected [{num_experts}, {n}, >= {k // 32}] scales, got "
+                         f"{tuple(sf.shape)}")
+    sf = sf[..., : k // 32].float()
+    exponent = torch.frexp(sf).exponent - 1  # sf = 2**exponent (UE8M0: powers of two)
+    if not torch.equal(torch.ldexp(torch.ones_like(sf), exponent), sf):
+        raise ValueError("q[1]: scales must be powers of two (UE8M0)")
+    nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
+    padded = torch.full((num_experts, nb * FP8_BLOCK, kb * (FP8_BLOCK // 32)), -(2**30),
+                        dtype=exponent.dtype, device=exponent.device)
+    padded[:, :n, : k // 32] = exponent
+    top = padded.view(num_experts, nb, FP8_BLOCK, kb, FP8_BLOCK // 32).amax(dim=(2, 4))
+    base = top - FP4_IN_FP8_TOP  # [E, nb, kb]
+    # per element: 2**(s - b) as float32 (exact), times the e2m1 value (exact), then e4m3
+    rows = torch.arange(n, device=w.device) // FP8_BLOCK
+    cols = torch.arange(k // 32, device=w.device) // (FP8_BLOCK // 32)
+    shift = exponent - base[:, rows][:, :, cols]
+    values = fp4_codes_to_float(unpack_fp4(w)).view(num_experts, n, k // 32, 32)
+    scaled = torch.ldexp(values, shift.unsqueeze(-1).to(torch.int32))
+    w_fp8 = scaled.view(num_experts, n, k).to(torch.float8_e4m3fn)
+    block_sf = torch.ldexp(torch.ones_like(base, dtype=torch.float32), base.to(torch.int32))
+    return w_fp8, block_sf
 
 
 def quantize_activations_for_recipe(x: torch.Tensor, recipe: str) -> WeightPair:

@@ -698,3 +698,59 @@ def test_quantize_activations_for_recipe(recipe):
     assert torch.equal(_u8(xq), torch.from_numpy(ref[0]))
     xf = x.float()
     assert ((back - xf).abs() <= 2.0**-4 * xf.abs() + 2.0**-10 * col_sf).all()
+
+
+# ------------------------------------------------------------ MXFP4 weights as FP8 blocks (sm90)
+
+def _fp4_weights(e: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g) * torch.exp2(torch.randint(-3, 4, (e, n, 1),
+                                                                     generator=g).float())
+    return q.quantize_weights_for_recipe(w.to(torch.bfloat16), "fp8xfp4")
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 512), (1, 200, 96), (3, 128, 160)])
+def test_fp4_weights_as_fp8_blocks_are_exact(shape):
+    """Realistic weights (scales within 14 binades per 128 x 128 block): the FP8 blocks
+    dequantize to exactly the FP4 weights, never near e4m3's limit; int32-packed and float
+    scales alike; blocks cut by uneven N and K."""
+    pair = _fp4_weights(*shape, seed=sum(shape))
+    w8, sf8 = q.fp4_weights_to_fp8_blocks(pair)
+    e, n, k = shape
+    assert w8.dtype == torch.float8_e4m3fn and w8.shape == (e, n, k)
+    assert sf8.shape == (e, -(-n // 128), -(-k // 128)) and sf8.dtype == torch.float32
+    want = q.dequantize_weights_for_recipe(pair, "fp8xfp4")
+    got = q.dequantize_weights_for_recipe((w8, sf8), "fp8xfp8")
+    assert torch.equal(got, want)
+    assert float(w8.float().abs().max()) <= 384.0
+    # the scales' exponents are what matter: float scales give the same blocks
+    sf_float = q.unpack_ue8m0_from_int(pair[1].reshape(e * n, -1)).view(e, n, -1)
+    w8f, sf8f = q.fp4_weights_to_fp8_blocks((pair[0], sf_float))
+    assert torch.equal(w8f.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(sf8f, sf8)
+
+
+def test_fp4_weights_as_fp8_blocks_beyond_14_binades_round_to_e4m3():
+    """One 128 x 128 block whose per-32 scales span 2**-12 .. 2**8: the block scale follows the
+    largest (2**(8 - 6)); groups within 14 binades of it stay exact, the others are the e4m3
+    rounding (nearest even, subnormals) of their exact values over the block scale."""
+    codes = torch.arange(128 * 128).remainder(16).to(torch.int8).view(1, 128, 128)
+    packed = q.pack_fp4(codes)
+    exps = torch.tensor([8, -6, -7, -12], dtype=torch.float32)  # per 32-column group
+    sf = torch.exp2(exps).expand(1, 128, 4).contiguous()
+    w8, sf8 = q.fp4_weights_to_fp8_blocks((packed, sf))
+    assert float(sf8) == 2.0**2
+    exact = q.fp4_codes_to_float(codes) * sf.repeat_interleave(32, dim=2)
+    got = w8.float() * sf8
+    within = (exps >= 8 - 14).repeat_interleave(32)  # groups 0, 1 (spread 14) exact
+    assert torch.equal(got[..., within], exact[..., within])
+    want = (exact[..., ~within] / 4.0).to(torch.float8_e4m3fn).float() * 4.0
+    assert torch.equal(got[..., ~within], want)
+    assert not torch.equal(want, exact[..., ~within])  # (the case does lose bits)
+    assert not bool(w8.float().isnan().any())
+
+
+def test_fp4_weights_as_fp8_blocks_rejects_non_power_of_two_scales():
+    pair = _fp4_weights(1, 128, 128, seed=1)
+    sf = q.unpack_ue8m0_from_int(pair[1].reshape(128, -1)).view(1, 128, -1) * 1.5
+    with pytest.raises(ValueError, match="powers of two"):
+        q.fp4_weights_to_fp8_blocks((pair[0], sf))
