@@ -328,8 +328,45 @@ def test_fused_device_tile_walk_equals_host_model(block_m):
 
 
 @pytest.mark.compile
+def test_all_l1_gate_variant_compiles_and_refuses_clusters(monkeypatch):
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
+    kernel = Sm90MegaMoEKernel(layout, 128, l2_gate="all_l1")
+    assert kernel.l1.ready_slot == kernel.l2.ready_slot == kernel.num_pool_blocks
+    with pytest.raises(ValueError, match="clusters"):
+        Sm90MegaMoEKernel(layout, 128, l2_gate="all_l1", cluster_m=2)
+    with pytest.raises(ValueError, match="l2_gate"):
+        Sm90MegaMoEKernel(layout, 128, l2_gate="tile")
+
+
+@pytest.mark.compile
 def test_tile_log_variant_compiles(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, tile_log=True)
     assert kernel.tile_log
     assert art.count("QGMMA") > 0 if art.sass is not None else "wgmma" in art.ptx
+
+
+@pytest.mark.gpu
+def test_fused_all_l1_gate_variant_matches_staged():
+    """The A/B variant whose L2 tiles wait for every L1 tile gives the same bits."""
+    _gpu()
+    from cute_megamoe import staged
+    from cute_megamoe.launch import buffer_state, fused_call
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
+    (buf,) = layer.ranks.buffers
+    for n, block_m in ((300, 128), (77, 64)):
+        _, _, _, inputs = layer.inputs((n,), "skewed", seed=n)
+        x, idx, w = inputs[0]
+        want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0], activation_clamp=10.0,
+                                      block_m=block_m, validate_routing=False)
+        staged.stage_inputs(buf, x, idx, w, validate_routing=False)
+        y = torch.full_like(want, float("nan"))
+        fused_call(buf, layer.weights[0], n, block_m, y, buffer_state(buf).num_sms, None, 10.0,
+                   True, l2_gate="all_l1")()
+        torch.cuda.synchronize()
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m)

@@ -197,6 +197,8 @@ class Sm90ExpertGemmKernel:
         self.extra_tx_bytes = 0
         self.signals_ready = False
         self.waits_ready = 0  # arrivals an L2 tile waits for per pool block (0: no wait)
+        # with a slot: every L1 tile signals that one counter and L2 waits once, for all of them
+        self.ready_slot: int | None = None
         self.timeout_ns = spin_timeout_ns()
 
     # ------------------------------------------------------------------------------ host side
@@ -392,12 +394,14 @@ class Sm90ExpertGemmKernel:
                 first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
-                log_first: Int32 = 0):
+                log_first: Int32 = 0, ready_target: Int32 = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; in a cluster whose
         two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
         ring's producer state. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
-        start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it. With
+        start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it, or with
+        a ``ready_slot`` its first tile once ``ready[ready_slot]`` reaches ``ready_target``
+        (every L1 tile done). With
         ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of this walk is
         recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
         ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
@@ -414,6 +418,11 @@ class Sm90ExpertGemmKernel:
         b_blocks_per_expert = self.n // WG_N
         tile = first_tile
         owner = Int32(0)
+        if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is not None):
+            if tile < num_tiles:
+                wait_reached(barrier_slots, ready + self.ready_slot, ready_target, "gpu",
+                             "every L1 tile", self.timeout_ns)
+                cute.arch.fence_proxy("async.global")  # (as below)
         while tile < num_tiles:
             multicast = cutlass.Boolean(False)
             if cutlass.const_expr(self.cluster_m > 1):
@@ -431,7 +440,7 @@ class Sm90ExpertGemmKernel:
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
-            if cutlass.const_expr(self.waits_ready > 0):
+            if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is None):
                 wait_reached(barrier_slots, ready + pool_block, Int32(self.waits_ready), "gpu",
                              "L1 tiles of a pool block", self.timeout_ns)
                 # the L1 rows came through bulk (async proxy) stores and generic stores; the
@@ -609,8 +618,11 @@ class Sm90ExpertGemmKernel:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_warp()
+        index = pool_block
+        if cutlass.const_expr(self.ready_slot is not None):
+            index = Int32(self.ready_slot)
         if lane == 0:
-            cute.arch.red(ready + pool_block, Int32(1), op="add", dtype="s32", sem="release",
+            cute.arch.red(ready + index, Int32(1), op="add", dtype="s32", sem="release",
                           scope="gpu")
 
     @cute.jit
@@ -805,7 +817,7 @@ class Sm90ExpertGemmKernel:
 
 
 def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
-               num_stages: int | None = None) -> None:
+               num_stages: int | None = None, ready_slot: int | None = None) -> None:
     """Configure the two phases of the fused layer kernel to run one after the other through
     one pipeline ring and one set of staging rows (`kernels/sm90_mega_moe.py`): the same stage
     count, scale-vector and staging-row strides (the larger of the two, so that a stage or a
@@ -814,7 +826,9 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
     one expects the difference per stage), and L2 tiles waiting for the L1 tiles of their pool
     block. Both must have the same dtype, BLOCK_M, tile width and cluster size.
     ``num_stages``: the ring's stage count (default: the smaller of the two phases' own; the
-    caller checks that it fits shared memory)."""
+    caller checks that it fits shared memory). ``ready_slot``: instead, every L1 tile signals
+    that one readiness counter and L2 starts once all L1 tiles are done (one wait per CTA,
+    no overlap of the phases; for A/Bs, without clusters)."""
     if (l1.phase, l2.phase) != ("l1", "l2"):
         raise ValueError("share_ring: expected an L1 and an L2 kernel")
     if (l1.ab_dtype, l1.block_m, l1.block_k, l1.chunks) != (l2.ab_dtype, l2.block_m, l2.block_k,
@@ -836,5 +850,9 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
         k.ring_tx_bytes = ring_tx
         k.extra_tx_bytes = k.stage_tx_bytes - ring_tx
         k.wg_skew = 0  # (the skew barrier counts on the CTA's first tile of a launch)
+    if ready_slot is not None and l1.cluster_m != 1:
+        raise ValueError("share_ring: one readiness counter for all L1 tiles runs without "
+                         "clusters")
     l1.signals_ready = True
     l2.waits_ready = l1.tile_signals()
+    l1.ready_slot = l2.ready_slot = ready_slot

@@ -81,7 +81,8 @@ class Sm90MegaMoEKernel:
     def __init__(self, layout: MegaMoELayout, block_m: int,
                  activation_clamp: float | None = None, fast_math: bool = True,
                  has_stats: bool = False, l2_staging_parts: int | None = None,
-                 cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False):
+                 cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
+                 l2_gate: str = "pool_block"):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -119,14 +120,19 @@ class Sm90MegaMoEKernel:
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m)
-        share_ring(self.l1, self.l2)
+        # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
+        # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
+        if l2_gate not in ("pool_block", "all_l1"):
+            raise ValueError(f"l2_gate: 'pool_block' or 'all_l1', got {l2_gate!r}")
+        self.ready_slot = self.num_pool_blocks if l2_gate == "all_l1" else None
+        share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel)
         self.num_stages = self.l1.num_stages
         while (self.num_stages < MAX_STAGES
                and self.smem_bytes(self.num_stages + 1) <= SM_SMEM_CAPACITY):
             self.num_stages += 1
-        share_ring(self.l1, self.l2, self.num_stages)
+        share_ring(self.l1, self.l2, self.num_stages, self.ready_slot)
         if self.smem_bytes() > SM_SMEM_CAPACITY:
             raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
                              f"memory, more than a CTA may have ({SM_SMEM_CAPACITY})")
@@ -265,9 +271,10 @@ class Sm90MegaMoEKernel:
 
         # this call's readiness counters start at 0 (ordered before any use by the grid
         # barriers of the dispatch)
-        # (a cluster's dummy block past the pool's last has a counter too)
+        # (a cluster's dummy block past the pool's last has a counter too, or the one counter
+        # of every L1 tile takes that place)
         i = bidx * self.num_threads + tidx
-        while i < self.num_pool_blocks + self.cluster_m - 1:
+        while i < self.num_pool_blocks + 1:
             cute.arch.store(pool_block_ready + i, Int32(0))
             i += grid * self.num_threads
 
@@ -298,7 +305,8 @@ class Sm90MegaMoEKernel:
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, l2_acts_sf, w2_sf,
                     ring, block_start, row_start, l2_tiles, tile - l1_tiles, num_clusters,
                     Int32(self.l2.raster_group), cta_rank, lane, state, pool_block_ready,
-                    barrier, tile_log=log, log_first=l1_count)
+                    barrier, tile_log=log, log_first=l1_count,
+                    ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
                 ring.producer_tail(state)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
