@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--l2-gates", nargs="+", default=["pool_block"],
                         choices=("pool_block", "all_l1"),
                         help="L2 tiles wait for their pool block's L1 tiles, or for all")
+    parser.add_argument("--extra-warpgroups", type=int, nargs="+", default=[0], choices=(0, 1),
+                        help="1: a warpgroup more for dispatch and combine (BLOCK_M 64 only)")
     args = parser.parse_args()
 
     from cute_megamoe import api
@@ -52,17 +54,21 @@ def main() -> None:
     res = Results("fused_phases", meta={
         "ranks": 1, "recipe": args.recipe, "experts": e, "topk": args.topk, "hidden": h,
         "intermediate": inter, "calls": args.calls, "stamps": list(PHASE_STAMPS),
-        "l2_gates": args.l2_gates,
+        "l2_gates": args.l2_gates, "extra_warpgroups": args.extra_warpgroups,
         "clocks_before": gpu_clocks()})
-    for n, gate in [(n, g) for n in args.tokens for g in args.l2_gates]:
+    variants = [(n, g, x) for n in args.tokens for g in args.l2_gates
+                for x in args.extra_warpgroups]
+    for n, gate, extra in variants:
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
         api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
         block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
+        if extra and block_m != 64:
+            continue
         y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,
-                          l2_gate=gate)
+                          l2_gate=gate, extra_warpgroups=extra)
         for _ in range(3):
             call()
         samples = []
@@ -80,12 +86,12 @@ def main() -> None:
         row["l1_us"] = row["l1_done_median_us"] - row["pool_ready_median_us"]
         row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
         row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
-        res.add(tokens=n, l2_gate=gate, block_m=block_m, **row)
+        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, block_m=block_m, **row)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["tokens", "l2_gate", "block_m", "start_spread_us", "pool_ready_last_us",
-                     "l1_us", "l1_done_last_us", "l2_us", "l2_done_last_us", "combine_us",
-                     "end_last_us"]))
+    print(res.table(["tokens", "l2_gate", "extra_warpgroups", "block_m", "start_spread_us",
+                     "pool_ready_last_us", "l1_us", "l1_done_last_us", "l2_us",
+                     "l2_done_last_us", "combine_us", "end_last_us"]))
     buf.destroy()
 
 

@@ -26,7 +26,7 @@ def _gpu():
 # ----------------------------------------------------------------------------- CPU
 
 def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
-             phase_clock: bool = False, tile_log: bool = False):
+             phase_clock: bool = False, tile_log: bool = False, **options):
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -34,7 +34,8 @@ def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
 
     layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True,
-                               cluster_m=cluster_m, phase_clock=phase_clock, tile_log=tile_log)
+                               cluster_m=cluster_m, phase_clock=phase_clock, tile_log=tile_log,
+                               **options)
     ptrs = [fake_ptr(dtype, 4 if name in (
                 "expert_recv_tokens", "stats", "pool_block_ready", "tile_log") else 16)
             for name, dtype in kernel.pointer_args()]
@@ -342,6 +343,21 @@ def test_all_l1_gate_variant_compiles_and_refuses_clusters(monkeypatch):
 
 
 @pytest.mark.compile
+def test_extra_warpgroup_variant_compiles_without_spills(monkeypatch):
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile("fp8xfp8", 64, extra_warpgroups=1)
+    assert kernel.num_threads == 384 and kernel.dispatch.num_threads == 384
+    if art.sass is not None:
+        assert art.count("QGMMA") > 0 and art.count("STL") == 0
+        assert art.resource_usage()["LOCAL"] == 0
+    with pytest.raises(ValueError, match="extra_warpgroups"):
+        Sm90MegaMoEKernel(MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8"), 128,
+                          extra_warpgroups=1)
+
+
+@pytest.mark.compile
 def test_tile_log_variant_compiles(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, tile_log=True)
@@ -350,8 +366,10 @@ def test_tile_log_variant_compiles(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_all_l1_gate_variant_matches_staged():
-    """The A/B variant whose L2 tiles wait for every L1 tile gives the same bits."""
+@pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1)])
+def test_fused_ab_variants_match_staged(variant):
+    """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
+    combine at BLOCK_M 64) give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
@@ -359,7 +377,8 @@ def test_fused_all_l1_gate_variant_matches_staged():
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
     (buf,) = layer.ranks.buffers
-    for n, block_m in ((300, 128), (77, 64)):
+    cases = ((300, 128), (77, 64)) if "l2_gate" in variant else ((300, 64), (1, 64))
+    for n, block_m in cases:
         _, _, _, inputs = layer.inputs((n,), "skewed", seed=n)
         x, idx, w = inputs[0]
         want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0], activation_clamp=10.0,
@@ -367,6 +386,6 @@ def test_fused_all_l1_gate_variant_matches_staged():
         staged.stage_inputs(buf, x, idx, w, validate_routing=False)
         y = torch.full_like(want, float("nan"))
         fused_call(buf, layer.weights[0], n, block_m, y, buffer_state(buf).num_sms, None, 10.0,
-                   True, l2_gate="all_l1")()
+                   True, **variant)()
         torch.cuda.synchronize()
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m)

@@ -82,7 +82,7 @@ class Sm90MegaMoEKernel:
                  activation_clamp: float | None = None, fast_math: bool = True,
                  has_stats: bool = False, l2_staging_parts: int | None = None,
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
-                 l2_gate: str = "pool_block"):
+                 l2_gate: str = "pool_block", extra_warpgroups: int = 0):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -95,7 +95,13 @@ class Sm90MegaMoEKernel:
         # record every CTA's tiles in `tile_log` (diagnostic: the walk against the host model)
         self.tile_log = bool(tile_log)
         self.block_m = block_m
-        self.num_threads = 128 * (1 + block_m // 64)
+        # `extra_warpgroups` 1 (BLOCK_M 64): a third warpgroup that only joins the dispatch and
+        # the combine (more loads in flight there; it idles at the launch's registers while
+        # the GEMMs run: 128 x (40 + 232 + 168) fits the SM). For A/Bs.
+        if extra_warpgroups not in (0, 1) or (extra_warpgroups and block_m != 64):
+            raise ValueError(f"extra_warpgroups: 0, or 1 at BLOCK_M 64; got {extra_warpgroups}")
+        self.num_gemm_wgs = 1 + block_m // 64
+        self.num_threads = 128 * (self.num_gemm_wgs + extra_warpgroups)
         self.num_ranks = layout.num_ranks
         self.num_local_experts = layout.num_local_experts
         self.num_pool_blocks = layout.num_pool_rows // block_m
@@ -311,7 +317,7 @@ class Sm90MegaMoEKernel:
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
             cute.arch.setmaxregister_increase(COMBINE_REGS)
-        else:
+        elif wg < self.num_gemm_wgs:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             staging = storage.staging.data_ptr() + (warp - 4) * (ROWS_PER_WARP
                                                                * self.l1.staging_stride)
