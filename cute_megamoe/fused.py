@@ -3,11 +3,12 @@
     y = fused.fused_mega_moe(buf, x, topk_idx, topk_weights, weights)   # collective
 
 Two launches per call: the input staging (`kernels/staging.py`, skipped with ``x=None`` when
-the caller filled the buffer, as DeepGEMM's users do) and `kernels/sm90_mega_moe.py`.
-Bit-identical to `staged.staged_mega_moe(..., l2_sends=True)` on the same inputs (the tests
-compare them). sm_90a, `fp8xfp8` and `bf16xbf16`, the push transfer; `supports` says whether a
-buffer and weights can run it (the layer entry points fall back to the staged kernels where
-not).
+the caller filled the buffer, as DeepGEMM's users do) and the fused kernel of the GPU's arch
+(`launch.fused_call`): `kernels/sm90_mega_moe.py` (fp8xfp8, bf16xbf16; GPU-tested,
+bit-identical to `staged.staged_mega_moe(..., l2_sends=True)` on the same inputs) or
+`kernels/sm100_mega_moe.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked, never run: no
+Blackwell GPU here). The push transfer; `supports` says whether a buffer and weights can run
+it. Opt-in in the entry points (`MegaMoE(fused=True)`, `api.mega_moe(..., fused=True)`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .checks import (
     check_activation_clamp,
     check_cuda_buffer,
     check_fast_math,
+    check_gemm_block_m,
     check_routing,
     check_sym_buffer,
     check_tensor,
@@ -44,27 +46,31 @@ from .staged import (
     grid_size,
     prepare_layer_call,
 )
+from .tables import GEMM_RECIPES
 
-__all__ = ["FUSED_BLOCK_MS", "FUSED_RECIPES", "fused_mega_moe", "supports"]
+__all__ = ["fused_mega_moe", "supports"]
 
-FUSED_RECIPES = ("fp8xfp8", "bf16xbf16")
-FUSED_BLOCK_MS = (64, 128)
-_TILE_N = 256  # hidden and 2 * intermediate: whole 256-column tiles (one ring for both GEMMs)
+# sm_90a runs its L1 and L2 tiles through one ring of 256-column tiles
+_SM90_TILE_N = 256
 
 
 def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
     """None when the fused kernel can run this buffer and these weights on the current GPU,
-    else why not (for the entry points' fallback and their errors)."""
+    else why not (for the entry points' errors). sm_90a: fp8xfp8 and bf16xbf16 (GPU-tested);
+    sm_100a: fp8xfp4 and bf16xbf16 (compiled and SASS-checked, never run): the recipes of the
+    arch's grouped-GEMM kernels (`tables.GEMM_RECIPES`)."""
     layout = sym_buffer.layout
     if not isinstance(weights, ExpertWeights):
         return "the fused kernel runs our grouped-GEMM weights (ExpertWeights)"
-    if buffer_state(sym_buffer).arch != "sm_90a":
-        return f"the fused kernel is sm_90a only (this GPU: {buffer_state(sym_buffer).arch})"
-    if layout.recipe not in FUSED_RECIPES:
-        return f"the sm_90a fused kernel runs {FUSED_RECIPES}, not {layout.recipe!r}"
-    if layout.hidden % _TILE_N or (2 * layout.intermediate_hidden) % _TILE_N:
-        return (f"the fused kernel needs hidden ({layout.hidden}) and 2 * intermediate "
-                f"({2 * layout.intermediate_hidden}) to be multiples of {_TILE_N}")
+    arch = buffer_state(sym_buffer).arch
+    if layout.recipe not in GEMM_RECIPES[arch]:
+        return f"the {arch} fused kernel runs {GEMM_RECIPES[arch]}, not {layout.recipe!r}"
+    if weights.arch != arch:
+        return f"the weights are prepared for {weights.arch}, this GPU is {arch}"
+    if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N
+                             or (2 * layout.intermediate_hidden) % _SM90_TILE_N):
+        return (f"the sm_90a fused kernel needs hidden ({layout.hidden}) and 2 * intermediate "
+                f"({2 * layout.intermediate_hidden}) to be multiples of {_SM90_TILE_N}")
     return None
 
 
@@ -107,8 +113,7 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         launches, n, block_m = prepare_layer_call(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m,
             cumulative_local_expert_recv_stats, validate_routing)
-        if block_m not in FUSED_BLOCK_MS:
-            raise ValueError(f"block_m: the fused kernel runs {FUSED_BLOCK_MS}, got {block_m!r}")
+        check_gemm_block_m(block_m, buffer_state(sym_buffer).arch)
         grid = grid_size(sym_buffer, num_sms)
         stats = cumulative_local_expert_recv_stats
         if y is None:

@@ -53,7 +53,7 @@ from .checks import (
 )
 from .deepgemm_api import get_symm_buffer_for_mega_moe
 from .expert_gemm import ExpertWeights
-from .fused import FUSED_BLOCK_MS, fused_mega_moe
+from .fused import fused_mega_moe
 from .fused import supports as fused_support
 from .layout import BLOCK_M_MAX, MegaMoELayout
 from .runtime import get_arch
@@ -113,9 +113,10 @@ class MegaMoE(torch.nn.Module):
             switch (on).
         block_m, num_sms: fixed BLOCK_M (a multiple of 16; on the kernels path one the arch's
             kernels implement) and SM count; None: per call by the heuristics / all SMs.
-        fused: run the layer as one persistent kernel (`fused.fused_mega_moe`: sm_90a, the
-            kernels path, fp8xfp8 / bf16xbf16, push, L2 sends). Bit-identical to the staged
-            kernels; off by default while it is slower at prefill sizes (docs/performance.md).
+        fused: run the layer as one persistent kernel (`fused.fused_mega_moe`: the kernels
+            path, push, L2 sends; sm_90a GPU-tested and bit-identical to the staged kernels,
+            sm_100a compiled only). Off by default while it is slower at prefill sizes
+            (docs/performance.md).
     """
 
     def __init__(self, group: torch.distributed.ProcessGroup | None, num_experts: int,
@@ -195,8 +196,6 @@ class MegaMoE(torch.nn.Module):
             if fused:
                 reason = "it runs on the kernels path" if path != "kernels" else \
                     fused_support(self.sym_buffer, weights)
-                if reason is None and block_m is not None and block_m not in FUSED_BLOCK_MS:
-                    reason = f"it runs BLOCK_M {FUSED_BLOCK_MS}, not {block_m}"
                 if reason is not None:
                     raise ValueError(f"fused: {reason}")
         self.group = group

@@ -379,3 +379,34 @@ def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
                                  **kwargs)
         assert len(log) == before, what
         assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1, what
+
+
+def test_fused_layer_picks_the_sm100_kernel_on_blackwell(fake_cuda, monkeypatch):
+    """On an sm_100a GPU (stubbed) `fused.fused_mega_moe` launches the Blackwell fused kernel
+    for fp8xfp4 weights, keeps a plan whose slots are the same as on sm_90a, and refuses
+    weights prepared for another arch."""
+    from cute_megamoe import fused
+
+    counts, log = fake_cuda
+    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    monkeypatch.setattr(launch, "get_arch", lambda *args: "sm_100a")
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp4",
+                                       device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16)
+    weights = ExpertWeights.from_bf16(w1, w2, "fp8xfp4", arch="sm_100a")
+    for n, seed in ((5, 1), (9, 2)):
+        x, idx, w = _layer_inputs(n, seed)
+        y = torch.empty(n, H, dtype=torch.bfloat16)
+        before = len(log)
+        fused.fused_mega_moe(buf, x, idx, w, weights, y=y, validate_routing=False)
+        launched = log[before:]
+        assert [name for name, _ in launched] == ["InputStagingKernel", "Sm100MegaMoEKernel"]
+        args = launched[1][1]
+        assert int(args[launch.FUSED_SLOTS[0]]) == n
+        assert _address(args[launch.FUSED_SLOTS[2]]) == y.data_ptr()
+    assert counts["compile"] == 2  # the second call ran the plan
+    wrong = ExpertWeights.from_bf16(w1, w2, "bf16xbf16", arch="sm_90a")
+    with pytest.raises(ValueError, match="runs|prepared"):
+        fused.fused_mega_moe(buf, x, idx, w, wrong, validate_routing=False)

@@ -7,7 +7,7 @@ of both GEMMs and no local memory; every mbarrier the kernel is built with has t
 count, and every stage the transaction byte count, computed here from the tile shapes; the
 readiness count an L2 tile waits for; the host model of its tile walk is the Hopper kernel's.
 sm100 (skips without a Blackwell GPU): bit-exact with the staged layer and near the reference,
-through `fused_sm100.fused_mega_moe_sm100` (not yet wired into the entry points).
+through `fused.fused_mega_moe` (which picks it on sm_100a).
 """
 
 import re
@@ -219,37 +219,13 @@ def test_fused_sm100_kernel_rejects_what_it_cannot_run():
 
 # ----------------------------------------------------------------------------- sm100 GPU
 
-class _Sm100Layer:
-    """`fused_checks.FusedLayer` with its "fused" runs through the sm_100a fused kernel."""
-
-    def __new__(cls, ranks):
-        from cute_megamoe.testing.fused_checks import FusedLayer
-
-        class Layer(FusedLayer):
-            def run(self, kind, inputs, block_ms, ys):
-                if kind != "fused":
-                    return super().run(kind, inputs, block_ms, ys)
-                from cute_megamoe.fused_sm100 import fused_mega_moe_sm100
-
-                def step(buf):
-                    x, idx, w = inputs[buf.rank]
-                    fused_mega_moe_sm100(
-                        buf, x, idx, w, self.weights[buf.rank], y=ys[buf.rank],
-                        block_m=block_ms[buf.rank], activation_clamp=self.clamp,
-                        validate_routing=False,
-                        cumulative_local_expert_recv_stats=self.stats[buf.rank]["fused"])
-
-                self.ranks.run(step)
-
-        return Layer(ranks)
-
-
 @pytest.mark.sm100
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_sm100_fused_matches_staged_one_rank(recipe):
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.protocol_checks import Ranks
 
-    layer = _Sm100Layer(Ranks.loopback(1, 16, 300, 4, 512, 256, recipe))
+    layer = FusedLayer(Ranks.loopback(1, 16, 300, 4, 512, 256, recipe))
     layer.warm_up(BLOCK_M_CHOICES)
     cases = [(100, "random"), (300, "one_expert"), (129, "masked"), (77, "skewed"),
              (0, "random"), (1, "random")]
@@ -261,9 +237,10 @@ def test_sm100_fused_matches_staged_one_rank(recipe):
 @pytest.mark.sm100
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_sm100_fused_two_ranks_on_one_gpu(recipe):
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.protocol_checks import Ranks
 
-    layer = _Sm100Layer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
     layer.warm_up(BLOCK_M_CHOICES)
     layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=1)
     layer.check_call((1, 130), "one_expert", {0: 256, 1: 128}, seed=2)

@@ -142,7 +142,8 @@ class Sm100MegaMoEKernel:
                 ("l1_acts", act), ("l1_acts_sf", act_sf), ("l1_topk_weights", Float32),
                 ("l2_acts", act), ("l2_acts_sf", act_sf), ("token_src_metadata", Int32),
                 ("w1", w), ("w1_sf", w_sf), ("w2", w), ("w2_sf", w_sf),
-                ("pool_block_ready", Int32), ("y", BFloat16))
+                ("pool_block_ready", Int32), ("phase_clock", Int64), ("tile_log", Int32),
+                ("y", BFloat16))
 
     def smem_bytes(self, num_stages: int | None = None) -> int:
         """Shared memory of one CTA with ``num_stages`` ring stages (default: the kernel's), an
@@ -178,6 +179,8 @@ class Sm100MegaMoEKernel:
         w2: cute.Pointer,  # [E_l, H, I]
         w2_sf: cute.Pointer,
         pool_block_ready: cute.Pointer,  # Int32 [P / BLOCK_M], per-call readiness counters
+        phase_clock: cute.Pointer,  # (the sm_90a kernel's diagnostics: the same arguments,
+        tile_log: cute.Pointer,  # so that one launcher serves both; unused here)
         y: cute.Pointer,  # BF16 [num_tokens, H]
         num_ctas: Int32,
         stream,
