@@ -137,17 +137,8 @@ class _FusedPlan(_LayerPlan):
 
     def __init__(self, sym_buffer: SymmBuffer, weights: ExpertWeights, staged: bool,
                  launches: list[KernelCall]):
-        layout = sym_buffer.layout
         fused = launches[-1]
-        self.path = fused.path
-        self.device = sym_buffer.device
-        self.num_tokens = layout.num_tokens
-        self.hidden = layout.hidden
-        self.topk_shape_k = layout.num_topk
-        self.num_experts = layout.num_experts
-        self.stats_shape = (layout.num_local_experts,)
-        self.weight_meta = tuple(None if t is None else (t.dtype, t.shape)
-                                 for t in (weights.w1, weights.w2, weights.w1_sf, weights.w2_sf))
+        self.keep_checks(sym_buffer, weights, fused.path)
         self.staging = launches[0].prepare(STAGING_SLOTS) if staged else None
         self.fused = fused.prepare(FUSED_SLOTS)
         self.no_stats = fused.args[FUSED_SLOTS[1]]  # the counts stand in

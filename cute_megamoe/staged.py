@@ -549,8 +549,20 @@ class _LayerPlan:
     def __init__(self, sym_buffer: SymmBuffer, weights: ExpertWeights, staged: bool,
                  launches: list[KernelCall], expert_launches: list[KernelCall],
                  combine_launch: KernelCall):
+        self.keep_checks(sym_buffer, weights, combine_launch.path)
+        staging = launches[0] if staged else None
+        dispatch = launches[-1]
+        self.staging = None if staging is None else staging.prepare(STAGING_SLOTS)
+        self.dispatch = dispatch.prepare(DISPATCH_SLOTS)
+        self.no_stats = dispatch.args[DISPATCH_SLOTS[1]]  # the counts stand in
+        self.gemms = tuple(call.prepare(GEMM_SLOTS) for call in expert_launches)
+        self.combine = combine_launch.prepare(COMBINE_SLOTS)
+
+    def keep_checks(self, sym_buffer: SymmBuffer, weights: ExpertWeights, path) -> None:
+        """What `accepts` compares a later call with (the buffer's shapes, the weights'
+        dtypes and shapes) and the launch path the kept arguments are in."""
         layout = sym_buffer.layout
-        self.path = combine_launch.path
+        self.path = path
         self.device = sym_buffer.device
         self.num_tokens = layout.num_tokens
         self.hidden = layout.hidden
@@ -559,13 +571,6 @@ class _LayerPlan:
         self.stats_shape = (layout.num_local_experts,)
         self.weight_meta = tuple(None if t is None else (t.dtype, t.shape)
                                  for t in _weight_tensors(weights))
-        staging = launches[0] if staged else None
-        dispatch = launches[-1]
-        self.staging = None if staging is None else staging.prepare(STAGING_SLOTS)
-        self.dispatch = dispatch.prepare(DISPATCH_SLOTS)
-        self.no_stats = dispatch.args[DISPATCH_SLOTS[1]]  # the counts stand in
-        self.gemms = tuple(call.prepare(GEMM_SLOTS) for call in expert_launches)
-        self.combine = combine_launch.prepare(COMBINE_SLOTS)
 
     def _fits(self, t: object, dtype: torch.dtype, shape: tuple) -> bool:
         """What `checks.check_tensor` asks of a kernel argument, as a bool."""

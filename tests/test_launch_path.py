@@ -94,6 +94,15 @@ def _layer_inputs(n: int, seed: int):
     return torch.randn(n, H, generator=gen).to(torch.bfloat16), idx, w
 
 
+def _buffer_and_weights(recipe: str = "fp8xfp8", arch: str = "sm_90a"):
+    """A CPU buffer and `ExpertWeights` of the test shape, as if for ``arch``."""
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type=recipe, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16)
+    return buf, ExpertWeights.from_bf16(w1, w2, recipe, arch=arch), (w1, w2)
+
+
 def _address(arg) -> int:
     """The address a pointer argument carries on either path (an int on TVM-FFI, a
     `cute.Pointer` on the CuTe DSL path)."""
@@ -316,12 +325,7 @@ def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypa
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
     runtime.set_launch_path(path)
-    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp8",
-                                       device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    weights = ExpertWeights.from_bf16(
-        torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16),
-        torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16), "fp8xfp8", arch="sm_90a")
+    buf, weights, _ = _buffer_and_weights()
     stats = torch.zeros(E, dtype=torch.int32)
 
     def layer(n, seed):
@@ -359,12 +363,7 @@ def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
 
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
-    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp8",
-                                       device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    weights = ExpertWeights.from_bf16(
-        torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16),
-        torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16), "fp8xfp8", arch="sm_90a")
+    buf, weights, _ = _buffer_and_weights()
     x, idx, w = _layer_inputs(5, 0)
     fused.fused_mega_moe(buf, x, idx, w, weights, validate_routing=False)  # makes a plan
     for bad, what in ((dict(x=x.float()), "x"), (dict(block_m=96), "block_m"),
@@ -390,12 +389,7 @@ def test_fused_layer_picks_the_sm100_kernel_on_blackwell(fake_cuda, monkeypatch)
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
     monkeypatch.setattr(launch, "get_arch", lambda *args: "sm_100a")
-    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp4",
-                                       device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    w1 = torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16)
-    w2 = torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16)
-    weights = ExpertWeights.from_bf16(w1, w2, "fp8xfp4", arch="sm_100a")
+    buf, weights, (w1, w2) = _buffer_and_weights("fp8xfp4", "sm_100a")
     for n, seed in ((5, 1), (9, 2)):
         x, idx, w = _layer_inputs(n, seed)
         y = torch.empty(n, H, dtype=torch.bfloat16)
