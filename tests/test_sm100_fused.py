@@ -13,6 +13,7 @@ through `fused.fused_mega_moe` (which picks it on sm_100a).
 import re
 
 import pytest
+import torch
 
 from cute_megamoe.layout import MegaMoELayout
 from cute_megamoe.tables import BLOCK_MS
@@ -244,3 +245,67 @@ def test_sm100_fused_two_ranks_on_one_gpu(recipe):
     layer.warm_up(BLOCK_M_CHOICES)
     layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=1)
     layer.check_call((1, 130), "one_expert", {0: 256, 1: 128}, seed=2)
+
+
+# ------------------------------------------------------- TMA descriptors, encoded on any GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("block_m", BLOCK_M_CHOICES)
+def test_sm100_tma_descriptors_encode_on_this_gpu(recipe, block_m, monkeypatch):
+    """Every TMA descriptor of the sm_100a fused kernel (both GEMMs' tokens, weights and, for
+    fp8xfp4, both scale operands, including the 4-D permuted-row layouts) is encoded by the
+    host code of the compiled kernel, with real buffers, on a GPU that is not a Blackwell: the
+    launch itself must then fail for want of an sm_100a kernel image, not the encoding. A first
+    call with the tokens' address 8 bytes off proves that an encoding error would show (else
+    the test skips: the encoding is not reached on this GPU)."""
+    from cute_megamoe import runtime
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("a Blackwell GPU runs the kernel itself (the sm100 tests)")
+    previous = runtime.launch_path().name
+    runtime.set_launch_path("cute-dsl")  # pointer arguments we can shift by hand
+    try:
+        _encode_or_skip(recipe, block_m, monkeypatch)
+    finally:
+        runtime.set_launch_path(previous)
+
+
+def _encode_or_skip(recipe: str, block_m: int, monkeypatch) -> None:
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    import cute_megamoe.launch as launch_mod
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.expert_gemm import ExpertWeights
+
+    monkeypatch.setattr(launch_mod, "get_arch", lambda *args: "sm_100a")
+    buf = get_symm_buffer_for_mega_moe(None, 16, 256, 4, 512, 256, mma_type=recipe)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn(16, 512, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    w2 = torch.randn(16, 512, 256, generator=gen, device="cuda").to(torch.bfloat16)
+    weights = ExpertWeights.from_bf16(w1, w2, recipe, arch="sm_100a")
+    y = torch.empty(64, 512, dtype=torch.bfloat16, device="cuda")
+    call = launch_mod.fused_call(buf, weights, 64, block_m, y, 2, None, 10.0, True)
+
+    def error_of(args) -> str:
+        try:
+            call.fn(*args)
+            torch.cuda.synchronize()
+        except Exception as e:  # the DSL's runtime error names the CUDA error
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    slot = 5  # l1_acts (launch.fused_call's argument order)
+    good = call.args[slot]
+    shifted = make_ptr(good.dtype, good._pointer + 8, cute.AddressSpace.gmem, assumed_align=16)
+    bad_error = error_of(call.args[:slot] + (shifted,) + call.args[slot + 1:])
+    good_error = error_of(call.args)
+    if not bad_error or bad_error == good_error:
+        pytest.skip(f"the descriptor encoding is not reached before the launch here: "
+                    f"{good_error[:200]!r}")
+    assert good_error, "an sm_100a kernel launched on a GPU that is not a Blackwell"
+    assert "InvalidValue" not in good_error and "invalid argument" not in good_error.lower(), \
+        good_error[:400]
