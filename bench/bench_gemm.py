@@ -11,6 +11,10 @@ CUDA-graph replay; torch and ours alternate over `--rounds` rounds (the GPU's cl
 power limit, so back-to-back runs are not comparable), each time the median over rounds of the
 per-round median of replays.
 
+`fp8xfp4_sm90` rows (MXFP4 weights decoded on chip, issue 19) have no torch baseline; they
+alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
+`ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales).
+
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
 
@@ -31,6 +35,24 @@ DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
 
 def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeights:
+    if recipe == "fp8xfp4_sm90":
+        # random codes; per-32 scales 2^-5 .. 2^-1 (as trained weights: every group within 11
+        # binades of its block's largest, the decode's common path), block scales 2^(-1 - 6)
+        def codes(*shape):
+            return torch.randint(-128, 128, shape, device="cuda", dtype=torch.int8)
+
+        def group_sf(*shape):
+            return torch.randint(122, 127, (*shape, 4), device="cuda",
+                                 dtype=torch.uint8).view(torch.int32).view(*shape)
+
+        def block_sf(*shape):
+            return torch.full(shape, 2.0**-7, device="cuda")
+
+        return ExpertWeights(
+            recipe, codes(e, 2 * inter, hidden // 2), codes(e, hidden, inter // 2),
+            group_sf(e, hidden // 128, 2 * inter), group_sf(e, inter // 128, hidden),
+            w1_block_sf=block_sf(e, hidden // 128, weight_sf_row_len(2 * inter)),
+            w2_block_sf=block_sf(e, inter // 128, weight_sf_row_len(hidden)))
     if recipe == "bf16xbf16":
         return ExpertWeights(recipe, torch.randn(e, 2 * inter, hidden, device="cuda",
                                                  dtype=torch.bfloat16) * 0.02,
@@ -51,7 +73,7 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
 def _ours(recipe, w: ExpertWeights, m: int, block_m: int):
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     p_rows = e * ceil_div(m, block_m) * block_m
-    fp8 = recipe == "fp8xfp8"
+    fp8 = recipe != "bf16xbf16"
     acts = torch.randn(p_rows, hidden, device="cuda").to(
         torch.float8_e4m3fn if fp8 else torch.bfloat16)
     acts_sf = torch.ones(hidden // 128, p_rows, device="cuda").t() if fp8 else None
@@ -110,38 +132,50 @@ def main() -> None:
                                 "clocks_before": gpu_clocks(),
                                 "note": "torch runs only the two GEMMs (no SwiGLU/requant)"})
     for recipe in args.recipes.split(","):
-        fp8 = recipe == "fp8xfp8"
+        fp8 = recipe != "bf16xbf16"
+        fp4 = recipe == "fp8xfp4_sm90"
         for cfg in args.configs.split(","):
             e, m = (int(v) for v in cfg.split("x"))
             w = _random_weights(recipe, e, hidden, inter)
-            weight_bytes = (w.w1.numel() + w.w2.numel()) * w.w1.element_size()
+            weight_bytes = sum(t.numel() * t.element_size() for t in (w.w1, w.w2)) + (
+                (w.w1_sf.numel() + w.w2_sf.numel()) * 4 if fp4 else 0)
             floor = weight_bytes / copy_ceiling(min(weight_bytes, 2 << 30))
             flops = 6 * e * m * hidden * inter
-            runs = {"torch": _torch(recipe, w, m), 64: _ours(recipe, w, m, 64),
-                    128: _ours(recipe, w, m, 128)}
+            runs = {64: _ours(recipe, w, m, 64), 128: _ours(recipe, w, m, 128)}
+            if fp4:  # the baseline: our fp8xfp8 kernels on FP8 weights of the same shape
+                w_fp8 = _random_weights("fp8xfp8", e, hidden, inter)
+                runs["fp8_64"] = _ours("fp8xfp8", w_fp8, m, 64)
+                runs["fp8_128"] = _ours("fp8xfp8", w_fp8, m, 128)
+            else:
+                runs["torch"] = _torch(recipe, w, m)
             samples = {key: [] for key in runs}
             for _ in range(args.rounds):
                 for key, fn in runs.items():
                     samples[key].append(time_cuda_graph(fn, calls_per_replay=5, replays=5))
             times = {key: statistics.median(v) for key, v in samples.items()}
-            t_torch = times["torch"]
             picked = select_block_m(m, "sm90")
             for block_m in (64, 128):
                 t = times[block_m]
                 roof = peaks.roofline_s(flops=flops, hbm_bytes=weight_bytes, fp8=fp8)
+                if fp4:
+                    t_fp8 = min(times["fp8_64"], times["fp8_128"])
+                    base = dict(fp8_us=t_fp8 * 1e6, ratio_to_fp8=t / t_fp8)
+                else:
+                    t_torch = times["torch"]
+                    base = dict(torch_us=t_torch * 1e6, speedup=t_torch / t,
+                                torch_tflops=flops / t_torch / 1e12)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
-                        picked=block_m == picked, ours_us=t * 1e6, torch_us=t_torch * 1e6,
-                        speedup=t_torch / t, ours_tflops=flops / t / 1e12,
-                        torch_tflops=flops / t_torch / 1e12, weight_floor_us=floor * 1e6,
-                        ratio_to_floor=t / floor, ratio_to_roofline=t / roof)
+                        picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
+                        weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
+                        ratio_to_roofline=t / roof, **base)
             del w, runs
             torch.cuda.empty_cache()
     res.meta["clocks_after"] = gpu_clocks()
     path = res.save()
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
-                     "torch_us", "speedup", "ours_tflops", "torch_tflops", "weight_floor_us",
-                     "ratio_to_floor"]))
+                     "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "ours_tflops",
+                     "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 
 
 if __name__ == "__main__":

@@ -85,10 +85,11 @@ class PreparedCall:
 
 # Per kernel, the argument slots a layer call fills in (the rest is fixed per buffer, weights
 # and configuration): staging (x, topk_idx, topk_weights, num_tokens, stream), dispatch
-# (num_tokens, stats, stream), the GEMMs (stream), combine (num_tokens, y, stream).
+# (num_tokens, stats, stream), the GEMMs (stream: the last argument on every arch),
+# combine (num_tokens, y, stream).
 STAGING_SLOTS = (0, 1, 2, 7, 8)
 DISPATCH_SLOTS = (2, 4, 6)
-GEMM_SLOTS = (11,)
+GEMM_SLOTS = (-1,)
 COMBINE_SLOTS = (2, 5, 7)
 # the fused layer kernel: (num_tokens, stats, y, stream)
 FUSED_SLOTS = (2, 4, 18, 20)
@@ -256,11 +257,12 @@ def combine_call(sym_buffer: SymmBuffer, num_tokens: int, block_m: int,
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
                 fast_math: bool = True, combine_layout=None):
-    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its ten
+    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
     pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
-    peer_bases, src_metadata)`` (what `expert_gemm_calls` passes; the compile tests use the same
-    plan). ``combine_layout``: L2 sends its rows to the source ranks' combine buffers of a
-    symmetric buffer with this `MegaMoELayout`."""
+    peer_bases, src_metadata)``, on sm_90a then ``b_group_sf`` (the per-32 scales of FP4
+    weights; ``b_sf`` their block scales) (what `expert_gemm_calls` passes; the compile tests
+    use the same plan). ``combine_layout``: L2 sends its rows to the source ranks' combine
+    buffers of a symmetric buffer with this `MegaMoELayout`."""
     from cutlass import (
         BFloat16,
         Float4E2M1FN,
@@ -276,9 +278,10 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a":
         from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
 
-        ab = Float8E4M3FN if recipe == "fp8xfp8" else BFloat16
-        dtypes = (ab, Float32, ab, Float32, Int32, Float32, ab if phase == "l1" else BFloat16,
-                  Float32, Int64, Int32)
+        ab = BFloat16 if recipe == "bf16xbf16" else Float8E4M3FN
+        b = Uint8 if recipe == "fp8xfp4_sm90" else ab
+        dtypes = (ab, Float32, b, Float32, Int32, Float32, ab if phase == "l1" else BFloat16,
+                  Float32, Int64, Int32, Int32)
     elif arch == "sm_100a":
         from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
 
@@ -291,8 +294,9 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
     extra = {"combine_layout": combine_layout}
-    if arch == "sm_90a":
-        extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
+    if arch == "sm_90a":  # (the FP4 weight decode runs without clusters)
+        extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
+                              else select_cluster_m(arch, phase, block_m, n))
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -313,17 +317,25 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
     path = launch_path()
     calls = []
     for phase in ("l1", "l2"):
+        # FP4 weights on sm_90a: the block scales go where the FP8 ones do, the per-32 scales
+        # last
+        fp4 = recipe == "fp8xfp4_sm90"
         if phase == "l1":
             n, k = 2 * inter, hidden
-            tensors = (acts, acts_sf, weights.w1, weights.w1_sf, expert_recv_tokens,
-                       topk_weights, l2_acts, l2_acts_sf)
+            tensors = (acts, acts_sf, weights.w1, weights.w1_block_sf if fp4 else weights.w1_sf,
+                       expert_recv_tokens, topk_weights, l2_acts, l2_acts_sf)
+            group_sf = weights.w1_sf if fp4 else None
         else:
             n, k = hidden, inter
-            tensors = (l2_acts, l2_acts_sf, weights.w2, weights.w2_sf, expert_recv_tokens,
-                       None, out, None)
+            tensors = (l2_acts, l2_acts_sf, weights.w2,
+                       weights.w2_block_sf if fp4 else weights.w2_sf, expert_recv_tokens, None,
+                       out, None)
+            group_sf = weights.w2_sf if fp4 else None
         to_combine = phase == "l2" and combine_layout is not None
         tensors += ((combine_buffer.peer_bases, combine_buffer.token_src_metadata)
                     if to_combine else (None, None))
+        if arch == "sm_90a":
+            tensors += (group_sf,)
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None)

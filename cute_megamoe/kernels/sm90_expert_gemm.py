@@ -72,12 +72,13 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
+from .common.fp4_decode import decode_e2m1_word, e2m1_table
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
 from .common.sync import spin_timeout_ns, wait_reached
 
-RECIPES = ("fp8xfp8", "bf16xbf16")
+RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
@@ -85,10 +86,19 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
+DECODE_WARPS = 3  # FP4 weights: warps 1-3 (producer warpgroup) decode the weight tiles
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
+
+
+@cute.jit
+def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
+    """Four Int32 words at byte ``offset`` (a multiple of 16) of shared memory ``base``, as a
+    16-byte-aligned tensor (one 128-bit access)."""
+    ptr = cute.make_ptr(Int32, base.toint() + offset, cute.AddressSpace.smem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(4))
 
 
 class Sm90ExpertGemmKernel:
@@ -100,7 +110,9 @@ class Sm90ExpertGemmKernel:
                  wg_skew: int | None = None, staging_parts: int | None = None,
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0):
         self.phase, self.recipe = phase, recipe
-        self.is_fp8 = recipe == "fp8xfp8"
+        # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
+        self.fp4_weights = recipe == "fp8xfp4_sm90"
+        self.is_fp8 = recipe in ("fp8xfp8", "fp8xfp4_sm90")
         self.ab_dtype = Float8E4M3FN if self.is_fp8 else BFloat16
         self.block_m, self.block_k = block_m, (128 if self.is_fp8 else 64)
         # 256 columns when N allows (half the A reloads); an FP8 L1 tile must hold one whole
@@ -132,10 +144,16 @@ class Sm90ExpertGemmKernel:
         self.out_row_bytes = self.out_cols * out_elt
         # activation scales of the tile's rows; the expert's weight block scales of the k-block
         self.sfa_len, self.sfb_len = block_m, weight_sf_row_len(n)
-        stage_bytes = (block_m + self.block_n) * self.block_k * elt
+        # what the TMA brings per stage (FP4 weights: packed codes and their scale words), and
+        # what the stage takes in shared memory (FP4: also the decoded weight tile)
+        b_load_bytes = self.block_n * self.block_k * elt // (2 if self.fp4_weights else 1)
+        self.stage_tx_bytes = block_m * self.block_k * elt + b_load_bytes
         if self.is_fp8:
-            stage_bytes += (self.sfa_len + self.sfb_len) * 4
-        self.stage_tx_bytes = stage_bytes
+            self.stage_tx_bytes += (self.sfa_len + self.sfb_len) * 4
+        if self.fp4_weights:
+            self.stage_tx_bytes += self.block_n * 4
+        stage_bytes = self.stage_tx_bytes + (self.block_n * self.block_k
+                                             if self.fp4_weights else 0)
 
         # `smem_reserved`: bytes a fused kernel's other phases take from the budget
         self.smem_budget = SMEM_BUDGET - smem_reserved
@@ -149,11 +167,13 @@ class Sm90ExpertGemmKernel:
         # of 3, +5 %; BF16 keeps a k-block of WGMMAs, so a stage, in flight). FP8: whole rows
         # (the L1 requantization needs both chunks; L2 with half-chunk parts and 4 stages lost
         # 2-7 %: the waits between parts stall the epilogue). Measured interleaved
-        # (docs/performance.md). FP8 L2 in parts only when asked (the fused kernel's ring).
+        # (docs/performance.md). FP8 L2 in parts only when asked (the fused kernel's ring), or
+        # with FP4 weights, whose stages also hold the decoded tile (L2 at BLOCK_M 128: 3
+        # stages with quarter rows, else 2).
         choices = (1,) if (self.is_fp8 and phase == "l1") else (1, self.chunks, 2 * self.chunks)
         if staging_parts is None:
             staging_parts = 1
-            for parts in ((1,) if self.is_fp8 else choices):
+            for parts in ((1,) if self.is_fp8 and not self.fp4_weights else choices):
                 if stages_fit(parts) > stages_fit(staging_parts):
                     staging_parts = parts
         if staging_parts not in choices:
@@ -166,8 +186,10 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
         # multicasts it to both, when both pool blocks belong to one expert.
-        if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
-            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
+        if cluster_m not in (1, 2) or (cluster_m == 2 and (self.chunks != 2
+                                                           or self.fp4_weights)):
+            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles (not with FP4 "
+                             f"weights), got {cluster_m}")
         self.cluster_m = cluster_m
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
         # Tiles walk in raster bands of `raster_group` cluster groups of pool blocks (see
@@ -207,6 +229,17 @@ class Sm90ExpertGemmKernel:
         block are done (`signals_ready`): one per consumer warp per n-block."""
         return self.num_n_blocks * self.num_mma_wgs * 4
 
+    def raw_b_bytes(self) -> int:
+        """Shared-memory bytes of the ring's packed FP4 weight chunks (a token 128 else)."""
+        if not self.fp4_weights:
+            return 128
+        return self.num_stages * self.chunks * WG_N * self.b_load_k()
+
+    def sfg_len(self) -> int:
+        """Int32 words of the ring's per-32 weight scales: a word (four groups) per weight row
+        of the tile per stage (FP4; a token 4 else)."""
+        return self.num_stages * self.block_n if self.fp4_weights else 4
+
     def staging_layout(self, parts: int) -> tuple[int, int]:
         """(row stride, total bytes) of the consumer warps' staging rows when they hold
         ``1 / parts`` of a tile's output row."""
@@ -232,19 +265,34 @@ class Sm90ExpertGemmKernel:
         b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
         return tiled_mma, a_layout, b_layout
 
+    def b_load_k(self) -> int:
+        """Elements of the TMA's weight box along K: a k-block, or its bytes of packed FP4."""
+        return self.block_k // 2 if self.fp4_weights else self.block_k
+
+    def raw_b_layout(self):
+        """FP4 weights: the ring's packed weight chunks as TMA writes them, ``[128 rows, 64
+        bytes, stage * chunks + chunk]`` (no swizzle: the decode reads 16 bytes per lane, rows
+        of 64 bytes, conflict-free)."""
+        k2 = self.b_load_k()
+        return cute.make_layout((WG_N, k2, self.num_stages * self.chunks),
+                                stride=(k2, 1, WG_N * k2))
+
     def tma_loads(self, a: cute.Pointer, b: cute.Pointer, a_layout, b_layout):
-        """TMA atoms and tensors of the A pool ``[P, K]`` and the weights ``[E * N, K]``
-        (host side of a `cute.jit` function): ``(tma_a, m_a, tma_b, m_b)``."""
+        """TMA atoms and tensors of the A pool ``[P, K]`` and the weights ``[E * N, K]`` (FP4:
+        their packed bytes ``[E * N, K / 2]`` into `raw_b_layout`) (host side of a `cute.jit`
+        function): ``(tma_a, m_a, tma_b, m_b)``."""
         m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
                                                    stride=(self.k, 1)))
-        m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
-                                                   stride=(self.k, 1)))
+        k_b = self.k // 2 if self.fp4_weights else self.k
+        m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, k_b),
+                                                   stride=(k_b, 1)))
         tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_layout, (None, None, 0)),
             (self.block_m, self.block_k))
+        b_slot = cute.slice_(self.raw_b_layout() if self.fp4_weights else b_layout,
+                             (None, None, 0))
         tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_layout, (None, None, 0)),
-            (WG_N, self.block_k))
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_slot, (WG_N, self.b_load_k()))
         return tma_a, tma_m_a, tma_b, tma_m_b
 
     def tma_multicast_b(self, b: cute.Pointer, b_layout):
@@ -270,6 +318,7 @@ class Sm90ExpertGemmKernel:
         out_sf: cute.Pointer,  # f32 [N/256, P] (l1 fp8)
         peer_bases: cute.Pointer,  # Int64 [R]: the symmetric buffers (to_combine)
         src_metadata: cute.Pointer,  # Int32 [P, 4]: (rank, token, slot, 0) (to_combine)
+        b_group_sf: cute.Pointer,  # Int32 [E, K/128, N]: UE8M0 per 32 (fp8xfp4_sm90)
         num_ctas: Int32,
         stream,
     ):
@@ -293,12 +342,15 @@ class Sm90ExpertGemmKernel:
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
                                   1024]
             staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes], 128]
+            raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, self.raw_b_bytes()], 128]
+            sfg: cute.struct.Align[cute.struct.MemRange[Int32, self.sfg_len()], 16]
+            decoded: cute.struct.MemRange[Int64, self.num_stages]
 
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_b_mc, tma_m_b, a_layout, b_layout,
                     a_sf, b_sf,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
-                    topk_weights, out, out_sf, peer_bases, src_metadata).launch(
+                    topk_weights, out, out_sf, peer_bases, src_metadata, b_group_sf).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -309,7 +361,8 @@ class Sm90ExpertGemmKernel:
                a_layout: cute.ComposedLayout,
                b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
-               out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer):
+               out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
+               b_group_sf: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -334,6 +387,10 @@ class Sm90ExpertGemmKernel:
         sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         staging = storage.staging.data_ptr()
+        # what the TMA writes the weights into: the MMA's tiles, or the packed FP4 chunks
+        sb_load = sb
+        if cutlass.const_expr(self.fp4_weights):
+            sb_load = storage.raw_b.get_tensor(self.raw_b_layout())
 
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
@@ -347,6 +404,8 @@ class Sm90ExpertGemmKernel:
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
                               self.block_m)
+        if cutlass.const_expr(self.fp4_weights):
+            self.init_decoded_barriers(storage.decoded.data_ptr(), tidx)
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
@@ -361,10 +420,18 @@ class Sm90ExpertGemmKernel:
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
-                state, _ = self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb, sfa, sfb,
+                state, _ = self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb_load, sfa, sfb,
                                         a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
-                                        cluster, num_clusters, raster_group, rank, lane, state)
+                                        cluster, num_clusters, raster_group, rank, lane, state,
+                                        b_group_sf=b_group_sf, sfg=storage.sfg.data_ptr())
                 ab_pipe.producer_tail(state)
+            elif cutlass.const_expr(self.fp4_weights):
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                     self.num_stages)
+                self.decode_weights(ab_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(), sfb,
+                                    storage.sfg.data_ptr(), storage.decoded.data_ptr(),
+                                    block_start, row_start, num_tiles, cluster, num_clusters,
+                                    raster_group, rank, tidx - 32, lane, state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -374,7 +441,7 @@ class Sm90ExpertGemmKernel:
                          warp % 4, lane,
                          topk_weights, out, out_sf, peer_bases, src_metadata,
                          staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride), state,
-                         state.clone())
+                         state.clone(), decoded=storage.decoded.data_ptr())
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # no CTA leaves while its peer may still signal it
             cute.arch.cluster_wait()
@@ -394,7 +461,8 @@ class Sm90ExpertGemmKernel:
                 first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
-                log_first: Int32 = 0, ready_target: Int32 = None):
+                log_first: Int32 = 0, ready_target: Int32 = None,
+                b_group_sf: cute.Pointer = None, sfg: cute.Pointer = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; in a cluster whose
         two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
@@ -407,7 +475,7 @@ class Sm90ExpertGemmKernel:
         ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
         num_tiles)``."""
         g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
-        g_b = cute.local_tile(m_b, (WG_N, self.block_k), (None, None))
+        g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                            cute.group_modes(sa, 0, 2), cute.group_modes(g_a, 0, 2))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
@@ -476,6 +544,13 @@ class Sm90ExpertGemmKernel:
                             sfb.iterator + state.index * self.sfb_stride,
                             b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
                             bar, Int32(self.sfb_len * 4))
+                        if cutlass.const_expr(self.fp4_weights):
+                            # the tile rows' words of per-32 scales of this k-block
+                            prims.cp_async_bulk_shared_cluster_global(
+                                sfg + state.index * self.block_n,
+                                b_group_sf + ((Int64(expert) * self.num_k_blocks + kb) * self.n
+                                              + n_block * self.block_n),
+                                bar, Int32(self.block_n * 4))
                 ab_pipe.producer_commit(state)
                 state.advance()
             tile += num_clusters
@@ -495,6 +570,72 @@ class Sm90ExpertGemmKernel:
             entry[3] = valid_m
 
     @cute.jit
+    def init_decoded_barriers(self, decoded: cute.Pointer, tidx: Int32):
+        """FP4 weights: one mbarrier per stage, complete once the decode warps wrote its tile."""
+        if tidx == 32:
+            for s in cutlass.range_constexpr(self.num_stages):
+                cute.arch.mbarrier_init(decoded + s, DECODE_WARPS)
+
+    @cute.jit
+    def decode_weights(self, ab_pipe, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Tensor,
+                       sfg: cute.Pointer, decoded: cute.Pointer, block_start, row_start,
+                       num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
+                       raster_group: Int32, rank: Int32, tid: Int32, lane: Int32, state):
+        """Warps 1-3 (FP4 weights), ``tid`` in [0, 96): for every stage of this CTA's walk, once
+        the TMA has filled it, turn its packed weight chunks into the e4m3 tiles the WGMMAs read
+        (`common.fp4_decode`), then arrive at the stage's ``decoded`` barrier. One item is 32
+        codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale):
+        lanes take consecutive items, so the loads and the stores are conflict-free. The
+        exponent shift of a group is its UE8M0 scale over its 128x128 block's base ``2**b``
+        (the stage's weight block scale: L1 row groups of 8 alternate gate and up blocks)."""
+        items = self.chunks * WG_N * 4  # (chunk, row, group) = (item >> 9, ...) below
+        chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
+        up_block = self.n // (2 * SF_BLOCK)
+        tile = first_tile
+        owner = Int32(0)
+        while tile < num_tiles:
+            owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, rank)
+            for _kb in cutlass.range(self.num_k_blocks):
+                ab_pipe.consumer_wait(state)
+                stage = state.index
+                words = cute.make_tensor(sfg + stage * self.block_n,
+                                         cute.make_layout(self.block_n))
+                item = tid
+                while item < items:
+                    # (shifts and masks: item >= 0, and signed division costs instructions)
+                    chunk, row, group = item >> 9, (item >> 2) & (WG_N - 1), item & 3
+                    if cutlass.const_expr(self.phase == "l1"):
+                        block = n_block + ((row >> 3) & 1) * up_block  # gate / up groups of 8
+                    else:
+                        block = self.chunks * n_block + chunk
+                    base = (sfb[block, stage].bitcast(Int32) >> 23) & 0xFF
+                    ue8m0 = (words[chunk * WG_N + row] >> (8 * group)) & 0xFF
+                    lut_lo, lut_hi = e2m1_table(ue8m0 - base)
+                    slot = stage * self.chunks + chunk
+                    codes = cute.make_rmem_tensor(4, Int32)
+                    cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * (self.block_k // 2)
+                                                 + group * 16), codes)
+                    for half in cutlass.range_constexpr(2):
+                        out = cute.make_rmem_tensor(4, Int32)
+                        for w in cutlass.range_constexpr(2):
+                            out[2 * w], out[2 * w + 1] = decode_e2m1_word(
+                                codes[2 * half + w], lut_lo, lut_hi)
+                        # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r
+                        # lies at piece j ^ (r % 8)
+                        piece = (2 * group + half) ^ (row & 7)
+                        cute.autovec_copy(out, smem_words(
+                            sb, slot * chunk_bytes + row * self.block_k + piece * 16))
+                    item += DECODE_WARPS * 32
+                # the generic-proxy writes, then the WGMMAs' (async proxy) reads
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(decoded + stage)
+                state.advance()
+            tile += num_clusters
+
+    @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
         """This CTA loads both 128-row chunks of the weight tile itself."""
         for c in cutlass.range_constexpr(self.chunks):
@@ -507,7 +648,8 @@ class Sm90ExpertGemmKernel:
                 rank: Int32, mma_wg: Int32, warp_in_wg: Int32,
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
-                staging: cute.Pointer, state, prev, ready: cute.Pointer = None):
+                staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
+                decoded: cute.Pointer = None):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
@@ -547,6 +689,9 @@ class Sm90ExpertGemmKernel:
                 for kb in cutlass.range(self.num_k_blocks):
                     self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
+                    if cutlass.const_expr(self.fp4_weights):
+                        # the decode warps have written the stage's e4m3 weight tile
+                        cute.arch.mbarrier_wait(decoded + state.index, state.phase)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
                     scale_b = self.weight_scales(sfb, state.index, n_block)

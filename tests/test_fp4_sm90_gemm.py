@@ -1,0 +1,144 @@
+"""The Hopper grouped GEMMs with MXFP4 weights (recipe ``fp8xfp4_sm90``, issue 19): the weights
+stay packed e2m1 + UE8M0 per 32 in HBM and are decoded to e4m3 on chip
+(`kernels/common/fp4_decode.py`), then the fp8xfp8 WGMMA path runs.
+
+CPU: the kernels compile for sm_90a with the decode (byte permutes, 128-bit shared-memory
+accesses, the e4m3 conversions of the rare path) and no spills. GPU: the outputs are bit-identical
+to the fp8xfp8 kernels run on the host decode of the same weights
+(`quant.fp4_weights_to_fp8_blocks`), including blocks whose per-32 scales span more than e4m3
+holds, and match the reference (`testing.gemm_checks`) on the usual routings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+RECIPE = "fp8xfp4_sm90"
+
+
+def _compile(phase: str, block_m: int, hidden: int = 7168, inter: int = 2048):
+    from cutlass import Int32
+
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
+    kernel, dtypes = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, n, k, block_m,
+                                 activation_clamp=10.0)
+    args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
+    return kernel, compile_for_arch(kernel, *args, Int32(132), fake_stream(), arch="sm_90a")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
+    kernel, art = _compile(phase, block_m)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in art.ptx
+    assert "prmt.b32" in art.ptx and "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
+    assert kernel.cluster_m == 1 and kernel.num_stages >= 3
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA") > 0
+    assert art.count("UTMALDG.2D.MULTICAST") == 0
+    # per item (32 codes of a row): one 16-byte load, two 16-byte stores, 4 x 4 permutes
+    assert art.count("LDS.128") >= 1 and art.count("STS.128") >= 2
+    assert art.count("PRMT") >= 16
+    assert art.count("F2FP.SATFINITE.E4M3") > 0
+    assert art.count("USETMAXREG") == 2
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+def test_fp4_stage_accounting():
+    """What the ring's mbarrier expects per stage: A, the packed weight bytes, the scale vectors
+    and the tile rows' per-32 scale words; shared memory holds the decoded tile on top."""
+    from cute_megamoe.launch import gemm_kernel
+
+    for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
+        for block_m in (64, 128):
+            kern, _ = gemm_kernel("sm_90a", RECIPE, phase, 8, 4096, n, k, block_m)
+            tx = (block_m * 128 + 256 * 64 + 4 * (block_m + kern.sfb_len) + 4 * 256)
+            assert kern.stage_tx_bytes == tx
+            assert kern.block_n == 256 and kern.b_load_k() == 64
+            assert kern.raw_b_bytes() == kern.num_stages * 256 * 64
+            ring = kern.num_stages * (tx + 256 * 128) + kern.staging_bytes
+            assert ring <= 227 * 1024 - 8192
+
+
+# ---------------------------------------------------------------------------------- GPU checks
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm90 kernels need a Hopper GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weights whose first 128x128 block of expert 0 has groups 12, 14, 15, 20 and 40
+    binades under the block's largest scale: the decode's float path (more than 11 under), exact
+    down to 14, rounded onto e4m3's subnormal grid below, zero at 40."""
+    w, sf = q
+    e, n, words = sf.shape
+    sf_bytes = sf.contiguous().view(torch.uint8).view(e, n, words * 4).clone()
+    top = int(sf_bytes[0, :128, :4].max())
+    for row, (group, below) in enumerate(((1, 12), (2, 14), (3, 15), (1, 20), (2, 40))):
+        sf_bytes[0, row, group] = max(top - below, 0)
+    return w, sf_bytes.view(torch.int32).view(e, n, words)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", (64, 128))
+@pytest.mark.parametrize("spread", (False, True))
+def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, spread):
+    """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
+    fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
+    pad rows stay poisoned)."""
+    from cute_megamoe import quant
+    from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
+    from cute_megamoe.scheduler.host_model import pool_block_offsets
+
+    device = _gpu()
+    gen = torch.Generator().manual_seed(7 + block_m + spread)
+    e, hidden, inter = 5, 1024, 512
+    counts = [70, 0, 1, 200, 64]
+    offsets = pool_block_offsets(counts, block_m)
+    rows = (offsets[-1] + 1) * block_m
+    x = (torch.randn(rows, hidden, generator=gen) * 2).to(torch.bfloat16).to(device)
+    acts, acts_sf = quant.quantize_activations_for_recipe(x, "fp8xfp8")
+    acts_sf = acts_sf.t().contiguous().t()
+    topk = torch.rand(rows, generator=gen).to(device)
+    w1 = (torch.randn(e, 2 * inter, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, hidden, inter, generator=gen) / inter**0.5).to(torch.bfloat16)
+    q1 = quant.quantize_weights_for_recipe(w1.to(device), "fp8xfp4")
+    q2 = quant.quantize_weights_for_recipe(w2.to(device), "fp8xfp4")
+    if spread:
+        q1, q2 = _spread_scales(q1), _spread_scales(q2)
+    fp4 = ExpertWeights.from_quantized(q1, q2, RECIPE, arch="sm_90a")
+    fp8 = ExpertWeights.from_quantized(quant.fp4_weights_to_fp8_blocks(q1),
+                                       quant.fp4_weights_to_fp8_blocks(q2), "fp8xfp8",
+                                       arch="sm_90a")
+    count_t = torch.tensor(counts, dtype=torch.int32, device=device)
+    results = []
+    for weights in (fp4, fp8):
+        l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
+        l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
+        out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
+        expert_ffn(acts, acts_sf, topk, count_t, weights, block_m=block_m, activation_clamp=7.0,
+                   l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
+                   out=out.view(torch.bfloat16))
+        results.append((l2, l2_sf, out))
+    torch.cuda.synchronize()
+    valid = torch.zeros(rows, dtype=torch.bool, device=device)
+    for i, c in enumerate(counts):
+        valid[offsets[i] * block_m: offsets[i] * block_m + c] = True
+    (l2_a, sf_a, out_a), (l2_b, sf_b, out_b) = results
+    assert bool((out_a[~valid] == 0x7FFF).all()), "a pad row was written"
+    assert bool((out_a[valid] != 0x7FFF).all()), "a valid row was not written"
+    assert torch.equal(l2_a[valid], l2_b[valid])
+    assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
+    assert torch.equal(out_a[valid], out_b[valid])
