@@ -48,6 +48,18 @@ tile). Pad rows beyond an expert's count are never written. In L2 the second con
 starts two k-blocks after the first (``wg_skew``), so the two epilogues do not leave the tensor
 cores idle at the same time.
 
+FP4 weights (``fp8xfp4_sm90``: Hopper has no FP4 MMA): ``W`` stays in HBM as packed e2m1
+(``[E, N, K/2]`` bytes, two codes per byte) with UE8M0 scales per 32 (``B_group_sf``, int32
+``[E, K/128, N]``: a word of four group scales per row and k-block) and f32 block scales
+``2**b`` per 128x128 block in the ``B_sf`` layout above. The TMA brings the packed chunks and
+the tile rows' scale words into the stage; warps 1-3 (idle otherwise) wait for it, write the
+e4m3 weight tile ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled B slots
+(`common.fp4_decode`, bit-exact with `quant.fp4_weights_to_fp8_blocks`) and arrive at the
+stage's second mbarrier, which the consumers wait for; then the FP8 mainloop above runs
+unchanged, the promotion applying ``2**b``. Half the weight bytes of fp8xfp8; a stage holds the
+packed and the decoded tile (3 stages; L2 at BLOCK_M 128 stages quarter rows to keep 3); no
+clusters.
+
 Clusters (``cluster_m`` 2, 256-column tiles): the two CTAs of a cluster take neighbouring pool
 blocks at the same n-block (``ExpertTileScheduler`` with ``cluster_m``); when both blocks
 belong to one expert each CTA TMA-loads one 128-row chunk of the weight tile and multicasts it
