@@ -17,7 +17,7 @@ import torch
 from bench.common import Results, copy_ceiling, gpu_clocks, time_cuda_graph
 from cute_megamoe.api import stage_inputs
 from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-from cute_megamoe.quant import RECIPES
+from cute_megamoe.tables import RECIPES, activation_recipe
 
 NUM_TOPK, NUM_EXPERTS = 8, 256
 
@@ -43,7 +43,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--tokens", default="1,128,512,4096,8192,16384")
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    # (one recipe per activation format: the staging is the activations')
+    p.add_argument("--recipes", default=",".join(r for r in RECIPES if activation_recipe(r) == r))
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     res = Results("staging", meta={"hidden": args.hidden, "num_topk": NUM_TOPK,

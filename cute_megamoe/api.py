@@ -22,7 +22,7 @@ from .staged import gives_up_call_on_error, stage_inputs, staged_mega_moe
 
 __all__ = ["check_routing", "fp8_mega_moe", "mega_moe", "stage_inputs"]
 
-_FP8_RECIPES = ("fp8xfp8", "fp8xfp4")
+_FP8_RECIPES = ("fp8xfp8", "fp8xfp4", "fp8xfp4_sm90")
 
 
 def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
@@ -36,8 +36,8 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
     (``len(y)`` tokens); the result is written to ``y`` (BF16 ``[num_tokens, hidden]``) and
     returned. Staged mode: dispatch, L1 (+ SwiGLU + requant), L2 and combine run as four
     kernels (`staged.staged_mega_moe`). ``weights`` is this rank's `expert_gemm.ExpertWeights`
-    of the buffer's recipe, for this GPU's arch (Hopper: fp8xfp8, bf16xbf16; Blackwell:
-    fp8xfp4, bf16xbf16, compiled but never run). ``block_m`` defaults to the heuristics'
+    of the buffer's recipe, for this GPU's arch (Hopper: fp8xfp8, bf16xbf16, fp8xfp4_sm90;
+    Blackwell: fp8xfp4, bf16xbf16, compiled but never run). ``block_m`` defaults to the heuristics'
     choice for the expected tokens per expert on this rank; ranks may differ (each lays out
     its own pool, and the kernels place a destination's rows by the BLOCK_M it published).
     ``transfer`` and ``l2_sends`` must be the same on every rank (`staged`). A check that
@@ -45,7 +45,7 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
     (`SymmBuffer.skip_call`), so that it cannot pair its next call with the peers' current
     one (the kernels trap naming the call numbers instead). ``fused``: the whole layer as one
     persistent kernel (`fused.fused_mega_moe`; sm_90a, fp8xfp8 / bf16xbf16, push and L2
-    sends, bit-identical to the staged kernels).
+    sends, bit-identical to the staged kernels; other recipes raise before any launch).
     """
     return _mega_moe(None, "mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
@@ -58,7 +58,8 @@ def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer
                  block_m: int | None = None, num_sms: int | None = None,
                  transfer: str = "push", l2_sends: bool = True,
                  fused: bool = False) -> torch.Tensor:
-    """`mega_moe` for the FP8-activation recipes (``fp8xfp8``, ``fp8xfp4``) only."""
+    """`mega_moe` for the FP8-activation recipes (``fp8xfp8``, ``fp8xfp4``, ``fp8xfp4_sm90``)
+    only."""
     return _mega_moe(_FP8_RECIPES, "fp8_mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
                      num_sms, transfer, l2_sends, fused)

@@ -400,9 +400,10 @@ def get_symm_buffer_for_mega_moe(
     then. With a process group of several ranks every rank must call this with the same
     arguments (checked: different ones raise on every rank), after ``torch.cuda.set_device``;
     the buffer lives on the current CUDA device. ``mma_type`` is one of ``'fp8xfp4'``,
-    ``'fp8xfp8'``, ``'bf16xbf16'``. ``use_fp8_dispatch`` is deprecated in DeepGEMM and only
-    checked against ``mma_type`` (FP8 activations for the fp8 recipes); ``activation`` must be
-    ``'swiglu'``.
+    ``'fp8xfp8'``, ``'bf16xbf16'``, ``'fp8xfp4_sm90'`` (laid out as ``'fp8xfp8'``: only its
+    weights differ, `tables.activation_recipe`). ``use_fp8_dispatch`` is deprecated in
+    DeepGEMM and only checked against ``mma_type`` (FP8 activations for the fp8 recipes);
+    ``activation`` must be ``'swiglu'``.
     """
     if activation != "swiglu":
         raise ValueError(f"activation: only 'swiglu' is implemented, got {activation!r}")

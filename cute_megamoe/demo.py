@@ -24,11 +24,13 @@ import torch
 
 from .quant import dequantize_weights_for_recipe, quantize_weights_for_recipe
 from .reference import mega_moe_reference
+from .tables import RECIPES
 
 # Where each recipe's error comes from (printed next to the reference's error).
 ERROR_SOURCE = {
     "fp8xfp4": "nearly all FP4 (e2m1) weight quantization, 8 magnitudes per 32 values",
     "fp8xfp8": "FP8 (e4m3, 3 mantissa bits) weights and activations",
+    "fp8xfp4_sm90": "nearly all FP4 (e2m1) weight quantization, decoded to FP8 blocks on chip",
     "bf16xbf16": "BF16 rounding between the steps and of the output",
 }
 
@@ -57,7 +59,7 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default=None, choices=["fp8xfp4", "fp8xfp8", "bf16xbf16"],
+    p.add_argument("--recipe", default=None, choices=RECIPES,
                    help="default: fp8xfp8 on a Hopper GPU, else fp8xfp4")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--experts", type=int, default=16)

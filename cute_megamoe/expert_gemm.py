@@ -10,7 +10,8 @@ pool) then L2, and returns BF16 `[P, H]` in pool order, pad rows unwritten. Ever
 checked on the host before the first launch.
 
 Kernels per arch (`tables.GEMM_RECIPES`, also `SUPPORTED_RECIPES` here): Hopper
-`kernels/sm90_expert_gemm.py` (fp8xfp8, bf16xbf16; GPU-tested); Blackwell
+`kernels/sm90_expert_gemm.py` (fp8xfp8, bf16xbf16, GPU-tested; fp8xfp4_sm90: MXFP4 weights
+decoded on chip to fp8xfp8's); Blackwell
 `kernels/sm100_expert_gemm.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked for sm_100a, never
 run: no Blackwell GPU was available). The launches themselves are built in `launch.py`.
 """
@@ -33,18 +34,32 @@ from .heuristics import get_num_sms
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
 from .launch import expert_gemm_calls, gemm_kernel
 from .runtime import get_arch
-from .tables import BLOCK_MS, GEMM_RECIPES, check_recipe, normalize_arch
+from .tables import BLOCK_MS, GEMM_RECIPES, activation_recipe, check_recipe, normalize_arch
 from .utils import ceil_div
 
 #: Recipes with grouped-GEMM kernels, per arch (`tables.GEMM_RECIPES`).
 SUPPORTED_RECIPES = GEMM_RECIPES
 
+#: Pool dtypes by activation recipe (`tables.activation_recipe`).
 _ACT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.float8_e4m3fn,
               "bf16xbf16": torch.bfloat16}
 _ACT_SF_DTYPE = {"fp8xfp8": torch.float32, "fp8xfp4": torch.int32}  # per 128 K / 4 x UE8M0
 #: dtype of the L1 weight of each recipe (FP4: e2m1 packed two per byte).
 _WEIGHT_DTYPE = {"fp8xfp8": torch.float8_e4m3fn, "fp8xfp4": torch.int8,
-                 "bf16xbf16": torch.bfloat16}
+                 "bf16xbf16": torch.bfloat16, "fp8xfp4_sm90": torch.int8}
+#: The recipe of MXFP4 weights on each arch (the dtype alone cannot tell them apart).
+_FP4_RECIPE = {"sm_90a": "fp8xfp4_sm90", "sm_100a": "fp8xfp4"}
+#: The L1, L2 fields holding f32 128x128 block scales: fp8xfp8's own, fp8xfp4_sm90's decode's.
+_BLOCK_SF_FIELDS = {"fp8xfp8": ("w1_sf", "w2_sf"),
+                    "fp8xfp4_sm90": ("w1_block_sf", "w2_block_sf")}
+
+
+def _k_major_block_sf(block_sf: torch.Tensor, n: int) -> torch.Tensor:
+    """Block scales ``[E, N/128, K/128]`` as the sm90 kernels read them: ``[E, K/128, N/128]``,
+    each row padded with 1.0 to ``weight_sf_row_len(N)`` entries."""
+    return torch.nn.functional.pad(block_sf.transpose(1, 2),
+                                   (0, weight_sf_row_len(n) - n // SF_BLOCK),
+                                   value=1.0).contiguous()
 
 
 def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.Tensor:
@@ -59,15 +74,24 @@ def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.T
     if not bool((blocks == blocks[:, :, :1]).all()):
         raise ValueError(f"{name}: scales must be equal within every block of {SF_BLOCK} rows "
                          f"(per-{SF_BLOCK}x{SF_BLOCK}-block scales)")
-    block_sf = blocks[:, :, 0].transpose(1, 2)  # [E, K/128, N/128]
-    return torch.nn.functional.pad(block_sf, (0, weight_sf_row_len(n) - n // SF_BLOCK),
-                                   value=1.0).contiguous()
+    return _k_major_block_sf(blocks[:, :, 0], n)
 
 
-def weights_recipe(l1_weights: object, name: str = "l1_weights") -> str:
+def _fp4_block_weight_sf(sf: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """Packed MXFP4 scales ``int32 [E, N, K/128]`` (L1: rows gate/up interleaved, as the
+    sm_90a transform returns them) -> the f32 block scales ``2**b`` of
+    `quant.fp4_weights_to_fp8_blocks` in the layout of `_block_weight_sf` (L1: row blocks of
+    ``[gate | up]``, the blocks the weights are decoded by)."""
+    if gate_up:
+        sf = quant.deinterleave_gate_up(sf)
+    return _k_major_block_sf(quant.fp4_block_scales(sf), sf.shape[1])
+
+
+def weights_recipe(l1_weights: object, name: str = "l1_weights", arch: str | None = None) -> str:
     """The recipe of L1 weights as `quant.quantize_weights_for_recipe` or
     `quant.transform_weights_for_mega_moe` return them: a BF16 tensor (``bf16xbf16``) or a
-    (weight, scale) pair with e4m3 (``fp8xfp8``) or packed-FP4 int8 (``fp8xfp4``) weights."""
+    (weight, scale) pair with e4m3 (``fp8xfp8``) or packed-FP4 int8 weights: ``fp8xfp4``, or
+    ``fp8xfp4_sm90`` for ``arch`` sm_90a (the dtype alone cannot tell them apart)."""
     if isinstance(l1_weights, torch.Tensor):
         if l1_weights.dtype != torch.bfloat16:
             raise TypeError(f"{name}: a plain tensor must be BF16 (bf16xbf16), got "
@@ -77,23 +101,31 @@ def weights_recipe(l1_weights: object, name: str = "l1_weights") -> str:
             and isinstance(l1_weights[0], torch.Tensor)):
         raise TypeError(f"{name}: expected a BF16 tensor or a (weight, scale) tuple, got "
                         f"{type(l1_weights).__name__}")
-    for recipe in ("fp8xfp8", "fp8xfp4"):
-        if l1_weights[0].dtype == _WEIGHT_DTYPE[recipe]:
-            return recipe
+    if l1_weights[0].dtype == torch.float8_e4m3fn:
+        return "fp8xfp8"
+    if l1_weights[0].dtype == torch.int8:
+        return "fp8xfp4" if arch is None else _FP4_RECIPE[normalize_arch(arch)]
     raise TypeError(f"{name}[0]: expected torch.float8_e4m3fn (FP8) or torch.int8 (packed "
                     f"FP4) weights, got {l1_weights[0].dtype}")
+
+
+def _device_arch(like: object) -> str | None:
+    """The arch of the CUDA device ``like``'s tensors (a tensor or a tuple) live on, or None."""
+    tensor = like[0] if isinstance(like, tuple) else like
+    return get_arch(tensor.device) if isinstance(tensor, torch.Tensor) and tensor.is_cuda \
+        else None
 
 
 def _resolve_arch(arch: str | None, recipe: str, like: object) -> str:
     """``arch`` normalized; None: the arch of the CUDA device ``like``'s tensors live on, else
     the one arch with grouped-GEMM kernels for ``recipe``, else (bf16xbf16 on the CPU) the
-    current CUDA device's. Raises naming the recipe if that arch has no kernels for it."""
+    current CUDA device's. Raises naming the recipe if that arch has no kernels for it (and,
+    for MXFP4, the recipe that runs them there)."""
     if arch is None:
-        tensor = like[0] if isinstance(like, tuple) else like
+        arch = _device_arch(like)
+    if arch is None:
         candidates = [a for a, recipes in GEMM_RECIPES.items() if recipe in recipes]
-        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            arch = get_arch(tensor.device)
-        elif len(candidates) == 1:
+        if len(candidates) == 1:
             arch = candidates[0]
         elif torch.cuda.is_available():
             arch = get_arch()
@@ -102,9 +134,11 @@ def _resolve_arch(arch: str | None, recipe: str, like: object) -> str:
                              f"they are for ({', '.join(candidates)})")
     arch = normalize_arch(arch)
     if recipe not in GEMM_RECIPES[arch]:
+        fp4 = _FP4_RECIPE[arch] if recipe in _FP4_RECIPE.values() else None
+        hint = "" if fp4 is None else f"; MXFP4 weights run on the {arch} kernels as recipe {fp4!r}"
         raise ValueError(
             f"recipe {recipe!r} has no grouped-GEMM kernels on {arch!r} (supported: "
-            f"{GEMM_RECIPES}); run it with torch expert GEMMs between our kernels: "
+            f"{GEMM_RECIPES}){hint}; run it with torch expert GEMMs between our kernels: "
             f"cute_megamoe.MegaMoE, cute_megamoe.fp8_fp4_mega_moe, or "
             f"staged.staged_mega_moe with staged.TorchExpertWeights")
     return arch
@@ -123,13 +157,19 @@ class ExpertWeights:
     * ``bf16xbf16`` (sm_90a, sm_100a): bf16, no scales;
     * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
       ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
-      word, UTCCP row order, MN-major: ``quant.weight_sf_for_sm100``).
+      word, UTCCP row order, MN-major: ``quant.weight_sf_for_sm100``);
+    * ``fp8xfp4_sm90`` (sm_90a): the same MXFP4 weights and ``w1_sf`` / ``w2_sf`` shapes, rows
+      in plain order (the sm_90a transform: no UTCCP), which the kernels decode on chip to
+      fp8xfp8's format (`quant.fp4_weights_to_fp8_blocks`), plus ``w1_block_sf``
+      ``[E_l, H/128, 2I/128]`` and ``w2_block_sf`` ``[E_l, I/128, H/128]`` f32: the decode's
+      power-of-two block scales ``2**b``, laid out as fp8xfp8's ``w1_sf`` / ``w2_sf``
+      (`decoded_fp8` is the fp8xfp8 weights the decode must equal). None for other recipes.
 
     ``arch`` (any spelling; stored as ``"sm_90a"`` / ``"sm_100a"``) defaults to the arch of the
     GPU the weights live on; for weights on the CPU, to the one arch with kernels for the
-    recipe (fp8xfp8: sm_90a, fp8xfp4: sm_100a) or, for bf16xbf16, the current GPU's (give it
-    explicitly without a GPU). A recipe without grouped-GEMM kernels on the arch raises
-    (`tables.GEMM_RECIPES`): use `staged.TorchExpertWeights` there.
+    recipe (fp8xfp8, fp8xfp4_sm90: sm_90a; fp8xfp4: sm_100a) or, for bf16xbf16, the current
+    GPU's (give it explicitly without a GPU). A recipe without grouped-GEMM kernels on the arch
+    raises (`tables.GEMM_RECIPES`): use `staged.TorchExpertWeights` there.
     """
 
     recipe: str
@@ -138,6 +178,8 @@ class ExpertWeights:
     w1_sf: torch.Tensor | None = None
     w2_sf: torch.Tensor | None = None
     arch: str | None = None
+    w1_block_sf: torch.Tensor | None = None
+    w2_block_sf: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_recipe(self.recipe)
@@ -149,7 +191,7 @@ class ExpertWeights:
 
     @property
     def hidden(self) -> int:
-        return self.w1.shape[2] * (2 if self.recipe == "fp8xfp4" else 1)
+        return self.w1.shape[2] * (2 if self.recipe in _FP4_RECIPE.values() else 1)
 
     @property
     def intermediate(self) -> int:
@@ -162,13 +204,18 @@ class ExpertWeights:
     @classmethod
     def from_transformed(cls, l1_weights, l2_weights, recipe: str | None = None,
                          arch: str | None = None) -> ExpertWeights:
-        """From what `quant.transform_weights_for_mega_moe` returned (DeepGEMM's layout: for
-        fp8xfp4 its default, the sm_100a one). ``recipe`` defaults to the weights' own
-        (`weights_recipe`); ``arch`` as in the class doc. No copy where the layouts agree
-        (bf16xbf16, and fp8xfp4 scales that are MN-major as DeepGEMM's are)."""
-        found = weights_recipe(l1_weights)
+        """From what `quant.transform_weights_for_mega_moe` returned for ``arch`` (DeepGEMM's
+        layout: for fp8xfp4 its default, the sm_100a one; fp8xfp4_sm90 the sm_90a one).
+        ``recipe`` defaults to the weights' own (`weights_recipe` for ``arch``: MXFP4 weights
+        are fp8xfp4_sm90 on sm_90a); ``arch`` as in the class doc. No copy where the layouts
+        agree (bf16xbf16, and fp8xfp4 scales that are MN-major as DeepGEMM's are)."""
+        found = weights_recipe(l1_weights, arch=_device_arch(l1_weights) if arch is None
+                               else arch)
+        fp4 = _FP4_RECIPE.values()
         if recipe is not None and check_recipe(recipe) != found:
-            raise TypeError(f"l1_weights: {found} weights, expected {recipe}")
+            if not (recipe in fp4 and found in fp4):  # (else the arch decides, below)
+                raise TypeError(f"l1_weights: {found} weights, expected {recipe}")
+            found = recipe
         recipe = found
         arch = _resolve_arch(arch, recipe, l1_weights)
         if recipe == "bf16xbf16":
@@ -180,14 +227,21 @@ class ExpertWeights:
                 and l2_weights[0].dtype == l1_weights[0].dtype):
             raise TypeError(f"l2_weights: expected a ({_WEIGHT_DTYPE[recipe]}, scale) tuple "
                             f"like l1_weights")
+        w1, w2 = l1_weights[0].contiguous(), l2_weights[0].contiguous()
         if recipe == "fp8xfp8":
             sf1 = _block_weight_sf(l1_weights[1], "l1_weights[1]", gate_up=True)
             sf2 = _block_weight_sf(l2_weights[1], "l2_weights[1]", gate_up=False)
-        else:
+        elif recipe == "fp8xfp4":
             sf1 = quant.weight_sf_for_sm100(l1_weights[1])
             sf2 = quant.weight_sf_for_sm100(l2_weights[1])
-        return cls(recipe, l1_weights[0].contiguous(), l2_weights[0].contiguous(), sf1, sf2,
-                   arch=arch)
+        else:
+            rows1 = check_tensor("l1_weights[1]", l1_weights[1], torch.int32, for_kernel=False)
+            rows2 = check_tensor("l2_weights[1]", l2_weights[1], torch.int32, for_kernel=False)
+            return cls(recipe, w1, w2, rows1.transpose(1, 2).contiguous(),
+                       rows2.transpose(1, 2).contiguous(), arch=arch,
+                       w1_block_sf=_fp4_block_weight_sf(rows1, gate_up=True),
+                       w2_block_sf=_fp4_block_weight_sf(rows2, gate_up=False))
+        return cls(recipe, w1, w2, sf1, sf2, arch=arch)
 
     @classmethod
     def from_quantized(cls, l1_weights, l2_weights, recipe: str,
@@ -207,28 +261,43 @@ class ExpertWeights:
         return cls.from_quantized(quant.quantize_weights_for_recipe(w1, recipe),
                                   quant.quantize_weights_for_recipe(w2, recipe), recipe, arch)
 
+    def decoded_fp8(self) -> ExpertWeights:
+        """fp8xfp4_sm90 only: the fp8xfp8 weights (same arch and device) that the kernels'
+        on-chip decode must equal bit for bit, `quant.fp4_weights_to_fp8_blocks` of the
+        ``[gate | up]`` rows; their ``w1_sf`` / ``w2_sf`` equal ``w1_block_sf`` /
+        ``w2_block_sf``."""
+        if self.recipe != "fp8xfp4_sm90":
+            raise ValueError(f"decoded_fp8: fp8xfp4_sm90 weights only, these are {self.recipe}")
+        sf1 = quant.deinterleave_gate_up(self.w1_sf.transpose(1, 2))
+        l1 = quant.fp4_weights_to_fp8_blocks((quant.deinterleave_gate_up(self.w1), sf1))
+        l2 = quant.fp4_weights_to_fp8_blocks((self.w2, self.w2_sf.transpose(1, 2)))
+        return ExpertWeights.from_quantized(l1, l2, "fp8xfp8", arch=self.arch)
+
 
 def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, int, int]:
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights: expected ExpertWeights, got {type(weights).__name__}")
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     recipe = weights.recipe
-    if recipe == "fp8xfp4":
-        check_tensor("weights.w1", weights.w1, torch.int8, (e_l, 2 * inter, hidden // 2), device)
-        check_tensor("weights.w2", weights.w2, torch.int8, (e_l, hidden, inter // 2), device)
+    fp4 = recipe in _FP4_RECIPE.values()
+    per_byte = 2 if fp4 else 1
+    dtype = _WEIGHT_DTYPE[recipe]
+    check_tensor("weights.w1", weights.w1, dtype, (e_l, 2 * inter, hidden // per_byte), device)
+    check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter // per_byte), device)
+    if fp4:
         check_tensor("weights.w1_sf", weights.w1_sf, torch.int32,
                      (e_l, hidden // 128, 2 * inter), device)
         check_tensor("weights.w2_sf", weights.w2_sf, torch.int32, (e_l, inter // 128, hidden),
                      device)
-        return e_l, hidden, inter
-    dtype = _ACT_DTYPE[recipe]
-    check_tensor("weights.w1", weights.w1, dtype, (e_l, 2 * inter, hidden), device)
-    check_tensor("weights.w2", weights.w2, dtype, (e_l, hidden, inter), device)
-    if recipe == "fp8xfp8":
-        check_tensor("weights.w1_sf", weights.w1_sf, torch.float32,
-                     (e_l, hidden // SF_BLOCK, weight_sf_row_len(2 * inter)), device)
-        check_tensor("weights.w2_sf", weights.w2_sf, torch.float32,
-                     (e_l, inter // SF_BLOCK, weight_sf_row_len(hidden)), device)
+    fields = _BLOCK_SF_FIELDS.get(recipe)
+    if fields is not None:
+        for name, n, k in zip(fields, (2 * inter, hidden), (hidden, inter), strict=True):
+            check_tensor(f"weights.{name}", getattr(weights, name), torch.float32,
+                         (e_l, k // SF_BLOCK, weight_sf_row_len(n)), device)
+    if recipe != "fp8xfp4_sm90" and (weights.w1_block_sf is not None
+                                     or weights.w2_block_sf is not None):
+        raise ValueError(f"weights.w1_block_sf, w2_block_sf: only for fp8xfp4_sm90, not "
+                         f"{recipe}")
     return e_l, hidden, inter
 
 
@@ -262,7 +331,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
     Args:
         acts: ``[P, H]`` e4m3 (fp8 recipes) or bf16 pool rows, ``P`` a multiple of ``block_m``.
         acts_sf: the activation scales, ``[P, H/128]`` with strides ``(1, P)``: f32
-            (fp8xfp8) or int32 with four UE8M0 bytes (fp8xfp4); None for bf16xbf16.
+            (fp8xfp8, fp8xfp4_sm90) or int32 with four UE8M0 bytes (fp8xfp4); None for
+            bf16xbf16.
         topk_weights: f32 ``[P]``, the routing weight of each pool row.
         expert_recv_tokens: int32 ``[E_l]`` rows per expert (on the device).
         weights: `ExpertWeights` of the same recipe as ``acts``, prepared for this GPU's arch.
@@ -302,7 +372,8 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
         raise ValueError(f"weights: prepared for {weights.arch}, this GPU is {arch}")
     e_l, hidden, inter = _check_weights(weights, device)
     check_gemm_block_m(block_m, arch)
-    act_dtype, sf_dtype = _ACT_DTYPE[recipe], _ACT_SF_DTYPE.get(recipe)
+    act_recipe = activation_recipe(recipe)
+    act_dtype, sf_dtype = _ACT_DTYPE[act_recipe], _ACT_SF_DTYPE.get(act_recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:
         raise ValueError(f"acts: expected shape [P, {hidden}], got {tuple(acts.shape)}")
     pool_rows = acts.shape[0]

@@ -42,11 +42,12 @@ from .runtime import launch_path
 from .staged import (
     _MAX_PLANS,
     _LayerPlan,
+    _weight_addresses,
     gives_up_call_on_error,
     grid_size,
     prepare_layer_call,
 )
-from .tables import GEMM_RECIPES
+from .tables import FUSED_RECIPES
 
 __all__ = ["fused_mega_moe", "supports"]
 
@@ -57,14 +58,14 @@ _SM90_TILE_N = 256
 def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
     """None when the fused kernel can run this buffer and these weights on the current GPU,
     else why not (for the entry points' errors). sm_90a: fp8xfp8 and bf16xbf16 (GPU-tested);
-    sm_100a: fp8xfp4 and bf16xbf16 (compiled and SASS-checked, never run): the recipes of the
-    arch's grouped-GEMM kernels (`tables.GEMM_RECIPES`)."""
+    sm_100a: fp8xfp4 and bf16xbf16 (compiled and SASS-checked, never run)
+    (`tables.FUSED_RECIPES`; not yet fp8xfp4_sm90, which the staged kernels run)."""
     layout = sym_buffer.layout
     if not isinstance(weights, ExpertWeights):
         return "the fused kernel runs our grouped-GEMM weights (ExpertWeights)"
     arch = buffer_state(sym_buffer).arch
-    if layout.recipe not in GEMM_RECIPES[arch]:
-        return f"the {arch} fused kernel runs {GEMM_RECIPES[arch]}, not {layout.recipe!r}"
+    if layout.recipe not in FUSED_RECIPES[arch]:
+        return f"the {arch} fused kernel runs {FUSED_RECIPES[arch]}, not {layout.recipe!r}"
     if weights.arch != arch:
         return f"the weights are prepared for {weights.arch}, this GPU is {arch}"
     if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N
@@ -177,11 +178,8 @@ def _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math
         else:
             return None
         layout = sym_buffer.layout
-        sf1, sf2 = weights.w1_sf, weights.w2_sf
         return ("fused", x is not None, y is not None, stats is not None, weights.recipe,
-                weights.arch, weights.w1.data_ptr(), weights.w2.data_ptr(),
-                None if sf1 is None else sf1.data_ptr(),
-                None if sf2 is None else sf2.data_ptr(), type(activation_clamp),
+                weights.arch, *_weight_addresses(weights), type(activation_clamp),
                 activation_clamp, type(fast_math), fast_math, type(block_m), block_m,
                 type(num_sms), num_sms,
                 block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,

@@ -17,9 +17,9 @@ Paths (`MegaMoEConfig.path`):
   every step on our kernels (`staged.staged_mega_moe` with `ExpertWeights`: staging, dispatch,
   L1, L2, combine; what ``stage_inputs`` + `api.mega_moe` run). Capturable in a CUDA graph
   with ``validate_routing=False`` (routing validation synchronizes).
-* ``"torch"``: CUDA, other recipes (fp8xfp4 on Hopper): our staging, dispatch and combine
-  kernels around ``torch._grouped_mm`` experts (`staged.TorchExpertWeights`); one host
-  synchronization per call, so not capturable.
+* ``"torch"``: CUDA, other recipes (fp8xfp4 on Hopper; fp8xfp8, fp8xfp4_sm90 on Blackwell):
+  our staging, dispatch and combine kernels around ``torch._grouped_mm`` experts
+  (`staged.TorchExpertWeights`); one host synchronization per call, so not capturable.
 * ``"reference"``: no CUDA, or ``device='cpu'``: `reference.mega_moe_reference` for one rank
   (``group`` None), the definition of the layer (slow; for tests and CPU-only development).
 
@@ -96,7 +96,9 @@ class MegaMoE(torch.nn.Module):
             arguments (collective) after ``torch.cuda.set_device``, passing its own experts.
         num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden: the
             shapes (as `get_symm_buffer_for_mega_moe`; ``num_experts`` counts all ranks').
-        recipe: ``'fp8xfp4'`` (DeepGEMM's, the default), ``'fp8xfp8'`` or ``'bf16xbf16'``.
+        recipe: ``'fp8xfp4'`` (DeepGEMM's, the default), ``'fp8xfp8'``, ``'bf16xbf16'`` or
+            ``'fp8xfp4_sm90'`` (fp8xfp4's MXFP4 weights, decoded to FP8 on chip by the Hopper
+            kernels; fp8xfp8's activations: `tables.RECIPES`).
         w1, w2: this rank's BF16 master weights ``[E_l, 2I, H]`` (rows ``[gate | up]``, not
             interleaved) and ``[E_l, H, I]``; quantized here for the recipe.
         weights: instead of ``w1``/``w2``, pre-quantized weights for this GPU:

@@ -36,6 +36,9 @@ All arithmetic below is float32 unless stated; ``RN`` is round-to-nearest-even.
   ``v = amax * float32(1/448)``; ``e = biased_exp(v) - 127 + [mantissa(v) != 0]``;
   ``sf_inv = float(bits=(127 - e) << 23)``; ``q = e4m3_satfinite(RN(h * sf_inv))``; the scale
   is the UE8M0 byte ``e + 127`` (``amax = 0`` gives byte 0, i.e. ``2^-127``, and ``q = 0``).
+* MXFP4 weights as FP8 blocks (recipe ``fp8xfp4_sm90``, ``fp4_weights_to_fp8_blocks``): per
+  128 x 128 block ``b = max(max(s) - 6, -126)`` over its per-32 scale exponents ``s``; each
+  element ``e4m3(RN(e2m1 * 2^(s - b)))``, the block scale ``2^b``.
 * Weight transforms: gate/up interleave with granularity 8 along the N axis of L1; the UTCCP
   4x32 transpose of packed scale rows inside each group of 128 (sm100 only); f32 block scales
   of FP8 weights are expanded to one scale row per weight row (before the interleave).
@@ -64,7 +67,7 @@ from __future__ import annotations
 import torch
 
 from cute_megamoe.checks import check_tensor
-from cute_megamoe.tables import RECIPES, normalize_arch
+from cute_megamoe.tables import RECIPES, activation_recipe, normalize_arch
 from cute_megamoe.utils import align, ceil_div
 
 __all__ = [
@@ -79,6 +82,7 @@ __all__ = [
     "deinterleave_gate_up",
     "dequantize_activations_for_recipe",
     "dequantize_weights_for_recipe",
+    "fp4_block_scales",
     "fp4_codes_to_float",
     "fp4_weights_to_fp8_blocks",
     "interleave_gate_up",
@@ -736,8 +740,9 @@ def transform_weights_for_mega_moe(
 def quantize_weights_for_recipe(w: torch.Tensor, recipe: str) -> WeightPair:
     """Quantize expert weights ``w [E, N, K]`` (bf16) for ``recipe`` (before the transform).
 
-    * ``'fp8xfp4'``: per row, e2m1 with UE8M0 scale per 32 -> ``(int8 [E, N, K/2],
-      int32 [E, N, ceil(K/128)])`` (``per_token_cast_to_fp4(ue8m0, 32, packed)``).
+    * ``'fp8xfp4'``, ``'fp8xfp4_sm90'``: per row, e2m1 with UE8M0 scale per 32 ->
+      ``(int8 [E, N, K/2], int32 [E, N, ceil(K/128)])``
+      (``per_token_cast_to_fp4(ue8m0, 32, packed)``).
     * ``'fp8xfp8'``: e4m3 with an f32 scale per 128x128 block -> ``(e4m3 [E, N, K],
       f32 [E, ceil(N/128), ceil(K/128)])`` (``per_block_cast_to_fp8(use_ue8m0=False)``; these
       raw scales depend on the device in the last bit, see the module docstring).
@@ -750,7 +755,7 @@ def quantize_weights_for_recipe(w: torch.Tensor, recipe: str) -> WeightPair:
     num_experts, n, k = w.shape
     if recipe == "bf16xbf16":
         return w.to(torch.bfloat16)
-    if recipe == "fp8xfp4":
+    if recipe in ("fp8xfp4", "fp8xfp4_sm90"):
         packed, sf = per_token_cast_to_fp4(
             w.reshape(num_experts * n, k), use_ue8m0=True, gran_k=32, use_packed_ue8m0=True
         )
@@ -767,11 +772,16 @@ def dequantize_weights_for_recipe(q: WeightPair, recipe: str) -> torch.Tensor:
 
     ``'fp8xfp4'`` takes int32 packed or float32 ``[E, N, ceil(K/32)]`` scales; ``'fp8xfp8'``
     takes block ``[E, ceil(N/128), ceil(K/128)]`` or per-row ``[E, N, ceil(K/128)]`` scales.
+    ``'fp8xfp4_sm90'`` takes ``'fp8xfp4'``'s pair and returns what the Hopper kernels compute
+    with: the e4m3 blocks of :func:`fp4_weights_to_fp8_blocks` times their block scales (the
+    FP4 weights exactly, but for groups more than 14 binades below their block's largest).
     """
     check_recipe(recipe)
     if recipe == "bf16xbf16":
         check_tensor("q", q, for_kernel=False)
         return q.float()
+    if recipe == "fp8xfp4_sm90":
+        return dequantize_weights_for_recipe(fp4_weights_to_fp8_blocks(q), "fp8xfp8")
     w, sf = _unpack_pair(q, "q")
     num_experts, n, k_stored = _check_3d(w, "q[0]")
     _check_dim(sf, 3, "q[1]")
@@ -802,6 +812,61 @@ def dequantize_weights_for_recipe(q: WeightPair, recipe: str) -> torch.Tensor:
 #: 0.5 * 2**-8 = 2**-9, the smallest e4m3 subnormal).
 FP4_IN_FP8_TOP = 6
 FP4_IN_FP8_EXACT_BINADES = 14
+#: The smallest block-scale exponent: 2**-126 is float32's smallest normal (the Hopper kernel
+#: reads the exponent back from the scale's exponent bits).
+FP4_BLOCK_MIN_EXP = -126
+
+
+def _fp4_exponents(sf: torch.Tensor, num_experts: int, n: int, k: int,
+                   name: str) -> torch.Tensor:
+    """The exponents ``s`` (int32 ``[E, N, K/32]``) of MXFP4 scales, int32-packed or float
+    ``[E, N, >= K/32]``; ValueError unless every scale is a power of two."""
+    _check_dim(sf, 3, name)
+    if sf.dtype == torch.int32:
+        sf = unpack_ue8m0_from_int(sf.reshape(num_experts * n, -1)).view(num_experts, n, -1)
+    else:
+        _check_floating(sf, name)
+    if tuple(sf.shape[:2]) != (num_experts, n) or sf.shape[2] < k // 32:
+        raise ValueError(f"{name}: expected [{num_experts}, {n}, >= {k // 32}] scales, got "
+                         f"{tuple(sf.shape)}")
+    sf = sf[..., : k // 32].float()
+    exponent = torch.frexp(sf).exponent - 1  # sf = 2**exponent (UE8M0: powers of two)
+    if not torch.equal(torch.ldexp(torch.ones_like(sf), exponent), sf):
+        raise ValueError(f"{name}: scales must be powers of two (UE8M0)")
+    return exponent
+
+
+def _fp4_block_exponents(exponent: torch.Tensor) -> torch.Tensor:
+    """``b = max(max(s) - FP4_IN_FP8_TOP, FP4_BLOCK_MIN_EXP)`` per 128 x 128 block
+    (``[E, ceil(N/128), ceil(K/128)]``) of per-32 scale exponents ``s`` ``[E, N, K/32]``."""
+    num_experts, n, groups = exponent.shape
+    per_block = FP8_BLOCK // 32
+    nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(groups, per_block)
+    padded = torch.full((num_experts, nb * FP8_BLOCK, kb * per_block), -(2**30),
+                        dtype=exponent.dtype, device=exponent.device)
+    padded[:, :n, :groups] = exponent
+    top = padded.view(num_experts, nb, FP8_BLOCK, kb, per_block).amax(dim=(2, 4))
+    return (top - FP4_IN_FP8_TOP).clamp_min(FP4_BLOCK_MIN_EXP)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent.to(torch.int32))
+
+
+def fp4_block_scales(sf: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """The f32 block scales ``2**b`` (``[E, ceil(N/128), ceil(K/128)]``) that
+    :func:`fp4_weights_to_fp8_blocks` gives MXFP4 weights with the scales ``sf``: UE8M0 per
+    32, int32-packed ``[E, N, ceil(K/128)]`` or float ``[E, N, >= K/32]``. ``k``: the weights'
+    K, a multiple of 32 (default: 32 per scale, 128 per packed word), so that pad scales do not
+    count."""
+    check_tensor("sf", sf, for_kernel=False)
+    _check_dim(sf, 3, "sf")
+    num_experts, n, width = sf.shape
+    if k is None:
+        k = width * (FP8_BLOCK if sf.dtype == torch.int32 else 32)
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0 or k % 32 != 0:
+        raise ValueError(f"k: expected a positive multiple of 32, got {k!r}")
+    return _pow2(_fp4_block_exponents(_fp4_exponents(sf, num_experts, n, k, "sf")))
 
 
 def fp4_weights_to_fp8_blocks(q: WeightPair) -> tuple[torch.Tensor, torch.Tensor]:
@@ -809,14 +874,17 @@ def fp4_weights_to_fp8_blocks(q: WeightPair) -> tuple[torch.Tensor, torch.Tensor
     and UE8M0 scales per 32, int32-packed or float ``[E, N, K/32]``) as e4m3 with a power-of-two
     f32 scale per 128 x 128 block, the ``fp8xfp8`` weight format (``(e4m3 [E, N, K],
     f32 [E, ceil(N/128), ceil(K/128)])``): what a Hopper kernel that keeps FP4 weights in HBM
-    decodes on chip before its FP8 WGMMAs (issue 19).
+    decodes on chip before its FP8 WGMMAs (issue 19; recipe ``fp8xfp4_sm90``).
 
-    A block's scale is ``2**b`` with ``b = max(s) - FP4_IN_FP8_TOP`` over its per-32 scale
-    exponents ``s``; an element becomes ``e4m3(e2m1 * 2**(s - b))`` (round to nearest even).
-    Exact, so that the blocks dequantize to exactly the FP4 weights, when every nonzero element
-    has ``s >= max(s) - FP4_IN_FP8_EXACT_BINADES``; an element of a group more than 14 binades
-    below its block's largest is rounded to e4m3's subnormal grid (``2**(b - 9)``), possibly to
-    zero. Never saturates (at most 384).
+    A block's scale is ``2**b`` with ``b = max(max(s) - FP4_IN_FP8_TOP, -126)`` over its
+    per-32 scale exponents ``s``: the clamp keeps ``2**b`` a normal float32, whose exponent
+    bits the kernel reads back (:func:`fp4_block_scales` gives the same scales). An element
+    becomes ``e4m3(e2m1 * 2**(s - b))`` (round to nearest even). Exact, so that the blocks
+    dequantize to exactly the FP4 weights, when every nonzero element has ``s >= b - 8``:
+    ``s >= max(s) - FP4_IN_FP8_EXACT_BINADES``, and always in a clamped block (``b - 8 = -134``
+    is below the smallest UE8M0 scale, so the clamp costs no bits); an element of a group more
+    than 14 binades below its block's largest is rounded to e4m3's subnormal grid
+    (``2**(b - 9)``), possibly to zero. Never saturates (at most 384).
     """
     w, sf = _unpack_pair(q, "q")
     num_experts, n, half_k = _check_3d(w, "q[0]")
@@ -824,24 +892,8 @@ def fp4_weights_to_fp8_blocks(q: WeightPair) -> tuple[torch.Tensor, torch.Tensor
     k = 2 * half_k
     if k % 32 != 0:
         raise ValueError(f"q[0]: K = {k} must be a multiple of 32")
-    _check_dim(sf, 3, "q[1]")
-    if sf.dtype == torch.int32:
-        sf = unpack_ue8m0_from_int(sf.reshape(num_experts * n, -1)).view(num_experts, n, -1)
-    else:
-        _check_floating(sf, "q[1]")
-    if tuple(sf.shape[:2]) != (num_experts, n) or sf.shape[2] < k // 32:
-        raise ValueError(f"q[1]: expected [{num_experts}, {n}, >= {k // 32}] scales, got "
-                         f"{tuple(sf.shape)}")
-    sf = sf[..., : k // 32].float()
-    exponent = torch.frexp(sf).exponent - 1  # sf = 2**exponent (UE8M0: powers of two)
-    if not torch.equal(torch.ldexp(torch.ones_like(sf), exponent), sf):
-        raise ValueError("q[1]: scales must be powers of two (UE8M0)")
-    nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
-    padded = torch.full((num_experts, nb * FP8_BLOCK, kb * (FP8_BLOCK // 32)), -(2**30),
-                        dtype=exponent.dtype, device=exponent.device)
-    padded[:, :n, : k // 32] = exponent
-    top = padded.view(num_experts, nb, FP8_BLOCK, kb, FP8_BLOCK // 32).amax(dim=(2, 4))
-    base = top - FP4_IN_FP8_TOP  # [E, nb, kb]
+    exponent = _fp4_exponents(sf, num_experts, n, k, "q[1]")
+    base = _fp4_block_exponents(exponent)  # [E, nb, kb]
     # per element: 2**(s - b) as float32 (exact), times the e2m1 value (exact), then e4m3
     rows = torch.arange(n, device=w.device) // FP8_BLOCK
     cols = torch.arange(k // 32, device=w.device) // (FP8_BLOCK // 32)
@@ -849,8 +901,7 @@ def fp4_weights_to_fp8_blocks(q: WeightPair) -> tuple[torch.Tensor, torch.Tensor
     values = fp4_codes_to_float(unpack_fp4(w)).view(num_experts, n, k // 32, 32)
     scaled = torch.ldexp(values, shift.unsqueeze(-1).to(torch.int32))
     w_fp8 = scaled.view(num_experts, n, k).to(torch.float8_e4m3fn)
-    block_sf = torch.ldexp(torch.ones_like(base, dtype=torch.float32), base.to(torch.int32))
-    return w_fp8, block_sf
+    return w_fp8, _pow2(base)
 
 
 def quantize_activations_for_recipe(x: torch.Tensor, recipe: str) -> WeightPair:
@@ -858,11 +909,11 @@ def quantize_activations_for_recipe(x: torch.Tensor, recipe: str) -> WeightPair:
 
     * ``'fp8xfp4'``: e4m3 with UE8M0 scale per 32, packed -> ``(e4m3 [m, H],
       int32 [m, ceil(H/128)])``.
-    * ``'fp8xfp8'``: e4m3 with a power-of-two f32 scale per 128 -> ``(e4m3 [m, H],
-      f32 [m, ceil(H/128)])``.
+    * ``'fp8xfp8'``, ``'fp8xfp4_sm90'``: e4m3 with a power-of-two f32 scale per 128 ->
+      ``(e4m3 [m, H], f32 [m, ceil(H/128)])``.
     * ``'bf16xbf16'``: ``x`` as bf16.
     """
-    check_recipe(recipe)
+    recipe = activation_recipe(check_recipe(recipe))
     check_tensor("x", x, for_kernel=False)
     _check_dim(x, 2, "x")
     if recipe == "bf16xbf16":
@@ -874,7 +925,7 @@ def quantize_activations_for_recipe(x: torch.Tensor, recipe: str) -> WeightPair:
 
 def dequantize_activations_for_recipe(q: WeightPair, recipe: str) -> torch.Tensor:
     """Float32 ``[m, H]`` from :func:`quantize_activations_for_recipe` output."""
-    check_recipe(recipe)
+    recipe = activation_recipe(check_recipe(recipe))
     if recipe == "bf16xbf16":
         check_tensor("q", q, for_kernel=False)
         return q.float()

@@ -25,6 +25,12 @@ Numerics, step by step. For every token ``t`` of every rank ``s`` and every slot
    Weights likewise (``quantize_weights_for_recipe`` then ``dequantize_weights_for_recipe``,
    one expert at a time; the quantisation blocks are taken over the [gate | up] rows as given
    here, before any interleave). ``bf16xbf16`` uses the BF16 values as f32.
+   ``fp8xfp4_sm90`` (Hopper has no FP4 MMA: its kernels keep ``fp8xfp4``'s MXFP4 weights in
+   HBM and decode them on chip to ``fp8xfp8``'s format): activations and step 7 as
+   ``fp8xfp8``; weights quantised as ``fp8xfp4`` and dequantised as their decode, e4m3 times a
+   power-of-two scale per 128x128 block (``quant.fp4_weights_to_fp8_blocks``). That equals the
+   FP4 weights exactly while a block's per-32 scales span at most 14 binades; a group further
+   below its block's largest scale is rounded onto e4m3's grid (the defined behaviour).
    Caveat, ``fp8xfp8`` weights: their f32 scale per 128x128 block is ``amax / 448``, not a power
    of two, so ``q * sf`` rounds in f32 (kernels instead apply the scales after each 128-K
    block: a GEMM-level difference), and PyTorch evaluates that division differently on CPU and
@@ -46,7 +52,8 @@ Numerics, step by step. For every token ``t`` of every rank ``s`` and every slot
    correctly rounded, nor is ``torch.exp``); kernels are compared with a tolerance.
 7. **L2 input** (exact given ``h``, ``quant.requant_fp8_pow2``). ``fp8xfp4``: e4m3 with a
    power-of-two scale per 32 features (``amax * f32(1/448)`` rounded up to a power of two, no
-   amax floor); ``fp8xfp8``: the same per 128 features; ``bf16xbf16``: ``bf16_rn(h)``. The L2
+   amax floor); ``fp8xfp8``, ``fp8xfp4_sm90``: the same per 128 features; ``bf16xbf16``:
+   ``bf16_rn(h)``. The L2
    input is the dequantised f32 value. A kernel that reproduces ``h`` bit-for-bit must
    reproduce the FP8 codes and scales bit-for-bit; an ulp of difference in ``h`` may flip a code.
 8. **L2 GEMM** (tolerance). ``o = bf16_rn(f32(l2_in @ W2_deq[e]^T computed in float64))``.
@@ -86,6 +93,7 @@ from .quant import (
     quantize_weights_for_recipe,
     requant_fp8_pow2,
 )
+from .tables import activation_recipe
 
 __all__ = [
     "MegaMoEReferenceResult",
@@ -97,7 +105,7 @@ __all__ = [
     "swiglu_reference",
 ]
 
-# Features per power-of-two scale of the requantised L2 input, per FP8 recipe.
+# Features per power-of-two scale of the requantised L2 input, per FP8 activation recipe.
 _L2_INPUT_GRAN_K = {"fp8xfp4": 32, "fp8xfp8": 128}
 # Quantised recipes need H and I to be multiples of this (the coarsest scale granularity).
 _FP8_ALIGN = 128
@@ -328,7 +336,7 @@ def mega_moe_reference(
         topk_weights: per rank, f32 ``[n_r, K]``.
         l1_weights: per rank, bf16 ``[E_l, 2I, H]`` with rows [gate | up] (not interleaved).
         l2_weights: per rank, bf16 ``[E_l, H, I]``.
-        recipe: ``'fp8xfp4'``, ``'fp8xfp8'`` or ``'bf16xbf16'``.
+        recipe: ``'fp8xfp4'``, ``'fp8xfp8'``, ``'bf16xbf16'`` or ``'fp8xfp4_sm90'``.
         activation_clamp: None or ``c >= 0`` (gate ``<= c``, up in ``[-c, c]``).
         fast_math: the kernels' SiLU flavour; the reference is the same for both.
         cumulative_local_expert_recv_stats: optional, per rank int32 ``[E_l]``; not modified,
@@ -446,7 +454,7 @@ def l2_input_reference(h: torch.Tensor, recipe: str) -> torch.Tensor:
         return h.to(torch.bfloat16).float()
     if h.shape[0] == 0:
         return h.clone()
-    gran_k = _L2_INPUT_GRAN_K[recipe]
+    gran_k = _L2_INPUT_GRAN_K[activation_recipe(recipe)]
     q, sf = requant_fp8_pow2(h, gran_k)
     return cast_back_from_fp8(q, sf, gran_k=gran_k).to(torch.float32)
 

@@ -330,7 +330,8 @@ class TorchExpertWeights:
     """This rank's expert weights dequantized to BF16 for `torch._grouped_mm`: `w1` [E_l, 2I, H]
     (gate | up, not interleaved) and `w2` [E_l, H, I], contiguous; the GEMMs use their
     transposed views (K-major B operands). Any recipe on any arch (FP4 x 2^k is exact in
-    BF16; FP8 with an f32 block scale rounds once to BF16)."""
+    BF16, and so is fp8xfp4_sm90's e4m3 x 2^b; FP8 with an f32 block scale rounds once to
+    BF16)."""
 
     w1: torch.Tensor
     w2: torch.Tensor
@@ -623,7 +624,14 @@ class _LayerPlan:
 
 
 def _weight_tensors(weights: ExpertWeights) -> tuple:
-    return weights.w1, weights.w2, weights.w1_sf, weights.w2_sf
+    return (weights.w1, weights.w2, weights.w1_sf, weights.w2_sf, weights.w1_block_sf,
+            weights.w2_block_sf)
+
+
+def _weight_addresses(weights: ExpertWeights) -> tuple:
+    """The addresses of the weights' tensors (None for an absent one): a plan's kept launches
+    hold them, so they are part of its configuration."""
+    return tuple(None if t is None else t.data_ptr() for t in _weight_tensors(weights))
 
 
 def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, activation_clamp,
@@ -650,13 +658,10 @@ def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, ac
             return None, None, n
         layout = sym_buffer.layout
         epilogue = l2_sends is True
-        sf1, sf2 = weights.w1_sf, weights.w2_sf
         key = (x is not None, y is not None, stats is not None, weights.recipe, weights.arch,
-               weights.w1.data_ptr(), weights.w2.data_ptr(),
-               None if sf1 is None else sf1.data_ptr(), None if sf2 is None else sf2.data_ptr(),
-               type(activation_clamp), activation_clamp, type(fast_math), fast_math,
-               type(l2_sends), l2_sends, transfer, send_mode, rounds, type(block_m), block_m,
-               type(num_sms), num_sms,
+               *_weight_addresses(weights), type(activation_clamp), activation_clamp,
+               type(fast_math), fast_math, type(l2_sends), l2_sends, transfer, send_mode,
+               rounds, type(block_m), block_m, type(num_sms), num_sms,
                # what the heuristics choose for this token count (a plan exists only where
                # the weights' arch is the GPU's)
                block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,

@@ -13,15 +13,19 @@ __all__ = [
     "ARCHS",
     "ARCH_BY_MAJOR",
     "BLOCK_MS",
+    "FUSED_RECIPES",
     "GEMM_RECIPES",
     "RECIPES",
+    "activation_recipe",
     "check_recipe",
     "has_gemm_kernels",
     "normalize_arch",
 ]
 
-#: Recipes (activations x weights) the package understands.
-RECIPES: tuple[str, ...] = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
+#: Recipes (activations x weights) the package understands. ``fp8xfp4_sm90``: MXFP4 weights
+#: for Hopper, which has no FP4 MMA: its kernels decode them on chip to fp8xfp8's weight format
+#: (`quant.fp4_weights_to_fp8_blocks`); its activations are fp8xfp8's (`activation_recipe`).
+RECIPES: tuple[str, ...] = ("fp8xfp4", "fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 
 #: Architectures with kernels, in their public (CuTe DSL target) spelling.
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
@@ -32,9 +36,18 @@ ARCH_BY_MAJOR: dict[int, str] = {9: "sm_90a", 10: "sm_100a"}
 #: Recipes with grouped-GEMM expert kernels, per architecture. Elsewhere the expert GEMMs run
 #: on torch ops between our dispatch and combine kernels (`staged.torch_experts`).
 GEMM_RECIPES: dict[str, tuple[str, ...]] = {
+    "sm_90a": ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90"),
+    "sm_100a": ("fp8xfp4", "bf16xbf16"),
+}
+
+#: Recipes the fused single-kernel layer runs, per architecture (a subset of `GEMM_RECIPES`).
+FUSED_RECIPES: dict[str, tuple[str, ...]] = {
     "sm_90a": ("fp8xfp8", "bf16xbf16"),
     "sm_100a": ("fp8xfp4", "bf16xbf16"),
 }
+
+#: Recipes whose activations (buffer, staging, dispatch, combine, L2 input) are another's.
+_ACTIVATION_RECIPE = {"fp8xfp4_sm90": "fp8xfp8"}
 
 #: BLOCK_M values the grouped-GEMM kernels implement, per architecture (the heuristics choose
 #: among them; dispatch and combine take any multiple of 16 up to the layout's maximum).
@@ -69,6 +82,13 @@ def check_recipe(recipe: str, name: str = "recipe") -> str:
     if recipe not in RECIPES:
         raise ValueError(f"{name}: expected one of {RECIPES}, got {recipe!r}")
     return recipe
+
+
+def activation_recipe(recipe: str) -> str:
+    """The recipe whose activation format ``recipe`` uses: the buffer's dtypes and sizes, the
+    staging, dispatch and combine, and the L2 input's requantization (``"fp8xfp8"`` for
+    ``"fp8xfp4_sm90"``; every other recipe its own)."""
+    return _ACTIVATION_RECIPE.get(recipe, recipe)
 
 
 def has_gemm_kernels(arch: str, recipe: str) -> bool:

@@ -179,7 +179,7 @@ def test_dispatch_traps_when_ranks_disagree_on_transfer(monkeypatch):
                      port=29811, mode="transfer_mismatch")
 
 
-GEMM_RECIPES = ("fp8xfp8", "bf16xbf16")  # recipes with Hopper grouped-GEMM kernels
+GEMM_RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")  # with Hopper grouped-GEMM kernels
 LAYER_PATHS = [(r, "torch") for r in RECIPES] + [(r, "kernels") for r in GEMM_RECIPES]
 
 

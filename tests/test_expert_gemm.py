@@ -18,6 +18,8 @@ from cute_megamoe import quant
 from cute_megamoe.expert_gemm import ExpertWeights, _block_weight_sf
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
+# the GPU checks also run the MXFP4-weight kernels (their compile tests: test_fp4_sm90_gemm.py)
+GPU_RECIPES = (*RECIPES, "fp8xfp4_sm90")
 
 
 def test_weights_fp8_block_scales_k_major_gate_up_order():
@@ -272,7 +274,7 @@ def _gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 @pytest.mark.parametrize("block_m", (64, 128))
 @pytest.mark.parametrize("pattern", ("random", "skewed", "sparse", "empty"))
 def test_expert_ffn_matches_reference(recipe, block_m, pattern):
@@ -285,7 +287,7 @@ def test_expert_ffn_matches_reference(recipe, block_m, pattern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 @pytest.mark.parametrize("clamp,fast_math,num_sms", [(None, True, 7), (3.0, False, 5),
                                                      (None, False, None)])
 def test_expert_ffn_clamp_precise_small_grid(recipe, clamp, fast_math, num_sms):
@@ -331,7 +333,7 @@ def test_expert_ffn_rejects_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_expert_ffn_deepseek_shape(recipe):
     """H 7168, I 2048 (56 / 16 K-blocks, 16 / 32 L1 n-tiles, 56 L2 n-tiles)."""
     from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem
@@ -343,7 +345,7 @@ def test_expert_ffn_deepseek_shape(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_expert_ffn_narrow_tiles(recipe):
     """H 640: the L2 GEMM (N = H) falls back to 128-column tiles; I 384 gives 3 L1 tiles."""
     from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, check_expert_ffn, make_pool_problem

@@ -25,7 +25,7 @@ from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.layout import BarrierSlots
 from cute_megamoe.testing.dispatch_checks import LAYER_TOLERANCE, make_routing
 
-RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
+RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 
 
 def _weights(e_l: int, hidden: int, inter: int, seed: int, device="cpu"):

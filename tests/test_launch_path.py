@@ -404,3 +404,31 @@ def test_fused_layer_picks_the_sm100_kernel_on_blackwell(fake_cuda, monkeypatch)
     wrong = ExpertWeights.from_bf16(w1, w2, "bf16xbf16", arch="sm_90a")
     with pytest.raises(ValueError, match="runs|prepared"):
         fused.fused_mega_moe(buf, x, idx, w, wrong, validate_routing=False)
+
+
+def test_fp4_sm90_layer_on_the_kernels_and_the_fused_kernel_refusing_it(fake_cuda, monkeypatch):
+    """fp8xfp4_sm90 on a (stubbed) sm_90a GPU: the staged layer launches the five kernels and
+    keeps a plan; `fused.fused_mega_moe` and `api.mega_moe(fused=True)` refuse the recipe,
+    naming it, before any launch, giving the call up once each."""
+    from cute_megamoe import api, fused
+
+    counts, log = fake_cuda
+    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    buf, weights, _ = _buffer_and_weights("fp8xfp4_sm90")
+    x, idx, w = _layer_inputs(5, 0)
+    for _ in range(2):
+        before = len(log)
+        staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False)
+        assert [name for name, _ in log[before:]] == list(KERNELS)
+    assert counts["compile"] == len(KERNELS)  # the second call ran the plan
+    assert fused.supports(buf, weights) == \
+        "the sm_90a fused kernel runs ('fp8xfp8', 'bf16xbf16'), not 'fp8xfp4_sm90'"
+    y = torch.empty(5, H, dtype=torch.bfloat16)
+    for call in (lambda: fused.fused_mega_moe(buf, x, idx, w, weights, validate_routing=False),
+                 lambda: api.mega_moe(y, weights, buf, fused=True)):
+        tag = int(buf.barrier[BarrierSlots.CALL_TAG])
+        before = len(log)
+        with pytest.raises(ValueError, match="fused kernel runs .* not 'fp8xfp4_sm90'"):
+            call()
+        assert len(log) == before
+        assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1

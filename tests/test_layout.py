@@ -17,7 +17,7 @@ from cute_megamoe.layout import (
     MegaMoELayout,
 )
 
-RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
+RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 SF_REGIONS = ("x_sf", "l1_acts_sf", "l2_acts_sf")
 
 # (R, E, num_max_tokens_per_rank, K, H, I): small enough to allocate on the CPU.
@@ -38,7 +38,8 @@ def expected_regions(r, e, m, k, h, i, recipe):
     t = _ceil(m, 128) * 128
     p = _ceil(r * t * min(k, e_l) + e_l * 255, 256) * 256
     act = torch.bfloat16 if recipe == "bf16xbf16" else torch.float8_e4m3fn
-    sf = {"fp8xfp4": torch.int32, "fp8xfp8": torch.float32, "bf16xbf16": None}[recipe]
+    sf = {"fp8xfp4": torch.int32, "fp8xfp8": torch.float32, "bf16xbf16": None,
+          "fp8xfp4_sm90": torch.float32}[recipe]  # (fp8xfp4_sm90: fp8xfp8's activations)
     spec = {
         "barrier": (torch.int32, (64,), (1,)),
         "expert_send_count": (torch.int64, (e,), (1,)),
@@ -270,7 +271,7 @@ def test_count_word_fields_round_trip():
                 word = tag << 32 | settings << CountWord.COUNT_BITS | count
                 assert CountWord.decode(word) == dict(tag=tag, count=count, block_m=block_m,
                                                       recipe=recipe, push=push)
-    assert len(codes) == 32 * 3 * 2
+    assert len(codes) == 32 * len(RECIPES) * 2
     for bad in (0, 8, 528, 100):
         with pytest.raises(ValueError, match="block_m"):
             CountWord.settings(bad, "fp8xfp8", True)

@@ -642,7 +642,7 @@ def test_cast_argument_errors():
     with pytest.raises(ValueError, match="recipe"):
         q.quantize_weights_for_recipe(torch.randn(1, 16, 64), "int8")
     assert q.check_recipe("fp8xfp8") == "fp8xfp8"
-    assert q.RECIPES == ("fp8xfp4", "fp8xfp8", "bf16xbf16")
+    assert q.RECIPES == ("fp8xfp4", "fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -747,6 +747,32 @@ def test_fp4_weights_as_fp8_blocks_beyond_14_binades_round_to_e4m3():
     assert torch.equal(got[..., ~within], want)
     assert not torch.equal(want, exact[..., ~within])  # (the case does lose bits)
     assert not bool(w8.float().isnan().any())
+
+
+def test_fp4_weights_as_fp8_blocks_clamp_the_block_exponent_to_normal_floats():
+    """A block whose largest per-32 scale is below 2**-120 gets b = -126, not max(s) - 6: its
+    scale 2**b stays a normal float32 (the kernel reads b from its exponent bits), and its
+    elements, e2m1 * 2**(s + 126) with s >= -127, stay exact; the block below it keeps
+    b = max(s) - 6. `fp4_block_scales` gives the same scales, from packed or float scales."""
+    codes = torch.arange(256 * 128).remainder(16).to(torch.int8).view(1, 256, 128)
+    exps = torch.tensor([[-127, -125, -122, -127], [0, -3, -10, -20]], dtype=torch.float32)
+    sf = torch.exp2(exps).repeat_interleave(128, dim=0).unsqueeze(0)  # [1, 256, 4]
+    w8, sf8 = q.fp4_weights_to_fp8_blocks((q.pack_fp4(codes), sf))
+    assert sf8.flatten().tolist() == [2.0**-126, 2.0**-6]
+    assert bool((((sf8.view(torch.int32) >> 23) & 0xFF) > 0).all())  # normal floats
+    exact = q.fp4_codes_to_float(codes) * sf.repeat_interleave(32, dim=2)
+    got = w8.float() * sf8.repeat_interleave(128, dim=1)
+    assert torch.equal(got[:, :128], exact[:, :128])
+    want = q.fp4_codes_to_float(codes[:, :128]) * torch.exp2(exps[0] + 126).repeat_interleave(32)
+    assert torch.equal(w8[:, :128].float(), want) and float(want.abs().max()) == 6 * 2.0**4
+    low = exact[:, 128:] * 2.0**6
+    assert torch.equal(got[:, 128:], low.to(torch.float8_e4m3fn).float() * 2.0**-6)
+    for scales in (sf, q.pack_ue8m0_to_int(sf)):
+        assert torch.equal(q.fp4_block_scales(scales), sf8)
+    # K = 96: the packed word's pad scale (1.0) must not count
+    padded = q.pack_ue8m0_to_int(torch.cat([sf[:, :, :3], torch.ones(1, 256, 1)], dim=2))
+    assert q.fp4_block_scales(padded, k=96).flatten().tolist() == [2.0**-126, 2.0**-6]
+    assert q.fp4_block_scales(padded).flatten().tolist() == [2.0**-6, 2.0**-6]
 
 
 def test_fp4_weights_as_fp8_blocks_rejects_non_power_of_two_scales():

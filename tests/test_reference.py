@@ -54,13 +54,14 @@ from cute_megamoe.reference import (
     swiglu_reference,
 )
 
-RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16")
-L2_GRAN = {"fp8xfp4": 32, "fp8xfp8": 128}
+RECIPES = ("fp8xfp4", "fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
+L2_GRAN = {"fp8xfp4": 32, "fp8xfp8": 128, "fp8xfp4_sm90": 128}
 
 # Bounds derived in the module docstring. max |y_ref - y_naive| / max |y_naive| per rank:
-_Y_REL_BOUND = {"fp8xfp4": 0.15, "fp8xfp8": 0.15, "bf16xbf16": 1.5e-2}
+_Y_REL_BOUND = {"fp8xfp4": 0.15, "fp8xfp8": 0.15, "bf16xbf16": 1.5e-2, "fp8xfp4_sm90": 0.15}
 # Fraction of y elements differing by more than 1 BF16 ulp (of the larger magnitude):
-_Y_ULP_FRACTION_BOUND = {"fp8xfp4": 1e-4, "fp8xfp8": 1e-4, "bf16xbf16": 1e-4}
+_Y_ULP_FRACTION_BOUND = {"fp8xfp4": 1e-4, "fp8xfp8": 1e-4, "bf16xbf16": 1e-4,
+                         "fp8xfp4_sm90": 1e-4}
 # max |h_ref - h_naive| / max |h_naive| per expert (h = L1 output before requant): ~5x measured.
 _H_REL_BOUND = 1e-6
 

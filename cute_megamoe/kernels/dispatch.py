@@ -77,7 +77,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
-from ..layout.mega_moe import CountWord, MegaMoELayout
+from ..layout.mega_moe import RECIPES, CountWord, MegaMoELayout
 from .common.pool import (
     BulkRowPipeline,
     build_pool_prefix,
@@ -97,6 +97,8 @@ from .common.sync import (
 
 TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
 SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
+# how a recipe disagreement names the codes of `CountWord`'s recipe field
+_RECIPE_CODES = "the recipe (" + ", ".join(f"{i}: {r}" for i, r in enumerate(RECIPES)) + ")"
 
 
 def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
@@ -358,7 +360,7 @@ class DispatchKernel:
             if (seen & push_bit) != (self.settings & push_bit):
                 report_disagreement(barrier, "the dispatch transfer (1: push, 0: pull)",
                                     Int32((seen & push_bit) != 0), Int32(self.push), verbose)
-            report_disagreement(barrier, "the recipe (0: fp8xfp4, 1: fp8xfp8, 2: bf16xbf16)",
+            report_disagreement(barrier, _RECIPE_CODES,
                                 (seen >> CountWord.RECIPE_SHIFT) & 3,
                                 Int32((self.settings >> CountWord.RECIPE_SHIFT) & 3), verbose)
 

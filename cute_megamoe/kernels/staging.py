@@ -5,6 +5,7 @@ What it computes (one launch per call, arch-neutral: compiled for sm_90a and sm_
     fp8xfp4:   x_q[t, :], x_sf[t, :] = per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32,
                                                               use_packed_ue8m0=True)
     fp8xfp8:   x_q[t, :], x_sf[t, :] = per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=128)
+               (also fp8xfp4_sm90, whose activations are fp8xfp8's)
     bf16xbf16: x_q[t, :] = x[t, :]
     and in every recipe: topk_idx, topk_weights copied next to the activations,
 
@@ -40,6 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 
+from ..tables import RECIPES, activation_recipe
 from .common.quant_math import ceil_ue8m0_biased_exponent, float_from_biased_exponent
 
 ELEMENTS_PER_THREAD = 16  # two 16-byte loads of BF16
@@ -54,7 +56,7 @@ class InputStagingKernel:
 
     def __init__(self, recipe: str, hidden: int, num_topk: int, num_threads: int = 256,
                  vectors_per_thread: int = 4):
-        if recipe not in ("fp8xfp4", "fp8xfp8", "bf16xbf16"):
+        if recipe not in RECIPES:
             raise ValueError(f"recipe: unsupported {recipe!r}")
         if hidden % CHUNK != 0:
             raise ValueError(f"hidden: must be a multiple of {CHUNK}, got {hidden}")
@@ -63,8 +65,9 @@ class InputStagingKernel:
         self.num_topk = num_topk
         self.num_threads = num_threads
         self.vectors_per_thread = vectors_per_thread
-        self.quantize = recipe != "bf16xbf16"
-        self.packed_ue8m0 = recipe == "fp8xfp4"
+        act_recipe = activation_recipe(recipe)
+        self.quantize = act_recipe != "bf16xbf16"
+        self.packed_ue8m0 = act_recipe == "fp8xfp4"
         self.out_dtype = Float8E4M3FN if self.quantize else BFloat16
         # per-32 groups span 2 lanes, per-128 groups span 8
         self.group_shuffles = 1 if self.packed_ue8m0 else 3

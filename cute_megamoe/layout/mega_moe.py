@@ -73,7 +73,8 @@ Data:
 ``x_sf`` [T, H / 128] (absent for ``bf16xbf16``)
     Input scales, token-major. ``fp8xfp4``: int32, four UE8M0 bytes per int32 (per-32 scales,
     byte ``g % 4`` of word ``g // 4`` holds K-group ``g``). ``fp8xfp8``: float32, one per 128
-    features. User-filled, read by peers.
+    features. User-filled, read by peers. ``fp8xfp4_sm90`` lays out every region as
+    ``fp8xfp8`` (`tables.activation_recipe`: only its weights differ).
 ``topk_idx`` int64 [T, K]
     Routing (-1 = masked). User-filled, read locally by the dispatch warps.
 ``topk_weights`` float32 [T, K]
@@ -87,8 +88,8 @@ Data:
     Routing weight of each pool row, written by the dispatch, read by the L1 epilogue. Local.
 ``l2_acts`` [P, I] (dtype of ``x``)
     L2 GEMM input pool, written by the L1 epilogue (SwiGLU, weight, requantization). Local.
-``l2_acts_sf`` [P, I / 128] strides (1, P) (int32 for ``fp8xfp4``, float32 for ``fp8xfp8``;
-    absent for ``bf16xbf16``). Written by the L1 epilogue. Local.
+``l2_acts_sf`` [P, I / 128] strides (1, P) (dtype of ``x_sf``; absent for ``bf16xbf16``)
+    Written by the L1 epilogue. Local.
 ``combine`` bfloat16 [K, T, H]
     ``combine[k, t]`` is the L2 output of this rank's token ``t``, slot ``k``. Remote-written by
     the L2 epilogue of the rank that owns the expert; read locally by the combine.
@@ -101,7 +102,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tables import RECIPES  # the package's one recipe table (re-exported)
+from ..tables import RECIPES, activation_recipe  # the package's one recipe table (re-exported)
 from ..utils import align
 
 __all__ = [
@@ -329,9 +330,10 @@ class MegaMoELayout:
         p = align(r * t * min(k, e_l) + e_l * (BLOCK_M_MAX - 1), BLOCK_M_MAX)
         num_pool_blocks = p // MIN_BLOCK_M
 
-        if self.recipe == "bf16xbf16":
+        act_recipe = activation_recipe(self.recipe)
+        if act_recipe == "bf16xbf16":
             act_dtype, sf_dtype = torch.bfloat16, None
-        elif self.recipe == "fp8xfp4":
+        elif act_recipe == "fp8xfp4":
             act_dtype, sf_dtype = torch.float8_e4m3fn, torch.int32
         else:
             act_dtype, sf_dtype = torch.float8_e4m3fn, torch.float32

@@ -24,11 +24,13 @@ import torch
 from .. import quant, reference
 from ..expert_gemm import ExpertWeights, expert_ffn
 from ..scheduler.host_model import pool_block_offsets
+from ..tables import activation_recipe
 
 #: Bounds per recipe: (L1 rel. error, L2-alone rel. error, end-to-end rel. error,
 #: fraction of L1 outputs allowed to differ from the reference by one rounding step).
 TOLERANCE = {
     "fp8xfp8": (2e-2, 1e-2, 3e-2, 2e-2),
+    "fp8xfp4_sm90": (2e-2, 1e-2, 3e-2, 2e-2),
     "bf16xbf16": (5e-3, 1e-2, 1e-2, 2e-2),
 }
 
@@ -93,7 +95,7 @@ def check_expert_ffn(problem: PoolProblem, activation_clamp: float | None = None
                      fast_math: bool = True, num_sms: int | None = None) -> dict:
     """Run `expert_ffn` on `problem` with poisoned outputs; assert the bounds; return stats."""
     recipe, device = problem.recipe, problem.acts.device
-    fp8 = recipe == "fp8xfp8"
+    fp8 = activation_recipe(recipe) == "fp8xfp8"
     p_rows = problem.num_pool_rows
     inter, hidden = problem.weights.intermediate, problem.weights.hidden
     act_dtype = problem.acts.dtype
