@@ -46,7 +46,8 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     assert art.count("LDS.128") >= 1 and art.count("STS.128") >= 2
     assert art.count("PRMT") >= 16
     assert art.count("F2FP.SATFINITE.E4M3") > 0
-    assert art.count("USETMAXREG") == 2
+    assert art.count("USETMAXREG") == 3  # producer, decode warpgroup, consumers
+    assert kernel.num_threads == 128 * (2 + block_m // 64)
     assert art.count("STL") == 0 and art.count("LDL") == 0
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage

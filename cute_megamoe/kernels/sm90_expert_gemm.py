@@ -52,7 +52,8 @@ FP4 weights (``fp8xfp4_sm90``: Hopper has no FP4 MMA): ``W`` stays in HBM as pac
 (``[E, N, K/2]`` bytes, two codes per byte) with UE8M0 scales per 32 (``B_group_sf``, int32
 ``[E, K/128, N]``: a word of four group scales per row and k-block) and f32 block scales
 ``2**b`` per 128x128 block in the ``B_sf`` layout above. The TMA brings the packed chunks and
-the tile rows' scale words into the stage; warps 1-3 (idle otherwise) wait for it, write the
+the tile rows' scale words into the stage; seven warps (1-3, idle otherwise, and a warpgroup
+of their own) wait for it, write the
 e4m3 weight tile ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled B slots
 (`common.fp4_decode`, bit-exact with `quant.fp4_weights_to_fp8_blocks`) and arrive at the
 stage's second mbarrier, which the consumers wait for; then the FP8 mainloop above runs
@@ -98,7 +99,13 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
-DECODE_WARPS = 3  # FP4 weights: warps 1-3 (producer warpgroup) decode the weight tiles
+# FP4 weights: warps 1-3 (producer warpgroup) and a warpgroup of their own decode the weight
+# tiles (3 warps alone were latency-bound: 1.7x the fp8xfp8 time at decode sizes)
+DECODE_WARPS = 7
+DECODE_REGS = 40
+# FP4 at BLOCK_M 128: the consumers leave room for the decode warpgroup
+# (128 x (40 + 40) + 256 x 216 = 64K registers)
+CONSUMER_REGS_WITH_DECODE = 216
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -148,7 +155,9 @@ class Sm90ExpertGemmKernel:
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
         self.num_mma_wgs = block_m // 64
-        self.num_threads = 128 * (1 + self.num_mma_wgs)
+        self.num_threads = 128 * (1 + self.num_mma_wgs + (1 if self.fp4_weights else 0))
+        self.consumer_regs = (CONSUMER_REGS_WITH_DECODE if self.fp4_weights
+                              and self.num_mma_wgs == 2 else CONSUMER_REGS)
         elt = self.ab_dtype.width // 8
         out_elt = elt if phase == "l1" else 2
         # bytes of one output row inside one tile
@@ -438,14 +447,18 @@ class Sm90ExpertGemmKernel:
                                         b_group_sf=b_group_sf, sfg=storage.sfg.data_ptr())
                 ab_pipe.producer_tail(state)
             elif cutlass.const_expr(self.fp4_weights):
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                     self.num_stages)
                 self.decode_weights(ab_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(), sfb,
                                     storage.sfg.data_ptr(), storage.decoded.data_ptr(),
                                     block_start, row_start, num_tiles, cluster, num_clusters,
-                                    raster_group, rank, tidx - 32, lane, state)
+                                    raster_group, rank, tidx - 32, lane)
+        elif wg > self.num_mma_wgs:  # the decode warpgroup (FP4 weights)
+            cute.arch.setmaxregister_decrease(DECODE_REGS)
+            self.decode_weights(ab_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(), sfb,
+                                storage.sfg.data_ptr(), storage.decoded.data_ptr(), block_start,
+                                row_start, num_tiles, cluster, num_clusters, raster_group, rank,
+                                tidx - 128 * wg + 96, lane)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
@@ -592,8 +605,9 @@ class Sm90ExpertGemmKernel:
     def decode_weights(self, ab_pipe, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Tensor,
                        sfg: cute.Pointer, decoded: cute.Pointer, block_start, row_start,
                        num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
-                       raster_group: Int32, rank: Int32, tid: Int32, lane: Int32, state):
-        """Warps 1-3 (FP4 weights), ``tid`` in [0, 96): for every stage of this CTA's walk, once
+                       raster_group: Int32, rank: Int32, tid: Int32, lane: Int32):
+        """Warps 1-3 and the decode warpgroup (FP4 weights), ``tid`` in [0, 224): for every
+        stage of this CTA's walk, once
         the TMA has filled it, turn its packed weight chunks into the e4m3 tiles the WGMMAs read
         (`common.fp4_decode`), then arrive at the stage's ``decoded`` barrier. One item is 32
         codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale):
@@ -601,6 +615,8 @@ class Sm90ExpertGemmKernel:
         exponent shift of a group is its UE8M0 scale over its 128x128 block's base ``2**b``
         (the stage's weight block scale: L1 row groups of 8 alternate gate and up blocks)."""
         items = self.chunks * WG_N * 4  # (chunk, row, group) = (item >> 9, ...) below
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             self.num_stages)
         chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
         up_block = self.n // (2 * SF_BLOCK)
         tile = first_tile
