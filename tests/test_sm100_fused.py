@@ -300,7 +300,10 @@ def _encode_or_skip(recipe: str, block_m: int, monkeypatch) -> None:
 
     slot = 5  # l1_acts (launch.fused_call's argument order)
     good = call.args[slot]
-    shifted = make_ptr(good.dtype, good._pointer + 8, cute.AddressSpace.gmem, assumed_align=16)
+    # the address the call passes, 8 bytes off (a TMA global address must be 16-byte aligned);
+    # set on the pointer's C value, past make_ptr's own alignment assertion
+    shifted = make_ptr(good.dtype, good._pointer, cute.AddressSpace.gmem, assumed_align=16)
+    shifted._desc.value = good._pointer + 8
     bad_error = error_of(call.args[:slot] + (shifted,) + call.args[slot + 1:])
     good_error = error_of(call.args)
     if not bad_error or bad_error == good_error:
