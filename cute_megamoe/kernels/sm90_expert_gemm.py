@@ -451,7 +451,7 @@ class Sm90ExpertGemmKernel:
                                     storage.sfg.data_ptr(), storage.decoded.data_ptr(),
                                     block_start, row_start, num_tiles, cluster, num_clusters,
                                     raster_group, rank, tidx - 32, lane)
-        elif wg > self.num_mma_wgs:  # the decode warpgroup (FP4 weights)
+        elif self.is_decode_wg(wg):  # the decode warpgroup (FP4 weights)
             cute.arch.setmaxregister_decrease(DECODE_REGS)
             self.decode_weights(ab_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(), sfb,
                                 storage.sfg.data_ptr(), storage.decoded.data_ptr(), block_start,
@@ -593,6 +593,14 @@ class Sm90ExpertGemmKernel:
             entry[1] = pool_block
             entry[2] = n_block
             entry[3] = valid_m
+
+    @cute.jit
+    def is_decode_wg(self, wg: Int32):
+        """Whether warpgroup ``wg`` is the decode warpgroup (FP4 weights; a constant False else,
+        so that other kernels compile no such branch)."""
+        if cutlass.const_expr(self.fp4_weights):
+            return wg > self.num_mma_wgs
+        return False
 
     @cute.jit
     def init_decoded_barriers(self, decoded: cute.Pointer, tidx: Int32):
