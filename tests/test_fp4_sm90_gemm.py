@@ -47,6 +47,8 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     assert art.count("PRMT") >= 16
     assert art.count("F2FP.SATFINITE.E4M3") > 0
     assert art.count("USETMAXREG") == 3  # producer, decode warpgroup, consumers
+    # the packed weights by TMA into their own stages (warp 1), A by warp 0
+    assert art.count("UTMALDG.2D") >= 2
     assert kernel.num_threads == 128 * (2 + block_m // 64)
     assert art.count("STL") == 0 and art.count("LDL") == 0
     usage = art.resource_usage()
@@ -54,19 +56,29 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
 
 
 def test_fp4_stage_accounting():
-    """What the ring's mbarrier expects per stage: A, the packed weight bytes, the scale vectors
-    and the tile rows' per-32 scale words; shared memory holds the decoded tile on top."""
+    """What the mbarriers expect per stage: the MMA stage A and the scale vectors, the packed
+    stage the packed weight bytes, the tile rows' per-32 scale words and the block scales (the
+    decode's base exponents); shared memory holds
+    the decoded tile in the MMA stage on top; the packed stages take what is left (at least 2)."""
+    from cute_megamoe.kernels.sm90_expert_gemm import FP4_MMA_STAGES, SMEM_BUDGET
     from cute_megamoe.launch import gemm_kernel
 
     for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
         for block_m in (64, 128):
             kern, _ = gemm_kernel("sm_90a", RECIPE, phase, 8, 4096, n, k, block_m)
-            tx = (block_m * 128 + 256 * 64 + 4 * (block_m + kern.sfb_len) + 4 * 256)
-            assert kern.stage_tx_bytes == tx
+            tx = block_m * 128 + 4 * (block_m + kern.sfb_len)
+            packed_tx = 256 * 64 + 4 * 256 + 4 * kern.sfb_len
+            assert (kern.stage_tx_bytes, kern.packed_tx_bytes) == (tx, packed_tx)
             assert kern.block_n == 256 and kern.b_load_k() == 64
-            assert kern.raw_b_bytes() == kern.num_stages * 256 * 64
-            ring = kern.num_stages * (tx + 256 * 128) + kern.staging_bytes
-            assert ring <= 227 * 1024 - 8192
+            assert kern.raw_b_bytes() == kern.packed_stages * 256 * 64
+            assert kern.sfg_len() == kern.packed_stages * 256
+            assert kern.num_stages == FP4_MMA_STAGES and kern.packed_stages >= 3
+            mma_ring = kern.num_stages * (tx + 256 * 128 + 64)
+            packed_ring = kern.packed_stages * (packed_tx + 16)
+            assert mma_ring + packed_ring + kern.staging_bytes <= SMEM_BUDGET
+            # no room for one more packed stage
+            assert mma_ring + packed_ring + packed_tx + 16 + kern.staging_bytes > SMEM_BUDGET \
+                or kern.packed_stages == 8
 
 
 # ---------------------------------------------------------------------------------- GPU checks

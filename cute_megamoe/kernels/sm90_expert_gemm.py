@@ -99,13 +99,17 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
-# FP4 weights: warps 1-3 (producer warpgroup) and a warpgroup of their own decode the weight
-# tiles (3 warps alone were latency-bound: 1.7x the fp8xfp8 time at decode sizes)
-DECODE_WARPS = 7
-DECODE_REGS = 40
-# FP4 at BLOCK_M 128: the consumers leave room for the decode warpgroup
-# (128 x (40 + 40) + 256 x 216 = 64K registers)
-CONSUMER_REGS_WITH_DECODE = 216
+# FP4 weights: a warpgroup of its own decodes the weight tiles, each thread a fixed set of
+# items, loaded a batch at a time before any is decoded (one item per thread in flight was
+# latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7)
+DECODE_WARPS = 4
+DECODE_THREADS = 32 * DECODE_WARPS
+# FP4 registers per thread, by consumer warpgroups: (producer warpgroup, decode warpgroup,
+# consumers, items decoded per batch); BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
+FP4_REGS = {1: (40, 160, 232, 8), 2: (32, 48, 216, 4)}
+# FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
+# stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
+FP4_MMA_STAGES = 3
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -127,7 +131,8 @@ class Sm90ExpertGemmKernel:
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
                  wg_skew: int | None = None, staging_parts: int | None = None,
-                 raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0):
+                 raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
+                 packed_stages: int | None = None, decode_batch: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -156,8 +161,15 @@ class Sm90ExpertGemmKernel:
         self.fast_math = bool(fast_math)
         self.num_mma_wgs = block_m // 64
         self.num_threads = 128 * (1 + self.num_mma_wgs + (1 if self.fp4_weights else 0))
-        self.consumer_regs = (CONSUMER_REGS_WITH_DECODE if self.fp4_weights
-                              and self.num_mma_wgs == 2 else CONSUMER_REGS)
+        # (decode_regs: only FP4-weight kernels have the decode warpgroup)
+        self.producer_regs, self.decode_regs, self.consumer_regs = \
+            PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
+        if self.fp4_weights:
+            self.producer_regs, self.decode_regs, self.consumer_regs, batch = \
+                FP4_REGS[self.num_mma_wgs]
+            self.decode_batch = batch if decode_batch is None else decode_batch
+            if self.decode_batch not in (1, 2, 4, 8):
+                raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
         elt = self.ab_dtype.width // 8
         out_elt = elt if phase == "l1" else 2
         # bytes of one output row inside one tile
@@ -165,23 +177,31 @@ class Sm90ExpertGemmKernel:
         self.out_row_bytes = self.out_cols * out_elt
         # activation scales of the tile's rows; the expert's weight block scales of the k-block
         self.sfa_len, self.sfb_len = block_m, weight_sf_row_len(n)
-        # what the TMA brings per stage (FP4 weights: packed codes and their scale words), and
-        # what the stage takes in shared memory (FP4: also the decoded weight tile)
-        b_load_bytes = self.block_n * self.block_k * elt // (2 if self.fp4_weights else 1)
-        self.stage_tx_bytes = block_m * self.block_k * elt + b_load_bytes
+        # what the TMA brings per stage, and what the stage takes in shared memory. FP4
+        # weights: the TMA brings the packed codes and their scale words into stages of their
+        # own (`packed_stages`); the decode writes the e4m3 tile into the MMA's stage
+        b_tile_bytes = self.block_n * self.block_k * elt
+        self.stage_tx_bytes = block_m * self.block_k * elt + (0 if self.fp4_weights
+                                                              else b_tile_bytes)
         if self.is_fp8:
             self.stage_tx_bytes += (self.sfa_len + self.sfb_len) * 4
-        if self.fp4_weights:
-            self.stage_tx_bytes += self.block_n * 4
-        stage_bytes = self.stage_tx_bytes + (self.block_n * self.block_k
-                                             if self.fp4_weights else 0)
+        stage_bytes = self.stage_tx_bytes + (b_tile_bytes if self.fp4_weights else 0)
+        # a packed stage: the codes, their rows' per-32 scale words and the k-block's weight
+        # block scales (the decode's base exponents; the MMA stage has its own copy)
+        self.packed_tx_bytes = (self.block_n * (self.block_k // 2 + 4) + self.sfb_len * 4
+                                if self.fp4_weights else 0)
 
         # `smem_reserved`: bytes a fused kernel's other phases take from the budget
         self.smem_budget = SMEM_BUDGET - smem_reserved
 
         def stages_fit(parts):  # pipeline stages left beside staging rows of 1/parts tile row
-            staging = self.staging_layout(parts)[1]
-            return min(MAX_STAGES, (self.smem_budget - staging) // (stage_bytes + 64))
+            left = self.smem_budget - self.staging_layout(parts)[1]
+            if self.fp4_weights:  # (MMA stages, packed stages), two packed stages at least
+                mma = min(FP4_MMA_STAGES, (left - 2 * (self.packed_tx_bytes + 16))
+                          // (stage_bytes + 64))
+                left -= mma * (stage_bytes + 64)
+                return mma, min(MAX_STAGES, left // (self.packed_tx_bytes + 16))
+            return min(MAX_STAGES, left // (stage_bytes + 64))
 
         # BF16: the staging rows hold the whole tile row, or a chunk or half a chunk at a time
         # when that leaves room for more pipeline stages (L2 at BLOCK_M 128: 4 stages instead
@@ -203,6 +223,16 @@ class Sm90ExpertGemmKernel:
         self.staging_stride, self.staging_bytes = self.staging_layout(self.staging_parts)
         fit = (self.smem_budget - self.staging_bytes) // (stage_bytes + 64)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
+        self.packed_stages = 0
+        if self.fp4_weights:
+            mma_fit, packed_fit = stages_fit(self.staging_parts)
+            self.num_stages = mma_fit if num_stages is None else num_stages
+            left = self.smem_budget - self.staging_bytes - self.num_stages * (stage_bytes + 64)
+            fit_packed = min(MAX_STAGES, left // (self.packed_tx_bytes + 16))
+            self.packed_stages = fit_packed if packed_stages is None else packed_stages
+            if not 2 <= self.packed_stages <= fit_packed:
+                raise ValueError(f"packed_stages must be in [2, {fit_packed}] beside "
+                                 f"{self.num_stages} stages, got {packed_stages}")
         if not 2 <= self.num_stages <= fit:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
@@ -251,15 +281,15 @@ class Sm90ExpertGemmKernel:
         return self.num_n_blocks * self.num_mma_wgs * 4
 
     def raw_b_bytes(self) -> int:
-        """Shared-memory bytes of the ring's packed FP4 weight chunks (a token 128 else)."""
+        """Shared-memory bytes of the packed FP4 weight chunks' stages (a token 128 else)."""
         if not self.fp4_weights:
             return 128
-        return self.num_stages * self.chunks * WG_N * self.b_load_k()
+        return self.packed_stages * self.chunks * WG_N * self.b_load_k()
 
     def sfg_len(self) -> int:
         """Int32 words of the ring's per-32 weight scales: a word (four groups) per weight row
-        of the tile per stage (FP4; a token 4 else)."""
-        return self.num_stages * self.block_n if self.fp4_weights else 4
+        of the tile per packed stage (FP4; a token 4 else)."""
+        return self.packed_stages * self.block_n if self.fp4_weights else 4
 
     def staging_layout(self, parts: int) -> tuple[int, int]:
         """(row stride, total bytes) of the consumer warps' staging rows when they hold
@@ -291,11 +321,11 @@ class Sm90ExpertGemmKernel:
         return self.block_k // 2 if self.fp4_weights else self.block_k
 
     def raw_b_layout(self):
-        """FP4 weights: the ring's packed weight chunks as TMA writes them, ``[128 rows, 64
-        bytes, stage * chunks + chunk]`` (no swizzle: the decode reads 16 bytes per lane, rows
+        """FP4 weights: the packed weight chunks as TMA writes them, ``[128 rows, 64 bytes,
+        packed stage * chunks + chunk]`` (no swizzle: the decode reads 16 bytes per lane, rows
         of 64 bytes, conflict-free)."""
         k2 = self.b_load_k()
-        return cute.make_layout((WG_N, k2, self.num_stages * self.chunks),
+        return cute.make_layout((WG_N, k2, self.packed_stages * self.chunks),
                                 stride=(k2, 1, WG_N * k2))
 
     def tma_loads(self, a: cute.Pointer, b: cute.Pointer, a_layout, b_layout):
@@ -352,6 +382,7 @@ class Sm90ExpertGemmKernel:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[Int64, self.num_stages * 2]
+            packed_mbar: cute.struct.MemRange[Int64, max(1, self.packed_stages * 2)]
             block_start: cute.struct.MemRange[Int32, self.num_experts + 1]
             row_start: cute.struct.MemRange[Int32, self.num_experts + 1]
             sfa: cute.struct.Align[
@@ -365,6 +396,8 @@ class Sm90ExpertGemmKernel:
             staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, self.raw_b_bytes()], 128]
             sfg: cute.struct.Align[cute.struct.MemRange[Int32, self.sfg_len()], 16]
+            sfb_packed: cute.struct.Align[cute.struct.MemRange[
+                Float32, max(4, self.packed_stages * self.sfb_len)], 16]
             decoded: cute.struct.MemRange[Int64, self.num_stages]
 
         self.shared_storage = SharedStorage
@@ -422,6 +455,15 @@ class Sm90ExpertGemmKernel:
                                                      self.cluster_m * self.num_mma_wgs * 4),
             tx_count=self.ring_tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
+        packed_pipe = None
+        if cutlass.const_expr(self.fp4_weights):
+            # the packed weights' stages: TMA in, the decode warps free them
+            packed_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.packed_mbar.data_ptr(), num_stages=self.packed_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, DECODE_WARPS),
+                tx_count=self.packed_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True)
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
                               self.block_m)
@@ -437,26 +479,27 @@ class Sm90ExpertGemmKernel:
         num_tiles = self.scheduler.num_tiles(block_start)
         wg = warp // 4
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
                 state, _ = self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb_load, sfa, sfb,
                                         a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
-                                        cluster, num_clusters, raster_group, rank, lane, state,
-                                        b_group_sf=b_group_sf, sfg=storage.sfg.data_ptr())
+                                        cluster, num_clusters, raster_group, rank, lane, state)
                 ab_pipe.producer_tail(state)
             elif cutlass.const_expr(self.fp4_weights):
-                self.decode_weights(ab_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(), sfb,
-                                    storage.sfg.data_ptr(), storage.decoded.data_ptr(),
-                                    block_start, row_start, num_tiles, cluster, num_clusters,
-                                    raster_group, rank, tidx - 32, lane)
+                if warp == 1:
+                    self.produce_packed(tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
+                                        storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(),
+                                        block_start, row_start, num_tiles, cluster,
+                                        num_clusters, raster_group, lane)
         elif self.is_decode_wg(wg):  # the decode warpgroup (FP4 weights)
-            cute.arch.setmaxregister_decrease(DECODE_REGS)
-            self.decode_weights(ab_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(), sfb,
-                                storage.sfg.data_ptr(), storage.decoded.data_ptr(), block_start,
-                                row_start, num_tiles, cluster, num_clusters, raster_group, rank,
-                                tidx - 128 * wg + 96, lane)
+            cute.arch.setmaxregister_decrease(self.decode_regs)
+            self.decode_weights(ab_pipe, packed_pipe, storage.raw_b.data_ptr(),
+                                storage.sb.data_ptr(), storage.sfb_packed.data_ptr(),
+                                storage.sfg.data_ptr(),
+                                storage.decoded.data_ptr(), block_start, row_start, num_tiles,
+                                cluster, num_clusters, raster_group, tidx - 128 * wg, lane)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -486,10 +529,10 @@ class Sm90ExpertGemmKernel:
                 first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
-                log_first: Int32 = 0, ready_target: Int32 = None,
-                b_group_sf: cute.Pointer = None, sfg: cute.Pointer = None):
+                log_first: Int32 = 0, ready_target: Int32 = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
-        ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; in a cluster whose
+        ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles`` (FP4 weights: A and
+        the scale vectors; `produce_packed` loads the weights); in a cluster whose
         two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
         ring's producer state. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
         start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it, or with
@@ -557,7 +600,7 @@ class Sm90ExpertGemmKernel:
                                   tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
                     else:
                         self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
-                else:
+                elif cutlass.const_expr(not self.fp4_weights):
                     self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
                 if cutlass.const_expr(self.is_fp8):
                     if lane == 0:
@@ -569,17 +612,50 @@ class Sm90ExpertGemmKernel:
                             sfb.iterator + state.index * self.sfb_stride,
                             b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
                             bar, Int32(self.sfb_len * 4))
-                        if cutlass.const_expr(self.fp4_weights):
-                            # the tile rows' words of per-32 scales of this k-block
-                            prims.cp_async_bulk_shared_cluster_global(
-                                sfg + state.index * self.block_n,
-                                b_group_sf + ((Int64(expert) * self.num_k_blocks + kb) * self.n
-                                              + n_block * self.block_n),
-                                bar, Int32(self.block_n * 4))
                 ab_pipe.producer_commit(state)
                 state.advance()
             tile += num_clusters
         return state, tile
+
+    @cute.jit
+    def produce_packed(self, tma_b, m_b, raw_b: cute.Tensor, packed_pipe, b_sf: cute.Pointer,
+                       b_group_sf: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
+                       block_start, row_start, num_tiles: Int32, first_tile: Int32,
+                       num_clusters: Int32, raster_group: Int32, lane: Int32):
+        """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
+        words and the k-block's weight block scales of every k-block of this CTA's walk into
+        the packed stages, running up to `packed_stages` k-blocks ahead of the decode (no
+        clusters)."""
+        g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
+        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(raw_b, 0, 2),
+                                           cute.group_modes(g_b, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.packed_stages)
+        b_blocks_per_expert = self.n // WG_N
+        tile = first_tile
+        owner = Int32(0)
+        while tile < num_tiles:
+            owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, Int32(0))
+            b_block = expert * b_blocks_per_expert + n_block * self.chunks
+            for kb in cutlass.range(self.num_k_blocks):
+                packed_pipe.producer_acquire(state)
+                bar = packed_pipe.producer_get_barrier(state)
+                self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
+                if lane == 0:
+                    prims.cp_async_bulk_shared_cluster_global(
+                        sfg + state.index * self.block_n,
+                        b_group_sf + ((Int64(expert) * self.num_k_blocks + kb) * self.n
+                                      + n_block * self.block_n),
+                        bar, Int32(self.block_n * 4))
+                    prims.cp_async_bulk_shared_cluster_global(
+                        sfb + state.index * self.sfb_len,
+                        b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
+                        bar, Int32(self.sfb_len * 4))
+                state.advance()
+            tile += num_clusters
+        packed_pipe.producer_tail(state)
 
     @cute.jit
     def log_tile(self, tile_log: cute.Pointer, ordinal: Int32, pool_block: Int32,
@@ -610,66 +686,88 @@ class Sm90ExpertGemmKernel:
                 cute.arch.mbarrier_init(decoded + s, DECODE_WARPS)
 
     @cute.jit
-    def decode_weights(self, ab_pipe, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Tensor,
-                       sfg: cute.Pointer, decoded: cute.Pointer, block_start, row_start,
-                       num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
-                       raster_group: Int32, rank: Int32, tid: Int32, lane: Int32):
-        """Warps 1-3 and the decode warpgroup (FP4 weights), ``tid`` in [0, 224): for every
-        stage of this CTA's walk, once
-        the TMA has filled it, turn its packed weight chunks into the e4m3 tiles the WGMMAs read
-        (`common.fp4_decode`), then arrive at the stage's ``decoded`` barrier. One item is 32
-        codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale):
-        lanes take consecutive items, so the loads and the stores are conflict-free. The
-        exponent shift of a group is its UE8M0 scale over its 128x128 block's base ``2**b``
-        (the stage's weight block scale: L1 row groups of 8 alternate gate and up blocks)."""
-        items = self.chunks * WG_N * 4  # (chunk, row, group) = (item >> 9, ...) below
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                             self.num_stages)
-        chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
-        up_block = self.n // (2 * SF_BLOCK)
-        tile = first_tile
-        owner = Int32(0)
-        while tile < num_tiles:
-            owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
-                tile, owner, block_start, row_start, raster_group, rank)
-            for _kb in cutlass.range(self.num_k_blocks):
-                ab_pipe.consumer_wait(state)
-                stage = state.index
-                words = cute.make_tensor(sfg + stage * self.block_n,
-                                         cute.make_layout(self.block_n))
-                item = tid
-                while item < items:
-                    # (shifts and masks: item >= 0, and signed division costs instructions)
-                    chunk, row, group = item >> 9, (item >> 2) & (WG_N - 1), item & 3
-                    if cutlass.const_expr(self.phase == "l1"):
-                        block = n_block + ((row >> 3) & 1) * up_block  # gate / up groups of 8
-                    else:
-                        block = self.chunks * n_block + chunk
-                    base = (sfb[block, stage].bitcast(Int32) >> 23) & 0xFF
-                    ue8m0 = (words[chunk * WG_N + row] >> (8 * group)) & 0xFF
-                    lut_lo, lut_hi = e2m1_table(ue8m0 - base)
-                    slot = stage * self.chunks + chunk
-                    codes = cute.make_rmem_tensor(4, Int32)
-                    cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * (self.block_k // 2)
-                                                 + group * 16), codes)
-                    for half in cutlass.range_constexpr(2):
-                        out = cute.make_rmem_tensor(4, Int32)
-                        for w in cutlass.range_constexpr(2):
-                            out[2 * w], out[2 * w + 1] = decode_e2m1_word(
-                                codes[2 * half + w], lut_lo, lut_hi)
-                        # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r
-                        # lies at piece j ^ (r % 8)
-                        piece = (2 * group + half) ^ (row & 7)
-                        cute.autovec_copy(out, smem_words(
-                            sb, slot * chunk_bytes + row * self.block_k + piece * 16))
-                    item += DECODE_WARPS * 32
-                # the generic-proxy writes, then the WGMMAs' (async proxy) reads
-                cute.arch.fence_view_async_shared()
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(decoded + stage)
-                state.advance()
-            tile += num_clusters
+    def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
+                       sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
+                       row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
+                       raster_group: Int32, tid: Int32, lane: Int32):
+        """The decode warpgroup (FP4 weights), ``tid`` in [0, 128): for every k-block of this
+        CTA's walk, once the TMA has filled its packed stage and the MMA has freed its MMA stage
+        (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
+        the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
+        ``decoded`` barrier and free the packed stage. An item is 32 codes of one weight row
+        (16 bytes in, two 16-byte swizzled pieces out, one scale); thread ``tid`` decodes group
+        ``tid % 4`` of rows ``tid / 4 + 32 j`` of every chunk (consecutive lanes read
+        consecutive 16 bytes: conflict-free), `decode_batch` items loaded before any is
+        decoded. The exponent shift of a group is its UE8M0 scale over its 128x128 block's base
+        ``2**b`` (the block scale: L1 row groups of 8 alternate gate and up blocks, the same
+        for all rows of a thread)."""
+        if cutlass.const_expr(self.fp4_weights):  # (a dead branch of the other kernels)
+            per_thread = self.chunks * WG_N * 4 // DECODE_THREADS
+            batch = min(per_thread, self.decode_batch)
+            row0, group = tid >> 2, tid & 3
+            # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
+            # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
+            pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
+            # the MMA stages as the producer sees them: free once the consumers released them
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.num_stages)
+            packed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                  self.packed_stages)
+            chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
+            row_bytes = self.block_k // 2  # packed bytes of a row of a chunk
+            up_block = self.n // (2 * SF_BLOCK)
+            tile = first_tile
+            owner = Int32(0)
+            while tile < num_tiles:
+                owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
+                    tile, owner, block_start, row_start, raster_group, Int32(0))
+                for _kb in cutlass.range(self.num_k_blocks):
+                    packed_pipe.consumer_wait(packed)
+                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                    words = cute.make_tensor(sfg + packed.index * self.block_n,
+                                             cute.make_layout(self.block_n))
+                    bases = []
+                    for chunk in cutlass.range_constexpr(self.chunks):
+                        if cutlass.const_expr(self.phase == "l1"):
+                            block = n_block + ((row0 >> 3) & 1) * up_block  # gate / up groups of 8
+                        else:
+                            block = self.chunks * n_block + chunk
+                        scale = cute.make_tensor(sfb + packed.index * self.sfb_len,
+                                                 cute.make_layout(self.sfb_len))[block]
+                        bases.append((scale.bitcast(Int32) >> 23) & 0xFF)
+                    for first in cutlass.range_constexpr(0, per_thread, batch):
+                        codes, shifts = [], []
+                        for i in cutlass.range_constexpr(first, first + batch):
+                            chunk, row = i // 4, row0 + 32 * (i % 4)
+                            c = cute.make_rmem_tensor(4, Int32)
+                            slot = packed.index * self.chunks + chunk
+                            cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * row_bytes
+                                                         + group * 16), c)
+                            codes.append(c)
+                            ue8m0 = (words[chunk * WG_N + row] >> (8 * group)) & 0xFF
+                            shifts.append(ue8m0 - bases[chunk])
+                        for j in cutlass.range_constexpr(batch):
+                            i = first + j
+                            chunk, row = i // 4, row0 + 32 * (i % 4)
+                            lut_lo, lut_hi = e2m1_table(shifts[j])
+                            slot = state.index * self.chunks + chunk
+                            for half in cutlass.range_constexpr(2):
+                                out = cute.make_rmem_tensor(4, Int32)
+                                for w in cutlass.range_constexpr(2):
+                                    out[2 * w], out[2 * w + 1] = decode_e2m1_word(
+                                        codes[j][2 * half + w], lut_lo, lut_hi)
+                                cute.autovec_copy(out, smem_words(
+                                    sb, slot * chunk_bytes + row * self.block_k
+                                    + pieces[half] * 16))
+                    # the generic-proxy writes, then the WGMMAs' (async proxy) reads
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(decoded + state.index)
+                    packed_pipe.consumer_release(packed)
+                    state.advance()
+                    packed.advance()
+                tile += num_clusters
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
