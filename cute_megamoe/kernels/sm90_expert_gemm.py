@@ -24,7 +24,7 @@ scratch accumulator that is then scaled by ``sa[row] * sb[block]`` and added in 
 features of one gate and one up block, so it needs two weight scales (gate for the even 8-column
 groups, up for the odd); an L2 chunk is one block.
 
-How: a persistent, warp-specialized kernel. Warp 0 (the producer warpgroup keeps 40 registers)
+How: a persistent, warp-specialized kernel. Warp 0 (the producer warpgroup keeps 32-40 registers)
 walks this CTA's tiles (``scheduler.device.ExpertTileScheduler``: expert-major, then raster
 bands of pool blocks with the band's blocks fastest, so that the tiles reading one weight tile
 run at once and it comes from DRAM once per band; ``block_start`` rebuilt in shared memory from
@@ -51,14 +51,16 @@ cores idle at the same time.
 FP4 weights (``fp8xfp4_sm90``: Hopper has no FP4 MMA): ``W`` stays in HBM as packed e2m1
 (``[E, N, K/2]`` bytes, two codes per byte) with UE8M0 scales per 32 (``B_group_sf``, int32
 ``[E, K/128, N]``: a word of four group scales per row and k-block) and f32 block scales
-``2**b`` per 128x128 block in the ``B_sf`` layout above. The TMA brings the packed chunks and
-the tile rows' scale words into the stage; seven warps (1-3, idle otherwise, and a warpgroup
-of their own) wait for it, write the
-e4m3 weight tile ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled B slots
-(`common.fp4_decode`, bit-exact with `quant.fp4_weights_to_fp8_blocks`) and arrive at the
-stage's second mbarrier, which the consumers wait for; then the FP8 mainloop above runs
-unchanged, the promotion applying ``2**b``. Half the weight bytes of fp8xfp8; a stage holds the
-packed and the decoded tile (3 stages; L2 at BLOCK_M 128 stages quarter rows to keep 3); no
+``2**b`` per 128x128 block in the ``B_sf`` layout above. Two rings: warp 0 TMA-loads A and
+the scale vectors into the MMA stages (which also hold the decoded weight tile), warp 1 the
+packed chunks, the tile rows' scale words and the block scales into packed stages of their own
+(3-5, whatever shared memory leaves beside 3 MMA stages), so the weight loads run ahead of the
+decode. A decode warpgroup waits for a packed stage and for the consumers to free its MMA stage
+(not for A), writes the e4m3 weight tile ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled
+B slots (`common.fp4_decode`, bit-exact with `quant.fp4_weights_to_fp8_blocks`; fixed items per
+thread, a batch loaded before any is decoded), arrives at the MMA stage's second mbarrier, which
+the consumers wait for besides the TMA's, and frees the packed stage; then the FP8 mainloop
+above runs unchanged, the promotion applying ``2**b``. Half the weight bytes of fp8xfp8; no
 clusters.
 
 Clusters (``cluster_m`` 2, 256-column tiles): the two CTAs of a cluster take neighbouring pool
