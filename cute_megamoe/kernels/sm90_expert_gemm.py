@@ -101,14 +101,13 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
-# FP4 weights: a warpgroup of its own decodes the weight tiles, each thread a fixed set of
+# FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
-# latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7)
-DECODE_WARPS = 4
-DECODE_THREADS = 32 * DECODE_WARPS
-# FP4 registers per thread, by consumer warpgroups: (producer warpgroup, decode warpgroup,
-# consumers, items decoded per batch); BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
-FP4_REGS = {1: (40, 160, 232, 8), 2: (32, 48, 216, 4)}
+# latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7).
+# By consumer warpgroups: (decode warpgroups, registers of the producer warpgroup, of a decode
+# warpgroup, of a consumer, items decoded per batch); BLOCK_M 64: 128 x (40 + 2 x 112 + 232)
+# = 62K registers; BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
+FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -162,16 +161,17 @@ class Sm90ExpertGemmKernel:
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
         self.num_mma_wgs = block_m // 64
-        self.num_threads = 128 * (1 + self.num_mma_wgs + (1 if self.fp4_weights else 0))
-        # (decode_regs: only FP4-weight kernels have the decode warpgroup)
+        # (decode_regs: only FP4-weight kernels have decode warpgroups)
+        self.decode_wgs = 0
         self.producer_regs, self.decode_regs, self.consumer_regs = \
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
-            self.producer_regs, self.decode_regs, self.consumer_regs, batch = \
-                FP4_REGS[self.num_mma_wgs]
+            (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
+             batch) = FP4_WARPGROUPS[self.num_mma_wgs]
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
+        self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         elt = self.ab_dtype.width // 8
         out_elt = elt if phase == "l1" else 2
         # bytes of one output row inside one tile
@@ -463,7 +463,8 @@ class Sm90ExpertGemmKernel:
             packed_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.packed_mbar.data_ptr(), num_stages=self.packed_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, DECODE_WARPS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         4 * self.decode_wgs),
                 tx_count=self.packed_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True)
         if warp == 0:
@@ -495,13 +496,14 @@ class Sm90ExpertGemmKernel:
                                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(),
                                         block_start, row_start, num_tiles, cluster,
                                         num_clusters, raster_group, lane)
-        elif self.is_decode_wg(wg):  # the decode warpgroup (FP4 weights)
+        elif self.is_decode_wg(wg):  # the decode warpgroups (FP4 weights)
             cute.arch.setmaxregister_decrease(self.decode_regs)
             self.decode_weights(ab_pipe, packed_pipe, storage.raw_b.data_ptr(),
                                 storage.sb.data_ptr(), storage.sfb_packed.data_ptr(),
                                 storage.sfg.data_ptr(),
                                 storage.decoded.data_ptr(), block_start, row_start, num_tiles,
-                                cluster, num_clusters, raster_group, tidx - 128 * wg, lane)
+                                cluster, num_clusters, raster_group,
+                                tidx - 128 * (1 + self.num_mma_wgs), lane)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -674,7 +676,7 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def is_decode_wg(self, wg: Int32):
-        """Whether warpgroup ``wg`` is the decode warpgroup (FP4 weights; a constant False else,
+        """Whether warpgroup ``wg`` is a decode warpgroup (FP4 weights; a constant False else,
         so that other kernels compile no such branch)."""
         if cutlass.const_expr(self.fp4_weights):
             return wg > self.num_mma_wgs
@@ -685,27 +687,33 @@ class Sm90ExpertGemmKernel:
         """FP4 weights: one mbarrier per stage, complete once the decode warps wrote its tile."""
         if tidx == 32:
             for s in cutlass.range_constexpr(self.num_stages):
-                cute.arch.mbarrier_init(decoded + s, DECODE_WARPS)
+                cute.arch.mbarrier_init(decoded + s, 4 * self.decode_wgs)
 
     @cute.jit
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
                        raster_group: Int32, tid: Int32, lane: Int32):
-        """The decode warpgroup (FP4 weights), ``tid`` in [0, 128): for every k-block of this
+        """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
+        k-block of this
         CTA's walk, once the TMA has filled its packed stage and the MMA has freed its MMA stage
         (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
         ``decoded`` barrier and free the packed stage. An item is 32 codes of one weight row
         (16 bytes in, two 16-byte swizzled pieces out, one scale); thread ``tid`` decodes group
-        ``tid % 4`` of rows ``tid / 4 + 32 j`` of every chunk (consecutive lanes read
+        ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk (``T`` decode threads;
+        consecutive lanes read
         consecutive 16 bytes: conflict-free), `decode_batch` items loaded before any is
         decoded. The exponent shift of a group is its UE8M0 scale over its 128x128 block's base
         ``2**b`` (the block scale: L1 row groups of 8 alternate gate and up blocks, the same
         for all rows of a thread)."""
         if cutlass.const_expr(self.fp4_weights):  # (a dead branch of the other kernels)
-            per_thread = self.chunks * WG_N * 4 // DECODE_THREADS
+            threads = 128 * self.decode_wgs
+            per_thread = self.chunks * WG_N * 4 // threads
             batch = min(per_thread, self.decode_batch)
+            # item i of the thread: chunk i // passes, row row0 + rows_per_pass * (i % passes)
+            rows_per_pass = threads // 4
+            passes = WG_N // rows_per_pass
             row0, group = tid >> 2, tid & 3
             # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
             # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
@@ -740,7 +748,7 @@ class Sm90ExpertGemmKernel:
                     for first in cutlass.range_constexpr(0, per_thread, batch):
                         codes, shifts = [], []
                         for i in cutlass.range_constexpr(first, first + batch):
-                            chunk, row = i // 4, row0 + 32 * (i % 4)
+                            chunk, row = i // passes, row0 + rows_per_pass * (i % passes)
                             c = cute.make_rmem_tensor(4, Int32)
                             slot = packed.index * self.chunks + chunk
                             cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * row_bytes
@@ -750,7 +758,7 @@ class Sm90ExpertGemmKernel:
                             shifts.append(ue8m0 - bases[chunk])
                         for j in cutlass.range_constexpr(batch):
                             i = first + j
-                            chunk, row = i // 4, row0 + 32 * (i % 4)
+                            chunk, row = i // passes, row0 + rows_per_pass * (i % passes)
                             lut_lo, lut_hi = e2m1_table(shifts[j])
                             slot = state.index * self.chunks + chunk
                             for half in cutlass.range_constexpr(2):
