@@ -55,12 +55,13 @@ FP4 weights (``fp8xfp4_sm90``: Hopper has no FP4 MMA): ``W`` stays in HBM as pac
 the scale vectors into the MMA stages (which also hold the decoded weight tile), warp 1 the
 packed chunks, the tile rows' scale words and the block scales into packed stages of their own
 (3-5, whatever shared memory leaves beside 3 MMA stages), so the weight loads run ahead of the
-decode. A decode warpgroup waits for a packed stage and for the consumers to free its MMA stage
-(not for A), writes the e4m3 weight tile ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled
-B slots (`common.fp4_decode`, bit-exact with `quant.fp4_weights_to_fp8_blocks`; fixed items per
-thread, a batch loaded before any is decoded), arrives at the MMA stage's second mbarrier, which
-the consumers wait for besides the TMA's, and frees the packed stage; then the FP8 mainloop
-above runs unchanged, the promotion applying ``2**b``. Half the weight bytes of fp8xfp8; no
+decode. Decode warpgroups (two at BLOCK_M 64, one at 128) wait for a packed stage and for the
+consumers to free its MMA stage (not for A), write the e4m3 weight tile
+``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled B slots (`common.fp4_decode`, bit-exact
+with `quant.fp4_weights_to_fp8_blocks`; fixed items per thread, a batch loaded before any is
+decoded), arrive at the MMA stage's second mbarrier, which the consumers wait for besides the
+TMA's, and free the packed stage; then the FP8 mainloop above runs unchanged, the promotion
+applying ``2**b``. Half the weight bytes of fp8xfp8; no
 clusters.
 
 Clusters (``cluster_m`` 2, 256-column tiles): the two CTAs of a cluster take neighbouring pool
