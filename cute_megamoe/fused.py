@@ -38,7 +38,7 @@ from .launch import (
     existing_buffer_state,
     fused_call,
 )
-from .runtime import launch_path
+from .runtime import env_flag, launch_path
 from .staged import (
     _MAX_PLANS,
     _LayerPlan,
@@ -47,7 +47,7 @@ from .staged import (
     grid_size,
     prepare_layer_call,
 )
-from .tables import FUSED_RECIPES
+from .tables import EXPERIMENTAL_FUSED_RECIPES, FUSED_RECIPES
 
 __all__ = ["fused_mega_moe", "supports"]
 
@@ -57,15 +57,20 @@ _SM90_TILE_N = 256
 
 def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
     """None when the fused kernel can run this buffer and these weights on the current GPU,
-    else why not (for the entry points' errors). sm_90a: fp8xfp8 and bf16xbf16 (GPU-tested);
+    else why not (for the entry points' errors). sm_90a: fp8xfp8 and bf16xbf16 (GPU-tested),
+    fp8xfp4_sm90 with ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1`` (`tables.EXPERIMENTAL_FUSED_RECIPES`);
     sm_100a: fp8xfp4 and bf16xbf16 (compiled and SASS-checked, never run)
-    (`tables.FUSED_RECIPES`; not yet fp8xfp4_sm90, which the staged kernels run)."""
+    (`tables.FUSED_RECIPES`)."""
     layout = sym_buffer.layout
     if not isinstance(weights, ExpertWeights):
         return "the fused kernel runs our grouped-GEMM weights (ExpertWeights)"
     arch = buffer_state(sym_buffer).arch
     if layout.recipe not in FUSED_RECIPES[arch]:
         return f"the {arch} fused kernel runs {FUSED_RECIPES[arch]}, not {layout.recipe!r}"
+    if (layout.recipe in EXPERIMENTAL_FUSED_RECIPES[arch]
+            and not env_flag("CUTE_MEGAMOE_EXPERIMENTAL_FUSED")):
+        return (f"the {arch} fused kernel runs {layout.recipe!r} only as an experiment "
+                f"(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): a stall at two ranks is open")
     if weights.arch != arch:
         return f"the weights are prepared for {weights.arch}, this GPU is {arch}"
     if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N

@@ -91,8 +91,8 @@ STAGING_SLOTS = (0, 1, 2, 7, 8)
 DISPATCH_SLOTS = (2, 4, 6)
 GEMM_SLOTS = (-1,)
 COMBINE_SLOTS = (2, 5, 7)
-# the fused layer kernel: (num_tokens, stats, y, stream)
-FUSED_SLOTS = (2, 4, 18, 20)
+# the fused layer kernel: (num_tokens, stats, y, stream: the last argument on every arch)
+FUSED_SLOTS = (2, 4, 18, -1)
 
 
 @dataclass(frozen=True)
@@ -416,7 +416,11 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         "phase_clock": phase_clock if clocked else sym_buffer.peer_bases,  # (unused)
         "tile_log": tile_log if logged else state.recv_tokens,  # (unused)
         "y": y if num_tokens > 0 else spare,
+        "w1_group_sf": spare, "w2_group_sf": spare,  # (unused without FP4 weights)
     }
+    if weights.recipe == "fp8xfp4_sm90":  # block scales where FP8's go, the per-32 ones apart
+        tensors.update(w1_sf=weights.w1_block_sf, w2_sf=weights.w2_block_sf,
+                       w1_group_sf=weights.w1_sf, w2_group_sf=weights.w2_sf)
     ptrs = [Ptr(tensors[name], 4 if name in ("expert_recv_tokens", "stats", "pool_block_ready",
                                              "tile_log") else 16, dtype)
             for name, dtype in kernel.pointer_args()]

@@ -13,6 +13,7 @@ __all__ = [
     "ARCHS",
     "ARCH_BY_MAJOR",
     "BLOCK_MS",
+    "EXPERIMENTAL_FUSED_RECIPES",
     "FUSED_RECIPES",
     "GEMM_RECIPES",
     "RECIPES",
@@ -42,8 +43,16 @@ GEMM_RECIPES: dict[str, tuple[str, ...]] = {
 
 #: Recipes the fused single-kernel layer runs, per architecture (a subset of `GEMM_RECIPES`).
 FUSED_RECIPES: dict[str, tuple[str, ...]] = {
-    "sm_90a": ("fp8xfp8", "bf16xbf16"),
+    "sm_90a": ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90"),
     "sm_100a": ("fp8xfp4", "bf16xbf16"),
+}
+
+#: Fused recipes that run only with ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``: fp8xfp4_sm90 matched
+#: the staged layer bit-exactly at R = 1 on the H200, but a two-rank loopback run stalled in
+#: one of two runs (issue 19; docs/performance.md).
+EXPERIMENTAL_FUSED_RECIPES: dict[str, tuple[str, ...]] = {
+    "sm_90a": ("fp8xfp4_sm90",),
+    "sm_100a": (),
 }
 
 #: Recipes whose activations (buffer, staging, dispatch, combine, L2 input) are another's.

@@ -96,7 +96,9 @@ def test_recipe_tables():
     assert tables.GEMM_RECIPES["sm_90a"] == ("fp8xfp8", "bf16xbf16", RECIPE)
     assert RECIPE not in tables.GEMM_RECIPES["sm_100a"]
     assert tables.has_gemm_kernels("sm90", RECIPE) and not tables.has_gemm_kernels("sm100", RECIPE)
-    assert all(RECIPE not in r for r in tables.FUSED_RECIPES.values())
+    assert RECIPE in tables.FUSED_RECIPES["sm_90a"]
+    assert tables.EXPERIMENTAL_FUSED_RECIPES["sm_90a"] == (RECIPE,)
+    assert RECIPE not in tables.FUSED_RECIPES["sm_100a"]
     for arch, recipes in tables.FUSED_RECIPES.items():
         assert set(recipes) <= set(tables.GEMM_RECIPES[arch])
     assert {r: tables.activation_recipe(r) for r in tables.RECIPES} == {

@@ -13,14 +13,20 @@ import torch
 
 from cute_megamoe.layout import BarrierSlots, MegaMoELayout
 
-RECIPES = ("fp8xfp8", "bf16xbf16")
+RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
+# fp8xfp4_sm90 runs only as an experiment (`tables.EXPERIMENTAL_FUSED_RECIPES`): bit-exact at
+# R = 1 on the H200, but the two-rank loopback stalled in one of two runs; the multi-rank
+# and entry-point GPU tests run the others
+STABLE_RECIPES = ("fp8xfp8", "bf16xbf16")
 
 
-def _gpu():
+def _gpu(recipe: str = "fp8xfp8", monkeypatch=None):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused kernel is sm_90a only")
+    if recipe not in STABLE_RECIPES:
+        monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -53,10 +59,15 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
     kernel, art = _compile(recipe, block_m)
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("QGMMA" if recipe == "fp8xfp8" else "HGMMA") > 0
+    assert art.count("HGMMA" if recipe == "bf16xbf16" else "QGMMA") > 0
     assert art.count("UTMALDG") > 0  # A and B of both GEMMs by TMA
     assert art.count("UBLKCP.G.S") > 0  # epilogue rows leave by bulk stores
-    assert art.count("USETMAXREG") == 4  # producer down and up, consumers up and down
+    # producer down and up, consumers up and down (FP4 weights: the decode warpgroups too)
+    fp4 = recipe == "fp8xfp4_sm90"
+    assert art.count("USETMAXREG") == (6 if fp4 else 4)
+    if fp4:  # the decode: byte permutes, 128-bit shared-memory accesses
+        assert art.count("PRMT") >= 64 and art.count("STS.128") >= 8
+        assert kernel.packed_stages >= 2 and kernel.num_threads == 512
     assert art.count("STL") == 0 and art.count("LDL") == 0
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
@@ -168,8 +179,8 @@ def _one_rank(recipe, num_experts, max_tokens, topk, hidden, inter):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_fused_matches_staged_one_rank(recipe):
-    _gpu()
+def test_fused_matches_staged_one_rank(recipe, monkeypatch):
+    _gpu(recipe, monkeypatch)
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
@@ -183,9 +194,9 @@ def test_fused_matches_staged_one_rank(recipe):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_fused_matches_staged_uneven_shape(recipe):
+def test_fused_matches_staged_uneven_shape(recipe, monkeypatch):
     """Not powers of two: hidden 2560, intermediate 1536, 40 experts, top-5."""
-    _gpu()
+    _gpu(recipe, monkeypatch)
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank(recipe, 40, 200, 5, 2560, 1536))
@@ -195,7 +206,7 @@ def test_fused_matches_staged_uneven_shape(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
 def test_fused_two_ranks_on_one_gpu(recipe):
     """A loopback group (both ranks' buffers on one GPU, each on its own stream with half the
     SMs): different token counts and BLOCK_M per rank, 0 tokens on a rank."""
@@ -277,7 +288,7 @@ def test_module_refuses_fused_where_it_cannot_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
 def test_module_and_api_run_the_fused_kernel(recipe):
     """`MegaMoE(fused=True)` and `api.mega_moe(..., fused=True)` give the staged kernels' y."""
     _gpu()
@@ -305,7 +316,7 @@ def test_module_and_api_run_the_fused_kernel(recipe):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
 def test_fused_one_rank_per_gpu(num_ranks, recipe):
     """200 calls (R = 2; 50 at 4 and 8), one process per GPU, each against the staged layer."""
     _gpu()

@@ -406,10 +406,11 @@ def test_fused_layer_picks_the_sm100_kernel_on_blackwell(fake_cuda, monkeypatch)
         fused.fused_mega_moe(buf, x, idx, w, wrong, validate_routing=False)
 
 
-def test_fp4_sm90_layer_on_the_kernels_and_the_fused_kernel_refusing_it(fake_cuda, monkeypatch):
+def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypatch):
     """fp8xfp4_sm90 on a (stubbed) sm_90a GPU: the staged layer launches the five kernels and
-    keeps a plan; `fused.fused_mega_moe` and `api.mega_moe(fused=True)` refuse the recipe,
-    naming it, before any launch, giving the call up once each."""
+    keeps a plan; the fused kernel refuses the recipe before any launch unless asked for as an
+    experiment, and then runs it with the weights' block scales where fp8xfp8's go and their
+    per-32 scales in the last two pointer arguments."""
     from cute_megamoe import api, fused
 
     counts, log = fake_cuda
@@ -421,14 +422,27 @@ def test_fp4_sm90_layer_on_the_kernels_and_the_fused_kernel_refusing_it(fake_cud
         staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False)
         assert [name for name, _ in log[before:]] == list(KERNELS)
     assert counts["compile"] == len(KERNELS)  # the second call ran the plan
-    assert fused.supports(buf, weights) == \
-        "the sm_90a fused kernel runs ('fp8xfp8', 'bf16xbf16'), not 'fp8xfp4_sm90'"
+    monkeypatch.delenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", raising=False)
+    assert "only as an experiment" in fused.supports(buf, weights)
     y = torch.empty(5, H, dtype=torch.bfloat16)
     for call in (lambda: fused.fused_mega_moe(buf, x, idx, w, weights, validate_routing=False),
                  lambda: api.mega_moe(y, weights, buf, fused=True)):
         tag = int(buf.barrier[BarrierSlots.CALL_TAG])
         before = len(log)
-        with pytest.raises(ValueError, match="fused kernel runs .* not 'fp8xfp4_sm90'"):
+        with pytest.raises(ValueError, match="CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1"):
             call()
         assert len(log) == before
         assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1
+    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
+    assert fused.supports(buf, weights) is None
+    before = len(log)
+    fused.fused_mega_moe(buf, x, idx, w, weights, y=y, validate_routing=False)
+    launched = log[before:]
+    assert [name for name, _ in launched] == ["InputStagingKernel", "Sm90MegaMoEKernel"]
+    args = launched[1][1]
+    assert _address(args[launch.FUSED_SLOTS[2]]) == y.data_ptr()
+    # (w1, w1_sf, w2, w2_sf after the activations; w1_group_sf, w2_group_sf after y)
+    assert [_address(a) for a in args[11:15]] == [
+        t.data_ptr() for t in (weights.w1, weights.w1_block_sf, weights.w2, weights.w2_block_sf)]
+    assert [_address(a) for a in args[19:21]] == [weights.w1_sf.data_ptr(),
+                                                  weights.w2_sf.data_ptr()]

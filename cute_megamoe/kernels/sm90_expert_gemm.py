@@ -271,6 +271,11 @@ class Sm90ExpertGemmKernel:
         self.sfa_stride, self.sfb_stride = self.sfa_len, self.sfb_len
         self.ring_tx_bytes = self.stage_tx_bytes
         self.extra_tx_bytes = 0
+        # (the same for the packed stages of FP4 weights: their block scales' stride, the
+        # stages' transaction count and what this phase expects beyond it)
+        self.packed_sfb_stride = self.sfb_len
+        self.packed_ring_tx_bytes = self.packed_tx_bytes
+        self.extra_packed_tx_bytes = 0
         self.signals_ready = False
         self.waits_ready = 0  # arrivals an L2 tile waits for per pool block (0: no wait)
         # with a slot: every L1 tile signals that one counter and L2 waits once, for all of them
@@ -400,7 +405,7 @@ class Sm90ExpertGemmKernel:
             raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, self.raw_b_bytes()], 128]
             sfg: cute.struct.Align[cute.struct.MemRange[Int32, self.sfg_len()], 16]
             sfb_packed: cute.struct.Align[cute.struct.MemRange[
-                Float32, max(4, self.packed_stages * self.sfb_len)], 16]
+                Float32, max(4, self.packed_stages * self.packed_sfb_stride)], 16]
             decoded: cute.struct.MemRange[Int64, self.num_stages]
 
         self.shared_storage = SharedStorage
@@ -458,16 +463,7 @@ class Sm90ExpertGemmKernel:
                                                      self.cluster_m * self.num_mma_wgs * 4),
             tx_count=self.ring_tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
-        packed_pipe = None
-        if cutlass.const_expr(self.fp4_weights):
-            # the packed weights' stages: TMA in, the decode warps free them
-            packed_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.packed_mbar.data_ptr(), num_stages=self.packed_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         4 * self.decode_wgs),
-                tx_count=self.packed_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True)
+        packed_pipe = self.packed_pipeline(storage.packed_mbar.data_ptr())
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
                               self.block_m)
@@ -493,10 +489,13 @@ class Sm90ExpertGemmKernel:
                 ab_pipe.producer_tail(state)
             elif cutlass.const_expr(self.fp4_weights):
                 if warp == 1:
-                    self.produce_packed(tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
-                                        storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(),
-                                        block_start, row_start, num_tiles, cluster,
-                                        num_clusters, raster_group, lane)
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                         self.packed_stages)
+                    state, _ = self.produce_packed(
+                        tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
+                        storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
+                        row_start, num_tiles, cluster, num_clusters, raster_group, lane, state)
+                    packed_pipe.producer_tail(state)
         elif self.is_decode_wg(wg):  # the decode warpgroups (FP4 weights)
             cute.arch.setmaxregister_decrease(self.decode_regs)
             self.decode_weights(ab_pipe, packed_pipe, storage.raw_b.data_ptr(),
@@ -504,7 +503,8 @@ class Sm90ExpertGemmKernel:
                                 storage.sfg.data_ptr(),
                                 storage.decoded.data_ptr(), block_start, row_start, num_tiles,
                                 cluster, num_clusters, raster_group,
-                                tidx - 128 * (1 + self.num_mma_wgs), lane)
+                                tidx - 128 * (1 + self.num_mma_wgs), lane,
+                                *self.decode_states())
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -626,17 +626,17 @@ class Sm90ExpertGemmKernel:
     def produce_packed(self, tma_b, m_b, raw_b: cute.Tensor, packed_pipe, b_sf: cute.Pointer,
                        b_group_sf: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
                        block_start, row_start, num_tiles: Int32, first_tile: Int32,
-                       num_clusters: Int32, raster_group: Int32, lane: Int32):
+                       num_clusters: Int32, raster_group: Int32, lane: Int32, state):
         """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
-        words and the k-block's weight block scales of every k-block of this CTA's walk into
-        the packed stages, running up to `packed_stages` k-blocks ahead of the decode (no
-        clusters)."""
+        words and the k-block's weight block scales of every k-block of tiles ``first_tile``,
+        ``first_tile + num_clusters``, ... ``< num_tiles`` into the packed stages, running up
+        to `packed_stages` k-blocks ahead of the decode (no clusters; the weights wait for
+        nothing). ``state``: the packed stages' producer state. Returns ``(state, the first
+        tile index past num_tiles)``."""
         g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(raw_b, 0, 2),
                                            cute.group_modes(g_b, 0, 2))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                             self.packed_stages)
         b_blocks_per_expert = self.n // WG_N
         tile = first_tile
         owner = Int32(0)
@@ -647,6 +647,11 @@ class Sm90ExpertGemmKernel:
             for kb in cutlass.range(self.num_k_blocks):
                 packed_pipe.producer_acquire(state)
                 bar = packed_pipe.producer_get_barrier(state)
+                if cutlass.const_expr(self.extra_packed_tx_bytes > 0):
+                    # (as in `produce`: this phase's stages carry more scale bytes)
+                    if lane == 0:
+                        cute.arch.mbarrier_expect_tx(bar, self.extra_packed_tx_bytes)
+                    cute.arch.sync_warp()
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
@@ -655,12 +660,33 @@ class Sm90ExpertGemmKernel:
                                       + n_block * self.block_n),
                         bar, Int32(self.block_n * 4))
                     prims.cp_async_bulk_shared_cluster_global(
-                        sfb + state.index * self.sfb_len,
+                        sfb + state.index * self.packed_sfb_stride,
                         b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
                         bar, Int32(self.sfb_len * 4))
                 state.advance()
             tile += num_clusters
-        packed_pipe.producer_tail(state)
+        return state, tile
+
+    def packed_pipeline(self, barriers: cute.Pointer):
+        """FP4 weights: the packed stages' pipeline (TMA in, the decode warps free them); None
+        else."""
+        if not self.fp4_weights:
+            return None
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers, num_stages=self.packed_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.decode_wgs),
+            tx_count=self.packed_ring_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True)
+
+    def decode_states(self):
+        """The decode warps' pipeline states at the start of a launch: the MMA stages as
+        their producer sees them (free once the consumers released them), the packed stages as
+        their consumer."""
+        return (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.num_stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             self.packed_stages))
 
     @cute.jit
     def log_tile(self, tile_log: cute.Pointer, ordinal: Int32, pool_block: Int32,
@@ -694,10 +720,11 @@ class Sm90ExpertGemmKernel:
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
-                       raster_group: Int32, tid: Int32, lane: Int32):
+                       raster_group: Int32, tid: Int32, lane: Int32, state, packed):
         """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
-        k-block of this
-        CTA's walk, once the TMA has filled its packed stage and the MMA has freed its MMA stage
+        k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
+        (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
+        num_tiles), once the TMA has filled its packed stage and the MMA has freed its MMA stage
         (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
         ``decoded`` barrier and free the packed stage. An item is 32 codes of one weight row
@@ -719,11 +746,6 @@ class Sm90ExpertGemmKernel:
             # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
             # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
             pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
-            # the MMA stages as the producer sees them: free once the consumers released them
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                 self.num_stages)
-            packed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                  self.packed_stages)
             chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
             row_bytes = self.block_k // 2  # packed bytes of a row of a chunk
             up_block = self.n // (2 * SF_BLOCK)
@@ -743,7 +765,7 @@ class Sm90ExpertGemmKernel:
                             block = n_block + ((row0 >> 3) & 1) * up_block  # gate / up groups of 8
                         else:
                             block = self.chunks * n_block + chunk
-                        scale = cute.make_tensor(sfb + packed.index * self.sfb_len,
+                        scale = cute.make_tensor(sfb + packed.index * self.packed_sfb_stride,
                                                  cute.make_layout(self.sfb_len))[block]
                         bases.append((scale.bitcast(Int32) >> 23) & 0xFF)
                     for first in cutlass.range_constexpr(0, per_thread, batch):
@@ -779,6 +801,8 @@ class Sm90ExpertGemmKernel:
                     state.advance()
                     packed.advance()
                 tile += num_clusters
+            return state, packed, tile
+        return state, packed, first_tile
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
@@ -1107,7 +1131,8 @@ class Sm90ExpertGemmKernel:
 
 
 def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
-               num_stages: int | None = None, ready_slot: int | None = None) -> None:
+               num_stages: int | None = None, ready_slot: int | None = None,
+               packed_stages: int | None = None) -> None:
     """Configure the two phases of the fused layer kernel to run one after the other through
     one pipeline ring and one set of staging rows (`kernels/sm90_mega_moe.py`): the same stage
     count, scale-vector and staging-row strides (the larger of the two, so that a stage or a
@@ -1118,7 +1143,9 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
     ``num_stages``: the ring's stage count (default: the smaller of the two phases' own; the
     caller checks that it fits shared memory). ``ready_slot``: instead, every L1 tile signals
     that one readiness counter and L2 starts once all L1 tiles are done (one wait per CTA,
-    no overlap of the phases; for A/Bs, without clusters)."""
+    no overlap of the phases; for A/Bs, without clusters). FP4 weights: the packed stages
+    likewise (``packed_stages``, default the smaller of the two; block-scale stride, the
+    transaction count the smaller phase's)."""
     if (l1.phase, l2.phase) != ("l1", "l2"):
         raise ValueError("share_ring: expected an L1 and an L2 kernel")
     if (l1.ab_dtype, l1.block_m, l1.block_k, l1.chunks) != (l2.ab_dtype, l2.block_m, l2.block_k,
@@ -1128,6 +1155,16 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
             f"fused kernel needs hidden and 2 * intermediate to be multiples of {2 * WG_N})")
     if l1.cluster_m != l2.cluster_m:
         raise ValueError("share_ring: both phases run in clusters of the same size")
+    if l1.fp4_weights != l2.fp4_weights:
+        raise ValueError("share_ring: both phases have FP4 weights or neither")
+    if l1.fp4_weights:
+        packed_stages = packed_stages or min(l1.packed_stages, l2.packed_stages)
+        packed_tx = min(l1.packed_tx_bytes, l2.packed_tx_bytes)
+        for k in (l1, l2):
+            k.packed_stages = packed_stages
+            k.packed_sfb_stride = max(l1.sfb_len, l2.sfb_len)
+            k.packed_ring_tx_bytes = packed_tx
+            k.extra_packed_tx_bytes = k.packed_tx_bytes - packed_tx
     num_stages = num_stages or min(l1.num_stages, l2.num_stages)
     stride = max(l1.staging_stride, l2.staging_stride)
     staging_bytes = max(l1.staging_bytes, l2.staging_bytes)

@@ -7,9 +7,10 @@ this rank's staged inputs in the symmetric buffer, `kernels/staging.py`):
 
 bit-identical to the staged layer (`staged.staged_mega_moe` with `ExpertWeights` and
 `l2_sends=True`: the same dispatch, grouped GEMMs, epilogues and reduction, run as phases of
-one kernel), for `fp8xfp8` and `bf16xbf16`.
+one kernel), for `fp8xfp8`, `bf16xbf16` and `fp8xfp4_sm90` (MXFP4 weights decoded on chip).
 
-How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads, launched cooperatively.
+How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads (FP4 weights: plus the decode
+warpgroups, 512 in all), launched cooperatively.
 1. Dispatch (every thread, `DispatchKernel.run`): count, prefix, scatter, publish the counts
    (tagged with the call number, `layout.CountWord`), push the rows into the destinations'
    pools, meet the other ranks. It leaves this rank's pool prefix sums in shared memory; a
@@ -19,7 +20,9 @@ How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads, launched cooperatively.
    (CTA c takes tiles c, c + G, ... of the concatenation,
    `scheduler.host_model.fused_tile_walk`), through one ring of pipeline stages
    (`sm90_expert_gemm.share_ring`), so a CTA's first L2 tiles load while its last L1 tiles still
-   compute. An L2 tile waits only for the L1 tiles of its own pool block: every consumer warp
+   compute (FP4 weights: warp 1 loads the packed weights of both walks into their own stages,
+   waiting for nothing, and the decode warpgroups walk the same tiles). An L2 tile waits only
+   for the L1 tiles of its own pool block: every consumer warp
    adds 1 to the block's counter in `pool_block_ready` once its rows of an L1 tile are in global
    memory (release at GPU scope, after its bulk stores completed), and the L2 producer acquires
    it (and fences the async proxy) before its TMA loads. L1 tiles wait for nothing, and every
@@ -54,15 +57,14 @@ from .combine import CombineKernel
 from .common.sync import grid_barrier, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
-    CONSUMER_REGS,
+    FP4_WARPGROUPS,
     MAX_STAGES,
-    PRODUCER_REGS,
     ROWS_PER_WARP,
     Sm90ExpertGemmKernel,
     share_ring,
 )
 
-RECIPES = ("fp8xfp8", "bf16xbf16")
+RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool is
 # complete, when its first consumer warp finished its L1 tiles and its L2 tiles, and at the end
 PHASE_STAMPS = ("start", "pool_ready", "l1_done", "l2_done", "end")
@@ -98,10 +100,17 @@ class Sm90MegaMoEKernel:
         # `extra_warpgroups` 1 (BLOCK_M 64): a third warpgroup that only joins the dispatch and
         # the combine (more loads in flight there; it idles at the launch's registers while
         # the GEMMs run: 128 x (40 + 232 + 168) fits the SM). For A/Bs.
-        if extra_warpgroups not in (0, 1) or (extra_warpgroups and block_m != 64):
-            raise ValueError(f"extra_warpgroups: 0, or 1 at BLOCK_M 64; got {extra_warpgroups}")
+        self.fp4_weights = layout.recipe == "fp8xfp4_sm90"
+        if extra_warpgroups not in (0, 1) or (extra_warpgroups and (block_m != 64
+                                                                    or self.fp4_weights)):
+            raise ValueError(f"extra_warpgroups: 0, or 1 at BLOCK_M 64 without FP4 weights; got "
+                             f"{extra_warpgroups}")
         self.num_gemm_wgs = 1 + block_m // 64
-        self.num_threads = 128 * (self.num_gemm_wgs + extra_warpgroups)
+        # (FP4 weights: the decode warpgroups come after the GEMM warpgroups)
+        decode_wgs = FP4_WARPGROUPS[block_m // 64][0] if self.fp4_weights else 0
+        self.num_threads = 128 * (self.num_gemm_wgs + decode_wgs + extra_warpgroups)
+        # registers of every thread in the dispatch and the combine: what the launch gives
+        self.combine_regs = min(COMBINE_REGS, 65536 // self.num_threads // 8 * 8)
         self.num_ranks = layout.num_ranks
         self.num_local_experts = layout.num_local_experts
         self.num_pool_blocks = layout.num_pool_rows // block_m
@@ -131,14 +140,26 @@ class Sm90MegaMoEKernel:
         if l2_gate not in ("pool_block", "all_l1"):
             raise ValueError(f"l2_gate: 'pool_block' or 'all_l1', got {l2_gate!r}")
         self.ready_slot = self.num_pool_blocks if l2_gate == "all_l1" else None
+        assert self.l1.decode_wgs == decode_wgs
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         # as many ring stages as shared memory holds next to the staging rows and the
-        # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel)
+        # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
+        # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
         self.num_stages = self.l1.num_stages
-        while (self.num_stages < MAX_STAGES
-               and self.smem_bytes(self.num_stages + 1) <= SM_SMEM_CAPACITY):
-            self.num_stages += 1
-        share_ring(self.l1, self.l2, self.num_stages, self.ready_slot)
+        if self.fp4_weights:
+            self.packed_stages = 2
+            share_ring(self.l1, self.l2, self.num_stages, self.ready_slot, 2)
+            while (self.packed_stages < MAX_STAGES
+                   and self.smem_bytes(packed_stages=self.packed_stages + 1)
+                   <= SM_SMEM_CAPACITY):
+                self.packed_stages += 1
+        else:
+            self.packed_stages = 0
+            while (self.num_stages < MAX_STAGES
+                   and self.smem_bytes(self.num_stages + 1) <= SM_SMEM_CAPACITY):
+                self.num_stages += 1
+        share_ring(self.l1, self.l2, self.num_stages, self.ready_slot,
+                   self.packed_stages or None)
         if self.smem_bytes() > SM_SMEM_CAPACITY:
             raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
                              f"memory, more than a CTA may have ({SM_SMEM_CAPACITY})")
@@ -151,20 +172,27 @@ class Sm90MegaMoEKernel:
         from cutlass import BFloat16, Float32
 
         ab = self.l1.ab_dtype
+        w = Uint8 if self.fp4_weights else ab  # (FP4: packed codes; w*_sf their block scales)
         return (("peer_bases", Int64), ("expert_recv_tokens", Int32), ("stats", Int32),
                 ("l1_acts", ab), ("l1_acts_sf", Float32), ("l1_topk_weights", Float32),
                 ("l2_acts", ab), ("l2_acts_sf", Float32), ("token_src_metadata", Int32),
-                ("w1", ab), ("w1_sf", Float32), ("w2", ab), ("w2_sf", Float32),
+                ("w1", w), ("w1_sf", Float32), ("w2", w), ("w2_sf", Float32),
                 ("pool_block_ready", Int32), ("phase_clock", Int64), ("tile_log", Int32),
-                ("y", BFloat16))
+                ("y", BFloat16), ("w1_group_sf", Int32), ("w2_group_sf", Int32))
 
-    def smem_bytes(self, num_stages: int | None = None) -> int:
-        """Shared memory of one CTA with ``num_stages`` ring stages (default: the kernel's),
-        an upper bound: alignment padding included."""
+    def smem_bytes(self, num_stages: int | None = None, packed_stages: int | None = None) -> int:
+        """Shared memory of one CTA with ``num_stages`` ring stages and ``packed_stages``
+        stages of packed FP4 weights (default: the kernel's), an upper bound: alignment padding
+        included."""
         k = self.l1
         elt = k.ab_dtype.width // 8
-        ring = (num_stages or self.num_stages) * ((k.block_m + k.block_n) * k.block_k * elt
-                                                  + 4 * (k.sfa_stride + k.sfb_stride) + 16)
+        num_stages = num_stages or self.num_stages
+        ring = num_stages * ((k.block_m + k.block_n) * k.block_k * elt
+                             + 4 * (k.sfa_stride + k.sfb_stride) + 16)
+        if self.fp4_weights:  # packed codes, scale words, block scales, 2 + 1 mbarriers
+            packed = packed_stages or self.packed_stages
+            ring += packed * (k.block_n * (k.b_load_k() + 4) + 4 * k.packed_sfb_stride + 16)
+            ring += num_stages * 8 + 3 * 128
         return ring + k.staging_bytes + self.dispatch.smem_bytes() + 3 * 1024
 
     @cute.jit
@@ -189,6 +217,8 @@ class Sm90MegaMoEKernel:
         phase_clock: cute.Pointer,  # Int64 [grid, len(PHASE_STAMPS)], written with phase_clock
         tile_log: cute.Pointer,  # Int32 [tiles per CTA, grid, 4], written with tile_log
         y: cute.Pointer,  # BF16 [num_tokens, H]
+        w1_group_sf: cute.Pointer,  # FP4 weights: UE8M0 per 32 (`ExpertWeights.w1_sf`)
+        w2_group_sf: cute.Pointer,
         num_ctas: Int32,
         stream,
     ):
@@ -211,6 +241,13 @@ class Sm90MegaMoEKernel:
             sa: cute.struct.Align[cute.struct.MemRange[k.ab_dtype, cute.cosize(a_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[k.ab_dtype, cute.cosize(b_layout)], 1024]
             staging: cute.struct.Align[cute.struct.MemRange[Uint8, k.staging_bytes], 128]
+            # FP4 weights (token sizes else): the packed stages and the decode's barriers
+            packed_mbar: cute.struct.MemRange[Int64, max(1, k.packed_stages * 2)]
+            raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, k.raw_b_bytes()], 128]
+            sfg: cute.struct.Align[cute.struct.MemRange[Int32, k.sfg_len()], 16]
+            sfb_packed: cute.struct.Align[cute.struct.MemRange[
+                cutlass.Float32, max(4, k.packed_stages * k.packed_sfb_stride)], 16]
+            decoded: cute.struct.MemRange[Int64, self.num_stages]
 
         self.shared_storage = SharedStorage
         per_expert = cute.make_layout(self.num_local_experts)
@@ -219,7 +256,7 @@ class Sm90MegaMoEKernel:
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
-                    tile_log, y).launch(
+                    tile_log, y, w1_group_sf, w2_group_sf).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True)
@@ -235,7 +272,8 @@ class Sm90MegaMoEKernel:
                l1_topk_weights: cute.Pointer, l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
                token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
                pool_block_ready: cute.Pointer, phase_clock: cute.Pointer,
-               tile_log: cute.Pointer, y: cute.Pointer):
+               tile_log: cute.Pointer, y: cute.Pointer, w1_group_sf: cute.Pointer,
+               w2_group_sf: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -270,6 +308,11 @@ class Sm90MegaMoEKernel:
                                                      self.cluster_m * self.l1.num_mma_wgs * 4),
             tx_count=self.l1.ring_tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
+        packed_pipe = self.l1.packed_pipeline(storage.packed_mbar.data_ptr())
+        decoded = storage.decoded.data_ptr()
+        if cutlass.const_expr(self.fp4_weights):
+            self.l1.init_decoded_barriers(decoded, tidx)
+            raw_b = storage.raw_b.get_tensor(self.l1.raw_b_layout())
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
@@ -295,30 +338,46 @@ class Sm90MegaMoEKernel:
         l1_tiles = self.l1.scheduler.num_tiles(block_start)
         l2_tiles = self.l2.scheduler.num_tiles(block_start)
         wg = warp // 4
+        sb_load = raw_b if cutlass.const_expr(self.fp4_weights) else sb
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.l1.producer_regs)
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
                 log = tile_log if cutlass.const_expr(self.tile_log) else None
                 state, tile = self.l1.produce(
-                    tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb, sfa, sfb, l1_acts_sf, w1_sf,
-                    ring, block_start, row_start, l1_tiles, cluster, num_clusters,
+                    tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb_load, sfa, sfb, l1_acts_sf,
+                    w1_sf, ring, block_start, row_start, l1_tiles, cluster, num_clusters,
                     Int32(self.l1.raster_group), cta_rank, lane, state, tile_log=log)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
-                    tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, l2_acts_sf, w2_sf,
-                    ring, block_start, row_start, l2_tiles, tile - l1_tiles, num_clusters,
-                    Int32(self.l2.raster_group), cta_rank, lane, state, pool_block_ready,
-                    barrier, tile_log=log, log_first=l1_count,
+                    tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb_load, sfa, sfb, l2_acts_sf,
+                    w2_sf, ring, block_start, row_start, l2_tiles, tile - l1_tiles,
+                    num_clusters, Int32(self.l2.raster_group), cta_rank, lane, state,
+                    pool_block_ready, barrier, tile_log=log, log_first=l1_count,
                     ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
                 ring.producer_tail(state)
+            elif cutlass.const_expr(self.fp4_weights):
+                if warp == 1:  # the packed weights of both walks (they wait for nothing)
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                         self.packed_stages)
+                    state, tile = self.l1.produce_packed(
+                        tma_b1, m_b1, raw_b, packed_pipe, w1_sf, w1_group_sf,
+                        storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
+                        row_start, l1_tiles, cluster, num_clusters,
+                        Int32(self.l1.raster_group), lane, state)
+                    state, _ = self.l2.produce_packed(
+                        tma_b2, m_b2, raw_b, packed_pipe, w2_sf, w2_group_sf,
+                        storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
+                        row_start, l2_tiles, tile - l1_tiles, num_clusters,
+                        Int32(self.l2.raster_group), lane, state)
+                    packed_pipe.producer_tail(state)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
-            cute.arch.setmaxregister_increase(COMBINE_REGS)
+            cute.arch.setmaxregister_increase(self.combine_regs)
         elif wg < self.num_gemm_wgs:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.l1.consumer_regs)
             staging = storage.staging.data_ptr() + (warp - 4) * (ROWS_PER_WARP
                                                                * self.l1.staging_stride)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -327,16 +386,32 @@ class Sm90MegaMoEKernel:
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, cluster,
                 num_clusters, Int32(self.l1.raster_group), cta_rank, wg - 1, warp % 4, lane,
                 l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
-                staging, state, state.clone(), pool_block_ready)
+                staging, state, state.clone(), pool_block_ready, decoded=decoded)
             self.stamp(stamps, 2, tidx == 128)
             self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
                 tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
                 warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
-                token_src_metadata, staging, state, prev)
+                token_src_metadata, staging, state, prev, decoded=decoded)
             self.stamp(stamps, 3, tidx == 128)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
-            cute.arch.setmaxregister_decrease(COMBINE_REGS)
+            cute.arch.setmaxregister_decrease(self.combine_regs)
+        elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
+            cute.arch.setmaxregister_decrease(self.l1.decode_regs)
+            tid = tidx - 128 * self.num_gemm_wgs
+            state, packed = self.l1.decode_states()
+            state, packed, tile = self.l1.decode_weights(
+                ring, packed_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(),
+                storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), decoded, block_start,
+                row_start, l1_tiles, cluster, num_clusters, Int32(self.l1.raster_group), tid,
+                lane, state, packed)
+            self.l2.decode_weights(
+                ring, packed_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(),
+                storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), decoded, block_start,
+                row_start, l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group),
+                tid, lane, state, packed)
+            cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
+            cute.arch.setmaxregister_increase(self.combine_regs)
 
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
