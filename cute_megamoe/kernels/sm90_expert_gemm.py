@@ -588,14 +588,7 @@ class Sm90ExpertGemmKernel:
                 # acquire above is generic: order the TMA loads below after it
                 cute.arch.fence_proxy("async.global")
             for kb in cutlass.range(self.num_k_blocks):
-                ab_pipe.producer_acquire(state)
-                bar = ab_pipe.producer_get_barrier(state)
-                if cutlass.const_expr(self.extra_tx_bytes > 0):
-                    # this phase's stages carry more scale bytes than the ring's count; expect
-                    # them before any copy of the stage can complete
-                    if lane == 0:
-                        cute.arch.mbarrier_expect_tx(bar, self.extra_tx_bytes)
-                    cute.arch.sync_warp()
+                bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                 cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
                           tma_bar_ptr=bar)
                 if cutlass.const_expr(self.cluster_m > 1):
@@ -645,13 +638,7 @@ class Sm90ExpertGemmKernel:
                 tile, owner, block_start, row_start, raster_group, Int32(0))
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             for kb in cutlass.range(self.num_k_blocks):
-                packed_pipe.producer_acquire(state)
-                bar = packed_pipe.producer_get_barrier(state)
-                if cutlass.const_expr(self.extra_packed_tx_bytes > 0):
-                    # (as in `produce`: this phase's stages carry more scale bytes)
-                    if lane == 0:
-                        cute.arch.mbarrier_expect_tx(bar, self.extra_packed_tx_bytes)
-                    cute.arch.sync_warp()
+                bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
@@ -666,6 +653,19 @@ class Sm90ExpertGemmKernel:
                 state.advance()
             tile += num_clusters
         return state, tile
+
+    @cute.jit
+    def acquire_stage(self, pipe, state, extra_tx_bytes: cutlass.Constexpr, lane: Int32):
+        """The producer warp acquires the stage of ``state`` and returns its mbarrier. With
+        ``extra_tx_bytes`` (a fused kernel's phase whose stages carry more scale bytes than the
+        ring's transaction count) it expects them before any copy of the stage can complete."""
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        if cutlass.const_expr(extra_tx_bytes > 0):
+            if lane == 0:
+                cute.arch.mbarrier_expect_tx(bar, extra_tx_bytes)
+            cute.arch.sync_warp()
+        return bar
 
     def packed_pipeline(self, barriers: cute.Pointer):
         """FP4 weights: the packed stages' pipeline (TMA in, the decode warps free them); None
