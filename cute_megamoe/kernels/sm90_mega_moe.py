@@ -241,13 +241,13 @@ class Sm90MegaMoEKernel:
             sa: cute.struct.Align[cute.struct.MemRange[k.ab_dtype, cute.cosize(a_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[k.ab_dtype, cute.cosize(b_layout)], 1024]
             staging: cute.struct.Align[cute.struct.MemRange[Uint8, k.staging_bytes], 128]
-            # FP4 weights (token sizes else): the packed stages and the decode's barriers
-            packed_mbar: cute.struct.MemRange[Int64, max(1, k.packed_stages * 2)]
-            raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, k.raw_b_bytes()], 128]
-            sfg: cute.struct.Align[cute.struct.MemRange[Int32, k.sfg_len()], 16]
-            sfb_packed: cute.struct.Align[cute.struct.MemRange[
-                cutlass.Float32, max(4, k.packed_stages * k.packed_sfb_stride)], 16]
-            decoded: cute.struct.MemRange[Int64, self.num_stages]
+            if cutlass.const_expr(self.fp4_weights):  # the packed stages, the decode's barriers
+                packed_mbar: cute.struct.MemRange[Int64, k.packed_stages * 2]
+                raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, k.raw_b_bytes()], 128]
+                sfg: cute.struct.Align[cute.struct.MemRange[Int32, k.sfg_len()], 16]
+                sfb_packed: cute.struct.Align[cute.struct.MemRange[
+                    cutlass.Float32, k.packed_stages * k.packed_sfb_stride], 16]
+                decoded: cute.struct.MemRange[Int64, self.num_stages]
 
         self.shared_storage = SharedStorage
         per_expert = cute.make_layout(self.num_local_experts)
@@ -308,9 +308,10 @@ class Sm90MegaMoEKernel:
                                                      self.cluster_m * self.l1.num_mma_wgs * 4),
             tx_count=self.l1.ring_tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
-        packed_pipe = self.l1.packed_pipeline(storage.packed_mbar.data_ptr())
-        decoded = storage.decoded.data_ptr()
+        packed_pipe, decoded, raw_b = None, None, None
         if cutlass.const_expr(self.fp4_weights):
+            packed_pipe = self.l1.packed_pipeline(storage.packed_mbar.data_ptr())
+            decoded = storage.decoded.data_ptr()
             self.l1.init_decoded_barriers(decoded, tidx)
             raw_b = storage.raw_b.get_tensor(self.l1.raw_b_layout())
         cute.arch.mbarrier_init_fence()
@@ -397,21 +398,8 @@ class Sm90MegaMoEKernel:
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(self.combine_regs)
         elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
-            cute.arch.setmaxregister_decrease(self.l1.decode_regs)
-            tid = tidx - 128 * self.num_gemm_wgs
-            state, packed = self.l1.decode_states()
-            state, packed, tile = self.l1.decode_weights(
-                ring, packed_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(),
-                storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), decoded, block_start,
-                row_start, l1_tiles, cluster, num_clusters, Int32(self.l1.raster_group), tid,
-                lane, state, packed)
-            self.l2.decode_weights(
-                ring, packed_pipe, storage.raw_b.data_ptr(), storage.sb.data_ptr(),
-                storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), decoded, block_start,
-                row_start, l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group),
-                tid, lane, state, packed)
-            cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
-            cute.arch.setmaxregister_increase(self.combine_regs)
+            self.decode(ring, packed_pipe, storage, decoded, block_start, row_start, l1_tiles,
+                        l2_tiles, cluster, num_clusters, wg, tidx, lane)
 
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
@@ -422,6 +410,29 @@ class Sm90MegaMoEKernel:
         self.combine.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
                                      l1_topk_weights, row_start, block_start, y, None)
         self.stamp(stamps, 4, tidx == 0)
+
+    @cute.jit
+    def decode(self, ring, packed_pipe, storage, decoded: cute.Pointer, block_start, row_start,
+               l1_tiles: Int32, l2_tiles: Int32, cluster: Int32, num_clusters: Int32, wg: Int32,
+               tidx: Int32, lane: Int32):
+        """A decode warpgroup (FP4 weights; nothing in other kernels): the weight tiles of the
+        L1 walk, then of the L2 walk, then the combine's registers."""
+        if cutlass.const_expr(self.fp4_weights):
+            cute.arch.setmaxregister_decrease(self.l1.decode_regs)
+            tid = tidx - 128 * self.num_gemm_wgs
+            raw_b, sb = storage.raw_b.data_ptr(), storage.sb.data_ptr()
+            sfb, sfg = storage.sfb_packed.data_ptr(), storage.sfg.data_ptr()
+            state, packed = self.l1.decode_states()
+            state, packed, tile = self.l1.decode_weights(
+                ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
+                l1_tiles, cluster, num_clusters, Int32(self.l1.raster_group), tid, lane, state,
+                packed)
+            self.l2.decode_weights(
+                ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
+                l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), tid, lane,
+                state, packed)
+            cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
+            cute.arch.setmaxregister_increase(self.combine_regs)
 
     @cute.jit
     def stamp(self, stamps: cute.Pointer, index: cutlass.Constexpr, mine):
