@@ -21,6 +21,7 @@ alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -30,6 +31,8 @@ from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.kernels.common.gemm_config import weight_sf_row_len
 from cute_megamoe.utils import ceil_div
+
+PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -70,23 +73,37 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
         sf(e, inter // 128, weight_sf_row_len(hidden)))
 
 
-def _ours(recipe, w: ExpertWeights, m: int, block_m: int):
+def _ours(recipe, w: ExpertWeights, m: int, block_m: int, promotion: str = "chunk"):
+    """Our expert FFN on random pools (the same for every ``promotion`` of a ``block_m``:
+    `--quarter-ab` compares the outputs); ``run.outputs``: its L2 inputs and outputs."""
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     p_rows = e * ceil_div(m, block_m) * block_m
+    torch.manual_seed(1000 + block_m)
     fp8 = recipe != "bf16xbf16"
     acts = torch.randn(p_rows, hidden, device="cuda").to(
         torch.float8_e4m3fn if fp8 else torch.bfloat16)
     acts_sf = torch.ones(hidden // 128, p_rows, device="cuda").t() if fp8 else None
     topk = torch.rand(p_rows, device="cuda")
     counts = torch.full((e,), m, dtype=torch.int32, device="cuda")
-    l2 = torch.empty(p_rows, inter, device="cuda", dtype=acts.dtype)
+    # (zeros: the pad rows, never written, compare equal between variants)
+    l2 = torch.zeros(p_rows, inter, device="cuda", dtype=acts.dtype)
     l2_sf = torch.empty(inter // 128, p_rows, device="cuda").t() if fp8 else None
-    out = torch.empty(p_rows, hidden, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(p_rows, hidden, device="cuda", dtype=torch.bfloat16)
 
     def run():
-        expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
-                   l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False)
+        # (the promotion variant is read when the call looks its kernels up: see runtime)
+        before = os.environ.get(PROMOTION_ENV)
+        os.environ[PROMOTION_ENV] = promotion
+        try:
+            expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
+                       l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False)
+        finally:
+            if before is None:
+                del os.environ[PROMOTION_ENV]
+            else:
+                os.environ[PROMOTION_ENV] = before
 
+    run.outputs = (l2, out)
     return run
 
 
@@ -125,6 +142,9 @@ def main() -> None:
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="EXPERTSxPAIRS_PER_EXPERT,...")
     p.add_argument("--recipes", default="fp8xfp8,bf16xbf16")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quarter-ab", action="store_true",
+                   help="FP8 recipes: also time the 'quarter' promotion (interleaved, outputs "
+                        "checked bit-exact against 'chunk')")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -148,6 +168,18 @@ def main() -> None:
                 runs["fp8_128"] = _ours("fp8xfp8", w_fp8, m, 128)
             else:
                 runs["torch"] = _torch(recipe, w, m)
+            quarter = args.quarter_ab and fp8
+            if quarter:
+                for block_m in (64, 128):
+                    runs[f"quarter_{block_m}"] = _ours(recipe, w, m, block_m, "quarter")
+                    for fn in (runs[block_m], runs[f"quarter_{block_m}"]):
+                        fn()
+                    torch.cuda.synchronize()
+                    for a, b in zip(runs[block_m].outputs, runs[f"quarter_{block_m}"].outputs,
+                                    strict=True):
+                        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                            raise SystemExit(f"{recipe} {cfg} block_m {block_m}: the quarter "
+                                             "promotion's outputs differ from chunk's")
             samples = {key: [] for key in runs}
             for _ in range(args.rounds):
                 for key, fn in runs.items():
@@ -164,6 +196,9 @@ def main() -> None:
                     t_torch = times["torch"]
                     base = dict(torch_us=t_torch * 1e6, speedup=t_torch / t,
                                 torch_tflops=flops / t_torch / 1e12)
+                if quarter:
+                    t_q = times[f"quarter_{block_m}"]
+                    base.update(quarter_us=t_q * 1e6, quarter_over_chunk=t_q / t)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -174,8 +209,9 @@ def main() -> None:
     path = res.save()
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
-                     "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "ours_tflops",
-                     "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
+                     "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "quarter_us",
+                     "quarter_over_chunk", "ours_tflops", "torch_tflops", "weight_floor_us",
+                     "ratio_to_floor"]))
 
 
 if __name__ == "__main__":

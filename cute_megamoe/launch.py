@@ -24,7 +24,15 @@ import torch
 
 from .buffer import SymmBuffer
 from .heuristics import get_num_sms, select_cluster_m
-from .runtime import LAUNCH_PATHS, LaunchPath, as_ptr, compiled_kernel, get_arch, launch_path
+from .runtime import (
+    LAUNCH_PATHS,
+    LaunchPath,
+    as_ptr,
+    compiled_kernel,
+    get_arch,
+    launch_path,
+    sm90_promotion,
+)
 
 __all__ = [
     "COMBINE_SLOTS",
@@ -297,6 +305,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a":  # (the FP4 weight decode runs without clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
                               else select_cluster_m(arch, phase, block_m, n))
+        if recipe != "bf16xbf16":
+            extra["promotion"] = sm90_promotion()
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -338,7 +348,8 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
             tensors += (group_sf,)
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
-               combine_layout if to_combine else None)
+               combine_layout if to_combine else None,
+               sm90_promotion() if arch == "sm_90a" else None)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):

@@ -129,6 +129,19 @@ def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
     return fn
 
 
+SM90_PROMOTIONS = ("chunk", "quarter")
+
+
+def sm90_promotion() -> str:
+    """``CUTE_MEGAMOE_SM90_PROMOTION``: how the sm_90a FP8 grouped GEMMs promote their
+    scratch accumulators (`Sm90ExpertGemmKernel`'s ``promotion``; "chunk" unless set), for A/B
+    runs. Part of the grouped GEMMs' cache keys."""
+    value = os.environ.get("CUTE_MEGAMOE_SM90_PROMOTION", "chunk").strip().lower()
+    if value not in SM90_PROMOTIONS:
+        raise ValueError(f"CUTE_MEGAMOE_SM90_PROMOTION: one of {SM90_PROMOTIONS}, got {value!r}")
+    return value
+
+
 def env_flag(name: str, default: bool = False) -> bool:
     """A boolean `CUTE_MEGAMOE_*` environment switch ("1"/"true"/"yes" are true)."""
     value = os.environ.get(name)

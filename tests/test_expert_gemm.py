@@ -148,6 +148,38 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monkeypatch):
+    """The "quarter" promotion (an A/B variant, `CUTE_MEGAMOE_SM90_PROMOTION`): m64n64 WGMMAs
+    into two scratch accumulators, three waits that leave one group in flight per k-block
+    (the promotion of a quarter runs beside the next quarter's WGMMAs), no spills; FP8 only."""
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "quarter")
+    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
+    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
+                                 activation_clamp=10.0)
+    assert kernel.promotion == "quarter" and kernel.quarters == 4
+    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                     for i, d in enumerate(dtypes)),
+                           Int32(132), fake_stream(), arch="sm_90a")
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert "QGMMA.64x64x32.F32.E4M3.E4M3" in art.sass and "QGMMA.64x128x32" not in art.sass
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    with pytest.raises(ValueError, match="promotion"):
+        Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m, promotion="quarter")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "half")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_PROMOTION"):
+        gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
+
+
 def test_sm90_raster_band_fits_l2_budget():
     """A raster band holds as many cluster groups of pool blocks as keep its activation rows
     within RASTER_L2_BYTES (at least one group); an explicit band overrides."""
@@ -353,3 +385,40 @@ def test_expert_ffn_narrow_tiles(recipe):
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["random"], 64, 640, 384, device, seed=9)
     check_expert_ffn(problem, activation_clamp=None, num_sms=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_quarter_promotion_is_bit_identical_to_chunk(recipe, block_m, monkeypatch):
+    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) computes the same products and
+    promotes them in the same order as "chunk": L2 inputs, their scales and the outputs equal
+    bit for bit, pad rows untouched."""
+    from cute_megamoe.expert_gemm import expert_ffn
+    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, make_pool_problem
+
+    device = _gpu()
+    problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
+                                seed=23 + block_m)
+    rows, inter, hidden = problem.num_pool_rows, 512, 1024
+    counts = torch.tensor(problem.counts, dtype=torch.int32, device=device)
+    results = []
+    for promotion in ("chunk", "quarter"):
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", promotion)
+        l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
+        l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
+        out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
+        expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights, counts, problem.weights,
+                   block_m=block_m, activation_clamp=7.0, l2_acts=l2.view(torch.float8_e4m3fn),
+                   l2_acts_sf=l2_sf, out=out.view(torch.bfloat16))
+        results.append((l2, l2_sf, out))
+    torch.cuda.synchronize(device)
+    valid = torch.zeros(rows, dtype=torch.bool, device=device)
+    for r in problem.row_of_expert:
+        valid[r.start:r.stop] = True
+    (l2_a, sf_a, out_a), (l2_b, sf_b, out_b) = results
+    for out in (out_a, out_b):
+        assert bool((out[~valid] == 0x7FFF).all()) and bool((out[valid] != 0x7FFF).all())
+    assert torch.equal(l2_a[valid], l2_b[valid])
+    assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
+    assert torch.equal(out_a[valid], out_b[valid])

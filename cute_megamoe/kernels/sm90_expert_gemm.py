@@ -96,6 +96,7 @@ from .common.sync import spin_timeout_ns, wait_reached
 
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
+QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -134,7 +135,8 @@ class Sm90ExpertGemmKernel:
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
                  wg_skew: int | None = None, staging_parts: int | None = None,
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
-                 packed_stages: int | None = None, decode_batch: int | None = None):
+                 packed_stages: int | None = None, decode_batch: int | None = None,
+                 promotion: str = "chunk"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -162,6 +164,13 @@ class Sm90ExpertGemmKernel:
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
         self.num_mma_wgs = block_m // 64
+        # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
+        # quarter into two scratch accumulators, each quarter promoted while the next one's
+        # WGMMAs run ("quarter": the tensor cores idle less; the same registers). An A/B
+        # variant, not yet measured on a GPU
+        if promotion not in ("chunk", "quarter") or (promotion == "quarter" and not self.is_fp8):
+            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
+        self.promotion = promotion
         # (decode_regs: only FP4-weight kernels have decode warpgroups)
         self.decode_wgs = 0
         self.producer_regs, self.decode_regs, self.consumer_regs = \
@@ -833,6 +842,10 @@ class Sm90ExpertGemmKernel:
         acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
+        quarter_mma = quarter_a = quarter_b = quarter_parts = None
+        if cutlass.const_expr(self.promotion == "quarter"):
+            quarter_mma, quarter_a, quarter_b, quarter_parts = self.quarter_operands(sa, sb,
+                                                                                     mma_wg)
         num_k_phases = cute.size(t_ra, mode=[2])
         # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
         # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its chunk.
@@ -864,7 +877,14 @@ class Sm90ExpertGemmKernel:
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
                     scale_b = self.weight_scales(sfb, state.index, n_block)
-                    for c in cutlass.range_constexpr(self.chunks):
+                    if cutlass.const_expr(self.promotion == "quarter"):
+                        self.mma_quarters(quarter_mma, quarter_a, quarter_b, quarter_parts,
+                                          accs, state.index, sa0, sa1, scale_b)
+                        ab_pipe.consumer_release(state)
+                        self.promote(accs, quarter_parts[(self.quarters - 1) % 2],
+                                     self.quarters - 1, sa0, sa1, scale_b)
+                    for c in cutlass.range_constexpr(self.chunks if self.promotion == "chunk"
+                                                     else 0):
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kk in cutlass.range_constexpr(num_k_phases):
@@ -876,14 +896,7 @@ class Sm90ExpertGemmKernel:
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(c == self.chunks - 1):
                             ab_pipe.consumer_release(state)  # before the last promotion
-                        # promotion: acc += part * sa[row] * sb[block of the 8-column group j]
-                        s_even = (sa0 * scale_b[c][0], sa1 * scale_b[c][0])
-                        s_odd = (sa0 * scale_b[c][1], sa1 * scale_b[c][1])
-                        for j in cutlass.range_constexpr(WG_N // GATE_UP_GROUP):
-                            s0, s1 = s_even if j % 2 == 0 else s_odd
-                            for cc in cutlass.range_constexpr(2):
-                                accs[c][cc + 4 * j] += part[cc + 4 * j] * s0
-                                accs[c][cc + 2 + 4 * j] += part[cc + 2 + 4 * j] * s1
+                        self.promote(accs, part, 2 * c, sa0, sa1, scale_b, WG_N)
                     state.advance()
             else:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
@@ -920,6 +933,63 @@ class Sm90ExpertGemmKernel:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
         return state, prev, tile
+
+    @property
+    def quarters(self) -> int:
+        """64-column quarters of a tile (``promotion`` "quarter")."""
+        return self.block_n // QUARTER_N
+
+    @cute.jit
+    def quarter_operands(self, sa: cute.Tensor, sb: cute.Tensor, mma_wg: Int32):
+        """``promotion`` "quarter": the m64n64 WGMMA, this warpgroup's A and B fragments (B:
+        the stage's weight slots seen as 64-row halves, slot ``2 * (stage * chunks + c) + h``
+        = rows ``64 h ..`` of chunk ``c``: a swizzle atom is 8 rows, so the halves are tiles of
+        the same swizzle) and the two scratch accumulators."""
+        mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wgs, 1, 1),
+            tiler_mn=(64, QUARTER_N))
+        thr = mma.get_slice(mma_wg * 128)
+        halves = self._smem_layout(QUARTER_N, self.num_stages * self.quarters)
+        sb_halves = cute.make_tensor(sb.iterator, halves.outer)
+        parts = [cute.make_rmem_tensor(thr.partition_shape_C((self.block_m, QUARTER_N)),
+                                       Float32) for _ in range(2)]
+        return (mma, mma.make_fragment_A(thr.partition_A(sa)),
+                mma.make_fragment_B(thr.partition_B(sb_halves)), parts)
+
+    @cute.jit
+    def mma_quarters(self, mma, t_ra, t_rb, parts, accs, stage: Int32, sa0, sa1, scale_b):
+        """``promotion`` "quarter", one k-block: quarter ``q``'s WGMMAs into scratch
+        ``q % 2``, then, while they run, the promotion of quarter ``q - 1``; returns with every
+        WGMMA complete and the last quarter not promoted."""
+        num_k_phases = cute.size(t_ra, mode=[2])
+        for q in cutlass.range_constexpr(self.quarters):
+            warpgroup.fence()
+            mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kk in cutlass.range_constexpr(num_k_phases):
+                cute.gemm(mma, parts[q % 2], t_ra[(None, None, kk, stage)],
+                          t_rb[(None, None, kk, stage * self.quarters + q)], parts[q % 2])
+                mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            if cutlass.const_expr(q > 0):
+                warpgroup.wait_group(1)
+                self.promote(accs, parts[(q - 1) % 2], q - 1, sa0, sa1, scale_b)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def promote(self, accs, part: cute.Tensor, quarter: cutlass.Constexpr, sa0, sa1, scale_b,
+                cols: cutlass.Constexpr = QUARTER_N):
+        """FP8 promotion of ``cols`` columns from quarter ``quarter`` of the tile on: ``acc +=
+        part * sa[row] * sb[block of the 8-column group j]`` (value ``c + 2 r + 4 j`` of the
+        m64nN accumulator: row ``+ 8 r``, 8-column group ``j``; gate / up groups alternate)."""
+        chunk, first = quarter // 2, (quarter % 2) * (QUARTER_N // GATE_UP_GROUP) * 4
+        s_even = (sa0 * scale_b[chunk][0], sa1 * scale_b[chunk][0])
+        s_odd = (sa0 * scale_b[chunk][1], sa1 * scale_b[chunk][1])
+        for j in cutlass.range_constexpr(cols // GATE_UP_GROUP):
+            s0, s1 = s_even if j % 2 == 0 else s_odd
+            for cc in cutlass.range_constexpr(2):
+                accs[chunk][first + cc + 4 * j] += part[cc + 4 * j] * s0
+                accs[chunk][first + cc + 2 + 4 * j] += part[cc + 2 + 4 * j] * s1
 
     @cute.jit
     def signal_ready(self, ready: cute.Pointer, pool_block: Int32, lane: Int32):
