@@ -23,7 +23,10 @@ from pathlib import Path
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 
-_SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+# (an opcode with its modifiers; WGMMA shapes have a lower-case x: QGMMA.64x128x32.F32...)
+_SASS_OPCODE = re.compile(
+    r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*(?:x[0-9][A-Z0-9_.x]*)?)",
+    re.M)
 
 
 @dataclass
