@@ -180,6 +180,32 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
         gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe,promotion", [("fp8xfp8", "chunk"), ("fp8xfp8", "quarter"),
+                                              ("fp8xfp4_sm90", "chunk"),
+                                              ("bf16xbf16", "chunk")])
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_sm90_wgmmas_are_not_serialized(recipe, promotion, phase, monkeypatch):
+    """ptxas keeps the WGMMAs asynchronous (no "wgmma serialized" performance note: a
+    non-WGMMA access to an in-flight accumulator, or a wait it cannot match, makes it wait
+    after every WGMMA; a "carry" promotion across k-blocks did that)."""
+    from cutlass import Int32
+
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream, find_cuda_tool
+
+    if find_cuda_tool("ptxas") is None:
+        pytest.skip("ptxas not available")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", promotion)
+    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
+    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
+                                 activation_clamp=10.0)
+    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                     for i, d in enumerate(dtypes)),
+                           Int32(132), fake_stream(), arch="sm_90a")
+    assert art.ptxas_performance_notes() == []
+
+
 def test_sm90_raster_band_fits_l2_budget():
     """A raster band holds as many cluster groups of pool blocks as keep its activation rows
     within RASTER_L2_BYTES (at least one group); an explicit band overrides."""

@@ -67,6 +67,23 @@ class CompiledArtifacts:
         return usage
 
 
+    def ptxas_performance_notes(self) -> list[str]:
+        """ptxas's "Potential Performance Loss" notes on this PTX (for example C7514: WGMMAs
+        serialized because other instructions touch an in-flight accumulator), from a separate
+        `ptxas -v` run; raises when no ptxas is installed."""
+        tool = find_cuda_tool("ptxas")
+        if tool is None:
+            raise RuntimeError("ptxas is not available")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "k.ptx"
+            path.write_text(self.ptx)
+            run = subprocess.run([tool, f"-arch={self.arch}", "-v", str(path), "-o",
+                                  str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                                 check=True)
+        return [line for line in (run.stdout + run.stderr).splitlines()
+                if "Performance Loss" in line]
+
+
 def find_cuda_tool(name: str) -> str | None:
     """Path of a CUDA binary tool: the pip `nvidia-cuda-*` wheels first, then PATH."""
     try:
