@@ -13,7 +13,8 @@ per-round median of replays.
 
 `fp8xfp4_sm90` rows (MXFP4 weights decoded on chip, issue 19) have no torch baseline; they
 alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
-`ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales).
+`ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
+times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -30,6 +31,7 @@ from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_gra
 from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.kernels.common.gemm_config import weight_sf_row_len
+from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
 from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
@@ -73,9 +75,10 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
         sf(e, inter // 128, weight_sf_row_len(hidden)))
 
 
-def _ours(recipe, w: ExpertWeights, m: int, block_m: int, promotion: str = "chunk"):
+def _ours(recipe, w: ExpertWeights, m: int, block_m: int, promotion: str | None = None):
     """Our expert FFN on random pools (the same for every ``promotion`` of a ``block_m``:
-    `--quarter-ab` compares the outputs); ``run.outputs``: its L2 inputs and outputs."""
+    `--quarter-ab` compares the outputs; None: the library's choice); ``run.outputs``: its L2
+    inputs and outputs."""
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     p_rows = e * ceil_div(m, block_m) * block_m
     torch.manual_seed(1000 + block_m)
@@ -93,13 +96,14 @@ def _ours(recipe, w: ExpertWeights, m: int, block_m: int, promotion: str = "chun
     def run():
         # (the promotion variant is read when the call looks its kernels up: see runtime)
         before = os.environ.get(PROMOTION_ENV)
-        os.environ[PROMOTION_ENV] = promotion
+        if promotion is not None:
+            os.environ[PROMOTION_ENV] = promotion
         try:
             expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
                        l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False)
         finally:
             if before is None:
-                del os.environ[PROMOTION_ENV]
+                os.environ.pop(PROMOTION_ENV, None)
             else:
                 os.environ[PROMOTION_ENV] = before
 
@@ -143,8 +147,8 @@ def main() -> None:
     p.add_argument("--recipes", default="fp8xfp8,bf16xbf16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quarter-ab", action="store_true",
-                   help="FP8 recipes: also time the 'quarter' promotion (interleaved, outputs "
-                        "checked bit-exact against 'chunk')")
+                   help="FP8 recipes: time both promotions, 'chunk' and 'quarter', forced "
+                        "(interleaved, outputs checked bit-exact; ours_us: the default's)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -161,14 +165,15 @@ def main() -> None:
                 (w.w1_sf.numel() + w.w2_sf.numel()) * 4 if fp4 else 0)
             floor = weight_bytes / copy_ceiling(min(weight_bytes, 2 << 30))
             flops = 6 * e * m * hidden * inter
-            runs = {64: _ours(recipe, w, m, 64), 128: _ours(recipe, w, m, 128)}
+            quarter = args.quarter_ab and fp8
+            # (with --quarter-ab: both promotions forced, `ours` the one the library picks)
+            runs = {bm: _ours(recipe, w, m, bm, "chunk" if quarter else None) for bm in (64, 128)}
             if fp4:  # the baseline: our fp8xfp8 kernels on FP8 weights of the same shape
                 w_fp8 = _random_weights("fp8xfp8", e, hidden, inter)
                 runs["fp8_64"] = _ours("fp8xfp8", w_fp8, m, 64)
                 runs["fp8_128"] = _ours("fp8xfp8", w_fp8, m, 128)
             else:
                 runs["torch"] = _torch(recipe, w, m)
-            quarter = args.quarter_ab and fp8
             if quarter:
                 for block_m in (64, 128):
                     runs[f"quarter_{block_m}"] = _ours(recipe, w, m, block_m, "quarter")
@@ -188,6 +193,10 @@ def main() -> None:
             picked = select_block_m(m, "sm90")
             for block_m in (64, 128):
                 t = times[block_m]
+                if quarter:
+                    t_chunk, t_q = t, times[f"quarter_{block_m}"]
+                    if DEFAULT_PROMOTION[block_m] == "quarter":
+                        t = t_q
                 roof = peaks.roofline_s(flops=flops, hbm_bytes=weight_bytes, fp8=fp8)
                 if fp4:
                     t_fp8 = min(times["fp8_64"], times["fp8_128"])
@@ -197,8 +206,9 @@ def main() -> None:
                     base = dict(torch_us=t_torch * 1e6, speedup=t_torch / t,
                                 torch_tflops=flops / t_torch / 1e12)
                 if quarter:
-                    t_q = times[f"quarter_{block_m}"]
-                    base.update(quarter_us=t_q * 1e6, quarter_over_chunk=t_q / t)
+                    base.update(chunk_us=t_chunk * 1e6, quarter_us=t_q * 1e6,
+                                quarter_over_chunk=t_q / t_chunk,
+                                promotion=DEFAULT_PROMOTION[block_m])
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -209,7 +219,7 @@ def main() -> None:
     path = res.save()
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
-                     "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "quarter_us",
+                     "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
                      "quarter_over_chunk", "ours_tflops", "torch_tflops", "weight_floor_us",
                      "ratio_to_floor"]))
 

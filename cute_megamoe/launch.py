@@ -393,8 +393,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
     clocked, logged = phase_clock is not None, tile_log is not None
+    promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats, clocked, logged, l2_gate, extra_warpgroups)
+           has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -410,7 +411,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         return Sm90MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
                                  fast_math=fast_math, has_stats=has_stats, phase_clock=clocked,
                                  tile_log=logged, l2_gate=l2_gate,
-                                 extra_warpgroups=extra_warpgroups)
+                                 extra_warpgroups=extra_warpgroups, promotion=promotion)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -129,17 +129,18 @@ def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
     return fn
 
 
-SM90_PROMOTIONS = ("chunk", "quarter")
+SM90_PROMOTIONS = ("auto", "chunk", "quarter")
 
 
-def sm90_promotion() -> str:
+def sm90_promotion() -> str | None:
     """``CUTE_MEGAMOE_SM90_PROMOTION``: how the sm_90a FP8 grouped GEMMs promote their
-    scratch accumulators (`Sm90ExpertGemmKernel`'s ``promotion``; "chunk" unless set), for A/B
-    runs. Part of the grouped GEMMs' cache keys."""
-    value = os.environ.get("CUTE_MEGAMOE_SM90_PROMOTION", "chunk").strip().lower()
+    scratch accumulators (`Sm90ExpertGemmKernel`'s ``promotion``), forced for A/B runs; None
+    ("auto", the default): by BLOCK_M (`sm90_expert_gemm.DEFAULT_PROMOTION`). Part of the
+    grouped GEMMs' and the fused kernel's cache keys."""
+    value = os.environ.get("CUTE_MEGAMOE_SM90_PROMOTION", "auto").strip().lower()
     if value not in SM90_PROMOTIONS:
         raise ValueError(f"CUTE_MEGAMOE_SM90_PROMOTION: one of {SM90_PROMOTIONS}, got {value!r}")
-    return value
+    return None if value == "auto" else value
 
 
 def env_flag(name: str, default: bool = False) -> bool:

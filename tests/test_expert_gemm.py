@@ -152,17 +152,26 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monkeypatch):
-    """The "quarter" promotion (an A/B variant, `CUTE_MEGAMOE_SM90_PROMOTION`): m64n64 WGMMAs
-    into two scratch accumulators, three waits that leave one group in flight per k-block
-    (the promotion of a quarter runs beside the next quarter's WGMMAs), no spills; FP8 only."""
+    """The "quarter" promotion (the default at BLOCK_M 64, forced by
+    `CUTE_MEGAMOE_SM90_PROMOTION`): m64n64 WGMMAs into two scratch accumulators, three waits
+    that leave one group in flight per k-block (the promotion of a quarter runs beside the next
+    quarter's WGMMAs), no spills; FP8 only."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
     from cute_megamoe.launch import gemm_kernel
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "quarter")
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
+    # the default: by BLOCK_M, for both FP8 recipes; BF16 has no promotion
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_PROMOTION", raising=False)
+    for recipe in ("fp8xfp8", "fp8xfp4_sm90"):
+        default, _ = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
+                                 activation_clamp=10.0)
+        assert default.promotion == ("quarter" if block_m == 64 else "chunk"), recipe
+    assert gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, block_m)[0].promotion \
+        == "chunk"
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "quarter")
     kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
                                  activation_clamp=10.0)
     assert kernel.promotion == "quarter" and kernel.quarters == 4
@@ -181,11 +190,11 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe,promotion", [("fp8xfp8", "chunk"), ("fp8xfp8", "quarter"),
-                                              ("fp8xfp4_sm90", "chunk"),
-                                              ("bf16xbf16", "chunk")])
+@pytest.mark.parametrize("recipe,promotion,block_m", [
+    ("fp8xfp8", "chunk", 128), ("fp8xfp8", "quarter", 64), ("fp8xfp8", "quarter", 128),
+    ("fp8xfp4_sm90", "chunk", 128), ("fp8xfp4_sm90", "quarter", 64), ("bf16xbf16", "chunk", 128)])
 @pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_sm90_wgmmas_are_not_serialized(recipe, promotion, phase, monkeypatch):
+def test_sm90_wgmmas_are_not_serialized(recipe, promotion, block_m, phase, monkeypatch):
     """ptxas keeps the WGMMAs asynchronous (no "wgmma serialized" performance note: a
     non-WGMMA access to an in-flight accumulator, or a wait it cannot match, makes it wait
     after every WGMMA; a "carry" promotion across k-blocks did that)."""
@@ -198,8 +207,9 @@ def test_sm90_wgmmas_are_not_serialized(recipe, promotion, phase, monkeypatch):
         pytest.skip("ptxas not available")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", promotion)
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
+    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
                                  activation_clamp=10.0)
+    assert kernel.promotion == promotion
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
                            Int32(132), fake_stream(), arch="sm_90a")

@@ -35,7 +35,10 @@ consumer warpgroups each own 64 rows of the ``BM x BN`` tile (``BN`` = 256 when 
 else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs. FP8 promotes chunk by chunk, so one
 64-register scratch accumulator serves the whole tile, with two weight scales per chunk (one
 scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the FP8 throughput;
-a global load of the scales in the consumer loop stalled the WGMMA issue). BF16 keeps one
+a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
+one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
+quarters into two 32-register scratch accumulators instead, each promoted while the next
+quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`). BF16 keeps one
 k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
@@ -97,6 +100,11 @@ from .common.sync import spin_timeout_ns, wait_reached
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
+# FP8 promotion by BLOCK_M (`promotion` None). Measured interleaved on an H200 (fp8xfp8 expert
+# FFN, H 7168, I 2048, docs/performance.md): "quarter" 0.93-0.97x the time of "chunk" at
+# BLOCK_M 64 (one consumer warpgroup: nothing else fills the tensor cores while it promotes),
+# 0.98-1.06x at BLOCK_M 128 (the second warpgroup already does; m64n64 WGMMAs cost more issue)
+DEFAULT_PROMOTION = {64: "quarter", 128: "chunk"}
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -136,7 +144,7 @@ class Sm90ExpertGemmKernel:
                  wg_skew: int | None = None, staging_parts: int | None = None,
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
                  packed_stages: int | None = None, decode_batch: int | None = None,
-                 promotion: str = "chunk"):
+                 promotion: str | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -166,8 +174,10 @@ class Sm90ExpertGemmKernel:
         self.num_mma_wgs = block_m // 64
         # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
         # quarter into two scratch accumulators, each quarter promoted while the next one's
-        # WGMMAs run ("quarter": the tensor cores idle less; the same registers). An A/B
-        # variant, not yet measured on a GPU
+        # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
+        # BLOCK_M (`DEFAULT_PROMOTION`)
+        if promotion is None:
+            promotion = DEFAULT_PROMOTION.get(block_m, "chunk") if self.is_fp8 else "chunk"
         if promotion not in ("chunk", "quarter") or (promotion == "quarter" and not self.is_fp8):
             raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
