@@ -79,6 +79,7 @@ def main() -> None:
             rel = (stamps - stamps[:, 0].min()).double() / 1e3
             samples.append({f"{name}_{stat}": float(fn(rel[:, i]))
                             for i, name in enumerate(PHASE_STAMPS[1:], 1)
+                            if bool(stamps[:, i].any())  # (FP4 weights' stamps: only theirs)
                             for stat, fn in (("median_us", torch.median),
                                              ("last_us", torch.max))})
             samples[-1]["start_spread_us"] = float(rel[:, 0].max())

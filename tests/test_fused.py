@@ -98,16 +98,22 @@ def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
 
 
 @pytest.mark.compile
-def test_phase_clock_variant_compiles_and_stamps_every_phase(monkeypatch):
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch):
     """The diagnostic build (`bench/fused_phases.py`) reads the global timer once more per
-    phase than the default build."""
+    stamp than the default build (FP4 weights: the packed loads' and the decode's too), each
+    stamp fenced at system scope."""
     from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    _, plain = _compile("fp8xfp8", 64)
-    _, clocked = _compile("fp8xfp8", 64, phase_clock=True)
+    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
+    stamps = len(PHASE_STAMPS) - (0 if recipe == "fp8xfp4_sm90" else 2)
+    _, plain = _compile(recipe, 64)
+    _, clocked = _compile(recipe, 64, phase_clock=True)
     # (the spin-waits read the timer too)
-    assert clocked.ptx.count("globaltimer") >= plain.ptx.count("globaltimer") + len(PHASE_STAMPS)
+    assert clocked.ptx.count("globaltimer") >= plain.ptx.count("globaltimer") + stamps
+    fence = "fence.acq_rel.sys"
+    assert clocked.ptx.count(fence) >= plain.ptx.count(fence) + stamps
 
 
 @pytest.mark.compile

@@ -66,8 +66,12 @@ from .sm90_expert_gemm import (
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool is
-# complete, when its first consumer warp finished its L1 tiles and its L2 tiles, and at the end
-PHASE_STAMPS = ("start", "pool_ready", "l1_done", "l2_done", "end")
+# complete, when its first consumer warp finished its L1 tiles and its L2 tiles, when warp 0
+# issued its last loads and saw them consumed, (FP4 weights) when warp 1 did the same for the
+# packed weights and the first decode warp finished, and at the end (0: not reached). Each
+# stamp is fenced at system scope, so a host reading pinned memory sees where a hung call is
+PHASE_STAMPS = ("start", "pool_ready", "l1_done", "l2_done", "loads_done", "packed_done",
+                "decode_done", "end")
 # dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
 # `smem_bytes` does not count
 SM_SMEM_CAPACITY = 227 * 1024 - 2048
@@ -291,7 +295,7 @@ class Sm90MegaMoEKernel:
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
         stamps = phase_clock + bidx * len(PHASE_STAMPS)
-        self.stamp(stamps, 0, tidx == 0)
+        self.stamp(stamps, "start", tidx == 0)
         if warp == 0:
             for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
                 cpasync.prefetch_descriptor(atom)
@@ -335,7 +339,7 @@ class Sm90MegaMoEKernel:
         row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                    expert_recv_tokens, stats, smem)
         grid_barrier(barrier, grid, self.timeout_ns)
-        self.stamp(stamps, 1, tidx == 0)
+        self.stamp(stamps, "pool_ready", tidx == 0)
 
         # 2. L1 tiles then L2 tiles, one walk, one ring
         l1_tiles = self.l1.scheduler.num_tiles(block_start)
@@ -361,6 +365,7 @@ class Sm90MegaMoEKernel:
                     pool_block_ready, barrier, tile_log=log, log_first=l1_count,
                     ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
                 ring.producer_tail(state)
+                self.stamp(stamps, "loads_done", lane == 0)
             elif cutlass.const_expr(self.fp4_weights):
                 if warp == 1:  # the packed weights of both walks (they wait for nothing)
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -376,6 +381,7 @@ class Sm90MegaMoEKernel:
                         row_start, l2_tiles, tile - l1_tiles, num_clusters,
                         Int32(self.l2.raster_group), lane, state)
                     packed_pipe.producer_tail(state)
+                    self.stamp(stamps, "packed_done", lane == 0)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
@@ -390,18 +396,18 @@ class Sm90MegaMoEKernel:
                 num_clusters, Int32(self.l1.raster_group), cta_rank, wg - 1, warp % 4, lane,
                 l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
                 staging, state, state.clone(), pool_block_ready, decoded=decoded)
-            self.stamp(stamps, 2, tidx == 128)
+            self.stamp(stamps, "l1_done", tidx == 128)
             self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
                 tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
                 warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
                 token_src_metadata, staging, state, prev, decoded=decoded)
-            self.stamp(stamps, 3, tidx == 128)
+            self.stamp(stamps, "l2_done", tidx == 128)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(self.combine_regs)
         elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
             self.decode(ring, packed_pipe, storage, decoded, block_start, row_start, l1_tiles,
-                        l2_tiles, cluster, num_clusters, wg, tidx, lane)
+                        l2_tiles, cluster, num_clusters, wg, tidx, lane, stamps)
 
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
@@ -411,12 +417,12 @@ class Sm90MegaMoEKernel:
         # waited for their stores); meet the other ranks, reduce
         self.combine.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
                                      l1_topk_weights, row_start, block_start, y, None)
-        self.stamp(stamps, 4, tidx == 0)
+        self.stamp(stamps, "end", tidx == 0)
 
     @cute.jit
     def decode(self, ring, packed_pipe, storage, decoded: cute.Pointer, block_start, row_start,
                l1_tiles: Int32, l2_tiles: Int32, cluster: Int32, num_clusters: Int32, wg: Int32,
-               tidx: Int32, lane: Int32):
+               tidx: Int32, lane: Int32, stamps: cute.Pointer):
         """A decode warpgroup (FP4 weights; nothing in other kernels): the weight tiles of the
         L1 walk, then of the L2 walk, then the combine's registers."""
         if cutlass.const_expr(self.fp4_weights):
@@ -433,13 +439,15 @@ class Sm90MegaMoEKernel:
                 ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
                 l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), tid, lane,
                 state, packed)
+            self.stamp(stamps, "decode_done", tid == 0)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
 
     @cute.jit
-    def stamp(self, stamps: cute.Pointer, index: cutlass.Constexpr, mine):
-        """With `phase_clock`: the global timer into ``stamps[index]`` (by the thread where
-        ``mine``)."""
+    def stamp(self, stamps: cute.Pointer, name: cutlass.Constexpr, mine):
+        """With `phase_clock`: the global timer into stamp ``name`` of `PHASE_STAMPS` (by the
+        thread where ``mine``), fenced at system scope."""
         if cutlass.const_expr(self.phase_clock):
             if mine:
-                cute.arch.store(stamps + index, cute.arch.globaltimer())
+                cute.arch.store(stamps + PHASE_STAMPS.index(name), cute.arch.globaltimer())
+                cute.arch.fence_acq_rel_sys()
