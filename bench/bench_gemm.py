@@ -195,7 +195,8 @@ def main() -> None:
                 t = times[block_m]
                 if quarter:
                     t_chunk, t_q = t, times[f"quarter_{block_m}"]
-                    if DEFAULT_PROMOTION[block_m] == "quarter":
+                    default = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
+                    if default == "quarter":
                         t = t_q
                 roof = peaks.roofline_s(flops=flops, hbm_bytes=weight_bytes, fp8=fp8)
                 if fp4:
@@ -208,7 +209,7 @@ def main() -> None:
                 if quarter:
                     base.update(chunk_us=t_chunk * 1e6, quarter_us=t_q * 1e6,
                                 quarter_over_chunk=t_q / t_chunk,
-                                promotion=DEFAULT_PROMOTION[block_m])
+                                promotion=default)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,

@@ -152,7 +152,7 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monkeypatch):
-    """The "quarter" promotion (the default at BLOCK_M 64, forced by
+    """The "quarter" promotion (fp8xfp8's default at BLOCK_M 64, forced by
     `CUTE_MEGAMOE_SM90_PROMOTION`): m64n64 WGMMAs into two scratch accumulators, three waits
     that leave one group in flight per k-block (the promotion of a quarter runs beside the next
     quarter's WGMMAs), no spills; FP8 only."""
@@ -168,7 +168,8 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
     for recipe in ("fp8xfp8", "fp8xfp4_sm90"):
         default, _ = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
                                  activation_clamp=10.0)
-        assert default.promotion == ("quarter" if block_m == 64 else "chunk"), recipe
+        want = "quarter" if (recipe, block_m) == ("fp8xfp8", 64) else "chunk"
+        assert default.promotion == want, recipe
     assert gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, block_m)[0].promotion \
         == "chunk"
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "quarter")

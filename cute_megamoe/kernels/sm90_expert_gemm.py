@@ -38,7 +38,7 @@ scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the 
 a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
 one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
 quarters into two 32-register scratch accumulators instead, each promoted while the next
-quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`). BF16 keeps one
+quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only). BF16 keeps one
 k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
@@ -100,11 +100,13 @@ from .common.sync import spin_timeout_ns, wait_reached
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
-# FP8 promotion by BLOCK_M (`promotion` None). Measured interleaved on an H200 (fp8xfp8 expert
-# FFN, H 7168, I 2048, docs/performance.md): "quarter" 0.93-0.97x the time of "chunk" at
-# BLOCK_M 64 (one consumer warpgroup: nothing else fills the tensor cores while it promotes),
-# 0.98-1.06x at BLOCK_M 128 (the second warpgroup already does; m64n64 WGMMAs cost more issue)
-DEFAULT_PROMOTION = {64: "quarter", 128: "chunk"}
+# FP8 promotion by (recipe, BLOCK_M) (`promotion` None; "chunk" where not listed). Measured
+# interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): fp8xfp8 "quarter"
+# 0.93-0.97x the time of "chunk" at BLOCK_M 64 (one consumer warpgroup: nothing else fills the
+# tensor cores while it promotes), 0.98-1.06x at 128 (the second warpgroup already does; m64n64
+# WGMMAs cost more issue); fp8xfp4_sm90 1.20-1.29x at 64 (the decode warpgroups need the issue
+# slots the quarters take)
+DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter"}
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -177,7 +179,7 @@ class Sm90ExpertGemmKernel:
         # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
         # BLOCK_M (`DEFAULT_PROMOTION`)
         if promotion is None:
-            promotion = DEFAULT_PROMOTION.get(block_m, "chunk") if self.is_fp8 else "chunk"
+            promotion = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
         if promotion not in ("chunk", "quarter") or (promotion == "quarter" and not self.is_fp8):
             raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
