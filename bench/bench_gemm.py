@@ -14,7 +14,8 @@ per-round median of replays.
 `fp8xfp4_sm90` rows (MXFP4 weights decoded on chip, issue 19) have no torch baseline; they
 alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
 `ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
-times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`).
+times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
+`--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -35,6 +36,7 @@ from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
 from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
+SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -75,10 +77,10 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
         sf(e, inter // 128, weight_sf_row_len(hidden)))
 
 
-def _ours(recipe, w: ExpertWeights, m: int, block_m: int, promotion: str | None = None):
-    """Our expert FFN on random pools (the same for every ``promotion`` of a ``block_m``:
-    `--quarter-ab` compares the outputs; None: the library's choice); ``run.outputs``: its L2
-    inputs and outputs."""
+def _ours(recipe, w: ExpertWeights, m: int, block_m: int, env: dict | None = None):
+    """Our expert FFN on random pools (the same for every variant of a ``block_m``: the A/Bs
+    compare the outputs), with the variables ``env`` set (A/B variants; none: the library's
+    choices); ``run.outputs``: its L2 inputs and outputs."""
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     p_rows = e * ceil_div(m, block_m) * block_m
     torch.manual_seed(1000 + block_m)
@@ -94,18 +96,18 @@ def _ours(recipe, w: ExpertWeights, m: int, block_m: int, promotion: str | None 
     out = torch.zeros(p_rows, hidden, device="cuda", dtype=torch.bfloat16)
 
     def run():
-        # (the promotion variant is read when the call looks its kernels up: see runtime)
-        before = os.environ.get(PROMOTION_ENV)
-        if promotion is not None:
-            os.environ[PROMOTION_ENV] = promotion
+        # (the variants are read when the call looks its kernels up: see runtime)
+        before = {name: os.environ.get(name) for name in env or {}}
+        os.environ.update(env or {})
         try:
             expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
                        l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False)
         finally:
-            if before is None:
-                os.environ.pop(PROMOTION_ENV, None)
-            else:
-                os.environ[PROMOTION_ENV] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     run.outputs = (l2, out)
     return run
@@ -149,6 +151,10 @@ def main() -> None:
     p.add_argument("--quarter-ab", action="store_true",
                    help="FP8 recipes: time both promotions, 'chunk' and 'quarter', forced "
                         "(interleaved, outputs checked bit-exact; ours_us: the default's)")
+    p.add_argument("--split-ab", action="store_true",
+                   help="FP8 recipes: also time BLOCK_M 64 with the tile's chunks split between "
+                        "two consumer warpgroups (CUTE_MEGAMOE_SM90_SPLIT_N; outputs checked "
+                        "bit-exact; split_over_default: against the default build)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -167,24 +173,30 @@ def main() -> None:
             flops = 6 * e * m * hidden * inter
             quarter = args.quarter_ab and fp8
             # (with --quarter-ab: both promotions forced, `ours` the one the library picks)
-            runs = {bm: _ours(recipe, w, m, bm, "chunk" if quarter else None) for bm in (64, 128)}
+            runs = {bm: _ours(recipe, w, m, bm, {PROMOTION_ENV: "chunk"} if quarter else None)
+                    for bm in (64, 128)}
             if fp4:  # the baseline: our fp8xfp8 kernels on FP8 weights of the same shape
                 w_fp8 = _random_weights("fp8xfp8", e, hidden, inter)
                 runs["fp8_64"] = _ours("fp8xfp8", w_fp8, m, 64)
                 runs["fp8_128"] = _ours("fp8xfp8", w_fp8, m, 128)
             else:
                 runs["torch"] = _torch(recipe, w, m)
+            variants = {}  # run key: (BLOCK_M, variables)
             if quarter:
-                for block_m in (64, 128):
-                    runs[f"quarter_{block_m}"] = _ours(recipe, w, m, block_m, "quarter")
-                    for fn in (runs[block_m], runs[f"quarter_{block_m}"]):
-                        fn()
-                    torch.cuda.synchronize()
-                    for a, b in zip(runs[block_m].outputs, runs[f"quarter_{block_m}"].outputs,
-                                    strict=True):
-                        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
-                            raise SystemExit(f"{recipe} {cfg} block_m {block_m}: the quarter "
-                                             "promotion's outputs differ from chunk's")
+                variants.update({f"quarter_{bm}": (bm, {PROMOTION_ENV: "quarter"})
+                                 for bm in (64, 128)})
+            split = args.split_ab and fp8
+            if split:
+                variants["split_64"] = (64, {SPLIT_ENV: "1", PROMOTION_ENV: "chunk"})
+            for key, (block_m, env) in variants.items():
+                runs[key] = _ours(recipe, w, m, block_m, env)
+                for fn in (runs[block_m], runs[key]):
+                    fn()
+                torch.cuda.synchronize()
+                for a, b in zip(runs[block_m].outputs, runs[key].outputs, strict=True):
+                    if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                        raise SystemExit(f"{recipe} {cfg} block_m {block_m}: {key}'s outputs "
+                                         "differ")
             samples = {key: [] for key in runs}
             for _ in range(args.rounds):
                 for key, fn in runs.items():
@@ -210,6 +222,9 @@ def main() -> None:
                     base.update(chunk_us=t_chunk * 1e6, quarter_us=t_q * 1e6,
                                 quarter_over_chunk=t_q / t_chunk,
                                 promotion=default)
+                if split and block_m == 64:
+                    base.update(split_us=times["split_64"] * 1e6,
+                                split_over_default=times["split_64"] / t)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -221,8 +236,8 @@ def main() -> None:
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
-                     "quarter_over_chunk", "ours_tflops", "torch_tflops", "weight_floor_us",
-                     "ratio_to_floor"]))
+                     "split_us", "split_over_default", "quarter_over_chunk", "ours_tflops",
+                     "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_promotion,
+    sm90_split_n,
 )
 
 __all__ = [
@@ -307,6 +308,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
+        if sm90_split_n() and Kernel.can_split_n(phase, recipe, n, block_m):
+            extra["split_n"] = True
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -349,7 +352,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               sm90_promotion() if arch == "sm_90a" else None)
+               (sm90_promotion(), sm90_split_n()) if arch == "sm_90a" else None)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):

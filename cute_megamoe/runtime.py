@@ -143,6 +143,14 @@ def sm90_promotion() -> str | None:
     return None if value == "auto" else value
 
 
+def sm90_split_n() -> bool:
+    """``CUTE_MEGAMOE_SM90_SPLIT_N=1``: the sm_90a FP8 grouped GEMMs at BLOCK_M 64 with two
+    consumer warpgroups, one 128-column chunk of the tile each (`Sm90ExpertGemmKernel`'s
+    ``split_n``, where the tile has two chunks), for A/B runs. Part of the grouped GEMMs'
+    cache keys."""
+    return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
+
+
 def env_flag(name: str, default: bool = False) -> bool:
     """A boolean `CUTE_MEGAMOE_*` environment switch ("1"/"true"/"yes" are true)."""
     value = os.environ.get(name)
