@@ -70,7 +70,7 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
     if (layout.recipe in EXPERIMENTAL_FUSED_RECIPES[arch]
             and not env_flag("CUTE_MEGAMOE_EXPERIMENTAL_FUSED")):
         return (f"the {arch} fused kernel runs {layout.recipe!r} only as an experiment "
-                f"(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): a stall at two ranks is open")
+                f"(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): intermittent stalls are open")
     if weights.arch != arch:
         return f"the weights are prepared for {weights.arch}, this GPU is {arch}"
     if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N

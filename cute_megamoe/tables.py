@@ -48,8 +48,8 @@ FUSED_RECIPES: dict[str, tuple[str, ...]] = {
 }
 
 #: Fused recipes that run only with ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``: fp8xfp4_sm90 matched
-#: the staged layer bit-exactly at R = 1 on the H200, but a two-rank loopback run stalled in
-#: one of two runs (issue 19; docs/performance.md).
+#: the staged layer bit-exactly on the H200, but stalled in about 3 of 10 GPU test runs (R = 1
+#: and a two-rank loopback; issue 19; docs/performance.md).
 EXPERIMENTAL_FUSED_RECIPES: dict[str, tuple[str, ...]] = {
     "sm_90a": ("fp8xfp4_sm90",),
     "sm_100a": (),

@@ -16,11 +16,12 @@ import torch
 from cute_megamoe.layout import BarrierSlots, MegaMoELayout
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
-# fp8xfp4_sm90 runs only as an experiment (`tables.EXPERIMENTAL_FUSED_RECIPES`): bit-exact at
-# R = 1 on the H200, but the two-rank loopback stalled in one of two runs; the multi-rank
-# and entry-point GPU tests run it too only with CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1 set
+# fp8xfp4_sm90 runs only as an experiment (`tables.EXPERIMENTAL_FUSED_RECIPES`): bit-exact on
+# the H200, but it stalled in about 3 of 10 GPU test runs (at R = 1 too), and a stall traps
+# and takes the CUDA context of every later test in the process with it; so the GPU tests run
+# it only with CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1 set (the compile tests always)
 STABLE_RECIPES = ("fp8xfp8", "bf16xbf16")
-MULTI_RANK_RECIPES = RECIPES if os.environ.get("CUTE_MEGAMOE_EXPERIMENTAL_FUSED") == "1" \
+GPU_RECIPES = RECIPES if os.environ.get("CUTE_MEGAMOE_EXPERIMENTAL_FUSED") == "1" \
     else STABLE_RECIPES
 
 
@@ -192,7 +193,7 @@ def _one_rank(recipe, num_experts, max_tokens, topk, hidden, inter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_matches_staged_one_rank(recipe, monkeypatch):
     _gpu(recipe, monkeypatch)
     from cute_megamoe.testing.fused_checks import FusedLayer
@@ -207,7 +208,7 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_matches_staged_uneven_shape(recipe, monkeypatch):
     """Not powers of two: hidden 2560, intermediate 1536, 40 experts, top-5."""
     _gpu(recipe, monkeypatch)
@@ -220,7 +221,7 @@ def test_fused_matches_staged_uneven_shape(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", MULTI_RANK_RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_two_ranks_on_one_gpu(recipe):
     """A loopback group (both ranks' buffers on one GPU, each on its own stream with half the
     SMs): different token counts and BLOCK_M per rank, 0 tokens on a rank."""
@@ -302,7 +303,7 @@ def test_module_refuses_fused_where_it_cannot_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", MULTI_RANK_RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_module_and_api_run_the_fused_kernel(recipe):
     """`MegaMoE(fused=True)` and `api.mega_moe(..., fused=True)` give the staged kernels' y."""
     _gpu()
@@ -330,7 +331,7 @@ def test_module_and_api_run_the_fused_kernel(recipe):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
-@pytest.mark.parametrize("recipe", MULTI_RANK_RECIPES)
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_one_rank_per_gpu(num_ranks, recipe):
     """200 calls (R = 2; 50 at 4 and 8), one process per GPU, each against the staged layer."""
     _gpu()
