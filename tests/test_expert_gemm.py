@@ -125,8 +125,12 @@ def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: i
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
+    from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
+
     art = _compile(phase, recipe, block_m)
-    shape = "m64n128k32.f32.e4m3.e4m3" if recipe == "fp8xfp8" else "m64n128k16.f32.bf16.bf16"
+    # (fp8xfp8 at BLOCK_M 64 promotes by 64-column quarters: m64n64 WGMMAs)
+    n = 64 if DEFAULT_PROMOTION.get((recipe, block_m)) == "quarter" else 128
+    shape = f"m64n{n}k32.f32.e4m3.e4m3" if recipe == "fp8xfp8" else "m64n128k16.f32.bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.{shape}" in art.ptx
     assert "setmaxnreg" in art.ptx
     if art.sass is None:
