@@ -415,3 +415,13 @@ def test_fused_ab_variants_match_staged(variant):
                    True, **variant)()
         torch.cuda.synchronize()
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m)
+
+
+def test_stall_probe_needs_a_gpu(monkeypatch):
+    """`testing.stall_probe` (the fused FP4 stall diagnostic) says what it needs without one."""
+    from cute_megamoe.testing import stall_probe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["stall_probe", "--rounds", "1"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        stall_probe.main()
