@@ -13,8 +13,6 @@ it. Opt-in in the entry points (`MegaMoE(fused=True)`, `api.mega_moe(..., fused=
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .buffer import SymmBuffer
@@ -38,7 +36,7 @@ from .launch import (
     existing_buffer_state,
     fused_call,
 )
-from .runtime import env_flag, launch_path
+from .runtime import env_flag, kernel_variant_env, launch_path
 from .staged import (
     _MAX_PLANS,
     _LayerPlan,
@@ -189,7 +187,7 @@ def _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math
                 type(num_sms), num_sms,
                 block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
                                  weights.arch) if block_m is None and n >= 0 else None,
-                os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S"), launch_path().name)
+                *kernel_variant_env(), launch_path().name)
     except (TypeError, AttributeError, ValueError, KeyError):
         return None
 

@@ -35,6 +35,7 @@ __all__ = [
     "current_stream",
     "cutlass_dtype",
     "env_flag",
+    "kernel_variant_env",
     "get_arch",
     "launch_path",
     "set_launch_path",
@@ -149,6 +150,17 @@ def sm90_split_n() -> bool:
     ``split_n``, where the tile has two chunks), for A/B runs. Part of the grouped GEMMs'
     cache keys."""
     return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
+
+
+#: Environment variables that choose which kernels a layer call builds: part of the layer
+#: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
+KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
+                      "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_EXPERIMENTAL_FUSED")
+
+
+def kernel_variant_env() -> tuple[str | None, ...]:
+    """The values of `KERNEL_VARIANT_ENV` now."""
+    return tuple(os.environ.get(name) for name in KERNEL_VARIANT_ENV)
 
 
 def env_flag(name: str, default: bool = False) -> bool:

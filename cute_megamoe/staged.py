@@ -20,7 +20,6 @@ rank the same) and ``block_m`` (free per rank; default: the heuristics,
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,7 @@ from .launch import (
     existing_buffer_state,
     staging_call,
 )
-from .runtime import launch_path
+from .runtime import kernel_variant_env, launch_path
 from .tables import check_recipe
 
 #: How dispatched rows cross to the expert's rank (`kernels.dispatch`); ranks must agree.
@@ -668,7 +667,7 @@ def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, ac
                                 weights.arch) if block_m is None and n >= 0 else None,
                select_combine_rounds(n) if rounds is None and not epilogue and n >= 0
                and send_mode == "registers" else None,
-               os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S"), launch_path().name)
+               *kernel_variant_env(), launch_path().name)
         state = existing_buffer_state(sym_buffer)
         plan = None if state is None else state.plans.get(key)
         if plan is None or not plan.accepts(x, topk_idx, topk_weights, weights, n, y, stats):

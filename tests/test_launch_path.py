@@ -119,7 +119,8 @@ def _value(arg) -> object:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_layer_calls_reuse_the_plan_and_fill_in_only_what_changes(fake_cuda, path):
+def test_layer_calls_reuse_the_plan_and_fill_in_only_what_changes(fake_cuda, path,
+                                                                    monkeypatch):
     counts, log = fake_cuda
     runtime.set_launch_path(path)
     buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="fp8xfp8",
@@ -175,6 +176,12 @@ def test_layer_calls_reuse_the_plan_and_fill_in_only_what_changes(fake_cuda, pat
     _, spent, _ = layer(5, 4, fast_math=False)
     assert spent["compile"] == 2  # the GEMMs (both keyed by fast_math)
     assert len(launch.buffer_state(buf).plans) == 2
+    # so does a kernel variant chosen by the environment (here the FP8 promotion): a plan
+    # keeps its kernels, a changed variable must not reuse them
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "chunk")  # (5 tokens: quarter's BLOCK_M)
+    _, spent, _ = layer(5, 5)
+    assert spent["compile"] == 2  # the GEMMs in the other promotion
+    assert len(launch.buffer_state(buf).plans) == 3
 
 
 @pytest.mark.parametrize("path", PATHS)
