@@ -232,6 +232,49 @@ def test_decoded_fp8_is_the_host_decode():
         d.decoded_fp8()
 
 
+def _prmt(a, b, selector):
+    """PTX ``prmt.b32`` (default mode) on uint32 arrays: target byte ``i`` is source byte
+    ``s & 7`` of ``{b, a}``, ``s`` the selector's nibble ``i``; ``s & 8`` replicates that byte's
+    top bit. Only the selector's low 16 bits count."""
+    src = torch.stack([(x >> (8 * i)) & 0xFF for x in (a, b) for i in range(4)])  # [8, n]
+    out = torch.zeros_like(a)
+    for i in range(4):
+        s = (selector >> (4 * i)) & 0xF
+        byte = torch.gather(src, 0, (s & 7).unsqueeze(0)).squeeze(0)
+        byte = torch.where((s & 8) != 0, torch.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out |= byte << (8 * i)
+    return out
+
+
+def test_decode_model_is_exact():
+    """The device decode (`kernels/common/fp4_decode.py`: `e2m1_table`'s fast path and
+    `decode_e2m1_word`) on the host, operation by operation with PTX's ``prmt`` semantics:
+    every code at every position of a word of eight, every fast-path shift, equals
+    ``e4m3(value * 2**d)`` (the GPU tests check the kernels against the host decode; this
+    checks the bit tricks without a GPU)."""
+    from cute_megamoe.kernels.common import fp4_decode as dec
+
+    gen = torch.Generator().manual_seed(11)
+    valid = torch.tensor([c for c in range(16) if c != 8], dtype=torch.uint8)  # no -0
+    rows = valid[torch.randint(0, 15, (15 * 8 * 4, 8), generator=gen)]
+    for pos in range(8):  # every code at every position
+        rows[pos * 60: pos * 60 + 60, pos] = valid.repeat(4)
+    word = quant.pack_fp4(rows).view(torch.uint8).to(torch.int64)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    mask32 = 0xFFFFFFFF
+    shifted = (word << 4) & mask32
+    for d in range(dec.FAST_MIN_SHIFT, 7):
+        lut_lo = torch.full_like(word, (dec.LUT_LO + d * dec.LUT_STEP_LO) & mask32)
+        lut_hi = torch.full_like(word, (dec.LUT_HI + d * dec.LUT_STEP_HI) & mask32)
+        lo = _prmt(lut_lo, lut_hi, word & 0x7777) | (
+            _prmt(shifted, word, torch.full_like(word, dec.SIGN_SEL_LO)) & 0x80808080)
+        hi = _prmt(lut_lo, lut_hi, (word >> 16) & 0x7777) | (
+            _prmt(shifted, word, torch.full_like(word, dec.SIGN_SEL_HI)) & 0x80808080)
+        got = torch.stack([(x >> (8 * i)) & 0xFF for x in (lo, hi) for i in range(4)], dim=1)
+        want = (quant.fp4_codes_to_float(rows) * 2.0**d).to(torch.float8_e4m3fn)
+        assert torch.equal(got.to(torch.uint8), want.view(torch.uint8)), d
+
+
 def test_arch_and_recipe_mismatches_name_the_other_recipe():
     w1, w2 = _bf16(E, 2 * INTER, HIDDEN, 8), _bf16(E, HIDDEN, INTER, 9)
     with pytest.raises(ValueError, match="'fp8xfp4' has no grouped-GEMM kernels on 'sm_90a'.*"
