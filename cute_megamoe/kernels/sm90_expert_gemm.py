@@ -91,7 +91,7 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
-from .common.fp4_decode import decode_e2m1_word, e2m1_table
+from .common.fp4_decode import decode_e2m1_word, e2m1_table, prmt
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
@@ -789,6 +789,9 @@ class Sm90ExpertGemmKernel:
             rows_per_pass = threads // 4
             passes = WG_N // rows_per_pass
             row0, group = tid >> 2, tid & 3
+            # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
+            # (one ALU op instead of a shift and a mask)
+            group_byte = Int32(0x4440) + group
             # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
             # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
             pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
@@ -823,7 +826,7 @@ class Sm90ExpertGemmKernel:
                             cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * row_bytes
                                                          + group * 16), c)
                             codes.append(c)
-                            ue8m0 = (words[chunk * WG_N + row] >> (8 * group)) & 0xFF
+                            ue8m0 = prmt(words[chunk * WG_N + row], Int32(0), group_byte)
                             shifts.append(ue8m0 - bases[chunk])
                         for j in cutlass.range_constexpr(batch):
                             i = first + j

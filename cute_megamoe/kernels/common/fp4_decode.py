@@ -7,8 +7,10 @@ GEMM's per-128 promotion. Per group the eight e4m3 bytes of the magnitudes ``{0,
 2, 3, 4, 6} * 2**d`` form a lookup table of two words, and each word of eight packed codes
 becomes eight e4m3 bytes through byte permutes:
 
-* magnitudes: ``prmt(lut_lo, lut_hi, codes & 0x7777)`` takes the low three bits of four codes
-  as byte selectors (codes 0-3 of the word, and the same on ``codes >> 16`` for 4-7);
+* magnitudes: ``prmt(lut_lo, lut_hi, codes & 0x77777777)`` takes the low three bits of four
+  codes as byte selectors (a selector is the low 16 bits: codes 0-3 of the word; codes 4-7
+  through the upper half, taken by ``mul.hi`` on the FMA pipe: the decode is bound by the ALU
+  pipe, where shifts, permutes and logic ops go);
 * signs: a selector nibble with bit 3 set makes ``prmt`` replicate the sign bit of the byte it
   selects; bit 3 of code ``2i`` is the top bit of byte ``i`` of ``codes << 4``, of code
   ``2i + 1`` the top bit of byte ``i`` of ``codes``, so one ``prmt`` over the pair gives 0xFF
@@ -50,6 +52,13 @@ def prmt(lo: Int32, hi: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def upper_half(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x >> 16`` (logical) as ``mul.hi.u32 x, 2**16``: an IMAD on the FMA pipe, not a shift on
+    the ALU pipe."""
+    return _asm_i32("mul.hi.u32 $0, $1, 65536;", "=r,r", x, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def cvt_e4m3x4(v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None,
                ip=None) -> Int32:
     """Four float32 values rounded to e4m3 (nearest even, saturating), ``v0`` in byte 0."""
@@ -80,8 +89,9 @@ def decode_e2m1_word(codes: Int32, lut_lo: Int32, lut_hi: Int32):
     """Eight packed e2m1 codes (code ``i`` in bits ``4i..4i+3``) -> eight e4m3 bytes as
     ``(elements 0-3, elements 4-7)``, through the table of `e2m1_table`."""
     shifted = codes << 4
-    mag_lo = prmt(lut_lo, lut_hi, codes & 0x7777)
-    mag_hi = prmt(lut_lo, lut_hi, (codes >> 16) & 0x7777)
+    selectors = codes & Int32(0x77777777)
+    mag_lo = prmt(lut_lo, lut_hi, selectors)
+    mag_hi = prmt(lut_lo, lut_hi, upper_half(selectors))
     sign_lo = prmt(shifted, codes, Int32(SIGN_SEL_LO))
     sign_hi = prmt(shifted, codes, Int32(SIGN_SEL_HI))
     return mag_lo | (sign_lo & Int32(0x80808080 - 2**32)), \
