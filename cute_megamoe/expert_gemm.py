@@ -158,7 +158,9 @@ class ExpertWeights:
     * ``fp8xfp4`` (sm_100a): e2m1 packed two per byte (int8, last dim halved), with ``w1_sf``
       ``[E_l, H/128, 2I]`` and ``w2_sf`` ``[E_l, I/128, H]`` int32 (UE8M0 per 32, packed four per
       word, UTCCP row order, MN-major: ``quant.weight_sf_for_sm100``);
-    * ``fp8xfp4_sm90`` (sm_90a): the same MXFP4 weights and ``w1_sf`` / ``w2_sf`` shapes, rows
+    * ``fp8xfp4_sm90`` (sm_90a): the same MXFP4 weights, the codes of each 32-bit word in the
+      order the on-chip decode reads (`quant.fp4_words_for_sm90_decode`: `from_transformed`
+      converts), and ``w1_sf`` / ``w2_sf`` shapes, rows
       in plain order (the sm_90a transform: no UTCCP), which the kernels decode on chip to
       fp8xfp8's format (`quant.fp4_weights_to_fp8_blocks`), plus ``w1_block_sf``
       ``[E_l, H/128, 2I/128]`` and ``w2_block_sf`` ``[E_l, I/128, H/128]`` f32: the decode's
@@ -237,6 +239,8 @@ class ExpertWeights:
         else:
             rows1 = check_tensor("l1_weights[1]", l1_weights[1], torch.int32, for_kernel=False)
             rows2 = check_tensor("l2_weights[1]", l2_weights[1], torch.int32, for_kernel=False)
+            w1 = quant.fp4_words_for_sm90_decode(w1)
+            w2 = quant.fp4_words_for_sm90_decode(w2)
             return cls(recipe, w1, w2, rows1.transpose(1, 2).contiguous(),
                        rows2.transpose(1, 2).contiguous(), arch=arch,
                        w1_block_sf=_fp4_block_weight_sf(rows1, gate_up=True),
@@ -269,8 +273,10 @@ class ExpertWeights:
         if self.recipe != "fp8xfp4_sm90":
             raise ValueError(f"decoded_fp8: fp8xfp4_sm90 weights only, these are {self.recipe}")
         sf1 = quant.deinterleave_gate_up(self.w1_sf.transpose(1, 2))
-        l1 = quant.fp4_weights_to_fp8_blocks((quant.deinterleave_gate_up(self.w1), sf1))
-        l2 = quant.fp4_weights_to_fp8_blocks((self.w2, self.w2_sf.transpose(1, 2)))
+        w1 = quant.fp4_words_from_sm90_decode(self.w1)
+        l1 = quant.fp4_weights_to_fp8_blocks((quant.deinterleave_gate_up(w1), sf1))
+        l2 = quant.fp4_weights_to_fp8_blocks((quant.fp4_words_from_sm90_decode(self.w2),
+                                              self.w2_sf.transpose(1, 2)))
         return ExpertWeights.from_quantized(l1, l2, "fp8xfp8", arch=self.arch)
 
 

@@ -87,6 +87,8 @@ __all__ = [
     "fp4_weights_to_fp8_blocks",
     "interleave_gate_up",
     "pack_fp4",
+    "fp4_words_for_sm90_decode",
+    "fp4_words_from_sm90_decode",
     "pack_ue8m0_to_int",
     "per_block_cast_to_fp8",
     "per_channel_cast_to_fp8",
@@ -374,6 +376,50 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     p = packed.view(torch.uint8)
     codes = torch.stack((p & 0x0F, p >> 4), dim=-1)
     return codes.reshape(*p.shape[:-1], 2 * p.shape[-1]).view(torch.int8)
+
+
+def _check_fp4_words(packed: torch.Tensor, name: str) -> torch.Tensor:
+    check_tensor(name, packed, for_kernel=False)
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"{name} must have dtype torch.int8 or torch.uint8, got {packed.dtype}")
+    if packed.dim() == 0 or packed.size(-1) % 4 != 0:
+        raise ValueError(f"{name}'s last dim must be a multiple of 4 bytes (words of 8 codes), "
+                         f"got shape {tuple(packed.shape)}")
+    return packed.reshape(*packed.shape[:-1], packed.size(-1) // 4, 4).view(torch.uint8)
+
+
+def fp4_words_for_sm90_decode(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 codes (`pack_fp4`, int8 ``[..., n/2]``, ``n`` a multiple of 8) with the bits
+    of each 32-bit word of eight codes ``c0 .. c7`` rearranged for the sm_90a decode
+    (`kernels/common/fp4_decode.py`): byte ``j`` holds the magnitude (low 3 bits) of ``c(2j)``
+    in bits 0-2 and of ``c(2j+1)`` in bits 4-6, the sign of ``c(4+j)`` in bit 3 and of ``c(j)``
+    in bit 7. So the low 16 bits are the magnitude selectors of ``c0 .. c3``, the high 16 those
+    of ``c4 .. c7``, and each code's sign already sits on the top bit of its e4m3 output byte
+    (``c0 .. c3``: the word; ``c4 .. c7``: the word shifted left by 4). Same shape and dtype;
+    `fp4_words_from_sm90_decode` inverts it."""
+    b = _check_fp4_words(packed, "packed")
+    codes = unpack_fp4(b.reshape(*b.shape[:-2], -1)).view(torch.uint8)
+    codes = codes.reshape(*b.shape[:-2], b.shape[-2], 8)
+    mag, sign = codes & 0x7, (codes >> 3) & 0x1
+    out = torch.empty_like(b)
+    for j in range(4):
+        out[..., j] = (mag[..., 2 * j] | (sign[..., 4 + j] << 3) | (mag[..., 2 * j + 1] << 4)
+                       | (sign[..., j] << 7))
+    return out.reshape(packed.shape).view(packed.dtype)
+
+
+def fp4_words_from_sm90_decode(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `fp4_words_for_sm90_decode`: plain `pack_fp4` order."""
+    b = _check_fp4_words(packed, "packed")
+    codes = torch.empty(*b.shape[:-1], 8, dtype=torch.uint8, device=b.device)
+    for j in range(4):
+        byte = b[..., j]
+        codes[..., 2 * j] = (byte & 0x7) | (((b[..., (2 * j) % 4] >> (7 if 2 * j < 4 else 3))
+                                              & 0x1) << 3)
+        codes[..., 2 * j + 1] = ((byte >> 4) & 0x7) | ((
+            (b[..., (2 * j + 1) % 4] >> (7 if 2 * j + 1 < 4 else 3)) & 0x1) << 3)
+    flat = codes.reshape(*b.shape[:-2], -1)
+    return pack_fp4(flat).reshape(packed.shape).view(packed.dtype)
 
 
 def transpose_packed_fp4(a: torch.Tensor) -> torch.Tensor:

@@ -173,8 +173,10 @@ def test_expert_weights_layout():
     (t1, tsf1), (t2, tsf2) = quant.transform_weights_for_mega_moe(q1, q2, arch="sm_90a")
     assert w.w1.dtype == torch.int8 and w.w1.shape == (E, 2 * INTER, HIDDEN // 2)
     assert w.w2.dtype == torch.int8 and w.w2.shape == (E, HIDDEN, INTER // 2)
-    assert torch.equal(w.w1, t1) and torch.equal(w.w1, quant.interleave_gate_up(q1[0]))
-    assert torch.equal(w.w2, q2[0])
+    # the codes in the decode's word order (and back: the plain packed codes)
+    assert torch.equal(w.w1, quant.fp4_words_for_sm90_decode(t1))
+    assert torch.equal(quant.fp4_words_from_sm90_decode(w.w1), quant.interleave_gate_up(q1[0]))
+    assert torch.equal(quant.fp4_words_from_sm90_decode(w.w2), q2[0])
     # the sm_90a transform's packed words (interleaved, no UTCCP), MN-major
     assert w.w1_sf.dtype == torch.int32 and w.w1_sf.shape == (E, HIDDEN // 128, 2 * INTER)
     assert w.w2_sf.shape == (E, INTER // 128, HIDDEN)
@@ -246,12 +248,11 @@ def _prmt(a, b, selector):
     return out
 
 
-def test_decode_model_is_exact():
-    """The device decode (`kernels/common/fp4_decode.py`: `e2m1_table`'s fast path and
-    `decode_e2m1_word`) on the host, operation by operation with PTX's ``prmt`` semantics:
-    every code at every position of a word of eight, every fast-path shift, equals
-    ``e4m3(value * 2**d)`` (the GPU tests check the kernels against the host decode; this
-    checks the bit tricks without a GPU)."""
+def test_word_order_decode_model_is_exact():
+    """The device decode (`kernels/common/fp4_decode.py`) on the host, operation by operation
+    with PTX's ``prmt`` semantics, on words in the sm_90a order (`quant.fp4_words_for_sm90_
+    decode`): every code at every position of a word, every fast-path shift, equals
+    ``e4m3(value * 2**d)``; the order round-trips."""
     from cute_megamoe.kernels.common import fp4_decode as dec
 
     gen = torch.Generator().manual_seed(11)
@@ -259,17 +260,18 @@ def test_decode_model_is_exact():
     rows = valid[torch.randint(0, 15, (15 * 8 * 4, 8), generator=gen)]
     for pos in range(8):  # every code at every position
         rows[pos * 60: pos * 60 + 60, pos] = valid.repeat(4)
-    word = quant.pack_fp4(rows).view(torch.uint8).to(torch.int64)
+    packed = quant.pack_fp4(rows)
+    ordered = quant.fp4_words_for_sm90_decode(packed)
+    assert torch.equal(quant.fp4_words_from_sm90_decode(ordered), packed)
+    word = ordered.view(torch.uint8).to(torch.int64)
     word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
     mask32 = 0xFFFFFFFF
-    shifted = (word << 4) & mask32
     for d in range(dec.FAST_MIN_SHIFT, 7):
         lut_lo = torch.full_like(word, (dec.LUT_LO + d * dec.LUT_STEP_LO) & mask32)
         lut_hi = torch.full_like(word, (dec.LUT_HI + d * dec.LUT_STEP_HI) & mask32)
-        lo = _prmt(lut_lo, lut_hi, word & 0x7777) | (
-            _prmt(shifted, word, torch.full_like(word, dec.SIGN_SEL_LO)) & 0x80808080)
-        hi = _prmt(lut_lo, lut_hi, (word >> 16) & 0x7777) | (
-            _prmt(shifted, word, torch.full_like(word, dec.SIGN_SEL_HI)) & 0x80808080)
+        selectors = word & 0x77777777
+        lo = _prmt(lut_lo, lut_hi, selectors) | (word & 0x80808080)
+        hi = _prmt(lut_lo, lut_hi, selectors >> 16) | ((word << 4) & 0x80808080)
         got = torch.stack([(x >> (8 * i)) & 0xFF for x in (lo, hi) for i in range(4)], dim=1)
         want = (quant.fp4_codes_to_float(rows) * 2.0**d).to(torch.float8_e4m3fn)
         assert torch.equal(got.to(torch.uint8), want.view(torch.uint8)), d

@@ -5,17 +5,22 @@ An element ``v`` of a 32-group with scale ``2**s`` inside a 128x128 block with b
 becomes ``e4m3(v * 2**d)``, ``d = s - b <= 6``; the block's scale ``2**b`` goes into the
 GEMM's per-128 promotion. Per group the eight e4m3 bytes of the magnitudes ``{0, 0.5, 1, 1.5,
 2, 3, 4, 6} * 2**d`` form a lookup table of two words, and each word of eight packed codes
-becomes eight e4m3 bytes through byte permutes:
+becomes eight e4m3 bytes through byte permutes. The weights keep their codes in the sm_90a word
+order (`quant.fp4_words_for_sm90_decode`, applied when `ExpertWeights` are made): in a word of
+codes ``c0 .. c7`` the low 16 bits hold the magnitudes (low three bits) of ``c0 .. c3`` as
+nibbles, the high 16 bits those of ``c4 .. c7``, and each code's sign bit sits where its output
+byte's sign goes, ``c0 .. c3`` at bits 7, 15, 23, 31 of the word and ``c4 .. c7`` at bits 3,
+11, 19, 27 (bits 7, 15, 23, 31 of the word shifted left by 4). Per word:
 
-* magnitudes: ``prmt(lut_lo, lut_hi, codes & 0x77777777)`` takes the low three bits of four
-  codes as byte selectors (a selector is the low 16 bits: codes 0-3 of the word; codes 4-7
-  through the upper half, taken by ``mul.hi`` on the FMA pipe: the decode is bound by the ALU
-  pipe, where shifts, permutes and logic ops go);
-* signs: a selector nibble with bit 3 set makes ``prmt`` replicate the sign bit of the byte it
-  selects; bit 3 of code ``2i`` is the top bit of byte ``i`` of ``codes << 4``, of code
-  ``2i + 1`` the top bit of byte ``i`` of ``codes``, so one ``prmt`` over the pair gives 0xFF
-  or 0x00 per output byte, masked to 0x80 and or-ed in. A negative zero code (0x8, which the
+* magnitudes: ``prmt(lut_lo, lut_hi, word & 0x77777777)`` takes the low 16 bits as four byte
+  selectors (``c0 .. c3``); the high half, taken by ``mul.hi`` on the FMA pipe, gives
+  ``c4 .. c7`` (the decode is bound by the ALU pipe, where permutes, logic ops and shifts go);
+* signs: or-ed in from ``word & 0x80808080`` and ``(word << 4) & 0x80808080`` (one logic op
+  each; the shift is an integer multiply, FMA pipe). A negative zero code (0x8, which the
   quantizer never writes) becomes e4m3 -0 (the host decode gives +0; the products agree).
+
+Five ALU-pipe instructions per eight codes (the plain nibble order needed nine: two more
+permutes to move the signs).
 
 The table for ``-5 <= d <= 6`` (every value normal in e4m3) is two integer adds: the e4m3 byte
 of ``m * 2**d`` is that of ``m`` with ``d`` added to the exponent field, and no byte carries
@@ -36,7 +41,6 @@ LUT_LO, LUT_HI = 0x3C383000, 0x4C484440
 LUT_STEP_LO, LUT_STEP_HI = 0x08080800, 0x08080808
 FAST_MIN_SHIFT = -5  # the smallest d whose table the adds give (0.5 * 2**-5 = 2**-6, normal)
 MIN_SHIFT = -40  # d below this rounds every value to zero: clamp (keeps 2**d a normal float)
-SIGN_SEL_LO, SIGN_SEL_HI = 0xD9C8, 0xFBEA  # sign-replicating selectors of codes 0-3 / 4-7
 
 
 def _asm_i32(asm: str, constraints: str, *args, loc=None, ip=None) -> Int32:
@@ -85,14 +89,10 @@ def e2m1_table(shift: Int32):
 
 
 @cute.jit
-def decode_e2m1_word(codes: Int32, lut_lo: Int32, lut_hi: Int32):
-    """Eight packed e2m1 codes (code ``i`` in bits ``4i..4i+3``) -> eight e4m3 bytes as
+def decode_e2m1_word(word: Int32, lut_lo: Int32, lut_hi: Int32):
+    """Eight e2m1 codes in the sm_90a word order (see the module doc) -> eight e4m3 bytes as
     ``(elements 0-3, elements 4-7)``, through the table of `e2m1_table`."""
-    shifted = codes << 4
-    selectors = codes & Int32(0x77777777)
-    mag_lo = prmt(lut_lo, lut_hi, selectors)
-    mag_hi = prmt(lut_lo, lut_hi, upper_half(selectors))
-    sign_lo = prmt(shifted, codes, Int32(SIGN_SEL_LO))
-    sign_hi = prmt(shifted, codes, Int32(SIGN_SEL_HI))
-    return mag_lo | (sign_lo & Int32(0x80808080 - 2**32)), \
-        mag_hi | (sign_hi & Int32(0x80808080 - 2**32))
+    selectors = word & Int32(0x77777777)
+    signs = Int32(0x80808080 - 2**32)
+    return prmt(lut_lo, lut_hi, selectors) | (word & signs), \
+        prmt(lut_lo, lut_hi, upper_half(selectors)) | ((word << 4) & signs)
