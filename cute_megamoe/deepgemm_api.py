@@ -144,11 +144,6 @@ def _weights_for(l1_weights, l2_weights, recipe: str, arch: str):
         _check_pair_types(l2_weights, torch.Tensor)
         return ExpertWeights(recipe, l1_weights, l2_weights, arch=arch)
     _check_pair_types(l2_weights, tuple)
-    if recipe == "fp8xfp4_sm90":  # the codes' word order and the decode's block scales
-        (weights,) = _CACHE.get(_flat(l1_weights) + _flat(l2_weights), ("kernel", recipe, arch),
-                                lambda: (ExpertWeights.from_transformed(
-                                    l1_weights, l2_weights, recipe, arch),))
-        return weights
     (w1, sf1), (w2, sf2) = l1_weights, l2_weights
     if recipe == "fp8xfp8":
         def convert():
