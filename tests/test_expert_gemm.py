@@ -213,7 +213,11 @@ def test_sm90_split_n_compiles_with_one_chunk_per_warpgroup(recipe, phase, monke
                                  activation_clamp=10.0)
     wide = Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
     assert kernel.split_n and kernel.num_mma_wgs == 2 and kernel.wg_chunks == 1
-    assert (kernel.num_threads, kernel.consumer_regs) == (wide.num_threads, wide.consumer_regs)
+    if recipe == "fp8xfp8":  # BLOCK_M 128's threads and registers
+        assert (kernel.num_threads, kernel.consumer_regs) == (wide.num_threads,
+                                                              wide.consumer_regs)
+    else:  # and two decode warpgroups, as at BLOCK_M 64: 640 threads at 96 registers
+        assert (kernel.num_threads, kernel.decode_wgs, kernel.consumer_regs) == (640, 2, 168)
     assert kernel.promotion == "chunk" and kernel.staging_parts == 1
     # BLOCK_M 128 and BF16 kernels are built as without the variable
     assert not gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128)[0].split_n

@@ -122,6 +122,10 @@ SPLIT_BARRIER = 7
 # warpgroup, of a consumer, items decoded per batch); BLOCK_M 64: 128 x (40 + 2 x 112 + 232)
 # = 62K registers; BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
 FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
+# `split_n` at BLOCK_M 64 with FP4 weights: two consumer warpgroups on the tile's chunks and
+# still two decode warpgroups, 640 threads: 128 x (24 + 2 x 56 + 2 x 168) = 59K of the 60K
+# registers 640 threads launch with (96 each)
+FP4_SPLIT_WARPGROUPS = (2, 24, 56, 168, 4)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -209,11 +213,17 @@ class Sm90ExpertGemmKernel:
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
-             batch) = FP4_WARPGROUPS[self.num_mma_wgs]
+             batch) = FP4_SPLIT_WARPGROUPS if self.split_n else FP4_WARPGROUPS[self.num_mma_wgs]
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
+        # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
+        # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
+        launch_regs = min(255, 65536 // self.num_threads) // 8 * 8
+        wanted = 128 * (self.producer_regs + self.decode_wgs * self.decode_regs
+                        + self.num_mma_wgs * self.consumer_regs)
+        assert wanted <= self.num_threads * launch_regs, (wanted, self.num_threads)
         elt = self.ab_dtype.width // 8
         out_elt = elt if phase == "l1" else 2
         # bytes of one output row inside one tile; of the part one consumer warpgroup writes
