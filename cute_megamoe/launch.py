@@ -33,6 +33,7 @@ from .runtime import (
     launch_path,
     sm90_promotion,
     sm90_split_n,
+    sm90_swap_ab,
 )
 
 __all__ = [
@@ -303,6 +304,13 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
     extra = {"combine_layout": combine_layout}
+    if arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64 and sm90_swap_ab():
+        from .kernels.sm90_expert_gemm_swapab import Sm90SwapABExpertGemmKernel
+
+        kernel = Sm90SwapABExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
+                                            block_m, activation_clamp=clamp,
+                                            fast_math=fast_math, **extra)
+        return kernel, dtypes
     if arch == "sm_90a":  # (the FP4 weight decode runs without clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
                               else select_cluster_m(arch, phase, block_m, n))
@@ -352,7 +360,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n()) if arch == "sm_90a" else None)
+               (sm90_promotion(), sm90_split_n(), sm90_swap_ab()) if arch == "sm_90a" else None)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):

@@ -378,30 +378,40 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return codes.reshape(*p.shape[:-1], 2 * p.shape[-1]).view(torch.int8)
 
 
-def _check_fp4_words(packed: torch.Tensor, name: str) -> torch.Tensor:
+def _check_fp4_groups(packed: torch.Tensor, name: str) -> torch.Tensor:
     check_tensor(name, packed, for_kernel=False)
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"{name} must have dtype torch.int8 or torch.uint8, got {packed.dtype}")
-    if packed.dim() == 0 or packed.size(-1) % 4 != 0:
-        raise ValueError(f"{name}'s last dim must be a multiple of 4 bytes (words of 8 codes), "
-                         f"got shape {tuple(packed.shape)}")
-    return packed.reshape(*packed.shape[:-1], packed.size(-1) // 4, 4).view(torch.uint8)
+    if packed.dim() == 0 or packed.size(-1) % 16 != 0:
+        raise ValueError(f"{name}'s last dim must be a multiple of 16 bytes (groups of 32 "
+                         f"codes), got shape {tuple(packed.shape)}")
+    return packed.view(torch.uint8)
+
+
+# The sm_90a order of a 32-code group: word q (bytes 4q .. 4q + 3) holds codes 4q .. 4q + 3
+# and 16 + 4q .. 16 + 4q + 3, the k-columns lane q of a quad holds in a register A fragment of
+# an FP8 m64nNk32 WGMMA (`kernels/sm90_expert_gemm_swapab.py`; the staged decode of
+# `sm90_expert_gemm.py` writes the same codes to their columns)
+SM90_GROUP_ORDER = [16 * h + 4 * q + i for q in range(4) for h in range(2) for i in range(4)]
+_SM90_GROUP_ORDER_INV = [SM90_GROUP_ORDER.index(c) for c in range(32)]
 
 
 def fp4_words_for_sm90_decode(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 codes (`pack_fp4`, int8 ``[..., n/2]``, ``n`` a multiple of 8) with the bits
-    of each 32-bit word of eight codes ``c0 .. c7`` rearranged for the sm_90a decode
-    (`kernels/common/fp4_decode.py`): byte ``j`` holds the magnitude (low 3 bits) of ``c(2j)``
-    in bits 0-2 and of ``c(2j+1)`` in bits 4-6, the sign of ``c(4+j)`` in bit 3 and of ``c(j)``
-    in bit 7. So the low 16 bits are the magnitude selectors of ``c0 .. c3``, the high 16 those
-    of ``c4 .. c7``, and each code's sign already sits on the top bit of its e4m3 output byte
-    (``c0 .. c3``: the word; ``c4 .. c7``: the word shifted left by 4). Same shape and dtype;
-    `fp4_words_from_sm90_decode` inverts it."""
-    b = _check_fp4_words(packed, "packed")
-    codes = unpack_fp4(b.reshape(*b.shape[:-2], -1)).view(torch.uint8)
-    codes = codes.reshape(*b.shape[:-2], b.shape[-2], 8)
+    """Packed e2m1 codes (`pack_fp4`, int8 ``[..., n/2]``, ``n`` a multiple of 32) rearranged
+    for the sm_90a decode (`kernels/common/fp4_decode.py`). Within each group of 32 codes, word
+    ``q`` (bytes ``4q .. 4q + 3``) holds codes ``4q .. 4q + 3`` then ``16 + 4q .. 16 + 4q + 3``
+    (`SM90_GROUP_ORDER`); within a word of those eight codes ``c0 .. c7``, byte ``j`` holds the
+    magnitude (low 3 bits) of ``c(2j)`` in bits 0-2 and of ``c(2j+1)`` in bits 4-6, the sign of
+    ``c(4+j)`` in bit 3 and of ``c(j)`` in bit 7. So the low 16 bits are the magnitude
+    selectors of ``c0 .. c3``, the high 16 those of ``c4 .. c7``, and each code's sign already
+    sits on the top bit of its e4m3 output byte (``c0 .. c3``: the word; ``c4 .. c7``: the word
+    shifted left by 4). Same shape and dtype; `fp4_words_from_sm90_decode` inverts it."""
+    b = _check_fp4_groups(packed, "packed")
+    codes = unpack_fp4(b).view(torch.uint8)
+    codes = codes.reshape(*b.shape[:-1], -1, 32)[..., SM90_GROUP_ORDER]
+    codes = codes.reshape(*b.shape[:-1], -1, 8)
     mag, sign = codes & 0x7, (codes >> 3) & 0x1
-    out = torch.empty_like(b)
+    out = torch.empty(*codes.shape[:-1], 4, dtype=torch.uint8, device=b.device)
     for j in range(4):
         out[..., j] = (mag[..., 2 * j] | (sign[..., 4 + j] << 3) | (mag[..., 2 * j + 1] << 4)
                        | (sign[..., j] << 7))
@@ -410,16 +420,16 @@ def fp4_words_for_sm90_decode(packed: torch.Tensor) -> torch.Tensor:
 
 def fp4_words_from_sm90_decode(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `fp4_words_for_sm90_decode`: plain `pack_fp4` order."""
-    b = _check_fp4_words(packed, "packed")
-    codes = torch.empty(*b.shape[:-1], 8, dtype=torch.uint8, device=b.device)
-    for j in range(4):
-        byte = b[..., j]
-        codes[..., 2 * j] = (byte & 0x7) | (((b[..., (2 * j) % 4] >> (7 if 2 * j < 4 else 3))
-                                              & 0x1) << 3)
-        codes[..., 2 * j + 1] = ((byte >> 4) & 0x7) | ((
-            (b[..., (2 * j + 1) % 4] >> (7 if 2 * j + 1 < 4 else 3)) & 0x1) << 3)
-    flat = codes.reshape(*b.shape[:-2], -1)
-    return pack_fp4(flat).reshape(packed.shape).view(packed.dtype)
+    b = _check_fp4_groups(packed, "packed")
+    w = b.reshape(*b.shape[:-1], -1, 4)
+    codes = torch.empty(*w.shape[:-1], 8, dtype=torch.uint8, device=b.device)
+    for c in range(8):
+        byte = w[..., c // 2]
+        mag = (byte >> (4 * (c % 2))) & 0x7
+        sign = (w[..., c % 4] >> (7 if c < 4 else 3)) & 0x1
+        codes[..., c] = mag | (sign << 3)
+    codes = codes.reshape(*b.shape[:-1], -1, 32)[..., _SM90_GROUP_ORDER_INV]
+    return pack_fp4(codes.reshape(*b.shape[:-1], -1)).reshape(packed.shape).view(packed.dtype)
 
 
 def transpose_packed_fp4(a: torch.Tensor) -> torch.Tensor:

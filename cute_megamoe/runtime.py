@@ -152,10 +152,18 @@ def sm90_split_n() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
 
 
+def sm90_swap_ab() -> bool:
+    """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
+    64 run transposed, the decoded weights in the WGMMA's register operand
+    (`sm90_expert_gemm_swapab`), for A/B runs. Part of the grouped GEMMs' cache keys."""
+    return env_flag("CUTE_MEGAMOE_SM90_SWAP_AB")
+
+
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
-                      "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_EXPERIMENTAL_FUSED")
+                      "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
+                      "CUTE_MEGAMOE_EXPERIMENTAL_FUSED")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -61,6 +61,36 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("phase,hidden", [("l1", 7168), ("l2", 7168), ("l2", 1152)])
+def test_swap_ab_compiles_sm90_with_register_operands_and_no_spills(phase, hidden, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_SWAP_AB`: the transposed kernels (BLOCK_M 64) issue m64n64k32 WGMMAs
+    whose A (the decoded weights) comes from registers, 4 per m64 block per k-block, decode in
+    the consumer warps (no decode warpgroups, no decoded tile in shared memory), one consumer
+    warpgroup per 128-row weight chunk of the tile, and spill nothing."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_SWAP_AB", "1")
+    kernel, art = _compile(phase, 64, hidden=hidden)
+    assert type(kernel).__name__ == "Sm90SwapABExpertGemmKernel"
+    wgmma = [line for line in art.ptx.splitlines() if "wgmma.mma_async" in line]
+    assert wgmma and all("m64n64k32.f32.e4m3.e4m3" in line for line in wgmma)
+    # operands: {accumulators}, {four A registers}, the B descriptor, ...
+    assert all(line.split("}, {")[1].split("}")[0].count("%r") == 4 for line in wgmma)
+    chunks = kernel.block_n // 128
+    assert (kernel.decode_wgs, kernel.num_mma_wgs) == (0, chunks)
+    assert kernel.num_threads == 128 * (1 + chunks)
+    assert kernel.num_stages == kernel.packed_stages >= 5
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA.64x64x32.F32.E4M3.E4M3") == 8
+    assert art.count("UTMALDG.2D") >= 2
+    # the decode: 2 permutes per word of codes + 1 per scale byte, the upper half by mul.hi
+    assert art.count("PRMT") >= 32 and art.count("IMAD.HI") >= 16
+    assert art.count("USETMAXREG") == 2  # producer, consumers
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
 def test_fp4_stage_accounting():
     """What the mbarriers expect per stage: the MMA stage A and the scale vectors, the packed
     stage the packed weight bytes, the tile rows' per-32 scale words and the block scales (the
@@ -111,12 +141,13 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", (64, 128))
+@pytest.mark.parametrize("block_m,swap_ab", [(64, False), (128, False), (64, True)])
 @pytest.mark.parametrize("spread", (False, True))
-def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, spread):
+def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, swap_ab, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
-    pad rows stay poisoned)."""
+    pad rows stay poisoned). ``swap_ab``: the FP4 kernels transposed, the weights decoded into
+    the WGMMA's register operand (`CUTE_MEGAMOE_SM90_SWAP_AB`)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -143,6 +174,8 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, spread):
                                        arch="sm_90a")
     count_t = torch.tensor(counts, dtype=torch.int32, device=device)
     results = []
+    if swap_ab:
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_SWAP_AB", "1")
     for weights in (fp4, fp8):
         l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
         l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
@@ -158,6 +191,48 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, spread):
     (l2_a, sf_a, out_a), (l2_b, sf_b, out_b) = results
     assert bool((out_a[~valid] == 0x7FFF).all()), "a pad row was written"
     assert bool((out_a[valid] != 0x7FFF).all()), "a valid row was not written"
+    assert torch.equal(l2_a[valid], l2_b[valid])
+    assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
+    assert torch.equal(out_a[valid], out_b[valid])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ("random", "skewed", "sparse", "empty", "one_expert"))
+@pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
+def test_swap_ab_is_bit_identical_to_the_staged_decode(pattern, hidden, inter, monkeypatch):
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_SWAP_AB`, BLOCK_M 64) against the staged
+    decode on the same FP4 weights and pools: L2 inputs, their scales and the outputs equal bit
+    for bit on every valid row, pad rows stay poisoned; with routings that leave experts empty
+    or give one expert everything, and an L2 of 1152 columns (one 128-row weight chunk per
+    tile: one consumer warpgroup)."""
+    from cute_megamoe.expert_gemm import expert_ffn
+    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, make_pool_problem
+
+    device = _gpu()
+    counts = [0, 0, 0, 389, 0, 0, 0, 0] if pattern == "one_expert" else COUNT_PATTERNS[pattern]
+    problem = make_pool_problem(RECIPE, counts, 64, hidden, inter, device, seed=5 + hidden)
+    rows = problem.num_pool_rows
+    count_t = torch.tensor(problem.counts, dtype=torch.int32, device=device)
+    results = []
+    for swap in ("0", "1"):
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_SWAP_AB", swap)
+        l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
+        l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
+        out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
+        expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights, count_t,
+                   problem.weights, block_m=64, activation_clamp=7.0,
+                   l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
+                   out=out.view(torch.bfloat16))
+        results.append((l2, l2_sf, out))
+    torch.cuda.synchronize(device)
+    valid = torch.zeros(rows, dtype=torch.bool, device=device)
+    for r in problem.row_of_expert:
+        valid[r.start:r.stop] = True
+    (l2_a, sf_a, out_a), (l2_b, sf_b, out_b) = results
+    for l2, out in ((l2_a, out_a), (l2_b, out_b)):
+        assert bool((out[~valid] == 0x7FFF).all()), "a pad row was written"
+        assert bool((l2[~valid] == 0x7F).all()), "a pad row of the L2 input was written"
+        assert bool((out[valid] != 0x7FFF).all()), "a valid row was not written"
     assert torch.equal(l2_a[valid], l2_b[valid])
     assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
     assert torch.equal(out_a[valid], out_b[valid])

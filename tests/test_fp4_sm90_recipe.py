@@ -250,31 +250,38 @@ def _prmt(a, b, selector):
 
 def test_word_order_decode_model_is_exact():
     """The device decode (`kernels/common/fp4_decode.py`) on the host, operation by operation
-    with PTX's ``prmt`` semantics, on words in the sm_90a order (`quant.fp4_words_for_sm90_
-    decode`): every code at every position of a word, every fast-path shift, equals
-    ``e4m3(value * 2**d)``; the order round-trips."""
+    with PTX's ``prmt`` semantics, on groups in the sm_90a order (`quant.fp4_words_for_sm90_
+    decode`): every code at every position of a group, every fast-path shift, gives word ``q``
+    of a group the e4m3 bytes ``e4m3(value * 2**d)`` of columns ``4q .. 4q + 3`` (first output)
+    and ``16 + 4q .. 16 + 4q + 3`` (second), the columns of lane ``q`` of a quad in a WGMMA
+    register fragment; the order round-trips."""
     from cute_megamoe.kernels.common import fp4_decode as dec
 
     gen = torch.Generator().manual_seed(11)
     valid = torch.tensor([c for c in range(16) if c != 8], dtype=torch.uint8)  # no -0
-    rows = valid[torch.randint(0, 15, (15 * 8 * 4, 8), generator=gen)]
-    for pos in range(8):  # every code at every position
-        rows[pos * 60: pos * 60 + 60, pos] = valid.repeat(4)
+    rows = valid[torch.randint(0, 15, (15 * 32, 32), generator=gen)]
+    for pos in range(32):  # every code at every position
+        rows[pos * 15: pos * 15 + 15, pos] = valid
     packed = quant.pack_fp4(rows)
     ordered = quant.fp4_words_for_sm90_decode(packed)
     assert torch.equal(quant.fp4_words_from_sm90_decode(ordered), packed)
-    word = ordered.view(torch.uint8).to(torch.int64)
-    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    want_cols = [list(range(4 * q, 4 * q + 4)) + list(range(16 + 4 * q, 20 + 4 * q))
+                 for q in range(4)]
+    assert quant.SM90_GROUP_ORDER == [c for cols in want_cols for c in cols]
     mask32 = 0xFFFFFFFF
-    for d in range(dec.FAST_MIN_SHIFT, 7):
-        lut_lo = torch.full_like(word, (dec.LUT_LO + d * dec.LUT_STEP_LO) & mask32)
-        lut_hi = torch.full_like(word, (dec.LUT_HI + d * dec.LUT_STEP_HI) & mask32)
-        selectors = word & 0x77777777
-        lo = _prmt(lut_lo, lut_hi, selectors) | (word & 0x80808080)
-        hi = _prmt(lut_lo, lut_hi, selectors >> 16) | ((word << 4) & 0x80808080)
-        got = torch.stack([(x >> (8 * i)) & 0xFF for x in (lo, hi) for i in range(4)], dim=1)
-        want = (quant.fp4_codes_to_float(rows) * 2.0**d).to(torch.float8_e4m3fn)
-        assert torch.equal(got.to(torch.uint8), want.view(torch.uint8)), d
+    for q in range(4):
+        word = ordered.view(torch.uint8)[:, 4 * q: 4 * q + 4].to(torch.int64)
+        word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+        for d in range(dec.FAST_MIN_SHIFT, 7):
+            lut_lo = torch.full_like(word, (dec.LUT_LO + d * dec.LUT_STEP_LO) & mask32)
+            lut_hi = torch.full_like(word, (dec.LUT_HI + d * dec.LUT_STEP_HI) & mask32)
+            selectors = word & 0x77777777
+            lo = _prmt(lut_lo, lut_hi, selectors) | (word & 0x80808080)
+            hi = _prmt(lut_lo, lut_hi, selectors >> 16) | ((word << 4) & 0x80808080)
+            got = torch.stack([(x >> (8 * i)) & 0xFF for x in (lo, hi) for i in range(4)], dim=1)
+            want = (quant.fp4_codes_to_float(rows[:, want_cols[q]]) * 2.0**d)
+            assert torch.equal(got.to(torch.uint8),
+                               want.to(torch.float8_e4m3fn).view(torch.uint8)), (q, d)
 
 
 def test_arch_and_recipe_mismatches_name_the_other_recipe():

@@ -843,12 +843,14 @@ class Sm90ExpertGemmKernel:
                             chunk, row = i // passes, row0 + rows_per_pass * (i % passes)
                             lut_lo, lut_hi = e2m1_table(shifts[j])
                             slot = state.index * self.chunks + chunk
+                            # word q of the group: columns 4q .. 4q + 3 and 16 + 4q ..
+                            # (`quant.SM90_GROUP_ORDER`)
+                            pieces_out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
+                            for q in cutlass.range_constexpr(4):
+                                pieces_out[0][q], pieces_out[1][q] = decode_e2m1_word(
+                                    codes[j][q], lut_lo, lut_hi)
                             for half in cutlass.range_constexpr(2):
-                                out = cute.make_rmem_tensor(4, Int32)
-                                for w in cutlass.range_constexpr(2):
-                                    out[2 * w], out[2 * w + 1] = decode_e2m1_word(
-                                        codes[j][2 * half + w], lut_lo, lut_hi)
-                                cute.autovec_copy(out, smem_words(
+                                cute.autovec_copy(pieces_out[half], smem_words(
                                     sb, slot * chunk_bytes + row * self.block_k
                                     + pieces[half] * 16))
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads

@@ -6,8 +6,10 @@ becomes ``e4m3(v * 2**d)``, ``d = s - b <= 6``; the block's scale ``2**b`` goes 
 GEMM's per-128 promotion. Per group the eight e4m3 bytes of the magnitudes ``{0, 0.5, 1, 1.5,
 2, 3, 4, 6} * 2**d`` form a lookup table of two words, and each word of eight packed codes
 becomes eight e4m3 bytes through byte permutes. The weights keep their codes in the sm_90a word
-order (`quant.fp4_words_for_sm90_decode`, applied when `ExpertWeights` are made): in a word of
-codes ``c0 .. c7`` the low 16 bits hold the magnitudes (low three bits) of ``c0 .. c3`` as
+order (`quant.fp4_words_for_sm90_decode`, applied when `ExpertWeights` are made): word ``q`` of
+a 32-code group holds the codes of columns ``4q .. 4q + 3`` and ``16 + 4q .. 16 + 4q + 3`` (what
+lane ``q`` of a quad holds of an FP8 WGMMA's register A fragment), and in a word of codes
+``c0 .. c7`` the low 16 bits hold the magnitudes (low three bits) of ``c0 .. c3`` as
 nibbles, the high 16 bits those of ``c4 .. c7``, and each code's sign bit sits where its output
 byte's sign goes, ``c0 .. c3`` at bits 7, 15, 23, 31 of the word and ``c4 .. c7`` at bits 3,
 11, 19, 27 (bits 7, 15, 23, 31 of the word shifted left by 4). Per word:

@@ -1,0 +1,444 @@
+"""Hopper (sm_90a) grouped GEMMs over the expert pool with MXFP4 weights decoded into the WGMMA's
+register operand: the weights are the MMA's A (M = 64 weight rows), the pool rows its B (N =
+BLOCK_M tokens). Recipe ``fp8xfp4_sm90``, BLOCK_M 64, for decode sizes.
+
+What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes for the recipe
+(L1 with the SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows
+into ``out`` or the source ranks' combine buffers), bit for bit: the same e4m3 weights
+``e4m3(e2m1 * 2**(s - b))``, the same FP32 partial sums per 128-deep k-block (a transposed
+WGMMA sums the same products), the same promotion ``acc += part * (sa[row] * sb[block])`` and
+the same epilogue arithmetic.
+
+Why: at decode sizes (a handful of tokens per expert) the staged kernel's m64n256 WGMMAs compute
+64 rows of which a few are tokens, and its decode warps write every weight tile into shared
+memory for the WGMMA to read back. Transposed, a k-block of a 256 x 64 tile is 4 x 4 m64n64k32
+WGMMAs (a quarter of the tensor-core time), and each consumer thread decodes the codes of its
+own A fragment in registers: no decoded tile in shared memory, no decode warps, no barrier
+between decode and MMA.
+
+How: a persistent, warp-specialized kernel on the staged kernel's two rings and tile walk
+(`ExpertTileScheduler`). Warp 0 TMA-loads the activation tile (64 pool rows x 128 K, the MMA's
+B) and the scale vectors into the MMA stages; warp 1 the packed weight chunks (128 rows x 64
+bytes each, 64-byte swizzle: the lanes' 4-byte reads are conflict-free), their per-32 scale
+words and the block scales into the packed stages. Consumer warpgroup ``w`` owns weight chunk
+``w`` (rows ``128 w ..``) of the 256-row tile as two m64 blocks. Per k-block and m64 block a
+thread reads, for its rows ``r0 = 16 * warp + lane / 4`` and ``r0 + 8``, word ``lane % 4`` of
+each 32-code group (`quant.SM90_GROUP_ORDER`: the codes of the k-columns its A fragment
+holds), decodes it with its group's table (`common.fp4_decode`) into the fragment's registers
+and issues the four m64n64k32 WGMMAs; block 1 is decoded while block 0's WGMMAs run, block 0 is
+promoted while block 1's run. The m64n64 accumulator value ``c + 2 r + 4 j`` of a thread is
+weight row ``r0 + 8 r`` and token ``8 j + 2 (lane % 4) + c``; in L1 the weight rows interleave
+gate and up by 8 (``quant.interleave_gate_up``), so ``r = 0`` is the gate and ``r = 1`` the up
+row of one feature: SwiGLU is thread-local. The epilogue writes the tile transposed into
+shared-memory rows per token (L1: the row amax over the tile's 128 features meets over shared
+memory across the 8 consumer warps), and 64 consumer threads send the valid tokens' rows with
+one 1-D bulk copy each.
+
+Constraints: ``fp8xfp4_sm90``, BLOCK_M 64, ``N`` a multiple of 256 for L1 (128 for L2: then one
+consumer warpgroup), ``K`` a multiple of 128; no clusters; not in the fused kernel yet.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives as prims
+
+from .common.fp4_decode import decode_e2m1_word, e2m1_table, prmt
+from .common.gemm_config import SF_BLOCK
+from .common.pool import build_pool_prefix
+from .common.quant_math import FP8_E4M3_MAX, requant_exponent
+from .sm90_expert_gemm import (
+    MAX_STAGES,
+    STAGING_PAD,
+    WG_N,
+    Sm90ExpertGemmKernel,
+)
+
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 = 64512 = 384 threads x 168
+EPILOGUE_BARRIER = 2  # named barrier of the consumer warpgroups' epilogue (1: unused here)
+M_BLOCKS = WG_N // 64  # m64 blocks of a consumer warpgroup's chunk
+K_GROUPS = 4  # 32-code groups (one k32 WGMMA each) of a 128-deep k-block
+PACKED_SWIZZLE = 64  # bytes: a packed row is one 64-byte swizzle row (16-byte units ^ row/2 % 4)
+
+
+class Sm90SwapABExpertGemmKernel(Sm90ExpertGemmKernel):
+    """One grouped GEMM of the expert FFN with MXFP4 weights in the WGMMA's register operand (see
+    module doc)."""
+
+    def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
+                 k: int, block_m: int, activation_clamp: float | None = None,
+                 fast_math: bool = True, num_stages: int | None = None,
+                 raster_group: int | None = None, combine_layout=None):
+        if recipe != "fp8xfp4_sm90" or block_m != 64:
+            raise ValueError(f"swap_ab: recipe fp8xfp4_sm90 at BLOCK_M 64 only, got {recipe!r} "
+                             f"at {block_m}")
+        super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
+                         activation_clamp=activation_clamp, fast_math=fast_math,
+                         raster_group=raster_group, combine_layout=combine_layout)
+        # a consumer warpgroup per 128-row weight chunk of the tile; no decode warpgroups
+        self.num_mma_wgs, self.wg_chunks, self.decode_wgs = self.chunks, 1, 0
+        self.num_threads = 128 * (1 + self.num_mma_wgs)
+        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
+        self.wg_skew = 0
+        # the epilogue's rows, one per token: the tile's part of its output row
+        self.staging_stride = self.tile_row_bytes + STAGING_PAD
+        self.staging_bytes = block_m * self.staging_stride
+        # L1: per-warp token amaxes, then the tile's
+        self.exchange_len = (4 * self.num_mma_wgs + 1) * block_m
+        left = self.smem_budget - self.staging_bytes - 4 * self.exchange_len - 1024
+        fit = min(MAX_STAGES, left // (self.stage_tx_bytes + 64 + self.packed_tx_bytes + 16))
+        self.num_stages = fit if num_stages is None else num_stages
+        if not 2 <= self.num_stages <= fit:
+            raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
+        self.packed_stages = self.num_stages
+
+    # ------------------------------------------------------------------------------ host side
+    def mma_and_stage_layouts(self):
+        """The consumer warpgroups' register-A WGMMA (m64 weight rows x BLOCK_M tokens) and the
+        activation tiles' layout (the MMA's B; the second value stands in for the staged
+        kernel's weight layout)."""
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(64, self.block_m),
+            a_source=warpgroup.OperandSource.RMEM)
+        a_layout = self._smem_layout(self.block_m, self.num_stages)
+        return tiled_mma, a_layout, a_layout
+
+    def raw_b_layout(self):
+        """The packed weight chunks as TMA writes them, ``[128 rows, 64 bytes, packed stage *
+        chunks + chunk]``, 64-byte swizzled."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, Uint8)
+        return cute.tile_to_shape(atom, (WG_N, self.b_load_k(), self.packed_stages * self.chunks),
+                                  order=(0, 1, 2))
+
+    def packed_pipeline(self, barriers: cute.Pointer):
+        """The packed stages' pipeline: TMA in, every consumer warp frees them."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers, num_stages=self.packed_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     4 * self.num_mma_wgs),
+            tx_count=self.packed_ring_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Pointer,  # [P, K] e4m3: the L1 or L2 pool
+        a_sf: cute.Pointer,  # f32 [K/128, P]
+        b: cute.Pointer,  # [E, N, K/2] packed e2m1 (sm_90a group order)
+        b_sf: cute.Pointer,  # f32 [E, K/128, weight_sf_row_len(N)]: block scales 2**b
+        expert_recv_tokens: cute.Pointer,  # Int32 [E]
+        topk_weights: cute.Pointer,  # f32 [P] (l1)
+        out: cute.Pointer,  # l1: e4m3 [P, N/2]; l2: bf16 [P, N] (unless to_combine)
+        out_sf: cute.Pointer,  # f32 [N/256, P] (l1)
+        peer_bases: cute.Pointer,  # Int64 [R]: the symmetric buffers (to_combine)
+        src_metadata: cute.Pointer,  # Int32 [P, 4]: (rank, token, slot, 0) (to_combine)
+        b_group_sf: cute.Pointer,  # Int32 [E, K/128, N]: UE8M0 per 32
+        num_ctas: Int32,
+        stream,
+    ):
+        tiled_mma, a_layout, _ = self.mma_and_stage_layouts()
+        tma_a, tma_m_a, tma_b, tma_m_b = self.tma_loads(a, b, a_layout, a_layout)
+        raw_b_layout = self.raw_b_layout()
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, self.num_stages * 2]
+            packed_mbar: cute.struct.MemRange[Int64, self.packed_stages * 2]
+            block_start: cute.struct.MemRange[Int32, self.num_experts + 1]
+            row_start: cute.struct.MemRange[Int32, self.num_experts + 1]
+            sfa: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.num_stages * self.sfa_stride], 16]
+            sfb: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.num_stages * self.sfb_stride], 16]
+            sa: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(a_layout)],
+                                  1024]
+            raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(raw_b_layout)],
+                                     1024]
+            staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes], 128]
+            sfg: cute.struct.Align[cute.struct.MemRange[Int32, self.sfg_len()], 16]
+            sfb_packed: cute.struct.Align[cute.struct.MemRange[
+                Float32, self.packed_stages * self.packed_sfb_stride], 16]
+            exchange: cute.struct.Align[cute.struct.MemRange[Float32, self.exchange_len], 16]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_m_b, a_layout, raw_b_layout, a_sf,
+                    b_sf, cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
+                    topk_weights, out, out_sf, peer_bases, src_metadata, b_group_sf).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], cluster=[1, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    # ---------------------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor,
+               tma_b: cute.CopyAtom, m_b: cute.Tensor, a_layout: cute.ComposedLayout,
+               raw_b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
+               expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
+               out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
+               b_group_sf: cute.Pointer):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        raster_group = Int32(self.raster_group)
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        sfa, sfb = self.scale_stages(storage.sfa.data_ptr(), storage.sfb.data_ptr())
+        sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        raw_b = storage.raw_b.get_tensor(raw_b_layout.outer, swizzle=raw_b_layout.inner)
+
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     4 * self.num_mma_wgs),
+            tx_count=self.ring_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True)
+        packed_pipe = self.packed_pipeline(storage.packed_mbar.data_ptr())
+        if warp == 0:
+            build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
+                              self.block_m)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        num_tiles = self.scheduler.num_tiles(block_start)
+        wg = warp // 4
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages)
+                state, _ = self.produce(tma_a, m_a, tma_b, tma_b, m_b, sa, raw_b, sfa, sfb,
+                                        a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
+                                        bidx, grid, raster_group, Int32(0), lane, state)
+                ab_pipe.producer_tail(state)
+            elif warp == 1:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.packed_stages)
+                state, _ = self.produce_packed(
+                    tma_b, m_b, raw_b, packed_pipe, b_sf, b_group_sf,
+                    storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
+                    row_start, num_tiles, bidx, grid, raster_group, lane, state)
+                packed_pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume_transposed(
+                tiled_mma, sa, sfa, sfb, storage.raw_b.data_ptr(), storage.sfg.data_ptr(),
+                ab_pipe, packed_pipe, block_start, row_start, num_tiles, bidx, grid,
+                raster_group, wg - 1, warp % 4, lane, topk_weights, out, out_sf, peer_bases,
+                src_metadata, storage.staging.data_ptr(), storage.exchange.data_ptr())
+
+    @cute.jit
+    def consume_transposed(self, tiled_mma, sa, sfa, sfb, raw_b: cute.Pointer,
+                           sfg: cute.Pointer, ab_pipe, packed_pipe, block_start, row_start,
+                           num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
+                           raster_group: Int32, mma_wg: Int32, warp_in_wg: Int32, lane: Int32,
+                           topk_weights: cute.Pointer, out: cute.Pointer, out_sf: cute.Pointer,
+                           peer_bases: cute.Pointer, src_metadata: cute.Pointer,
+                           staging: cute.Pointer, exchange: cute.Pointer):
+        """Consumer warpgroup ``mma_wg``: weight chunk ``mma_wg`` of tiles ``first_tile``,
+        ``first_tile + num_clusters``, ... ``< num_tiles`` (see module doc)."""
+        thr_mma = tiled_mma.get_slice(warp_in_wg * 32 + lane)
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sa))  # [.., .., k32, stage]
+        frags = [thr_mma.make_fragment_A(thr_mma.partition_shape_A((64, self.block_k)))
+                 for _ in range(M_BLOCKS)]
+        # word r + 2 h + 4 g of a fragment: row r0 + 8 r, columns 16 h + 4 (lane % 4) .. of
+        # the k-block's 32-group g
+        frag_words = [cute.recast_tensor(f, Int32) for f in frags]
+        acc_shape = thr_mma.partition_shape_C((64, self.block_m))
+        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(M_BLOCKS)]
+        parts = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(M_BLOCKS)]
+        quad = lane % 4
+        row0 = 16 * warp_in_wg + lane // 4  # the thread's first row of an m64 block
+        # the thread's word of group g of a packed row, 64-byte swizzle: the row's 16-byte unit
+        # g lies at unit g ^ (row / 2 % 4), and row / 2 % 4 is the same for all its rows
+        unit_xor = (row0 >> 1) & 3
+        packed_words = cute.make_tensor(cute.recast_ptr(raw_b, dtype=Int32),
+                                        cute.make_layout(self.packed_stages * self.chunks
+                                                         * WG_N * self.b_load_k() // 4))
+        up_block = self.n // (2 * SF_BLOCK)
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.num_stages)
+        packed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                              self.packed_stages)
+        ctid = mma_wg * 128 + warp_in_wg * 32 + lane  # the consumer thread's index
+        tile = first_tile
+        owner = Int32(0)
+        while tile < num_tiles:
+            owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, Int32(0))
+            row_base = pool_block * self.block_m
+            for b in cutlass.range_constexpr(M_BLOCKS):
+                accs[b].fill(0.0)
+            for _kb in cutlass.range(self.num_k_blocks):
+                ab_pipe.consumer_wait(ab_state)
+                packed_pipe.consumer_wait(packed)
+                stage = ab_state.index
+                # the weight block scales of the thread's rows (L1: r = 0 gate, r = 1 up)
+                if cutlass.const_expr(self.phase == "l1"):
+                    row_sb = (sfb[n_block, stage], sfb[up_block + n_block, stage])
+                else:
+                    blk = sfb[self.chunks * n_block + mma_wg, stage]
+                    row_sb = (blk, blk)
+                bases = [(s.bitcast(Int32) >> 23) & 0xFF for s in row_sb]
+                group_words = cute.make_tensor(sfg + packed.index * self.block_n
+                                               + mma_wg * WG_N, cute.make_layout(WG_N))
+                slot_word0 = ((packed.index * self.chunks + mma_wg) * WG_N * self.b_load_k()
+                              // 4)
+                for b in cutlass.range_constexpr(M_BLOCKS):
+                    for r in cutlass.range_constexpr(2):
+                        row = 64 * b + row0 + 8 * r
+                        scales = group_words[row]
+                        for g in cutlass.range_constexpr(K_GROUPS):
+                            word = packed_words[slot_word0 + row * (self.b_load_k() // 4)
+                                                + (g ^ unit_xor) * 4 + quad]
+                            shift = prmt(scales, Int32(0), Int32(0x4440 + g)) - bases[r]
+                            lut_lo, lut_hi = e2m1_table(shift)
+                            frag_words[b][r + 4 * g], frag_words[b][r + 2 + 4 * g] = \
+                                decode_e2m1_word(word, lut_lo, lut_hi)
+                    warpgroup.fence()
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for g in cutlass.range_constexpr(K_GROUPS):
+                        cute.gemm(tiled_mma, parts[b], frags[b][(None, None, g)],
+                                  t_rb[(None, None, g, stage)], parts[b])
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                # promotion: value c + 2 r + 4 j is row r0 + 8 r, token 8 j + 2 quad + c
+                scale = cute.make_rmem_tensor(acc_shape, Float32)
+                for j in cutlass.range_constexpr(self.block_m // 8):
+                    for c in cutlass.range_constexpr(2):
+                        sa_tok = sfa[8 * j + 2 * quad + c, stage]
+                        for r in cutlass.range_constexpr(2):
+                            scale[c + 2 * r + 4 * j] = sa_tok * row_sb[r]
+                for b in cutlass.range_constexpr(M_BLOCKS):
+                    warpgroup.wait_group(M_BLOCKS - 1 - b)
+                    if cutlass.const_expr(b == M_BLOCKS - 1):
+                        ab_pipe.consumer_release(ab_state)
+                        packed_pipe.consumer_release(packed)
+                    for i in cutlass.range_constexpr(cute.size(acc_shape)):
+                        accs[b][i] += parts[b][i] * scale[i]
+                ab_state.advance()
+                packed.advance()
+            self.epilogue_transposed(accs, topk_weights, out, out_sf, peer_bases, src_metadata,
+                                     staging, exchange, row_base, n_block, valid_m, mma_wg,
+                                     warp_in_wg, lane, ctid)
+            tile += num_clusters
+        if ctid < self.block_m:
+            cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def epilogue_transposed(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
+                            out_sf: cute.Pointer, peer_bases: cute.Pointer,
+                            src_metadata: cute.Pointer, staging: cute.Pointer,
+                            exchange: cute.Pointer, row_base: Int32, n_block: Int32,
+                            valid_m: Int32, mma_wg: Int32, warp_in_wg: Int32, lane: Int32,
+                            ctid: Int32):
+        """One tile's output rows, one per token: the staging row of token ``t`` holds the
+        tile's part of its output row; consumer thread ``t < 64`` sends it if ``t`` is a
+        received token. L2: BF16 of the accumulators; L1: SwiGLU of the (gate, up) row pairs,
+        requantized to e4m3 with a power-of-two scale per token over the tile's 128
+        features."""
+        threads = 128 * self.num_mma_wgs
+        quad = lane % 4
+        row0 = 16 * warp_in_wg + lane // 4
+        tokens = self.block_m
+        # the previous tile's bulk copies have read the staging rows
+        if ctid < tokens:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(self.phase == "l2"):
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+            rows = cute.make_tensor(cute.recast_ptr(staging, dtype=BFloat16),
+                                    cute.make_layout((tokens, self.staging_stride // 2),
+                                                     stride=(self.staging_stride // 2, 1)))
+            for b in cutlass.range_constexpr(M_BLOCKS):
+                vals = cute.make_rmem_tensor(accs[b].shape, BFloat16)
+                vals.store(accs[b].load().to(BFloat16))
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for r in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):
+                            rows[8 * j + 2 * quad + c, WG_N * mma_wg + 64 * b + row0 + 8 * r] = \
+                                vals[c + 2 * r + 4 * j]
+        else:
+            weights = cute.make_tensor(topk_weights + row_base, cute.make_layout(tokens))
+            # h of feature 64 w + 32 b + 8 warp + lane / 4 (tile-local), token 8 j + 2 quad + c
+            hs = [cute.make_rmem_tensor((2, tokens // 8), Float32) for _ in range(M_BLOCKS)]
+            for b in cutlass.range_constexpr(M_BLOCKS):
+                rounded = cute.make_rmem_tensor(accs[b].shape, Float32)
+                rounded.store(accs[b].load().to(BFloat16).to(Float32))
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for c in cutlass.range_constexpr(2):
+                        hs[b][c, j] = self.silu_mul(rounded[c + 4 * j], rounded[c + 2 + 4 * j]) \
+                            * weights[8 * j + 2 * quad + c]
+            # the token's amax over the warp's features (lanes of one quad position), then
+            # over the consumer warps
+            warp_amax = cute.make_tensor(exchange, cute.make_layout((tokens, 4 * self.num_mma_wgs),
+                                                                    stride=(1, tokens)))
+            tile_amax = cute.make_tensor(exchange + 4 * self.num_mma_wgs * tokens,
+                                         cute.make_layout(tokens))
+            for j in cutlass.range_constexpr(tokens // 8):
+                for c in cutlass.range_constexpr(2):
+                    amax = Float32(0.0)
+                    for b in cutlass.range_constexpr(M_BLOCKS):
+                        amax = cute.arch.fmax(amax, cute.math.absf(hs[b][c, j]))
+                    for mask in (4, 8, 16):
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, mask))
+                    if lane < 4:
+                        warp_amax[8 * j + 2 * quad + c, 4 * mma_wg + warp_in_wg] = amax
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+            if ctid < tokens:
+                amax = Float32(0.0)
+                for w in cutlass.range_constexpr(4 * self.num_mma_wgs):
+                    amax = cute.arch.fmax(amax, warp_amax[ctid, w])
+                tile_amax[ctid] = amax
+                if ctid < valid_m:
+                    exponent = requant_exponent(amax)
+                    # 2^e as float32; a zero group (byte 0) is 2^-127, the subnormal 0x00400000
+                    sf_bits = (exponent + 127) << 23
+                    if exponent == -127:
+                        sf_bits = Int32(0x00400000)
+                    sf = cute.make_tensor(out_sf + (Int64(n_block) * self.num_pool_rows
+                                                    + row_base), cute.make_layout(tokens))
+                    sf[ctid] = sf_bits.bitcast(Float32)
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+            rows = cute.make_tensor(staging, cute.make_layout(
+                (tokens, self.staging_stride), stride=(self.staging_stride, 1)))
+            for b in cutlass.range_constexpr(M_BLOCKS):
+                q = cute.make_rmem_tensor((2, tokens // 8), Float32)
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for c in cutlass.range_constexpr(2):
+                        exponent = requant_exponent(tile_amax[8 * j + 2 * quad + c])
+                        sf_inv = ((127 - exponent) << 23).bitcast(Float32)
+                        q[c, j] = cutlass.max(cutlass.min(hs[b][c, j] * sf_inv,
+                                                          Float32(FP8_E4M3_MAX)),
+                                              Float32(-FP8_E4M3_MAX))
+                v = cute.make_rmem_tensor(q.shape, Float8E4M3FN)
+                v.store(q.load().to(Float8E4M3FN))
+                v_bytes = cute.recast_tensor(v, Uint8)
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for c in cutlass.range_constexpr(2):
+                        rows[8 * j + 2 * quad + c, 64 * mma_wg + 32 * b + 8 * warp_in_wg
+                             + lane // 4] = v_bytes[c + 2 * j]
+        # the staging writes (generic proxy), then the bulk copies' reads (async proxy)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+        if ctid < tokens:
+            if ctid < valid_m:
+                dst = self.row_destination(out, peer_bases, src_metadata, row_base, ctid,
+                                           valid_m, n_block, Int32(0))
+                prims.cp_async_bulk_global_shared_cta(
+                    cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
+                    staging + ctid * self.staging_stride, Int32(self.tile_row_bytes))
+            cute.arch.cp_async_bulk_commit_group()
