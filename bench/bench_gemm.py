@@ -17,7 +17,8 @@ alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp
 times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
 `--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`);
 `--swap-ab` (MXFP4 weights) BLOCK_M 64 transposed, the decoded weights in the WGMMA's register
-operand (`swap_us`, `swap_ratio_to_fp8`).
+operand (`swap_us`, `swap_ratio_to_fp8`); `--cluster-ab` (MXFP4 weights) BLOCK_M 128 in 2-CTA
+clusters that share the decode of a weight tile (`cluster_us`, `cluster_ratio_to_fp8`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -40,6 +41,7 @@ from cute_megamoe.utils import ceil_div
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
 SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
 SWAP_ENV = "CUTE_MEGAMOE_SM90_SWAP_AB"
+CLUSTER_ENV = "CUTE_MEGAMOE_SM90_FP4_CLUSTER"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -162,6 +164,10 @@ def main() -> None:
                    help="MXFP4 weights: also time BLOCK_M 64 transposed, the decoded weights in "
                         "the WGMMA's register operand (CUTE_MEGAMOE_SM90_SWAP_AB; outputs "
                         "checked bit-exact; swap_over_default: against the default build)")
+    p.add_argument("--cluster-ab", action="store_true",
+                   help="MXFP4 weights: also time BLOCK_M 128 in 2-CTA clusters that share the "
+                        "decode of a weight tile (CUTE_MEGAMOE_SM90_FP4_CLUSTER; outputs checked "
+                        "bit-exact)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -198,6 +204,9 @@ def main() -> None:
             swap = args.swap_ab and fp4
             if swap:
                 variants["swap_64"] = (64, {SWAP_ENV: "1"})
+            clustered = args.cluster_ab and fp4
+            if clustered:
+                variants["cluster_128"] = (128, {CLUSTER_ENV: "1"})
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, w, m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -239,6 +248,10 @@ def main() -> None:
                     base.update(swap_us=times["swap_64"] * 1e6,
                                 swap_over_default=times["swap_64"] / t,
                                 swap_ratio_to_fp8=times["swap_64"] / t_fp8)
+                if clustered and block_m == 128:
+                    base.update(cluster_us=times["cluster_128"] * 1e6,
+                                cluster_over_default=times["cluster_128"] / t,
+                                cluster_ratio_to_fp8=times["cluster_128"] / t_fp8)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -251,7 +264,8 @@ def main() -> None:
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
                      "split_us", "split_over_default", "swap_us", "swap_over_default",
-                     "swap_ratio_to_fp8", "quarter_over_chunk", "ours_tflops",
+                     "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
+                     "cluster_ratio_to_fp8", "quarter_over_chunk", "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 
 

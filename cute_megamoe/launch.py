@@ -32,6 +32,7 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_promotion,
+    sm90_fp4_cluster,
     sm90_split_n,
     sm90_swap_ab,
 )
@@ -311,8 +312,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                             block_m, activation_clamp=clamp,
                                             fast_math=fast_math, **extra)
         return kernel, dtypes
-    if arch == "sm_90a":  # (the FP4 weight decode runs without clusters)
-        extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
+    if arch == "sm_90a":  # (FP4 weights: clusters only as an A/B variant)
+        extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90" and not sm90_fp4_cluster()
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
@@ -360,7 +361,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n(), sm90_swap_ab()) if arch == "sm_90a" else None)
+               (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster()) if arch == "sm_90a" else None)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):

@@ -159,10 +159,19 @@ def sm90_swap_ab() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_SWAP_AB")
 
 
+def sm90_fp4_cluster() -> bool:
+    """``CUTE_MEGAMOE_SM90_FP4_CLUSTER=1``: the sm_90a grouped GEMMs with MXFP4 weights at
+    BLOCK_M 128 in 2-CTA clusters where fp8xfp8 uses them (`heuristics.select_cluster_m`), each
+    CTA decoding half of the weight tile the pair shares, for A/B runs. Part of the grouped
+    GEMMs' cache keys."""
+    return env_flag("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
+
+
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED")
 
 

@@ -96,6 +96,26 @@ def test_swap_ab_compiles_sm90_with_register_operands_and_no_spills(phase, hidde
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_cluster_variant_compiles_with_remote_stores_and_no_spills(phase, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_FP4_CLUSTER`: at BLOCK_M 128 the FP4 kernels run in 2-CTA clusters;
+    the decode stores a shared tile's chunk into the peer CTA's stage with ``st.async`` (16
+    bytes, counted by the peer's barrier), loads no weight tile by TMA multicast, and spills
+    nothing."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "1")
+    kernel, art = _compile(phase, 128)
+    assert kernel.cluster_m == 2 and kernel.fp4_weights
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("STAS") > 0
+    assert art.count("UTMALDG.2D.MULTICAST") == 0
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
 def test_fp4_stage_accounting():
     """What the mbarriers expect per stage: the MMA stage A and the scale vectors, the packed
     stage the packed weight bytes, the tile rows' per-32 scale words and the block scales (the
@@ -146,13 +166,15 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,swap_ab", [(64, False), (128, False), (64, True)])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "swap_ab"),
+                                             (128, "fp4_cluster")])
 @pytest.mark.parametrize("spread", (False, True))
-def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, swap_ab, spread, monkeypatch):
+def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
-    pad rows stay poisoned). ``swap_ab``: the FP4 kernels transposed, the weights decoded into
-    the WGMMA's register operand (`CUTE_MEGAMOE_SM90_SWAP_AB`)."""
+    pad rows stay poisoned). ``variant``: the FP4 kernels transposed, the weights decoded into
+    the WGMMA's register operand (`CUTE_MEGAMOE_SM90_SWAP_AB`), or in 2-CTA clusters that share
+    the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`; the fp8xfp8 side runs in clusters too)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -179,8 +201,8 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, swap_ab, sprea
                                        arch="sm_90a")
     count_t = torch.tensor(counts, dtype=torch.int32, device=device)
     results = []
-    if swap_ab:
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_SWAP_AB", "1")
+    if variant is not None:
+        monkeypatch.setenv(VARIANTS[variant][0], "1")
     for weights in (fp4, fp8):
         l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
         l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
@@ -201,31 +223,41 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, swap_ab, sprea
     assert torch.equal(out_a[valid], out_b[valid])
 
 
+VARIANTS = {"swap_ab": ("CUTE_MEGAMOE_SM90_SWAP_AB", 64),
+            "fp4_cluster": ("CUTE_MEGAMOE_SM90_FP4_CLUSTER", 128)}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pattern", ("random", "skewed", "sparse", "empty", "one_expert"))
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
-def test_swap_ab_is_bit_identical_to_the_staged_decode(pattern, hidden, inter, monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_SWAP_AB`, BLOCK_M 64) against the staged
-    decode on the same FP4 weights and pools: L2 inputs, their scales and the outputs equal bit
-    for bit on every valid row, pad rows stay poisoned; with routings that leave experts empty
-    or give one expert everything, and an L2 of 1152 columns (one 128-row weight chunk per
-    tile: one consumer warpgroup)."""
+def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
+                                                      monkeypatch):
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_SWAP_AB`, BLOCK_M 64) and the 2-CTA clusters
+    that share the decode of a weight tile (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`, BLOCK_M 128)
+    against the staged decode on the same FP4 weights and pools: L2 inputs, their scales and
+    the outputs equal bit for bit on every valid row, pad rows stay poisoned; with routings
+    that leave experts empty, pair pool blocks of different experts in a cluster or give one
+    expert everything, and an L2 of 1152 columns (one 128-row weight chunk per tile: one
+    consumer warpgroup for swap-AB, no clusters)."""
     from cute_megamoe.expert_gemm import expert_ffn
     from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, make_pool_problem
 
     device = _gpu()
+    name, block_m = VARIANTS[variant]
     counts = [0, 0, 0, 389, 0, 0, 0, 0] if pattern == "one_expert" else COUNT_PATTERNS[pattern]
-    problem = make_pool_problem(RECIPE, counts, 64, hidden, inter, device, seed=5 + hidden)
+    problem = make_pool_problem(RECIPE, counts, block_m, hidden, inter, device,
+                                seed=5 + hidden)
     rows = problem.num_pool_rows
     count_t = torch.tensor(problem.counts, dtype=torch.int32, device=device)
     results = []
-    for swap in ("0", "1"):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_SWAP_AB", swap)
+    for value in ("0", "1"):
+        monkeypatch.setenv(name, value)
         l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
         l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
         out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
         expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights, count_t,
-                   problem.weights, block_m=64, activation_clamp=7.0,
+                   problem.weights, block_m=block_m, activation_clamp=7.0,
                    l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
                    out=out.view(torch.bfloat16))
         results.append((l2, l2_sf, out))

@@ -293,10 +293,9 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
         # multicasts it to both, when both pool blocks belong to one expert.
-        if cluster_m not in (1, 2) or (cluster_m == 2 and (self.chunks != 2
-                                                           or self.fp4_weights)):
-            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles (not with FP4 "
-                             f"weights), got {cluster_m}")
+        # FP4 weights: each CTA decodes one chunk of the shared tile into both CTAs' stages.
+        if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
+            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
         self.cluster_m = cluster_m
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
         # Tiles walk in raster bands of `raster_group` cluster groups of pool blocks (see
@@ -437,7 +436,7 @@ class Sm90ExpertGemmKernel:
         tiled_mma, a_layout, b_layout = self.mma_and_stage_layouts()
         tma_a, tma_m_a, tma_b, tma_m_b = self.tma_loads(a, b, a_layout, b_layout)
         tma_b_mc = tma_b
-        if cutlass.const_expr(self.cluster_m > 1):
+        if cutlass.const_expr(self.cluster_m > 1 and not self.fp4_weights):
             tma_b_mc = self.tma_multicast_b(b, b_layout)
 
         @cute.struct
@@ -559,7 +558,7 @@ class Sm90ExpertGemmKernel:
                                 storage.decoded.data_ptr(), block_start, row_start, num_tiles,
                                 cluster, num_clusters, raster_group,
                                 tidx - 128 * (1 + self.num_mma_wgs), lane,
-                                *self.decode_states())
+                                *self.decode_states(), rank=rank)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -647,7 +646,7 @@ class Sm90ExpertGemmKernel:
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                 cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
                           tma_bar_ptr=bar)
-                if cutlass.const_expr(self.cluster_m > 1):
+                if cutlass.const_expr(self.cluster_m > 1 and not self.fp4_weights):
                     if multicast:
                         cute.copy(tma_b_mc, t_gb_mc[(None, b_block + rank, kb)],
                                   t_sb_mc[(None, state.index * self.chunks + rank)],
@@ -776,94 +775,126 @@ class Sm90ExpertGemmKernel:
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
-                       raster_group: Int32, tid: Int32, lane: Int32, state, packed):
+                       raster_group: Int32, tid: Int32, lane: Int32, state, packed,
+                       rank: Int32 = None):
         """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
         k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
         (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
         num_tiles), once the TMA has filled its packed stage and the MMA has freed its MMA stage
         (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
-        ``decoded`` barrier and free the packed stage. An item is 32 codes of one weight row
-        (16 bytes in, two 16-byte swizzled pieces out, one scale); thread ``tid`` decodes group
-        ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk (``T`` decode threads;
-        consecutive lanes read
-        consecutive 16 bytes: conflict-free), `decode_batch` items loaded before any is
-        decoded. The exponent shift of a group is its UE8M0 scale over its 128x128 block's base
-        ``2**b`` (the block scale: L1 row groups of 8 alternate gate and up blocks, the same
-        for all rows of a thread)."""
-        if cutlass.const_expr(self.fp4_weights):  # (a dead branch of the other kernels)
-            threads = 128 * self.decode_wgs
-            per_thread = self.chunks * WG_N * 4 // threads
-            batch = min(per_thread, self.decode_batch)
-            # item i of the thread: chunk i // passes, row row0 + rows_per_pass * (i % passes)
-            rows_per_pass = threads // 4
-            passes = WG_N // rows_per_pass
-            row0, group = tid >> 2, tid & 3
-            # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
-            # (one ALU op instead of a shift and a mask)
-            group_byte = Int32(0x4440) + group
-            # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
-            # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
-            pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
-            chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
-            row_bytes = self.block_k // 2  # packed bytes of a row of a chunk
-            up_block = self.n // (2 * SF_BLOCK)
+        ``decoded`` barrier and free the packed stage. In a cluster (``rank``: this CTA's) whose
+        two pool blocks share the expert, each CTA decodes chunk ``rank`` only and also stores
+        it into the peer's stage (``st.async``, counted by the transaction bytes of the peer's
+        ``decoded`` barrier): half the decode per CTA. See `decode_chunks` for the items."""
+        if cutlass.const_expr(self.fp4_weights):
+            if cutlass.const_expr(rank is None):
+                rank = Int32(0)
             tile = first_tile
             owner = Int32(0)
             while tile < num_tiles:
+                shared = cutlass.Boolean(False)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    owner, e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(
+                        tile, owner, block_start, row_start, raster_group, Int32(0))
+                    _o, e1, _m1, _n1, _b1, v1 = self.scheduler.tile(
+                        tile, owner, block_start, row_start, raster_group, Int32(1))
+                    shared = v1 > 0 and e0 == e1
                 owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
-                    tile, owner, block_start, row_start, raster_group, Int32(0))
+                    tile, owner, block_start, row_start, raster_group, rank)
                 for _kb in cutlass.range(self.num_k_blocks):
                     packed_pipe.consumer_wait(packed)
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    words = cute.make_tensor(sfg + packed.index * self.block_n,
-                                             cute.make_layout(self.block_n))
-                    bases = []
-                    for chunk in cutlass.range_constexpr(self.chunks):
-                        if cutlass.const_expr(self.phase == "l1"):
-                            block = n_block + ((row0 >> 3) & 1) * up_block  # gate / up groups of 8
+                    if cutlass.const_expr(self.cluster_m > 1):
+                        if shared:
+                            self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
+                                               packed, [rank], 1 - rank)
                         else:
-                            block = self.chunks * n_block + chunk
-                        scale = cute.make_tensor(sfb + packed.index * self.packed_sfb_stride,
-                                                 cute.make_layout(self.sfb_len))[block]
-                        bases.append((scale.bitcast(Int32) >> 23) & 0xFF)
-                    for first in cutlass.range_constexpr(0, per_thread, batch):
-                        codes, shifts = [], []
-                        for i in cutlass.range_constexpr(first, first + batch):
-                            chunk, row = i // passes, row0 + rows_per_pass * (i % passes)
-                            c = cute.make_rmem_tensor(4, Int32)
-                            slot = packed.index * self.chunks + chunk
-                            cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * row_bytes
-                                                         + group * 16), c)
-                            codes.append(c)
-                            ue8m0 = prmt(words[chunk * WG_N + row], Int32(0), group_byte)
-                            shifts.append(ue8m0 - bases[chunk])
-                        for j in cutlass.range_constexpr(batch):
-                            i = first + j
-                            chunk, row = i // passes, row0 + rows_per_pass * (i % passes)
-                            lut_lo, lut_hi = e2m1_table(shifts[j])
-                            slot = state.index * self.chunks + chunk
-                            # word q of the group: columns 4q .. 4q + 3 and 16 + 4q ..
-                            # (`quant.SM90_GROUP_ORDER`)
-                            pieces_out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
-                            for q in cutlass.range_constexpr(4):
-                                pieces_out[0][q], pieces_out[1][q] = decode_e2m1_word(
-                                    codes[j][q], lut_lo, lut_hi)
-                            for half in cutlass.range_constexpr(2):
-                                cute.autovec_copy(pieces_out[half], smem_words(
-                                    sb, slot * chunk_bytes + row * self.block_k
-                                    + pieces[half] * 16))
+                            self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
+                                               packed, list(range(self.chunks)))
+                    else:
+                        self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
+                                           packed, list(range(self.chunks)))
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
                     if lane == 0:
-                        cute.arch.mbarrier_arrive(decoded + state.index)
+                        if shared and tid == 0:
+                            # the peer's chunk arrives by st.async, counted in bytes
+                            cute.arch.mbarrier_arrive_and_expect_tx(decoded + state.index,
+                                                                    WG_N * self.block_k)
+                        else:
+                            cute.arch.mbarrier_arrive(decoded + state.index)
                     packed_pipe.consumer_release(packed)
                     state.advance()
                     packed.advance()
                 tile += num_clusters
             return state, packed, tile
         return state, packed, first_tile
+
+    @cute.jit
+    def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
+                      sfg: cute.Pointer, decoded: cute.Pointer, n_block: Int32, tid: Int32,
+                      state, packed, chunks: list, peer: Int32 = None):
+        """One k-block's weight ``chunks`` (compile-time indices, or one run-time index) from
+        the packed stage into the MMA stage, and with ``peer`` into the peer CTA's too. An item
+        is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
+        thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
+        (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
+        `decode_batch` items loaded before any is decoded. The exponent shift of a group is its
+        UE8M0 scale over its 128x128 block's base ``2**b`` (the block scale: L1 row groups of 8
+        alternate gate and up blocks, the same for all rows of a thread)."""
+        threads = 128 * self.decode_wgs
+        rows_per_pass = threads // 4
+        passes = WG_N // rows_per_pass
+        items = [(c, p) for c in chunks for p in range(passes)]
+        batch = min(len(items), self.decode_batch)
+        row0, group = tid >> 2, tid & 3
+        # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
+        # (one ALU op instead of a shift and a mask)
+        group_byte = Int32(0x4440) + group
+        # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
+        # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
+        pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
+        chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
+        row_bytes = self.block_k // 2  # packed bytes of a row of a chunk
+        words = cute.make_tensor(sfg + packed.index * self.block_n,
+                                 cute.make_layout(self.block_n))
+        block_scales = cute.make_tensor(sfb + packed.index * self.packed_sfb_stride,
+                                        cute.make_layout(self.sfb_len))
+        for first in cutlass.range_constexpr(0, len(items), batch):
+            codes, shifts = [], []
+            for chunk, p in items[first:first + batch]:
+                row = row0 + rows_per_pass * p
+                c = cute.make_rmem_tensor(4, Int32)
+                slot = packed.index * self.chunks + chunk
+                cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * row_bytes + group * 16),
+                                  c)
+                codes.append(c)
+                if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
+                    block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
+                else:
+                    block = self.chunks * n_block + chunk
+                base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
+                ue8m0 = prmt(words[chunk * WG_N + row], Int32(0), group_byte)
+                shifts.append(ue8m0 - base)
+            for j, (chunk, p) in enumerate(items[first:first + batch]):
+                row = row0 + rows_per_pass * p
+                lut_lo, lut_hi = e2m1_table(shifts[j])
+                slot = state.index * self.chunks + chunk
+                # word q of the group: columns 4q .. 4q + 3 and 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
+                out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
+                for q in cutlass.range_constexpr(4):
+                    out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
+                for half in cutlass.range_constexpr(2):
+                    offset = slot * chunk_bytes + row * self.block_k + pieces[half] * 16
+                    cute.autovec_copy(out[half], smem_words(sb, offset))
+                    if cutlass.const_expr(peer is not None):
+                        cute.arch.store_async_dsmem(
+                            cute.make_ptr(Int32, sb.toint() + offset, cute.AddressSpace.smem,
+                                          assumed_align=16),
+                            (out[half][0], out[half][1], out[half][2], out[half][3]),
+                            decoded + state.index, peer)
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
@@ -932,6 +963,10 @@ class Sm90ExpertGemmKernel:
                     if cutlass.const_expr(self.fp4_weights):
                         # the decode warps have written the stage's e4m3 weight tile
                         cute.arch.mbarrier_wait(decoded + state.index, state.phase)
+                        if cutlass.const_expr(self.cluster_m > 1):
+                            # (half of it by the peer's st.async: generic-proxy writes the
+                            # WGMMAs read through the async proxy)
+                            cute.arch.fence_view_async_shared()
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
                     scale_b = self.weight_scales(sfb, state.index, n_block, chunk0)

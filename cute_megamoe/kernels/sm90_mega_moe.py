@@ -123,8 +123,9 @@ class Sm90MegaMoEKernel:
         # multicast the weight tile, as the staged GEMMs do. Off by default: interleaved on an
         # H200 it changed the fused layer by -2 to +3 % (docs/performance.md), and ranks that
         # share a GPU (loopback tests) can leave a cooperative grid no room for its SM pairs
-        if cluster_m not in (1, 2) or (cluster_m == 2 and block_m != 128):
-            raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128; got {cluster_m}")
+        if cluster_m not in (1, 2) or (cluster_m == 2 and (block_m != 128 or self.fp4_weights)):
+            raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128 (not with FP4 weights); got "
+                             f"{cluster_m}")
         self.cluster_m = cluster_m
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push")
