@@ -31,8 +31,8 @@ from .runtime import (
     compiled_kernel,
     get_arch,
     launch_path,
-    sm90_promotion,
     sm90_fp4_cluster,
+    sm90_promotion,
     sm90_split_n,
     sm90_swap_ab,
 )
@@ -361,7 +361,8 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster()) if arch == "sm_90a" else None)
+               (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster())
+               if arch == "sm_90a" else None)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):

@@ -882,7 +882,7 @@ class Sm90ExpertGemmKernel:
                 row = row0 + rows_per_pass * p
                 lut_lo, lut_hi = e2m1_table(shifts[j])
                 slot = state.index * self.chunks + chunk
-                # word q of the group: columns 4q .. 4q + 3 and 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
+                # word q of the group: columns 4q .. 4q + 3, 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
                 out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
                 for q in cutlass.range_constexpr(4):
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
