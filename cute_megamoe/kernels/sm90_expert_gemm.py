@@ -548,7 +548,8 @@ class Sm90ExpertGemmKernel:
                     state, _ = self.produce_packed(
                         tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                        row_start, num_tiles, cluster, num_clusters, raster_group, lane, state)
+                        row_start, num_tiles, cluster, num_clusters, raster_group, lane, state,
+                        rank=rank)
                     packed_pipe.producer_tail(state)
         elif self.is_decode_wg(wg):  # the decode warpgroups (FP4 weights)
             cute.arch.setmaxregister_decrease(self.decode_regs)
@@ -674,13 +675,17 @@ class Sm90ExpertGemmKernel:
     def produce_packed(self, tma_b, m_b, raw_b: cute.Tensor, packed_pipe, b_sf: cute.Pointer,
                        b_group_sf: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
                        block_start, row_start, num_tiles: Int32, first_tile: Int32,
-                       num_clusters: Int32, raster_group: Int32, lane: Int32, state):
+                       num_clusters: Int32, raster_group: Int32, lane: Int32, state,
+                       rank: Int32 = None):
         """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
         words and the k-block's weight block scales of every k-block of tiles ``first_tile``,
-        ``first_tile + num_clusters``, ... ``< num_tiles`` into the packed stages, running up
-        to `packed_stages` k-blocks ahead of the decode (no clusters; the weights wait for
+        ``first_tile + num_clusters``, ... ``< num_tiles`` (in a cluster, of this CTA's pool
+        block ``rank``: the peer's may belong to another expert) into the packed stages,
+        running up to `packed_stages` k-blocks ahead of the decode (the weights wait for
         nothing). ``state``: the packed stages' producer state. Returns ``(state, the first
         tile index past num_tiles)``."""
+        if cutlass.const_expr(rank is None):
+            rank = Int32(0)
         g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(raw_b, 0, 2),
@@ -690,7 +695,7 @@ class Sm90ExpertGemmKernel:
         owner = Int32(0)
         while tile < num_tiles:
             owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
-                tile, owner, block_start, row_start, raster_group, Int32(0))
+                tile, owner, block_start, row_start, raster_group, rank)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
