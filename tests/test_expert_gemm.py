@@ -481,14 +481,16 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`) compute the same products and promote them in
     the same order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad
     rows untouched."""
-    from cute_megamoe.expert_gemm import expert_ffn
-    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, make_pool_problem
+    from cute_megamoe.testing.gemm_checks import (
+        COUNT_PATTERNS,
+        assert_same_valid_rows,
+        make_pool_problem,
+        run_fp8_ffn_poisoned,
+    )
 
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
-    rows, inter, hidden = problem.num_pool_rows, 512, 1024
-    counts = torch.tensor(problem.counts, dtype=torch.int32, device=device)
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"},
                 {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"} if variant == "quarter" else
@@ -497,20 +499,5 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
-        l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
-        out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
-        expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights, counts, problem.weights,
-                   block_m=block_m, activation_clamp=7.0, l2_acts=l2.view(torch.float8_e4m3fn),
-                   l2_acts_sf=l2_sf, out=out.view(torch.bfloat16))
-        results.append((l2, l2_sf, out))
-    torch.cuda.synchronize(device)
-    valid = torch.zeros(rows, dtype=torch.bool, device=device)
-    for r in problem.row_of_expert:
-        valid[r.start:r.stop] = True
-    (l2_a, sf_a, out_a), (l2_b, sf_b, out_b) = results
-    for out in (out_a, out_b):
-        assert bool((out[~valid] == 0x7FFF).all()) and bool((out[valid] != 0x7FFF).all())
-    assert torch.equal(l2_a[valid], l2_b[valid])
-    assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
-    assert torch.equal(out_a[valid], out_b[valid])
+        results.append(run_fp8_ffn_poisoned(problem))
+    assert_same_valid_rows(problem, results)

@@ -240,36 +240,20 @@ def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden,
     that leave experts empty, pair pool blocks of different experts in a cluster or give one
     expert everything, and an L2 of 1152 columns (one 128-row weight chunk per tile: one
     consumer warpgroup for swap-AB, no clusters)."""
-    from cute_megamoe.expert_gemm import expert_ffn
-    from cute_megamoe.testing.gemm_checks import COUNT_PATTERNS, make_pool_problem
+    from cute_megamoe.testing.gemm_checks import (
+        COUNT_PATTERNS,
+        assert_same_valid_rows,
+        make_pool_problem,
+        run_fp8_ffn_poisoned,
+    )
 
     device = _gpu()
     name, block_m = VARIANTS[variant]
     counts = [0, 0, 0, 389, 0, 0, 0, 0] if pattern == "one_expert" else COUNT_PATTERNS[pattern]
     problem = make_pool_problem(RECIPE, counts, block_m, hidden, inter, device,
                                 seed=5 + hidden)
-    rows = problem.num_pool_rows
-    count_t = torch.tensor(problem.counts, dtype=torch.int32, device=device)
     results = []
     for value in ("0", "1"):
         monkeypatch.setenv(name, value)
-        l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
-        l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
-        out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
-        expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights, count_t,
-                   problem.weights, block_m=block_m, activation_clamp=7.0,
-                   l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
-                   out=out.view(torch.bfloat16))
-        results.append((l2, l2_sf, out))
-    torch.cuda.synchronize(device)
-    valid = torch.zeros(rows, dtype=torch.bool, device=device)
-    for r in problem.row_of_expert:
-        valid[r.start:r.stop] = True
-    (l2_a, sf_a, out_a), (l2_b, sf_b, out_b) = results
-    for l2, out in ((l2_a, out_a), (l2_b, out_b)):
-        assert bool((out[~valid] == 0x7FFF).all()), "a pad row was written"
-        assert bool((l2[~valid] == 0x7F).all()), "a pad row of the L2 input was written"
-        assert bool((out[valid] != 0x7FFF).all()), "a valid row was not written"
-    assert torch.equal(l2_a[valid], l2_b[valid])
-    assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
-    assert torch.equal(out_a[valid], out_b[valid])
+        results.append(run_fp8_ffn_poisoned(problem))
+    assert_same_valid_rows(problem, results)

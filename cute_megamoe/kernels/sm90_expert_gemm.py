@@ -497,10 +497,7 @@ class Sm90ExpertGemmKernel:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        sfa, sfb = self.scale_stages(storage.sfa.data_ptr(), storage.sfb.data_ptr())
-        sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        block_start, row_start, sfa, sfb, sa = self.stage_tensors(storage, a_layout)
         sb = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         staging = storage.staging.data_ptr()
         # what the TMA writes the weights into: the MMA's tiles, or the packed FP4 chunks
@@ -508,15 +505,7 @@ class Sm90ExpertGemmKernel:
         if cutlass.const_expr(self.fp4_weights):
             sb_load = storage.raw_b.get_tensor(self.raw_b_layout())
 
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # every consumer warp frees a stage in each CTA of the cluster (the peer's
-            # multicast writes into this CTA's stages too)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.cluster_m * self.num_mma_wgs * 4),
-            tx_count=self.ring_tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
+        ab_pipe = self.mma_pipeline(storage.mbar.data_ptr())
         packed_pipe = self.packed_pipeline(storage.packed_mbar.data_ptr())
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
@@ -576,6 +565,28 @@ class Sm90ExpertGemmKernel:
             cute.arch.cluster_wait()
 
     @cute.jit
+    def stage_tensors(self, storage, a_layout: cute.ComposedLayout):
+        """The pool prefix arrays (``block_start``, ``row_start``), the ring's scale vectors
+        and its A tiles in shared memory."""
+        block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        sfa, sfb = self.scale_stages(storage.sfa.data_ptr(), storage.sfb.data_ptr())
+        sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        return block_start, row_start, sfa, sfb, sa
+
+    def mma_pipeline(self, barriers: cute.Pointer):
+        """The MMA stages' pipeline: TMA in; every consumer warp frees a stage in each CTA of
+        the cluster (the peer's multicast, or its share of the decode, writes into this CTA's
+        stages too)."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers, num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cluster_m * self.num_mma_wgs * 4),
+            tx_count=self.ring_tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
+
+    @cute.jit
     def scale_stages(self, sfa_ptr: cute.Pointer, sfb_ptr: cute.Pointer):
         """The ring's activation and weight scale vectors in shared memory, ``[len, stage]``."""
         sfa = cute.make_tensor(sfa_ptr, cute.make_layout((self.sfa_len, self.num_stages),
@@ -621,14 +632,7 @@ class Sm90ExpertGemmKernel:
                              "every L1 tile", self.timeout_ns)
                 cute.arch.fence_proxy("async.global")  # (as below)
         while tile < num_tiles:
-            multicast = cutlass.Boolean(False)
-            if cutlass.const_expr(self.cluster_m > 1):
-                owner, e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(
-                    tile, owner, block_start, row_start, raster_group, Int32(0))
-                _o, e1, _m1, _n1, _b1, v1 = self.scheduler.tile(
-                    tile, owner, block_start, row_start, raster_group, Int32(1))
-                multicast = v1 > 0 and e0 == e1
-            owner, expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+            owner, multicast, expert, n_block, pool_block, valid_m = self.pair_tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             if cutlass.const_expr(tile_log is not None):
                 self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
@@ -670,6 +674,24 @@ class Sm90ExpertGemmKernel:
                 state.advance()
             tile += num_clusters
         return state, tile
+
+    @cute.jit
+    def pair_tile(self, tile: Int32, owner: Int32, block_start, row_start, raster_group: Int32,
+                  rank: Int32):
+        """This CTA's part of cluster tile ``tile`` (`ExpertTileScheduler.tile` at ``rank``) and
+        whether both pool blocks of the cluster belong to one expert, so that the pair shares
+        the weight tile (False without clusters): ``(owner, shared, expert, n_block,
+        pool_block, valid_m)``."""
+        shared = cutlass.Boolean(False)
+        if cutlass.const_expr(self.cluster_m > 1):
+            owner, e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, Int32(0))
+            _o, e1, _m1, _n1, _b1, v1 = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, Int32(1))
+            shared = v1 > 0 and e0 == e1
+        owner, expert, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+            tile, owner, block_start, row_start, raster_group, rank)
+        return owner, shared, expert, n_block, pool_block, valid_m
 
     @cute.jit
     def produce_packed(self, tma_b, m_b, raw_b: cute.Tensor, packed_pipe, b_sf: cute.Pointer,
@@ -798,14 +820,7 @@ class Sm90ExpertGemmKernel:
             tile = first_tile
             owner = Int32(0)
             while tile < num_tiles:
-                shared = cutlass.Boolean(False)
-                if cutlass.const_expr(self.cluster_m > 1):
-                    owner, e0, _m0, _n0, _b0, _v0 = self.scheduler.tile(
-                        tile, owner, block_start, row_start, raster_group, Int32(0))
-                    _o, e1, _m1, _n1, _b1, v1 = self.scheduler.tile(
-                        tile, owner, block_start, row_start, raster_group, Int32(1))
-                    shared = v1 > 0 and e0 == e1
-                owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
+                owner, shared, _e, n_block, _b, _v = self.pair_tile(
                     tile, owner, block_start, row_start, raster_group, rank)
                 for _kb in cutlass.range(self.num_k_blocks):
                     packed_pipe.consumer_wait(packed)

@@ -209,19 +209,10 @@ class Sm90SwapABExpertGemmKernel(Sm90ExpertGemmKernel):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        block_start = storage.block_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        sfa, sfb = self.scale_stages(storage.sfa.data_ptr(), storage.sfb.data_ptr())
-        sa = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        block_start, row_start, sfa, sfb, sa = self.stage_tensors(storage, a_layout)
         raw_b = storage.raw_b.get_tensor(raw_b_layout.outer, swizzle=raw_b_layout.inner)
 
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     4 * self.num_mma_wgs),
-            tx_count=self.ring_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True)
+        ab_pipe = self.mma_pipeline(storage.mbar.data_ptr())
         packed_pipe = self.packed_pipeline(storage.packed_mbar.data_ptr())
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,

@@ -85,6 +85,43 @@ def make_pool_problem(recipe: str, counts: list[int], block_m: int, hidden: int,
         row_of_expert=rows)
 
 
+def run_fp8_ffn_poisoned(problem: PoolProblem, activation_clamp: float = 7.0) -> tuple:
+    """`expert_ffn` on an FP8-activation `problem` (fp8xfp8, fp8xfp4_sm90) into poisoned
+    outputs: ``(L2 input bytes, its scales, the output as int16)``, read by
+    `assert_same_valid_rows`. The kernel variants are the ones the environment picks now."""
+    from ..expert_gemm import expert_ffn
+
+    device, rows = problem.acts.device, problem.num_pool_rows
+    inter, hidden = problem.weights.intermediate, problem.weights.hidden
+    l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
+    l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
+    out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
+    expert_ffn(problem.acts, problem.acts_sf, problem.topk_weights,
+               torch.tensor(problem.counts, dtype=torch.int32, device=device), problem.weights,
+               block_m=problem.block_m, activation_clamp=activation_clamp,
+               l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
+               out=out.view(torch.bfloat16))
+    return l2, l2_sf, out
+
+
+def assert_same_valid_rows(problem: PoolProblem, results: list[tuple]) -> None:
+    """Outputs of `run_fp8_ffn_poisoned` from kernel variants: every valid row written and
+    equal bit for bit (L2 inputs, their scales, outputs), every pad row still poisoned."""
+    torch.cuda.synchronize(problem.acts.device)
+    valid = torch.zeros(problem.num_pool_rows, dtype=torch.bool, device=problem.acts.device)
+    for r in problem.row_of_expert:
+        valid[r.start:r.stop] = True
+    for l2, _sf, out in results:
+        assert bool((out[~valid] == 0x7FFF).all()), "a pad row was written"
+        assert bool((l2[~valid] == 0x7F).all()), "a pad row of the L2 input was written"
+        assert bool((out[valid] != 0x7FFF).all()), "a valid row was not written"
+    (l2_a, sf_a, out_a) = results[0]
+    for l2_b, sf_b, out_b in results[1:]:
+        assert torch.equal(l2_a[valid], l2_b[valid])
+        assert torch.equal(sf_a[valid].view(torch.int32), sf_b[valid].view(torch.int32))
+        assert torch.equal(out_a[valid], out_b[valid])
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if b.numel() == 0:
         return 0.0
