@@ -523,23 +523,10 @@ class Sm90ExpertGemmKernel:
         wg = warp // 4
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp == 0:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     self.num_stages)
-                state, _ = self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb_load, sfa, sfb,
-                                        a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
-                                        cluster, num_clusters, raster_group, rank, lane, state)
-                ab_pipe.producer_tail(state)
-            elif cutlass.const_expr(self.fp4_weights):
-                if warp == 1:
-                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                         self.packed_stages)
-                    state, _ = self.produce_packed(
-                        tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
-                        storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                        row_start, num_tiles, cluster, num_clusters, raster_group, lane, state,
-                        rank=rank)
-                    packed_pipe.producer_tail(state)
+            self.producer_warps(warp, lane, tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb_load, sfa,
+                                sfb, a_sf, b_sf, b_group_sf, storage, ab_pipe, packed_pipe,
+                                block_start, row_start, num_tiles, cluster, num_clusters,
+                                raster_group, rank)
         elif self.is_decode_wg(wg):  # the decode warpgroups (FP4 weights)
             cute.arch.setmaxregister_decrease(self.decode_regs)
             self.decode_weights(ab_pipe, packed_pipe, storage.raw_b.data_ptr(),
@@ -563,6 +550,33 @@ class Sm90ExpertGemmKernel:
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # no CTA leaves while its peer may still signal it
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def producer_warps(self, warp: Int32, lane: Int32, tma_a, m_a, tma_b, tma_b_mc, m_b, sa,
+                       sb_load, sfa, sfb, a_sf: cute.Pointer, b_sf: cute.Pointer,
+                       b_group_sf: cute.Pointer, storage, ab_pipe, packed_pipe, block_start,
+                       row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
+                       raster_group: Int32, rank: Int32):
+        """Warp 0 fills the MMA stages (`produce`), warp 1 with FP4 weights the packed stages
+        (`produce_packed`, into ``sb_load``); each then waits until its last stages were
+        consumed."""
+        if warp == 0:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.num_stages)
+            state, _ = self.produce(tma_a, m_a, tma_b, tma_b_mc, m_b, sa, sb_load, sfa, sfb,
+                                    a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
+                                    first_tile, num_clusters, raster_group, rank, lane, state)
+            ab_pipe.producer_tail(state)
+        elif cutlass.const_expr(self.fp4_weights):
+            if warp == 1:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.packed_stages)
+                state, _ = self.produce_packed(
+                    tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
+                    storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
+                    row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state,
+                    rank=rank)
+                packed_pipe.producer_tail(state)
 
     @cute.jit
     def stage_tensors(self, storage, a_layout: cute.ComposedLayout):

@@ -224,21 +224,10 @@ class Sm90SwapABExpertGemmKernel(Sm90ExpertGemmKernel):
         wg = warp // 4
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp == 0:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     self.num_stages)
-                state, _ = self.produce(tma_a, m_a, tma_b, tma_b, m_b, sa, raw_b, sfa, sfb,
-                                        a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
-                                        bidx, grid, raster_group, Int32(0), lane, state)
-                ab_pipe.producer_tail(state)
-            elif warp == 1:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     self.packed_stages)
-                state, _ = self.produce_packed(
-                    tma_b, m_b, raw_b, packed_pipe, b_sf, b_group_sf,
-                    storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                    row_start, num_tiles, bidx, grid, raster_group, lane, state)
-                packed_pipe.producer_tail(state)
+            self.producer_warps(warp, lane, tma_a, m_a, tma_b, tma_b, m_b, sa, raw_b, sfa, sfb,
+                                a_sf, b_sf, b_group_sf, storage, ab_pipe, packed_pipe,
+                                block_start, row_start, num_tiles, bidx, grid, raster_group,
+                                Int32(0))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume_transposed(
