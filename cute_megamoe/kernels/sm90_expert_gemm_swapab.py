@@ -1,6 +1,8 @@
 """Hopper (sm_90a) grouped GEMMs over the expert pool with MXFP4 weights decoded into the WGMMA's
 register operand: the weights are the MMA's A (M = 64 weight rows), the pool rows its B (N =
-BLOCK_M tokens). Recipe ``fp8xfp4_sm90``, BLOCK_M 64, for decode sizes.
+BLOCK_M tokens). Recipe ``fp8xfp4_sm90``, BLOCK_M 64, for decode sizes. An A/B variant
+(`CUTE_MEGAMOE_SM90_SWAP_AB`): on an H200 it took 1.31-1.36x the staged kernel's time, bound by
+instruction issue (docs/performance.md, FP4 section).
 
 What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes for the recipe
 (L1 with the SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows
@@ -14,28 +16,31 @@ Why: at decode sizes (a handful of tokens per expert) the staged kernel's m64n25
 memory for the WGMMA to read back. Transposed, a k-block of a 256 x 64 tile is 4 x 4 m64n64k32
 WGMMAs (a quarter of the tensor-core time), and each consumer thread decodes the codes of its
 own A fragment in registers: no decoded tile in shared memory, no decode warps, no barrier
-between decode and MMA.
+between decode and MMA. The cost: every lane of a quad builds its own table per (row, 32-group)
+(4x the staged decode's tables) and the promotion scale is per token and row.
 
 How: a persistent, warp-specialized kernel on the staged kernel's two rings and tile walk
 (`ExpertTileScheduler`). Warp 0 TMA-loads the activation tile (64 pool rows x 128 K, the MMA's
 B) and the scale vectors into the MMA stages; warp 1 the packed weight chunks (128 rows x 64
 bytes each, 64-byte swizzle: the lanes' 4-byte reads are conflict-free), their per-32 scale
-words and the block scales into the packed stages. Consumer warpgroup ``w`` owns weight chunk
-``w`` (rows ``128 w ..``) of the 256-row tile as two m64 blocks. Per k-block and m64 block a
-thread reads, for its rows ``r0 = 16 * warp + lane / 4`` and ``r0 + 8``, word ``lane % 4`` of
-each 32-code group (`quant.SM90_GROUP_ORDER`: the codes of the k-columns its A fragment
-holds), decodes it with its group's table (`common.fp4_decode`) into the fragment's registers
-and issues the four m64n64k32 WGMMAs; block 1 is decoded while block 0's WGMMAs run, block 0 is
-promoted while block 1's run. The m64n64 accumulator value ``c + 2 r + 4 j`` of a thread is
-weight row ``r0 + 8 r`` and token ``8 j + 2 (lane % 4) + c``; in L1 the weight rows interleave
-gate and up by 8 (``quant.interleave_gate_up``), so ``r = 0`` is the gate and ``r = 1`` the up
-row of one feature: SwiGLU is thread-local. The epilogue writes the tile transposed into
-shared-memory rows per token (L1: the row amax over the tile's 128 features meets over shared
-memory across the 8 consumer warps), and 64 consumer threads send the valid tokens' rows with
-one 1-D bulk copy each.
+words and the block scales into the packed stages. Consumer warpgroup ``w`` owns weight rows
+``64 w .. 64 w + 63`` of the tile (one m64 block; four warpgroups for a 256-row tile, 640
+threads). Per k-block a thread reads, for its rows ``r0 = 16 * warp + lane / 4`` and ``r0 +
+8``, word ``lane % 4`` of each 32-code group (`quant.SM90_GROUP_ORDER`: the codes of the
+k-columns its A fragment holds), decodes it with its group's table (`common.fp4_decode`; the
+integer-add tables unless a warp vote finds a group 6+ binades under its block's base) into the
+fragment's registers, issues the four m64n64k32 WGMMAs, waits for them and promotes. The
+m64n64 accumulator value ``c + 2 r + 4 j`` of a thread is weight row ``r0 + 8 r`` and token
+``8 j + 2 (lane % 4) + c``; in L1 the weight rows interleave gate and up by 8
+(``quant.interleave_gate_up``), so ``r = 0`` is the gate and ``r = 1`` the up row of one
+feature: SwiGLU is thread-local. The epilogue writes the tile transposed into shared-memory rows
+per token (L1: the token amax over the tile's 128 features meets over shared memory across the
+consumer warps), and 64 consumer threads send the valid tokens' rows with one 1-D bulk copy
+each.
 
-Constraints: ``fp8xfp4_sm90``, BLOCK_M 64, ``N`` a multiple of 256 for L1 (128 for L2: then one
-consumer warpgroup), ``K`` a multiple of 128; no clusters; not in the fused kernel yet.
+Constraints: ``fp8xfp4_sm90``, BLOCK_M 64, ``N`` a multiple of 256 for L1 (of 128 for L2: a
+128-row tile has two consumer warpgroups), ``K`` a multiple of 128; no clusters; not in the
+fused kernel.
 """
 
 from __future__ import annotations
