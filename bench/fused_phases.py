@@ -3,8 +3,9 @@
     python3 -m bench.fused_phases [--tokens 128 4096 8192] [--recipe fp8xfp8] [--calls 20]
 
 Runs `kernels/sm90_mega_moe.py` compiled with `phase_clock` (every CTA writes the global timer
-at its start, once the pool is complete, when its first consumer warp finished its L1 tiles and
-its L2 tiles, and at its end: `PHASE_STAMPS`), over `calls` back-to-back calls on staged inputs,
+at its start, once the pool's prefix sums and metadata are in place, when its first sender warp
+has pushed its rows, when its first consumer warp finished its L1 tiles and its L2 tiles, and
+at its end: `PHASE_STAMPS`), over `calls` back-to-back calls on staged inputs,
 and reports per phase the median over calls of the time from the grid's first start to the
 median / latest CTA reaching the phase's end. The stamps cost a store per CTA per phase; the
 kernel is otherwise the one the layer runs (`fused_graph_us` of `bench_layer` is the

@@ -268,6 +268,7 @@ class SymmBuffer:
     src_token_topk_idx = _region_property("src_token_topk_idx")
     dispatch_pair_slot = _region_property("dispatch_pair_slot")
     token_src_metadata = _region_property("token_src_metadata")
+    pool_block_arrivals = _region_property("pool_block_arrivals")
     # Data regions.
     x = _region_property("x")
     x_sf = _region_property("x_sf")

@@ -47,6 +47,7 @@ def expected_regions(r, e, m, k, h, i, recipe):
         "src_token_topk_idx": (torch.int32, (e_l, r, t), (r * t, t, 1)),
         "dispatch_pair_slot": (torch.int32, (t, k), (k, 1)),
         "token_src_metadata": (torch.int32, (p, 4), (4, 1)),
+        "pool_block_arrivals": (torch.int32, (p // 16,), (1,)),
         "x": (act, (t, h), (h, 1)),
         "x_sf": (sf, (t, h // 128), (h // 128, 1)),
         "topk_idx": (torch.int64, (t, k), (k, 1)),
@@ -228,6 +229,7 @@ def test_deepseek_v3_like_total_is_sane():
         + e_l * r * t * 4
         + t * k * 4
         + p * 16
+        + p // 16 * 4
         + t * h
         + t * (h // 128) * 4
         + t * k * 8

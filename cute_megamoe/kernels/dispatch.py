@@ -50,6 +50,10 @@ How (the seed analysis' count -> prefix -> scatter):
    `transfer="pull"`: global warp g takes received rows g, g + G, ...; lane 0 moves each row
    with 1-D bulk copies, peer global -> shared -> local pool, the load of a chunk overlapping
    the store of the previous one (DeepGEMM's pull).
+   `pool_order` (the fused layer kernel, `sm90_mega_moe`): steps 1-6 only
+   (`exchange_counts`); the fused kernel's spare warps then push the rows in each
+   destination's pool order while its GEMMs run, counting every row into the destination's
+   `pool_block_arrivals` (`push_in_pool_order`), and step 8 is left to the fused kernel.
 8. Grid barrier (all rows moved); CTA 0 enters the cross-rank barrier (system-scope release and
    acquire) and records the call as finished. After it every rank's pool is complete, and no
    peer reads this rank's inputs or counts for this call any more: the next call may restage
@@ -81,9 +85,11 @@ from ..layout.mega_moe import RECIPES, CountWord, MegaMoELayout
 from .common.pool import (
     BulkRowPipeline,
     build_pool_prefix,
+    ceil_div_small,
     copy_row_in_registers,
     expert_of_row,
     gmem_vector,
+    row_prefix,
 )
 from .common.sync import (
     call_tags,
@@ -110,7 +116,7 @@ class DispatchKernel:
     """Count, prefix, scatter and row transfer for one rank (see the module docstring)."""
 
     def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
-                 has_stats: bool = False, transfer: str = "push"):
+                 has_stats: bool = False, transfer: str = "push", pool_order: bool = False):
         if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
             raise ValueError(f"block_m: expected a multiple of 16 in [16, "
                              f"{layout.block_m_max}], got {block_m}")
@@ -129,6 +135,11 @@ class DispatchKernel:
         self.has_stats = has_stats
         self.transfer = transfer
         self.push = transfer == "push"
+        # `pool_order` (the fused kernel): steps 1-6 by `exchange_counts`, then the rows pushed
+        # in each destination's pool order with arrival counts (`push_in_pool_order`)
+        if pool_order and not self.push:
+            raise ValueError("pool_order: the rows are pushed in pool order; transfer='push'")
+        self.pool_order = pool_order
         # published in every count word: this rank's block_m, and what every rank must launch
         # the call with (the recipe and the transfer, compared by every reader)
         self.settings = CountWord.settings(block_m, layout.recipe, self.push)
@@ -155,8 +166,8 @@ class DispatchKernel:
         """Shared memory `run` allocates (push: the pull's row staging is not counted), with
         room for each array's alignment."""
         D, R, E_l = self.num_dests, self.num_ranks, self.num_local_experts
-        words = self.num_experts + D * R * E_l + D * E_l + 2 * D * (E_l + 1) + D
-        return 4 * words + 6 * 16
+        words = self.num_experts + D * R * E_l + D * E_l + (2 + self.pool_order) * D * (E_l + 1) + D
+        return 4 * words + 7 * 16
 
     @cute.jit
     def __call__(
@@ -186,35 +197,83 @@ class DispatchKernel:
     def run(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
             expert_recv_tokens: cute.Tensor, stats: cute.Tensor, smem):
         """The whole dispatch (steps 1-8) by every thread of every CTA of a cooperative grid of
-        `num_threads`-thread CTAs, with shared memory from the allocator `smem`; also the first
-        phase of the fused layer kernel (`sm90_mega_moe`). Returns this rank's pool prefix sums
-        in shared memory, `(row_start, block_start)` (`E_l + 1` each, `block_m` rows per block).
-        Only CTA 0 has passed the final cross-rank barrier on return: a caller that goes on to
-        use the pool first meets the other CTAs at a grid barrier."""
+        `num_threads`-thread CTAs, with shared memory from the allocator `smem`. Returns this
+        rank's pool prefix sums in shared memory, `(row_start, block_start)` (`E_l + 1` each,
+        `block_m` rows per block). Only CTA 0 has passed the final cross-rank barrier on
+        return."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        E, E_l, R, K = self.num_experts, self.num_local_experts, self.num_ranks, self.num_topk
-        D = self.num_dests
-        my_base = Int64(peer_bases[rank])
-        barrier = self.regions.ptr(my_base, "barrier")
-        tag, done = call_tags(barrier)
-
-        expert_slot = smem.allocate_tensor(Int32, cute.make_layout(E))  # count, then next slot
-        # per destination d (own rank only when pulling): [d][src][expert] counts, [d][expert]
-        # totals, [d][expert + 1] prefix sums
-        recv_count = smem.allocate_tensor(Int32, cute.make_layout(D * R * E_l))
-        expert_count = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
-        row_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
-        block_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
-        dest_block_m = smem.allocate_tensor(Int32, cute.make_layout(D))  # each pool's BLOCK_M
+        arrays = self.allocate_arrays(smem)
         pipe = None  # the pull's per-warp staging (see `BulkRowPipeline`)
         if cutlass.const_expr(not self.push):
             pipe = self.rows.for_warp(self.rows.allocate(smem, self.num_warps), warp)
             self.rows.init_barriers(pipe[0], lane)
             cute.arch.mbarrier_init_fence()
+        own_count, own_row_start, own_block_start = self.exchange_counts(
+            peer_bases, rank, num_tokens, expert_recv_tokens, stats, arrays)
+        _slots, recv_count, _totals, _rows, block_start, dest_block_m, _sends = arrays
+
+        # 7. the rows
+        my_base = Int64(peer_bases[rank])
+        if cutlass.const_expr(self.push):
+            self.push_rows(peer_bases, my_base, rank, num_tokens, warp, lane, recv_count,
+                           block_start, dest_block_m)
+        else:
+            self.pull_rows(peer_bases, my_base, warp, lane, own_count, own_row_start,
+                           own_block_start, pipe)
+
+        # 8. all rows moved -> meet the other ranks. (The call tag is read again rather than
+        # kept in a register through the copies: only `finish_call` changes it.)
+        barrier = self.regions.ptr(my_base, "barrier")
+        grid_barrier(barrier, num_ctas, self.timeout_ns)
+        if bidx == 0:
+            tag = call_tags(barrier)[0]
+            cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"),
+                               Int32(self.num_ranks), self.timeout_ns)
+            if tidx == 0:
+                finish_call(barrier, tag)
+        return own_row_start, own_block_start
+
+    @cute.jit
+    def allocate_arrays(self, smem):
+        """The shared-memory arrays of steps 1-7: per global expert the count, then the next
+        slot; per destination d (own rank only when pulling) `[d][src][expert]` counts,
+        `[d][expert]` totals, `[d][expert + 1]` row and block prefix sums, each pool's BLOCK_M,
+        and with `pool_order` `[d][expert + 1]` prefix sums of this rank's rows to d."""
+        E, E_l, R, D = self.num_experts, self.num_local_experts, self.num_ranks, self.num_dests
+        expert_slot = smem.allocate_tensor(Int32, cute.make_layout(E))
+        recv_count = smem.allocate_tensor(Int32, cute.make_layout(D * R * E_l))
+        expert_count = smem.allocate_tensor(Int32, cute.make_layout(D * E_l))
+        row_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
+        block_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
+        dest_block_m = smem.allocate_tensor(Int32, cute.make_layout(D))
+        send_start = None
+        if cutlass.const_expr(self.pool_order):
+            send_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
+        return (expert_slot, recv_count, expert_count, row_start, block_start, dest_block_m,
+                send_start)
+
+    @cute.jit
+    def exchange_counts(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
+                        expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays):
+        """Steps 1-6 by every thread of every CTA, into the shared-memory `arrays`
+        (`allocate_arrays`). Returns `(own_count, own_row_start, own_block_start)`:
+        this rank's `[src][expert]` received counts and pool prefix sums in shared memory.
+        The metadata stores of step 6 are this thread's own: a reader meets the grid first."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        E, E_l, R, K = self.num_experts, self.num_local_experts, self.num_ranks, self.num_topk
+        D = self.num_dests
+        my_base = Int64(peer_bases[rank])
+        barrier = self.regions.ptr(my_base, "barrier")
+        tag, done = call_tags(barrier)
+        (expert_slot, recv_count, expert_count, row_start, block_start, dest_block_m,
+         send_start) = arrays
         e = tidx
         while e < E:
             expert_slot[e] = 0
@@ -312,6 +371,9 @@ class DispatchKernel:
             build_pool_prefix(_part(expert_count, d * E_l, E_l),
                               _part(row_start, d * (E_l + 1), E_l + 1),
                               _part(block_start, d * (E_l + 1), E_l + 1), E_l, dest_block_m[d])
+            if cutlass.const_expr(self.pool_order):
+                row_prefix(_part(recv_count, (d * R + rank) * E_l, E_l),
+                           _part(send_start, d * (E_l + 1), E_l + 1), E_l)
             d += self.num_warps
         cute.arch.sync_threads()
         own = Int32(0)  # this rank's index among the destinations above
@@ -331,23 +393,7 @@ class DispatchKernel:
 
         # 6. weights, scales and metadata of the received rows
         self.write_metadata(peer_bases, my_base, own_count, own_row_start, own_block_start)
-
-        # 7. the rows
-        if cutlass.const_expr(self.push):
-            self.push_rows(peer_bases, my_base, rank, num_tokens, warp, lane, recv_count,
-                           block_start, dest_block_m)
-        else:
-            self.pull_rows(peer_bases, my_base, warp, lane, own_count, own_row_start,
-                           own_block_start, pipe)
-
-        # 8. all rows moved -> meet the other ranks
-        grid_barrier(barrier, num_ctas, self.timeout_ns)
-        if bidx == 0:
-            cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"), Int32(R),
-                               self.timeout_ns)
-            if tidx == 0:
-                finish_call(barrier, tag)
-        return own_row_start, own_block_start
+        return own_count, own_row_start, own_block_start
 
     @cute.jit
     def check_settings(self, barrier: cute.Pointer, seen: Int32):
@@ -514,6 +560,69 @@ class DispatchKernel:
                                           Int64(peer_bases[dest_j]) + pool_offset
                                           + Int64(row_j) * self.row_bytes, lane, self.row_bytes)
             first += 32 * stride
+
+    @cute.jit
+    def push_in_pool_order(self, peer_bases: cute.Tensor, rank: Int32, sender: Int32,
+                           num_senders: Int32, lane: Int32, arrays,
+                           unroll: cutlass.Constexpr):
+        """Step 7 for the fused kernel (`pool_order`), by sender warp `sender` of `num_senders`
+        (spare warps of every CTA, after `exchange_counts` and a grid barrier): this rank's
+        rows to each destination in that destination's pool order, each row followed by +1 on
+        its pool block's `pool_block_arrivals` there (system-scope release), so the
+        destination's L1 tiles start block by block while later rows are still on the way.
+
+        The rows to all destinations are merged, destination-fastest (merged row i: row
+        i // R to destination i % R), so every destination's pool fills front to back at the
+        same pace; sender v takes merged rows v, v + V, ... (V senders), a lane looking up one
+        row of each batch of 32: its expert (binary search of `send_start`), its slot, the
+        (token, k) pair the scatter left in the destination's `src_token_topk_idx`, and the
+        pool row (`index_of_source`, the destination's BLOCK_M). Copies move `unroll`-vector
+        groups per lane (the fused kernel's spare warps keep few registers)."""
+        E_l, R, K = self.num_local_experts, self.num_ranks, self.num_topk
+        (_slots, recv_count, _totals, _rows, block_start, dest_block_m, send_start) = arrays
+        most = Int32(0)  # rows to the destination that gets the most
+        for d in cutlass.range_constexpr(R):
+            most = cutlass.max(most, send_start[d * (E_l + 1) + E_l])
+        first = sender
+        while first < most * R:
+            mine = first + lane * num_senders
+            dest = mine % R
+            index = mine // R  # of this rank's rows to dest
+            pool_row = Int32(-1)  # -1: past this rank's rows to dest
+            token = Int32(0)
+            starts = _part(send_start, dest * (E_l + 1), E_l + 1)
+            if index < starts[E_l]:
+                expert = expert_of_row(starts, index, E_l)
+                slot = index - starts[expert]
+                table = self.regions.ptr(Int64(peer_bases[dest]), "src_token_topk_idx")
+                token = cute.arch.load(table + (expert * R + rank) * self.num_slots + slot,
+                                       Int32) // K
+                row = self.index_of_source(rank, slot,
+                                           _part(recv_count, dest * R * E_l, R * E_l), expert)
+                pool_row = block_start[dest * (E_l + 1) + expert] * dest_block_m[dest] + row
+            for j in cutlass.range(32):
+                row_j = cute.arch.shuffle_sync(pool_row, j)
+                if row_j >= 0:
+                    token_j = cute.arch.shuffle_sync(token, j)
+                    dest_j = (first + j * num_senders) % R
+                    dest_base = Int64(peer_bases[dest_j])
+                    # (this rank's `x` is addressed again per row: the spare warps have 32-40
+                    # registers)
+                    x = Int64(peer_bases[rank]) + self.regions.offset("x")
+                    copy_row_in_registers(x + Int64(token_j) * self.row_bytes,
+                                          dest_base + self.regions.offset("l1_acts")
+                                          + Int64(row_j) * self.row_bytes, lane,
+                                          self.row_bytes, unroll)
+                    # the warp's stores of the row, then lane 0's release of its count
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        # (BLOCK_M is a multiple of 16: the quotient by BLOCK_M / 16 of
+                        # row / 16, within `ceil_div_small`'s range)
+                        block_j = ceil_div_small((row_j >> 4) + 1, dest_block_m[dest_j] >> 4) - 1
+                        arrivals = self.regions.ptr(dest_base, "pool_block_arrivals")
+                        cute.arch.red(arrivals + block_j, Int32(1), op="add", dtype="s32",
+                                      sem="release", scope="sys")
+            first += 32 * num_senders
 
     @cute.jit
     def pull_rows(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,

@@ -615,12 +615,15 @@ class Sm90ExpertGemmKernel:
                 first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
-                log_first: Int32 = 0, ready_target: Int32 = None):
+                log_first: Int32 = 0, ready_target: Int32 = None,
+                rows_arrived: cute.Pointer = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles`` (FP4 weights: A and
         the scale vectors; `produce_packed` loads the weights); in a cluster whose
         two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
-        ring's producer state. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
+        ring's producer state. With ``rows_arrived`` (L1 of the fused kernel: the dispatch's
+        `pool_block_arrivals`), a tile's loads start once its pool block's valid rows have
+        landed. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
         start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it, or with
         a ``ready_slot`` its first tile once ``ready[ready_slot]`` reaches ``ready_target``
         (every L1 tile done). With
@@ -655,6 +658,14 @@ class Sm90ExpertGemmKernel:
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
+            if cutlass.const_expr(rows_arrived is not None):
+                if valid_m > 0:
+                    # senders on every rank release their rows' counts at system scope; the
+                    # rows came through generic stores, the TMA loads read through the async
+                    # proxy
+                    wait_reached(barrier_slots, rows_arrived + pool_block, valid_m, "sys",
+                                 "rows of a pool block (pool_block_arrivals)", self.timeout_ns)
+                    cute.arch.fence_proxy("async.global")
             if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is None):
                 wait_reached(barrier_slots, ready + pool_block, Int32(self.waits_ready), "gpu",
                              "L1 tiles of a pool block", self.timeout_ns)

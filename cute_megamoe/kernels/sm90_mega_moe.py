@@ -11,31 +11,44 @@ one kernel), for `fp8xfp8`, `bf16xbf16` and `fp8xfp4_sm90` (MXFP4 weights decode
 
 How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads (FP4 weights: plus the decode
 warpgroups, 512 in all), launched cooperatively.
-1. Dispatch (every thread, `DispatchKernel.run`): count, prefix, scatter, publish the counts
-   (tagged with the call number, `layout.CountWord`), push the rows into the destinations'
-   pools, meet the other ranks. It leaves this rank's pool prefix sums in shared memory; a
-   grid barrier then tells every CTA that the pool is complete.
+1. Dispatch (every thread, `DispatchKernel.exchange_counts`): count, prefix, scatter, publish
+   the counts (tagged with the call number, `layout.CountWord`), gather every rank's counts,
+   build the pool prefix sums in shared memory, write the received rows' metadata; a grid
+   barrier then gives every CTA the pool's layout and metadata. The rows themselves move while
+   the GEMMs run: the producer warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push
+   this rank's rows into the destinations' pools in each pool's order
+   (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool block's counter in the
+   destination's `pool_block_arrivals` (system-scope release).
 2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
    warpgroups run WGMMA and the epilogues). One walk over the L1 tiles followed by the L2 tiles
    (CTA c takes tiles c, c + G, ... of the concatenation,
    `scheduler.host_model.fused_tile_walk`), through one ring of pipeline stages
    (`sm90_expert_gemm.share_ring`), so a CTA's first L2 tiles load while its last L1 tiles still
    compute (FP4 weights: warp 1 loads the packed weights of both walks into their own stages,
-   waiting for nothing, and the decode warpgroups walk the same tiles). An L2 tile waits only
+   waiting for nothing, and the decode warpgroups walk the same tiles). An L1 tile starts once
+   the rows of its pool block have arrived: warp 0 acquires the block's arrival counter (system
+   scope, then a proxy fence) until it reaches the block's row count. An L2 tile waits only
    for the L1 tiles of its own pool block: every consumer warp
    adds 1 to the block's counter in `pool_block_ready` once its rows of an L1 tile are in global
    memory (release at GPU scope, after its bulk stores completed), and the L2 producer acquires
-   it (and fences the async proxy) before its TMA loads. L1 tiles wait for nothing, and every
-   CTA walks its L1 tiles before its L2 tiles, so the waits always end. The L2 epilogue writes
-   each row into its source rank's combine buffer over NVLink.
+   it (and fences the async proxy) before its TMA loads. The senders wait for nothing, L1 tiles
+   only for rows, and every CTA walks its L1 tiles before its L2 tiles, so the waits always
+   end. The L2 epilogue writes each row into its source rank's combine buffer over NVLink.
 3. Combine (every thread, `CombineKernel.send_and_reduce` in its "epilogue" mode): the split
    barriers meet the other ranks once every CTA's rows are delivered, then the top-k
-   reduction in ascending k writes `y`.
+   reduction in ascending k writes `y`; CTA 0 then records the call as finished
+   (`common.sync.finish_call`).
 
-Readiness counters are per call: every CTA zeroes its share at the start, and the grid
-barriers of step 1 order that before any use; nothing else is reset (the barriers and call tags
-of `common/sync.py` only grow, wrap-safe), so back-to-back calls and CUDA-graph replays need
-nothing from the host.
+Readiness and arrival counters are per call: every CTA zeroes its share at the start, and the
+grid barriers of step 1 order that before any use (a sender adds to a destination's arrivals
+only once it holds the destination's counts of the call, published after the zeroing); nothing
+else is reset (the barriers and call tags of `common/sync.py` only grow, wrap-safe), so
+back-to-back calls and CUDA-graph replays need nothing from the host. Without the staged
+dispatch's closing cross-rank barrier, the calls stay apart through the counts: a rank pushes
+rows into a peer's pool only with the peer's counts of the same call (published once the
+peer's previous call has ended), an L2 epilogue writes into a peer's combine buffer only rows
+that peer sent in this call, and a rank's next call rewrites its inputs and scatter tables only
+after this call's combine barriers, which every rank passes after its own dispatch.
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
 BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
@@ -54,7 +67,7 @@ from cutlass.cute.nvgpu import cpasync
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
 from .combine import CombineKernel
-from .common.sync import grid_barrier, spin_timeout_ns
+from .common.sync import call_tags, finish_call, grid_barrier, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
     FP4_WARPGROUPS,
@@ -65,19 +78,24 @@ from .sm90_expert_gemm import (
 )
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
-# With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool is
-# complete, when its first consumer warp finished its L1 tiles and its L2 tiles, when warp 0
+# With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
+# prefix sums and metadata are in place, when its first sender warp has sent its rows, when
+# its first consumer warp finished its L1 tiles and its L2 tiles, when warp 0
 # issued its last loads and saw them consumed, (FP4 weights) when warp 1 did the same for the
 # packed weights and the first decode warp finished, and at the end (0: not reached). Each
 # stamp is fenced at system scope, so a host reading pinned memory sees where a hung call is
-PHASE_STAMPS = ("start", "pool_ready", "l1_done", "l2_done", "loads_done", "packed_done",
-                "decode_done", "end")
+PHASE_STAMPS = ("start", "prefix_ready", "rows_sent", "l1_done", "l2_done", "loads_done",
+                "packed_done", "decode_done", "end")
 # dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
 # `smem_bytes` does not count
 SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
+# by (FP4 weights, BLOCK_M): registers of the producer warpgroup, whose spare warps send the
+# rows, and the 16-byte vectors a sender lane loads before storing them (no spills)
+SENDER_REGS = {(False, 64): (80, 4), (False, 128): (40, 2), (True, 64): (40, 2),
+               (True, 128): (40, 2)}
 REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
 
 
@@ -128,7 +146,10 @@ class Sm90MegaMoEKernel:
                              f"{cluster_m}")
         self.cluster_m = cluster_m
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
-                                       has_stats=has_stats, transfer="push")
+                                       has_stats=has_stats, transfer="push", pool_order=True)
+        # the producer warpgroup's warps that load nothing send this rank's rows (step 1)
+        self.first_sender_warp = 2 if self.fp4_weights else 1
+        self.sender_warps = 4 - self.first_sender_warp
         self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
                                      send_mode="epilogue")
         reserved = self.dispatch.smem_bytes()
@@ -148,6 +169,18 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"l2_gate: 'pool_block' or 'all_l1', got {l2_gate!r}")
         self.ready_slot = self.num_pool_blocks if l2_gate == "all_l1" else None
         assert self.l1.decode_wgs == decode_wgs
+        # the producer warpgroup's registers, for its sender warps (step 1), and the 16-byte
+        # vectors a sender lane keeps in flight: BLOCK_M 64 without FP4 weights leaves room
+        # (the GEMM kernel's 40 would need fewer vectors in flight); FP4 weights at BLOCK_M 128
+        # take 8 registers from the decode warpgroup, which fits in 40 (128 x (40 + 40) +
+        # 256 x 216 = 64K), as the senders spill at 32
+        self.sender_regs, self.sender_unroll = SENDER_REGS[(self.fp4_weights, block_m)]
+        for k in (self.l1, self.l2):
+            k.producer_regs = self.sender_regs
+            if self.fp4_weights and block_m == 128:
+                k.decode_regs = self.sender_regs
+        assert 128 * (self.l1.producer_regs + decode_wgs * self.l1.decode_regs
+                      + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
@@ -326,21 +359,25 @@ class Sm90MegaMoEKernel:
             cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
             cute.arch.cluster_wait()
 
-        # this call's readiness counters start at 0 (ordered before any use by the grid
-        # barriers of the dispatch)
+        # this call's readiness and arrival counters start at 0 (ordered before any use by the
+        # grid barriers of the dispatch; senders add to the arrivals only once they have this
+        # rank's counts of the call, which it publishes after them)
         # (a cluster's dummy block past the pool's last has a counter too, or the one counter
         # of every L1 tile takes that place)
+        rows_arrived = self.regions.ptr(my_base, "pool_block_arrivals")
         i = bidx * self.num_threads + tidx
         while i < self.num_pool_blocks + 1:
             cute.arch.store(pool_block_ready + i, Int32(0))
+            cute.arch.store(rows_arrived + i, Int32(0))
             i += grid * self.num_threads
 
-        # 1. dispatch; after the grid barrier every CTA knows that CTA 0 has met the other
-        # ranks, so every rank's rows are in this rank's pool
-        row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
-                                                   expert_recv_tokens, stats, smem)
+        # 1. dispatch: counts, prefix sums, scatter, metadata; after the grid barrier every
+        # CTA has the pool's layout and its metadata. The rows move while the L1 tiles run
+        dispatch = self.dispatch.allocate_arrays(smem)
+        _counts, row_start, block_start = self.dispatch.exchange_counts(
+            peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch)
         grid_barrier(barrier, grid, self.timeout_ns)
-        self.stamp(stamps, "pool_ready", tidx == 0)
+        self.stamp(stamps, "prefix_ready", tidx == 0)
 
         # 2. L1 tiles then L2 tiles, one walk, one ring
         l1_tiles = self.l1.scheduler.num_tiles(block_start)
@@ -356,7 +393,8 @@ class Sm90MegaMoEKernel:
                 state, tile = self.l1.produce(
                     tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb_load, sfa, sfb, l1_acts_sf,
                     w1_sf, ring, block_start, row_start, l1_tiles, cluster, num_clusters,
-                    Int32(self.l1.raster_group), cta_rank, lane, state, tile_log=log)
+                    Int32(self.l1.raster_group), cta_rank, lane, state,
+                    barrier_slots=barrier, tile_log=log, rows_arrived=rows_arrived)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
@@ -383,6 +421,11 @@ class Sm90MegaMoEKernel:
                         Int32(self.l2.raster_group), lane, state)
                     packed_pipe.producer_tail(state)
                     self.stamp(stamps, "packed_done", lane == 0)
+            if warp >= self.first_sender_warp:  # this rank's rows, in the pools' order
+                self.dispatch.push_in_pool_order(
+                    peer_bases, rank, bidx * self.sender_warps + warp - self.first_sender_warp,
+                    grid * self.sender_warps, lane, dispatch, self.sender_unroll)
+                self.stamp(stamps, "rows_sent", warp == self.first_sender_warp and lane == 0)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
@@ -415,9 +458,16 @@ class Sm90MegaMoEKernel:
             cute.arch.cluster_wait()
 
         # 3. combine: the rows are in the source ranks' combine buffers (the L2 epilogues
-        # waited for their stores); meet the other ranks, reduce
+        # waited for their stores); meet the other ranks, reduce. (The buffer's base and the
+        # call tag are loaded again rather than kept in registers through the roles.)
+        my_base = Int64(peer_bases[rank])
+        barrier = self.regions.ptr(my_base, "barrier")
         self.combine.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
                                      l1_topk_weights, row_start, block_start, y, None)
+        # every rank has read this rank's counts of the call (the combine's barriers needed
+        # every CTA of every rank, all past their dispatch)
+        if bidx == 0 and tidx == 0:
+            finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
 
     @cute.jit

@@ -64,6 +64,12 @@ next call needs no host memset; :meth:`SymmBuffer.zero_workspace_` is for recove
     Per pool row ``{source rank, token, topk slot, unused}``: where the row's L2 result goes back
     to. Written by this rank's dispatch, read by the L2 epilogue. Local. Indexed by pool row, so
     it is never overwritten within a call.
+``pool_block_arrivals`` int32 [P / 16]
+    Per pool block (this rank's BLOCK_M): rows of the call that have landed in ``l1_acts``.
+    The fused kernel's senders add to it with system-scope releases once a batch of rows is
+    stored (remote-written); its L1 producer acquires it before loading the block's rows.
+    Zeroed by this rank at the start of each call, before it publishes its counts (no sender
+    writes a destination's pool before it has the destination's counts of the call).
 
 Data:
 
@@ -151,6 +157,7 @@ WORKSPACE_REGION_NAMES = (
     "src_token_topk_idx",
     "dispatch_pair_slot",
     "token_src_metadata",
+    "pool_block_arrivals",
 )
 DATA_REGION_NAMES = (
     "x",
@@ -346,6 +353,7 @@ class MegaMoELayout:
             ("src_token_topk_idx", torch.int32, (e_l, r, t), None),
             ("dispatch_pair_slot", torch.int32, (t, k), None),
             ("token_src_metadata", torch.int32, (p, 4), None),
+            ("pool_block_arrivals", torch.int32, (num_pool_blocks,), None),
             ("x", act_dtype, (t, h), None),
             ("x_sf", sf_dtype, (t, h // 128), None),
             ("topk_idx", torch.int64, (t, k), None),

@@ -70,6 +70,25 @@ def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
 
 
 @cute.jit
+def row_prefix(count: cute.Tensor, start: cute.Tensor, num: cutlass.Constexpr):
+    """``start[i] = count[0] + ... + count[i - 1]`` for ``i <= num``. Call from one whole warp;
+    the CTA must sync before reading the results."""
+    lane = cute.arch.lane_idx()
+    carry = Int32(0)
+    for base in cutlass.range(0, num, 32):
+        i = base + lane
+        c = Int32(0)
+        if i < num:
+            c = count[i]
+        incl = warp_inclusive_sum(c)
+        if i < num:
+            start[i + 1] = carry + incl
+        carry += cute.arch.shuffle_sync(incl, 31)
+    if lane == 0:
+        start[0] = 0
+
+
+@cute.jit
 def expert_of_row(row_start: cute.Tensor, row: Int32, num_experts: cutlass.Constexpr) -> Int32:
     """The expert e with row_start[e] <= row < row_start[e + 1] (binary search; empty experts
     have equal bounds and are never returned)."""
@@ -95,21 +114,22 @@ def gmem_vector(address: Int64, dtype, length: int) -> cute.Tensor:
 
 @cute.jit
 def copy_row_in_registers(src_row: Int64, dst_row: Int64, lane: Int32,
-                          row_bytes: cutlass.Constexpr):
+                          row_bytes: cutlass.Constexpr,
+                          unroll: cutlass.Constexpr = ROW_COPY_UNROLL):
     """The calling warp copies `row_bytes` (a multiple of 16, both rows 16-byte aligned): every
-    lane loads ROW_COPY_UNROLL 16-byte vectors, then stores them. Plain stores: a caller writing
+    lane loads `unroll` 16-byte vectors, then stores them. Plain stores: a caller writing
     a peer's memory publishes them with a barrier."""
     vecs = row_bytes // 16
-    for grp in cutlass.range_constexpr(-(-vecs // (32 * ROW_COPY_UNROLL))):
+    for grp in cutlass.range_constexpr(-(-vecs // (32 * unroll))):
         regs = []
-        for u in cutlass.range_constexpr(ROW_COPY_UNROLL):
-            i = (grp * ROW_COPY_UNROLL + u) * 32 + lane
+        for u in cutlass.range_constexpr(unroll):
+            i = (grp * unroll + u) * 32 + lane
             r = cute.make_rmem_tensor((4,), Int32)
             if i < vecs:
                 cute.autovec_copy(gmem_vector(src_row + Int64(i) * 16, Int32, 4), r)
             regs.append(r)
-        for u in cutlass.range_constexpr(ROW_COPY_UNROLL):
-            i = (grp * ROW_COPY_UNROLL + u) * 32 + lane
+        for u in cutlass.range_constexpr(unroll):
+            i = (grp * unroll + u) * 32 + lane
             if i < vecs:
                 cute.autovec_copy(regs[u], gmem_vector(dst_row + Int64(i) * 16, Int32, 4))
 
