@@ -37,6 +37,10 @@ def main() -> None:
                         help="L2 tiles wait for their pool block's L1 tiles, or for all")
     parser.add_argument("--extra-warpgroups", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="1: a warpgroup more for dispatch and combine (BLOCK_M 64 only)")
+    parser.add_argument("--rows-with-gemm", type=int, nargs="+", default=[1], choices=(0, 1),
+                        help="1: rows move while the GEMMs run; 0: before them (A/B)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over all variants (interleaves an A/B)")
     args = parser.parse_args()
 
     from cute_megamoe import api
@@ -57,9 +61,10 @@ def main() -> None:
         "intermediate": inter, "calls": args.calls, "stamps": list(PHASE_STAMPS),
         "l2_gates": args.l2_gates, "extra_warpgroups": args.extra_warpgroups,
         "clocks_before": gpu_clocks()})
-    variants = [(n, g, x) for n in args.tokens for g in args.l2_gates
-                for x in args.extra_warpgroups]
-    for n, gate, extra in variants:
+    variants = [(n, g, x, r) for n in args.tokens for _ in range(args.rounds)
+                for g in args.l2_gates for x in args.extra_warpgroups
+                for r in args.rows_with_gemm]
+    for n, gate, extra, rows in variants:
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
         api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
@@ -69,7 +74,7 @@ def main() -> None:
         y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,
-                          l2_gate=gate, extra_warpgroups=extra)
+                          l2_gate=gate, extra_warpgroups=extra, rows_with_gemm=bool(rows))
         for _ in range(3):
             call()
         samples = []
@@ -85,15 +90,17 @@ def main() -> None:
                                              ("last_us", torch.max))})
             samples[-1]["start_spread_us"] = float(rel[:, 0].max())
         row = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-        row["l1_us"] = row["l1_done_median_us"] - row["pool_ready_median_us"]
+        row["l1_us"] = row["l1_done_median_us"] - row["prefix_ready_median_us"]
         row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
         row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
-        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, block_m=block_m, **row)
+        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows_with_gemm=rows,
+                block_m=block_m, **row)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["tokens", "l2_gate", "extra_warpgroups", "block_m", "start_spread_us",
-                     "pool_ready_last_us", "l1_us", "l1_done_last_us", "l2_us",
-                     "l2_done_last_us", "combine_us", "end_last_us"]))
+    print(res.table(["tokens", "rows_with_gemm", "l2_gate", "extra_warpgroups", "block_m",
+                     "start_spread_us", "prefix_ready_last_us", "rows_sent_last_us", "l1_us",
+                     "l1_done_median_us", "l2_us", "l2_done_last_us", "combine_us",
+                     "end_last_us"]))
     buf.destroy()
 
 

@@ -391,7 +391,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                activation_clamp: float | None, fast_math: bool,
                phase_clock: torch.Tensor | None = None,
                tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
-               extra_warpgroups: int = 0) -> KernelCall:
+               extra_warpgroups: int = 0, rows_with_gemm: bool = True) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -401,22 +401,24 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     (`testing.fused_checks.check_tile_walk`). ``l2_gate``: "all_l1" builds the variant whose
     L2 tiles wait for every L1 tile (an A/B against the per-pool-block gate);
     ``extra_warpgroups`` 1 the variant with a warpgroup more for the dispatch and combine
-    phases (BLOCK_M 64)."""
+    phases (BLOCK_M 64); ``rows_with_gemm`` False the variant whose dispatch moves every row
+    before the GEMMs start (an A/B)."""
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
     clocked, logged = phase_clock is not None, tile_log is not None
     promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion)
+           has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, rows_with_gemm)
 
     def make_kernel():
         if state.arch == "sm_100a":
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
-            if clocked or logged or l2_gate != "pool_block" or extra_warpgroups:
-                raise ValueError("fused_call: the phase clock, tile log, L2 gate and extra "
-                                 "warpgroups are sm_90a only")
+            if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
+                    or not rows_with_gemm):
+                raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
+                                 "warpgroups and row transfer are sm_90a only")
             return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
                                       fast_math=fast_math, has_stats=has_stats)
         from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -424,7 +426,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         return Sm90MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
                                  fast_math=fast_math, has_stats=has_stats, phase_clock=clocked,
                                  tile_log=logged, l2_gate=l2_gate,
-                                 extra_warpgroups=extra_warpgroups, promotion=promotion)
+                                 extra_warpgroups=extra_warpgroups, promotion=promotion,
+                                 rows_with_gemm=rows_with_gemm)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -391,11 +391,30 @@ def test_tile_log_variant_compiles(monkeypatch):
     assert art.count("QGMMA") > 0 if art.sass is not None else "wgmma" in art.ptx
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp4_sm90", 128)])
+def test_rows_before_gemm_variant_compiles_without_spills(recipe, block_m, monkeypatch):
+    """The A/B variant whose dispatch moves every row before the GEMMs: no sender warps, no
+    arrival waits, the GEMM kernel's register split; the default sends rows with the GEMMs."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
+    before, art = _compile(recipe, block_m, rows_with_gemm=False)
+    with_gemm, art_with = _compile(recipe, block_m)
+    assert not before.dispatch.pool_order and with_gemm.dispatch.pool_order
+    # the senders count rows into their own pool with GPU-scope releases (others: system)
+    red = "red.release.gpu.global.add.s32"
+    assert art_with.ptx.count(red) > art.ptx.count(red)
+    if art.sass is not None:
+        for a in (art, art_with):
+            assert a.count("STL") == 0 and a.resource_usage()["LOCAL"] == 0
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1)])
+@pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
+                                     dict(rows_with_gemm=False)])
 def test_fused_ab_variants_match_staged(variant):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64) give the same bits."""
+    combine at BLOCK_M 64; every row moved before the GEMMs) give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call

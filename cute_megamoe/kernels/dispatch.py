@@ -568,7 +568,8 @@ class DispatchKernel:
         """Step 7 for the fused kernel (`pool_order`), by sender warp `sender` of `num_senders`
         (spare warps of every CTA, after `exchange_counts` and a grid barrier): this rank's
         rows to each destination in that destination's pool order, each row followed by +1 on
-        its pool block's `pool_block_arrivals` there (system-scope release), so the
+        its pool block's `pool_block_arrivals` there (release: system scope, GPU scope for
+        this rank's own pool), so the
         destination's L1 tiles start block by block while later rows are still on the way.
 
         The rows to all destinations are merged, destination-fastest (merged row i: row
@@ -620,8 +621,12 @@ class DispatchKernel:
                         # row / 16, within `ceil_div_small`'s range)
                         block_j = ceil_div_small((row_j >> 4) + 1, dest_block_m[dest_j] >> 4) - 1
                         arrivals = self.regions.ptr(dest_base, "pool_block_arrivals")
-                        cute.arch.red(arrivals + block_j, Int32(1), op="add", dtype="s32",
-                                      sem="release", scope="sys")
+                        if dest_j == rank:  # (this GPU's reader: a GPU-scope fence suffices)
+                            cute.arch.red(arrivals + block_j, Int32(1), op="add", dtype="s32",
+                                          sem="release", scope="gpu")
+                        else:
+                            cute.arch.red(arrivals + block_j, Int32(1), op="add", dtype="s32",
+                                          sem="release", scope="sys")
             first += 32 * num_senders
 
     @cute.jit

@@ -107,7 +107,7 @@ class Sm90MegaMoEKernel:
                  has_stats: bool = False, l2_staging_parts: int | None = None,
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
-                 promotion: str | None = None):
+                 promotion: str | None = None, rows_with_gemm: bool = True):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -145,8 +145,12 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128 (not with FP4 weights); got "
                              f"{cluster_m}")
         self.cluster_m = cluster_m
+        # `rows_with_gemm` False: the dispatch moves every row before the GEMMs (`run`, then a
+        # grid barrier), the L1 tiles wait for nothing more (for A/Bs)
+        self.rows_with_gemm = bool(rows_with_gemm)
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
-                                       has_stats=has_stats, transfer="push", pool_order=True)
+                                       has_stats=has_stats, transfer="push",
+                                       pool_order=self.rows_with_gemm)
         # the producer warpgroup's warps that load nothing send this rank's rows (step 1)
         self.first_sender_warp = 2 if self.fp4_weights else 1
         self.sender_warps = 4 - self.first_sender_warp
@@ -175,7 +179,7 @@ class Sm90MegaMoEKernel:
         # take 8 registers from the decode warpgroup, which fits in 40 (128 x (40 + 40) +
         # 256 x 216 = 64K), as the senders spill at 32
         self.sender_regs, self.sender_unroll = SENDER_REGS[(self.fp4_weights, block_m)]
-        for k in (self.l1, self.l2):
+        for k in (self.l1, self.l2) if self.rows_with_gemm else ():
             k.producer_regs = self.sender_regs
             if self.fp4_weights and block_m == 128:
                 k.decode_regs = self.sender_regs
@@ -373,9 +377,14 @@ class Sm90MegaMoEKernel:
 
         # 1. dispatch: counts, prefix sums, scatter, metadata; after the grid barrier every
         # CTA has the pool's layout and its metadata. The rows move while the L1 tiles run
-        dispatch = self.dispatch.allocate_arrays(smem)
-        _counts, row_start, block_start = self.dispatch.exchange_counts(
-            peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch)
+        dispatch = None
+        if cutlass.const_expr(self.rows_with_gemm):
+            dispatch = self.dispatch.allocate_arrays(smem)
+            _counts, row_start, block_start = self.dispatch.exchange_counts(
+                peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch)
+        else:
+            row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
+                                                       expert_recv_tokens, stats, smem)
         grid_barrier(barrier, grid, self.timeout_ns)
         self.stamp(stamps, "prefix_ready", tidx == 0)
 
@@ -394,7 +403,9 @@ class Sm90MegaMoEKernel:
                     tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb_load, sfa, sfb, l1_acts_sf,
                     w1_sf, ring, block_start, row_start, l1_tiles, cluster, num_clusters,
                     Int32(self.l1.raster_group), cta_rank, lane, state,
-                    barrier_slots=barrier, tile_log=log, rows_arrived=rows_arrived)
+                    barrier_slots=barrier, tile_log=log,
+                    rows_arrived=rows_arrived if cutlass.const_expr(self.rows_with_gemm)
+                    else None)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
@@ -421,11 +432,14 @@ class Sm90MegaMoEKernel:
                         Int32(self.l2.raster_group), lane, state)
                     packed_pipe.producer_tail(state)
                     self.stamp(stamps, "packed_done", lane == 0)
-            if warp >= self.first_sender_warp:  # this rank's rows, in the pools' order
-                self.dispatch.push_in_pool_order(
-                    peer_bases, rank, bidx * self.sender_warps + warp - self.first_sender_warp,
-                    grid * self.sender_warps, lane, dispatch, self.sender_unroll)
-                self.stamp(stamps, "rows_sent", warp == self.first_sender_warp and lane == 0)
+            if cutlass.const_expr(self.rows_with_gemm):
+                if warp >= self.first_sender_warp:  # this rank's rows, in the pools' order
+                    self.dispatch.push_in_pool_order(
+                        peer_bases, rank,
+                        bidx * self.sender_warps + warp - self.first_sender_warp,
+                        grid * self.sender_warps, lane, dispatch, self.sender_unroll)
+                    self.stamp(stamps, "rows_sent",
+                               warp == self.first_sender_warp and lane == 0)
             # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
             cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
@@ -466,7 +480,7 @@ class Sm90MegaMoEKernel:
                                      l1_topk_weights, row_start, block_start, y, None)
         # every rank has read this rank's counts of the call (the combine's barriers needed
         # every CTA of every rank, all past their dispatch)
-        if bidx == 0 and tidx == 0:
+        if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_with_gemm):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
 
