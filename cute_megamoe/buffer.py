@@ -23,6 +23,7 @@ import torch
 
 from .heuristics import get_num_sms
 from .layout import RECIPES, REGION_NAMES, BarrierSlots, MegaMoELayout
+from .reports import REPORT_WORDS, format_report
 
 __all__ = ["SymmBuffer", "get_symm_buffer_for_mega_moe"]
 
@@ -130,6 +131,37 @@ class SymmBuffer:
         # Every rank's base address, on the buffer's device: the kernels' peer table.
         self.peer_bases: torch.Tensor = torch.tensor(buffer_ptrs, dtype=torch.int64,
                                                      device=buffer.device)
+        # The pinned host record a trapping kernel leaves (`reports`; a CPU buffer has none)
+        self.report_record: torch.Tensor | None = None
+        self._report_words = None  # (a numpy view of it: a check costs ~0.1 us)
+        if buffer.device.type == "cuda":
+            self.report_record = torch.zeros(REPORT_WORDS, dtype=torch.int32, pin_memory=True)
+            self._report_words = self.report_record.numpy()
+            self._publish_report_record()
+
+    def _publish_report_record(self) -> None:
+        """Write the record's address into this rank's ``REPORT`` barrier slots (the kernels
+        find it there; `zero_workspace_` clears them)."""
+        address = self.report_record.data_ptr()
+        words = [address & 0xFFFFFFFF, address >> 32]
+        words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+        slot = BarrierSlots.REPORT
+        self.barrier[slot:slot + 2].copy_(torch.tensor(words, dtype=torch.int32))
+        torch.cuda.synchronize(self.buffer.device)  # before any kernel on any stream
+
+    def report(self) -> str | None:
+        """The message of the stall or disagreement report a kernel of this rank left before
+        it trapped (`reports`), or None. A trap leaves the CUDA context unusable; the entry
+        points raise this message instead of launching on the buffer again."""
+        if self.report_record is None:
+            return None
+        return format_report(self.report_record.tolist(), self.rank)
+
+    def raise_if_reported(self) -> None:
+        """Raise `report`'s message if a kernel of this rank left one (every launch path
+        checks first: nothing may run on a context a trap has lost)."""
+        if self._report_words is not None and self._report_words[0] != 0:
+            raise RuntimeError(f"{self.report()} (a kernel trapped; the CUDA context is lost)")
 
     @classmethod
     def loopback(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int,
@@ -353,6 +385,8 @@ class SymmBuffer:
         if self.buffer is None:
             raise RuntimeError("this SymmBuffer was destroyed")
         self.buffer[: self.layout.workspace_nbytes].zero_()
+        if self.report_record is not None:
+            self._publish_report_record()
         if self.num_ranks > 1 and self.group is not None:
             torch.cuda.synchronize(self.buffer.device)
             self._barrier()

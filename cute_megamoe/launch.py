@@ -186,7 +186,10 @@ _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def buffer_state(sym_buffer: SymmBuffer) -> BufferState:
-    """The launch state of ``sym_buffer`` (built on first use; needs CUDA)."""
+    """The launch state of ``sym_buffer`` (built on first use; needs CUDA). Raises the report
+    a kernel of the buffer left before it trapped (`SymmBuffer.report`): every launch on the
+    buffer goes through here, and none may follow a trap."""
+    sym_buffer.raise_if_reported()
     state = _STATES.get(sym_buffer)
     if state is None:
         state = _STATES[sym_buffer] = BufferState(sym_buffer)
@@ -194,11 +197,15 @@ def buffer_state(sym_buffer: SymmBuffer) -> BufferState:
 
 
 def existing_buffer_state(sym_buffer: object) -> BufferState | None:
-    """The launch state of ``sym_buffer`` if one was built (no CUDA needed), else None."""
+    """The launch state of ``sym_buffer`` if one was built (no CUDA needed), else None. Raises
+    as `buffer_state` does after a trap (the kept plans start here)."""
     try:
-        return _STATES.get(sym_buffer)
+        state = _STATES.get(sym_buffer)
     except TypeError:  # not weak-referenceable: not a buffer
         return None
+    if state is not None:
+        sym_buffer.raise_if_reported()
+    return state
 
 
 # ----------------------------------------------------------------------------- staging

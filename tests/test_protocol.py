@@ -179,6 +179,19 @@ def test_disagreeing_ranks_trap_loopback(scenario, message):
     assert out.count("cute_megamoe:") <= 2, out[-3000:]  # one line per rank at most
 
 
+@pytest.mark.gpu
+def test_a_lost_rank_is_reported_by_the_counter_it_stalled_on():
+    """A rank whose peer never launches its call gives up after the timeout and names what it
+    waited for (which rank, which count word, which call), from the pinned report record, and
+    the buffer refuses further launches with the same message."""
+    from cute_megamoe.testing.protocol_checks import expect_trap
+
+    _gpu()
+    out = expect_trap("lost_rank", timeout_s=2)
+    assert ("wait on expert_recv_count stalled (rank 0, cta" in out
+            and "rank 1 has not published expert" in out), out[-3000:]
+
+
 # ----------------------------------------------------------------------------- one GPU per rank
 
 @pytest.mark.gpu

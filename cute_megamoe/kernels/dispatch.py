@@ -81,7 +81,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
-from ..layout.mega_moe import RECIPES, CountWord, MegaMoELayout
+from ..layout.mega_moe import CountWord, MegaMoELayout
+from ..reports import RECIPE_FIELD
 from .common.pool import (
     BulkRowPipeline,
     build_pool_prefix,
@@ -103,8 +104,6 @@ from .common.sync import (
 
 TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
 SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
-# how a recipe disagreement names the codes of `CountWord`'s recipe field
-_RECIPE_CODES = "the recipe (" + ", ".join(f"{i}: {r}" for i, r in enumerate(RECIPES)) + ")"
 
 
 def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
@@ -401,14 +400,12 @@ class DispatchKernel:
         recipe differs from this rank's (step 4; BLOCK_M may differ)."""
         agreed = ~self.block_m_mask & CountWord.SETTINGS_MASK
         if (seen & agreed) != (self.settings & agreed):
-            verbose = self.timeout_ns > 0
             push_bit = 1 << CountWord.PUSH_SHIFT
             if (seen & push_bit) != (self.settings & push_bit):
                 report_disagreement(barrier, "the dispatch transfer (1: push, 0: pull)",
-                                    Int32((seen & push_bit) != 0), Int32(self.push), verbose)
-            report_disagreement(barrier, _RECIPE_CODES,
-                                (seen >> CountWord.RECIPE_SHIFT) & 3,
-                                Int32((self.settings >> CountWord.RECIPE_SHIFT) & 3), verbose)
+                                    Int32((seen & push_bit) != 0), Int32(self.push))
+            report_disagreement(barrier, RECIPE_FIELD, (seen >> CountWord.RECIPE_SHIFT) & 3,
+                                Int32((self.settings >> CountWord.RECIPE_SHIFT) & 3))
 
     @cute.jit
     def received_row(self, row: Int32, recv_count: cute.Tensor, row_start: cute.Tensor,

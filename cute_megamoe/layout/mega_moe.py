@@ -185,6 +185,9 @@ class BarrierSlots:
     RANK_BARRIER_COUNT = 4  # local: cross-rank barriers passed so far
     RANK_BARRIER_SIGNAL = 5  # two slots (5, 6), added to by every rank
     SPLIT_CALLS = 8  # local: calls that have passed the split barriers
+    # local, int64 in two slots (10, 11): the address of this rank's pinned host record of a
+    # stall or disagreement (`reports`), 0 for none; written by the host
+    REPORT = 10
     SPLIT_ARRIVAL = 16  # local, one per split barrier: CTAs of this rank arrived in this call
     SPLIT_SIGNAL = 24  # one per split barrier: +1 per rank per call, added to by every rank
 

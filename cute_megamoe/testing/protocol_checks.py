@@ -292,10 +292,20 @@ def read_call_tag(buf) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- traps
 
 def _trap_scenario(scenario: str) -> None:
-    """Run in a fresh process (`expect_trap`): two loopback ranks that must end in a trap."""
+    """Run in a fresh process (`expect_trap`): two loopback ranks that must end in a trap;
+    prints the ranks' reports after it."""
+    ranks = Ranks.loopback(2, 8, 64, 2, 256, 128, "bf16xbf16")
+    try:
+        _run_trap_scenario(scenario, ranks)
+    except RuntimeError:  # (the trap: print what the kernels reported, as a user would see)
+        for buf in ranks.buffers:
+            print(buf.report(), flush=True)
+        raise
+
+
+def _run_trap_scenario(scenario: str, ranks) -> None:
     from .. import staged
 
-    ranks = Ranks.loopback(2, 8, 64, 2, 256, 128, "bf16xbf16")
     layout = ranks.layout
     xs, idxs, ws = make_call(layout, (64, 64), "random", 5)
     device = ranks.buffers[0].device
@@ -327,6 +337,9 @@ def _trap_scenario(scenario: str) -> None:
             print(f"rank 1 gave up a call: {err}", flush=True)
         ranks.run(lambda buf: staged.dispatch(buf, *inputs[buf.rank], block_m=64,
                                               validate_routing=False))
+    elif scenario == "lost_rank":
+        # rank 1 never launches its call: rank 0 waits for its counts until the timeout
+        staged.dispatch(ranks.buffers[0], *inputs[0], block_m=64, validate_routing=False)
     else:
         raise ValueError(scenario)
     torch.cuda.synchronize(device)

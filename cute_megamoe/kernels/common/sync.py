@@ -38,10 +38,11 @@ values is a difference taken in 32-bit arithmetic, so a server may run for any n
 
 Waits give up after `timeout_ns` (a compile-time setting, `CUTE_MEGAMOE_SPIN_TIMEOUT_S`, default
 120 s, 0 = never; part of the compiled-kernel cache key): the first thread of the rank to time
-out prints which counter stalled, its value and the target (it claims `STALL_REPORTED`, so one
-line per rank), then every timed-out thread traps, so a lost rank shows up as an error instead
-of a silent hang. Checks that the ranks agree on a call's settings and tags trap too, printing
-what differs unless the setting is 0 (the printf is then compiled out, with its stack frame).
+out records which counter stalled, its value and the target in the rank's pinned host record
+(`reports`; it claims `STALL_REPORTED`, so one record per rank), then every timed-out thread
+traps, so a lost rank shows up as an error naming the counter instead of a silent hang. Checks
+that the ranks agree on a call's settings and tags record what differs and trap too. No
+printf: its function call would make ptxas serialize the WGMMAs of a kernel that waits.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ...layout.mega_moe import BarrierSlots
+from ...reports import REPORT_FIELDS, REPORT_NAMES, ReportKind
 from ...runtime import spin_timeout_ns
 
 __all__ = [
     "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "finish_call", "grid_barrier",
-    "report_disagreement", "spin_timeout_ns", "split_barrier_arrive", "split_barrier_finish",
-    "split_barrier_target", "split_barrier_wait", "wait_call_tag", "wait_reached",
+    "report", "report_disagreement", "spin_timeout_ns", "split_barrier_arrive",
+    "split_barrier_finish", "split_barrier_target", "split_barrier_wait", "wait_call_tag",
+    "wait_reached",
 ]
 
 # Split-phase cross-rank barriers (arrive now, wait later): every call of a kernel that uses
@@ -75,29 +78,43 @@ def _claim_report(barrier_slots: cute.Pointer) -> cutlass.Boolean:
 
 
 @cute.jit
-def _report_stall(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: Int32,
-                  target: Int32):
+def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what: cutlass.Constexpr,
+           value: Int32, target: Int32, source: Int32 = 0, expert: Int32 = 0):
+    """Record a report of `kind` (`reports.ReportKind`) naming `what` (one of
+    `reports.REPORT_NAMES`) into the rank's pinned host record, if this thread is the rank's
+    first to report and the buffer has a record (see `reports`), then trap."""
     if _claim_report(barrier_slots):
-        bidx, _, _ = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
-        cute.printf("cute_megamoe: wait on " + what + " stalled (cta %d, thread %d): value %d, "
-                    "target %d", bidx, tidx, value, target)
+        low = cute.arch.load(barrier_slots + BarrierSlots.REPORT, Int32)
+        high = cute.arch.load(barrier_slots + BarrierSlots.REPORT + 1, Int32)
+        address = (Int64(high) << 32) | (Int64(low) & 0xFFFFFFFF)
+        if address != 0:
+            record = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
+            bidx, _, _ = cute.arch.block_idx()
+            tidx, _, _ = cute.arch.thread_idx()
+            fields = dict(name=Int32(REPORT_NAMES.index(what)), cta=Int32(bidx),
+                          thread=Int32(tidx), value=value, target=target, source=source,
+                          expert=expert)
+            for i, field in enumerate(REPORT_FIELDS[1:], 1):
+                cute.arch.store(record + i, Int32(fields[field]))
+            cute.arch.fence_acq_rel_sys()  # the fields reach host memory before the kind
+            cute.arch.store(record, Int32(kind))
+            cute.arch.fence_acq_rel_sys()
     cute.arch.inline_ptx("trap;")
 
 
 @cute.jit
+def _report_stall(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: Int32,
+                  target: Int32):
+    report(barrier_slots, ReportKind.STALL, what, value, target)
+
+
+@cute.jit
 def report_disagreement(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: Int32,
-                        expected: Int32, verbose: cutlass.Constexpr):
-    """Ranks launched one collective kernel with different settings: say which (if `verbose`,
-    from the first thread of the rank to see it) and stop the kernel (a trap) rather than let
-    it produce wrong data."""
-    if cutlass.const_expr(verbose):
-        if _claim_report(barrier_slots):
-            bidx, _, _ = cute.arch.block_idx()
-            tidx, _, _ = cute.arch.thread_idx()
-            cute.printf("cute_megamoe: ranks disagree on " + what + " (cta %d, thread %d): a "
-                        "peer's %d, this rank's %d", bidx, tidx, value, expected)
-    cute.arch.inline_ptx("trap;")
+                        expected: Int32):
+    """Ranks launched one collective kernel with different settings: record which (`what`),
+    a peer's value and this rank's, and stop the kernel (a trap) rather than let it produce
+    wrong data."""
+    report(barrier_slots, ReportKind.DISAGREE, what, value, expected)
 
 
 @cute.jit
@@ -153,22 +170,13 @@ def wait_call_tag(barrier_slots: cute.Pointer, ptr: cute.Pointer, tag: Int32, do
         start = cute.arch.globaltimer()
         while seen != tag:
             if seen != done:
-                if cutlass.const_expr(timeout_ns > 0):  # (0: no printf, no stack frame)
-                    if _claim_report(barrier_slots):
-                        cute.printf("cute_megamoe: ranks are out of step: rank %d published "
-                                    + what + " of expert %d for call %d, this rank is at call "
-                                    "%d (last finished: %d); a rank skipped a call the others "
-                                    "made", source, expert, seen, tag, done)
-                cute.arch.inline_ptx("trap;")
+                report(barrier_slots, ReportKind.OUT_OF_STEP, what, seen, tag, source, expert)
             value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
             seen = Int32(value >> 32)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    if _claim_report(barrier_slots):
-                        cute.printf("cute_megamoe: wait on " + what + " stalled: rank %d has "
-                                    "not published expert %d for call %d (its word holds call "
-                                    "%d)", source, expert, tag, seen)
-                    cute.arch.inline_ptx("trap;")
+                    report(barrier_slots, ReportKind.NOT_PUBLISHED, what, seen, tag, source,
+                           expert)
     return Int32(value & 0xFFFFFFFF)
 
 

@@ -1,0 +1,75 @@
+"""Stall and disagreement reports: what a kernel leaves for the host when it traps.
+
+A bounded wait that times out, or a check that finds the ranks disagreeing on a call, stops
+the kernel with a trap (`kernels/common/sync.py`). The trap kills the CUDA context, so the
+kernel first writes one record into pinned host memory, which the host can still read: the
+first thread of the rank to report (it claims the ``STALL_REPORTED`` barrier slot) stores the
+record's fields, fences at system scope, stores its kind last, fences again, then traps. The
+record's address sits in the ``REPORT`` barrier slots of the rank's buffer
+(`buffer.SymmBuffer` allocates the record and writes the address; 0 means no record).
+
+No printf: a device printf is a function call, and ptxas then serializes every WGMMA of the
+kernel (its C7510 note), which the fused layer kernel would pay on every call.
+
+`format_report` turns a record into the message the entry points raise
+(`SymmBuffer.report`): which counter stalled, or which setting the ranks disagree on, where,
+and the values seen.
+"""
+
+from __future__ import annotations
+
+from .tables import RECIPES
+
+#: int32 fields of a record, in order
+REPORT_FIELDS = ("kind", "name", "cta", "thread", "value", "target", "source", "expert")
+REPORT_WORDS = len(REPORT_FIELDS)
+
+
+class ReportKind:
+    """The ``kind`` field (0: no report)."""
+
+    STALL = 1  # a wait timed out: `value` seen, `target` awaited
+    DISAGREE = 2  # a peer's setting `value` differs from this rank's `target`
+    OUT_OF_STEP = 3  # rank `source` published call `value` of `expert`; this rank is at `target`
+    NOT_PUBLISHED = 4  # timed out waiting for rank `source`'s word of `expert` for call `target`
+
+
+#: how a recipe disagreement names the codes of `layout.CountWord`'s recipe field
+RECIPE_FIELD = "the recipe (" + ", ".join(f"{i}: {r}" for i, r in enumerate(RECIPES)) + ")"
+#: what a report names (its ``name`` field is the index); every wait and check names one
+REPORT_NAMES = (
+    "grid barrier",
+    "cross-rank barrier signal",
+    "split barrier signal",
+    "expert_recv_count",
+    "L1 tiles of a pool block",
+    "every L1 tile",
+    "rows of a pool block (pool_block_arrivals)",
+    "the dispatch transfer (1: push, 0: pull)",
+    RECIPE_FIELD,
+)
+
+
+def format_report(words, rank: int) -> str | None:
+    """The message of the record ``words`` (``REPORT_WORDS`` ints) of rank ``rank``, or None
+    when it holds no report."""
+    f = dict(zip(REPORT_FIELDS, (int(w) for w in words), strict=True))
+    if f["kind"] == 0:
+        return None
+    name = REPORT_NAMES[f["name"]] if 0 <= f["name"] < len(REPORT_NAMES) else f"#{f['name']}"
+    where = f"rank {rank}, cta {f['cta']}, thread {f['thread']}"
+    if f["kind"] == ReportKind.STALL:
+        return (f"cute_megamoe: wait on {name} stalled ({where}): value {f['value']}, "
+                f"target {f['target']}")
+    if f["kind"] == ReportKind.DISAGREE:
+        return (f"cute_megamoe: ranks disagree on {name} ({where}): a peer's {f['value']}, "
+                f"this rank's {f['target']}")
+    if f["kind"] == ReportKind.OUT_OF_STEP:
+        return (f"cute_megamoe: ranks are out of step ({where}): rank {f['source']} published "
+                f"{name} of expert {f['expert']} for call {f['value']}, this rank is at call "
+                f"{f['target']}; a rank skipped a call the others made")
+    if f["kind"] == ReportKind.NOT_PUBLISHED:
+        return (f"cute_megamoe: wait on {name} stalled ({where}): rank {f['source']} has not "
+                f"published expert {f['expert']} for call {f['target']} (its word holds call "
+                f"{f['value']})")
+    return f"cute_megamoe: unknown report kind {f['kind']} ({where}): {f}"

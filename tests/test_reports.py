@@ -1,0 +1,66 @@
+"""Stall and disagreement reports (`reports`): the host's messages for each kind of record,
+and the names every kernel wait and check uses."""
+
+import pytest
+
+from cute_megamoe.reports import REPORT_NAMES, REPORT_WORDS, ReportKind, format_report
+
+
+def _record(kind, name, cta=3, thread=70, value=5, target=9, source=1, expert=12):
+    words = [kind, REPORT_NAMES.index(name), cta, thread, value, target, source, expert]
+    assert len(words) == REPORT_WORDS
+    return words
+
+
+def test_an_empty_record_is_no_report():
+    assert format_report([0] * REPORT_WORDS, 0) is None
+
+
+@pytest.mark.parametrize("kind,name,message", [
+    (ReportKind.STALL, "grid barrier",
+     "cute_megamoe: wait on grid barrier stalled (rank 1, cta 3, thread 70): value 5, target 9"),
+    (ReportKind.STALL, "rows of a pool block (pool_block_arrivals)",
+     "cute_megamoe: wait on rows of a pool block (pool_block_arrivals) stalled (rank 1, cta 3, "
+     "thread 70): value 5, target 9"),
+    (ReportKind.DISAGREE, "the dispatch transfer (1: push, 0: pull)",
+     "cute_megamoe: ranks disagree on the dispatch transfer (1: push, 0: pull) (rank 1, cta 3, "
+     "thread 70): a peer's 5, this rank's 9"),
+    (ReportKind.OUT_OF_STEP, "expert_recv_count",
+     "cute_megamoe: ranks are out of step (rank 1, cta 3, thread 70): rank 1 published "
+     "expert_recv_count of expert 12 for call 5, this rank is at call 9; a rank skipped a call "
+     "the others made"),
+    (ReportKind.NOT_PUBLISHED, "expert_recv_count",
+     "cute_megamoe: wait on expert_recv_count stalled (rank 1, cta 3, thread 70): rank 1 has "
+     "not published expert 12 for call 9 (its word holds call 5)"),
+])
+def test_messages(kind, name, message):
+    assert format_report(_record(kind, name), 1) == message
+
+
+def test_the_recipe_field_names_every_recipe_code():
+    from cute_megamoe.tables import RECIPES
+
+    text = format_report(_record(ReportKind.DISAGREE, REPORT_NAMES[-1], value=0, target=1), 0)
+    assert text.startswith("cute_megamoe: ranks disagree on the recipe (0: ")
+    assert all(f"{i}: {r}" in text for i, r in enumerate(RECIPES))
+
+
+def test_every_wait_of_the_kernels_has_a_name():
+    """Every literal a kernel passes as a wait's or check's name is a report name (a missing
+    one fails at trace time, in the compile tests; this reads the sources)."""
+    import pathlib
+    import re
+
+    kernels = pathlib.Path(__file__).parents[1] / "cute_megamoe" / "kernels"
+    used = set()
+    for path in kernels.rglob("*.py"):
+        text = path.read_text()
+        for call in re.finditer(r"(?<!def )\b(wait_reached|wait_eq|report_disagreement|"
+                                r"wait_call_tag)\(", text):
+            depth, end = 1, call.end()
+            while depth:  # the call's arguments, to its closing parenthesis
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            used.update(m for m in re.findall(r'"([^"]+)"', text[call.end():end])
+                        if m not in ("gpu", "sys"))
+    assert used and used <= set(REPORT_NAMES), used - set(REPORT_NAMES)
