@@ -398,14 +398,16 @@ def test_tile_log_variant_compiles(monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp4_sm90", 128)])
+@pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
+                                            ("fp8xfp4_sm90", 64)])
 def test_rows_before_gemm_variant_compiles_without_spills(recipe, block_m, monkeypatch):
-    """The A/B variant whose dispatch moves every row before the GEMMs: no sender warps, no
-    arrival waits, the GEMM kernel's register split; the default sends rows with the GEMMs."""
+    """The variant whose dispatch moves every row before the GEMMs (the default at BLOCK_M
+    128): no sender warps, no arrival waits, the GEMM kernel's register split; and the one
+    that sends the rows with the GEMMs (the default at 64)."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
     before, art = _compile(recipe, block_m, rows_with_gemm=False)
-    with_gemm, art_with = _compile(recipe, block_m)
+    with_gemm, art_with = _compile(recipe, block_m, rows_with_gemm=True)
     assert not before.dispatch.pool_order and with_gemm.dispatch.pool_order
     # the senders count rows into their own pool with GPU-scope releases (others: system)
     red = "red.release.gpu.global.add.s32"
@@ -417,10 +419,11 @@ def test_rows_before_gemm_variant_compiles_without_spills(recipe, block_m, monke
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
-                                     dict(rows_with_gemm=False)])
+                                     dict(rows_with_gemm=False), dict(rows_with_gemm=True)])
 def test_fused_ab_variants_match_staged(variant):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; every row moved before the GEMMs) give the same bits."""
+    combine at BLOCK_M 64; every row moved before the GEMMs, or with them, whatever the
+    BLOCK_M's default) give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
@@ -428,7 +431,7 @@ def test_fused_ab_variants_match_staged(variant):
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
     (buf,) = layer.ranks.buffers
-    cases = ((300, 128), (77, 64)) if "l2_gate" in variant else ((300, 64), (1, 64))
+    cases = ((300, 64), (1, 64)) if "extra_warpgroups" in variant else ((300, 128), (77, 64))
     for n, block_m in cases:
         _, _, _, inputs = layer.inputs((n,), "skewed", seed=n)
         x, idx, w = inputs[0]

@@ -93,7 +93,8 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
 # by (FP4 weights, BLOCK_M): registers of the producer warpgroup, whose spare warps send the
-# rows, and the 16-byte vectors a sender lane loads before storing them (no spills)
+# rows, and the 16-byte vectors a sender lane loads before storing them (no spills; FP4
+# weights at BLOCK_M 128 with the rows moving during the GEMMs, not the default, spill 3)
 SENDER_REGS = {(False, 64): (80, 4), (False, 128): (40, 2), (True, 64): (40, 2),
                (True, 128): (40, 2)}
 REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
@@ -107,7 +108,7 @@ class Sm90MegaMoEKernel:
                  has_stats: bool = False, l2_staging_parts: int | None = None,
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
-                 promotion: str | None = None, rows_with_gemm: bool = True):
+                 promotion: str | None = None, rows_with_gemm: bool | None = None):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -146,7 +147,13 @@ class Sm90MegaMoEKernel:
                              f"{cluster_m}")
         self.cluster_m = cluster_m
         # `rows_with_gemm` False: the dispatch moves every row before the GEMMs (`run`, then a
-        # grid barrier), the L1 tiles wait for nothing more (for A/Bs)
+        # grid barrier), the L1 tiles wait for nothing more. Default: at BLOCK_M 64 only.
+        # Interleaved on an H200 at R = 1 (docs/performance.md), rows moving with the GEMMs
+        # took 0.95x the time at 1 token and 1.00x at 128, but 1.01-1.04x at 4096-8192 tokens
+        # (BLOCK_M 128), where the sender warps' copies slow the tensor-bound L1 tiles by more
+        # than the ~190 us of dispatch they hide
+        if rows_with_gemm is None:
+            rows_with_gemm = block_m == 64
         self.rows_with_gemm = bool(rows_with_gemm)
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",
