@@ -90,7 +90,6 @@ from .common.pool import (
     copy_row_in_registers,
     expert_of_row,
     gmem_vector,
-    row_prefix,
 )
 from .common.sync import (
     call_tags,
@@ -371,8 +370,8 @@ class DispatchKernel:
                               _part(row_start, d * (E_l + 1), E_l + 1),
                               _part(block_start, d * (E_l + 1), E_l + 1), E_l, dest_block_m[d])
             if cutlass.const_expr(self.pool_order):
-                row_prefix(_part(recv_count, (d * R + rank) * E_l, E_l),
-                           _part(send_start, d * (E_l + 1), E_l + 1), E_l)
+                build_pool_prefix(_part(recv_count, (d * R + rank) * E_l, E_l),
+                                  _part(send_start, d * (E_l + 1), E_l + 1), None, E_l)
             d += self.num_warps
         cute.arch.sync_threads()
         own = Int32(0)  # this rank's index among the destinations above

@@ -44,11 +44,11 @@ def ceil_div_small(n: Int32, d: Int32) -> Int32:
 
 @cute.jit
 def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
-                      block_start: cute.Tensor, num_experts: cutlass.Constexpr,
-                      block_m: Int32):
+                      block_start: cute.Tensor | None, num_experts: cutlass.Constexpr,
+                      block_m: Int32 = None):
     """Call from one whole warp; the CTA must sync before reading the results. `block_m` may
     be a runtime value (a pushing dispatch lays out every destination's pool with that
-    destination's BLOCK_M)."""
+    destination's BLOCK_M). `block_start` None: the row prefix sums only."""
     lane = cute.arch.lane_idx()
     row_carry = Int32(0)
     block_carry = Int32(0)
@@ -58,34 +58,20 @@ def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
         if e < num_experts:
             count = expert_count[e]
         row_incl = warp_inclusive_sum(count)
-        block_incl = warp_inclusive_sum(ceil_div_small(count, block_m))
+        block_incl = Int32(0)
+        if cutlass.const_expr(block_start is not None):
+            block_incl = warp_inclusive_sum(ceil_div_small(count, block_m))
         if e < num_experts:
             row_start[e + 1] = row_carry + row_incl
-            block_start[e + 1] = block_carry + block_incl
+            if cutlass.const_expr(block_start is not None):
+                block_start[e + 1] = block_carry + block_incl
         row_carry += cute.arch.shuffle_sync(row_incl, 31)
-        block_carry += cute.arch.shuffle_sync(block_incl, 31)
+        if cutlass.const_expr(block_start is not None):
+            block_carry += cute.arch.shuffle_sync(block_incl, 31)
     if lane == 0:
         row_start[0] = 0
-        block_start[0] = 0
-
-
-@cute.jit
-def row_prefix(count: cute.Tensor, start: cute.Tensor, num: cutlass.Constexpr):
-    """``start[i] = count[0] + ... + count[i - 1]`` for ``i <= num``. Call from one whole warp;
-    the CTA must sync before reading the results."""
-    lane = cute.arch.lane_idx()
-    carry = Int32(0)
-    for base in cutlass.range(0, num, 32):
-        i = base + lane
-        c = Int32(0)
-        if i < num:
-            c = count[i]
-        incl = warp_inclusive_sum(c)
-        if i < num:
-            start[i + 1] = carry + incl
-        carry += cute.arch.shuffle_sync(incl, 31)
-    if lane == 0:
-        start[0] = 0
+        if cutlass.const_expr(block_start is not None):
+            block_start[0] = 0
 
 
 @cute.jit
