@@ -43,7 +43,7 @@ def _compile(kind: str, arch: str, recipe: str, num_ranks: int = 2, send_mode: s
     ("fp8xfp4", 2, "pull"), ("fp8xfp8", 8, "pull"), ("bf16xbf16", 2, "pull")])
 def test_dispatch_compiles_with_scoped_atomics_and_row_copies(arch, recipe, num_ranks, transfer,
                                                               monkeypatch):
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")  # no printf: no stack at all
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")  # no timed-out reports compiled in
     art = _compile("dispatch", arch, recipe, num_ranks=num_ranks, transfer=transfer)
     ptx = art.ptx
     assert "atom.shared.cta.add.u32" in ptx or "atom.shared.add.u32" in ptx  # count / slots

@@ -59,7 +59,7 @@ def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypatch):
-    # waits that never time out: no printf, so any local-memory store would be a spill
+    # waits that never time out: any local-memory store would be a spill
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile(recipe, block_m)
     if art.sass is None:

@@ -46,7 +46,7 @@ _compiled: dict = {}
 
 def _compiled_no_timeout(recipe: str, block_m: int, monkeypatch):
     """(kernel, artifacts), compiled once per configuration with waits that never time out
-    (no printf: any local-memory store would be a spill)."""
+    (any local-memory store would be a spill)."""
     if (recipe, block_m) not in _compiled:
         monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
         kernel = _kernel(recipe, block_m)
@@ -126,12 +126,16 @@ def test_compiles_sm100_with_tcgen05_utccp_tmem_loads_and_no_local_memory(recipe
 
 @pytest.mark.compile
 def test_compiles_sm100_with_stall_reports_and_no_local_memory():
-    """With the default timeout every wait can print which counter stalled (a stack frame for
-    the printf arguments), still without local memory."""
+    """With the default timeout every wait can report which counter stalled (through the
+    pinned record, `reports`: no printf, no function call), without local memory."""
     art = _compile(_kernel("fp8xfp4", 128))
+    assert "vprintf" not in art.ptx and "trap;" in art.ptx
     if art.sass is None:
         pytest.skip("nvdisasm not available")
+    # (the only calls are ptxas's own, into its tcgen05 guardrail traps)
     assert art.resource_usage()["LOCAL"] == 0
+    calls = [line for line in art.sass.splitlines() if "CALL" in line.split(";")[0]]
+    assert all("tcgen05_guardrail_trap" in line for line in calls), calls
 
 
 @pytest.mark.compile
