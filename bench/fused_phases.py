@@ -37,9 +37,8 @@ def main() -> None:
                         help="L2 tiles wait for their pool block's L1 tiles, or for all")
     parser.add_argument("--extra-warpgroups", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="1: a warpgroup more for dispatch and combine (BLOCK_M 64 only)")
-    parser.add_argument("--rows-with-gemm", type=int, nargs="+", default=[-1],
-                        choices=(-1, 0, 1), help="1: rows move while the GEMMs run; 0: before "
-                        "them; -1: the kernel's default for the BLOCK_M (A/B)")
+    parser.add_argument("--rows-with-gemm", type=int, nargs="+", default=[0], choices=(0, 1),
+                        help="1: rows move while the GEMMs run; 0: before them (A/B)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over all variants (interleaves an A/B)")
     args = parser.parse_args()
@@ -76,7 +75,7 @@ def main() -> None:
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,
                           l2_gate=gate, extra_warpgroups=extra,
-                          rows_with_gemm=None if rows < 0 else bool(rows))
+                          rows_with_gemm=bool(rows))
         for _ in range(3):
             call()
         samples = []

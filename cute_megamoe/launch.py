@@ -398,7 +398,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                activation_clamp: float | None, fast_math: bool,
                phase_clock: torch.Tensor | None = None,
                tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
-               extra_warpgroups: int = 0, rows_with_gemm: bool | None = None) -> KernelCall:
+               extra_warpgroups: int = 0, rows_with_gemm: bool = False) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -408,8 +408,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     (`testing.fused_checks.check_tile_walk`). ``l2_gate``: "all_l1" builds the variant whose
     L2 tiles wait for every L1 tile (an A/B against the per-pool-block gate);
     ``extra_warpgroups`` 1 the variant with a warpgroup more for the dispatch and combine
-    phases (BLOCK_M 64); ``rows_with_gemm``: whether the rows move while the GEMMs run, or
-    all before them (default: the kernel's, by BLOCK_M)."""
+    phases (BLOCK_M 64); ``rows_with_gemm`` True the variant whose rows move while the GEMMs
+    run (every rank of the call must pass the same: it changes the call's row protocol)."""
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
@@ -423,7 +423,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
             if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
-                    or rows_with_gemm is not None):
+                    or rows_with_gemm):
                 raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
                                  "warpgroups and row transfer are sm_90a only")
             return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,

@@ -36,6 +36,11 @@ class ReportKind:
 
 #: how a recipe disagreement names the codes of `layout.CountWord`'s recipe field
 RECIPE_FIELD = "the recipe (" + ", ".join(f"{i}: {r}" for i, r in enumerate(RECIPES)) + ")"
+#: how a disagreement on `layout.CountWord`'s push bit is named
+PUSH_FIELD = "the dispatch transfer (1: push, 0: pull)"
+#: how a disagreement on `layout.CountWord`'s rows_counted bit is named
+ROWS_FIELD = ("the row protocol (1: rows counted per pool block, the fused kernel moving rows "
+              "during its GEMMs; 0: rows moved before a closing cross-rank barrier)")
 #: what a report names (its ``name`` field is the index); every wait and check names one
 REPORT_NAMES = (
     "grid barrier",
@@ -45,8 +50,9 @@ REPORT_NAMES = (
     "L1 tiles of a pool block",
     "every L1 tile",
     "rows of a pool block (pool_block_arrivals)",
-    "the dispatch transfer (1: push, 0: pull)",
+    PUSH_FIELD,
     RECIPE_FIELD,
+    ROWS_FIELD,
 )
 
 

@@ -108,7 +108,8 @@ def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    stamps = len(PHASE_STAMPS) - (0 if recipe == "fp8xfp4_sm90" else 2)
+    # (rows_sent only with rows_with_gemm; packed_done, decode_done only with FP4 weights)
+    stamps = len(PHASE_STAMPS) - (1 if recipe == "fp8xfp4_sm90" else 3)
     _, plain = _compile(recipe, 64)
     _, clocked = _compile(recipe, 64, phase_clock=True)
     # (the spin-waits read the timer too)
@@ -401,14 +402,18 @@ def test_tile_log_variant_compiles(monkeypatch):
 @pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
                                             ("fp8xfp4_sm90", 64)])
 def test_rows_before_gemm_variant_compiles_without_spills(recipe, block_m, monkeypatch):
-    """The variant whose dispatch moves every row before the GEMMs (the default at BLOCK_M
-    128): no sender warps, no arrival waits, the GEMM kernel's register split; and the one
-    that sends the rows with the GEMMs (the default at 64)."""
+    """The default, whose dispatch moves every row before the GEMMs (no sender warps, no
+    arrival waits, the GEMM kernel's register split, the staged dispatch's settings), and the
+    variant that sends the rows while the GEMMs run (its count words say so)."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
     before, art = _compile(recipe, block_m, rows_with_gemm=False)
     with_gemm, art_with = _compile(recipe, block_m, rows_with_gemm=True)
     assert not before.dispatch.pool_order and with_gemm.dispatch.pool_order
+    from cute_megamoe.layout import CountWord
+
+    assert not CountWord.decode(before.dispatch.settings << CountWord.COUNT_BITS)["rows_counted"]
+    assert CountWord.decode(with_gemm.dispatch.settings << CountWord.COUNT_BITS)["rows_counted"]
     # the senders count rows into their own pool with GPU-scope releases (others: system)
     red = "red.release.gpu.global.add.s32"
     assert art_with.ptx.count(red) > art.ptx.count(red)
@@ -419,11 +424,10 @@ def test_rows_before_gemm_variant_compiles_without_spills(recipe, block_m, monke
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
-                                     dict(rows_with_gemm=False), dict(rows_with_gemm=True)])
+                                     dict(rows_with_gemm=True)])
 def test_fused_ab_variants_match_staged(variant):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; every row moved before the GEMMs, or with them, whatever the
-    BLOCK_M's default) give the same bits."""
+    combine at BLOCK_M 64; the rows moving while the GEMMs run) give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call

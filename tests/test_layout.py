@@ -266,14 +266,20 @@ def test_count_word_fields_round_trip():
     for block_m in range(16, 513, 16):
         for recipe in RECIPES:
             for push in (False, True):
-                settings = CountWord.settings(block_m, recipe, push)
-                assert 0 <= settings <= CountWord.SETTINGS_MASK
-                codes[settings] = (block_m, recipe, push)
-                tag, count = (1 << 32) - 3, (1 << 20) + 5  # a tag past 2**31: wrapped
-                word = tag << 32 | settings << CountWord.COUNT_BITS | count
-                assert CountWord.decode(word) == dict(tag=tag, count=count, block_m=block_m,
-                                                      recipe=recipe, push=push)
-    assert len(codes) == 32 * len(RECIPES) * 2
+                for counted in (False, True):
+                    settings = CountWord.settings(block_m, recipe, push, counted)
+                    assert 0 <= settings <= CountWord.SETTINGS_MASK
+                    codes[settings] = (block_m, recipe, push, counted)
+                    tag, count = (1 << 32) - 3, 1 << 20  # a tag past 2**31; the largest count
+                    word = tag << 32 | settings << CountWord.COUNT_BITS | count
+                    assert CountWord.decode(word) == dict(
+                        tag=tag, count=count, block_m=block_m, recipe=recipe, push=push,
+                        rows_counted=counted)
+    assert len(codes) == 32 * len(RECIPES) * 2 * 2
+    # the count field holds every count a rank can publish
+    from cute_megamoe.layout import MAX_NUM_TOKENS_PER_RANK
+
+    assert MAX_NUM_TOKENS_PER_RANK <= CountWord.COUNT_MASK
     for bad in (0, 8, 528, 100):
         with pytest.raises(ValueError, match="block_m"):
             CountWord.settings(bad, "fp8xfp8", True)

@@ -38,9 +38,10 @@ def test_messages(kind, name, message):
 
 
 def test_the_recipe_field_names_every_recipe_code():
+    from cute_megamoe.reports import RECIPE_FIELD
     from cute_megamoe.tables import RECIPES
 
-    text = format_report(_record(ReportKind.DISAGREE, REPORT_NAMES[-1], value=0, target=1), 0)
+    text = format_report(_record(ReportKind.DISAGREE, RECIPE_FIELD, value=0, target=1), 0)
     assert text.startswith("cute_megamoe: ranks disagree on the recipe (0: ")
     assert all(f"{i}: {r}" in text for i, r in enumerate(RECIPES))
 

@@ -32,11 +32,14 @@ How (the seed analysis' count -> prefix -> scatter):
    local memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the
    same on every rank unless one skipped a call, which traps), so counts left from the
    previous call never pass for this one's; nothing is reset. The settings carry the
-   publisher's `block_m`, recipe and push bit. Ranks may choose different `block_m`s (each
-   lays out its own pool; a pushing source places a destination's rows with the `block_m`
-   that destination published). The recipe and the transfer must agree (a rank pushing to a
-   pulling peer would itself receive that peer's rows from nobody): every reader compares
-   them with its own and, on a mismatch, prints which setting and both values, and traps.
+   publisher's `block_m`, recipe, push bit and row protocol (`pool_order`). Ranks may choose
+   different `block_m`s (each lays out its own pool; a pushing source places a destination's
+   rows with the `block_m` that destination published). The recipe, the transfer and the row
+   protocol must agree (a rank pushing to a pulling peer would itself receive that peer's rows
+   from nobody; a rank counting rows into pool blocks would wait for counts a staged peer
+   never sends, which would wait at a cross-rank barrier the other never enters): every
+   reader compares them with its own and, on a mismatch, reports which setting and both
+   values (`reports`), and traps.
 5. Every CTA acquires the R x E_l counts of its own experts (when pushing: of every rank's) and
    builds the row and pool-block prefix sums in shared memory, one warp per rank.
 6. Metadata: one thread per received row finds its source (token, k) in `src_token_topk_idx`,
@@ -82,7 +85,7 @@ from cutlass import Float32, Int32, Int64
 
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import CountWord, MegaMoELayout
-from ..reports import RECIPE_FIELD
+from ..reports import PUSH_FIELD, RECIPE_FIELD, REPORT_NAMES, ROWS_FIELD
 from .common.pool import (
     BulkRowPipeline,
     build_pool_prefix,
@@ -139,8 +142,9 @@ class DispatchKernel:
             raise ValueError("pool_order: the rows are pushed in pool order; transfer='push'")
         self.pool_order = pool_order
         # published in every count word: this rank's block_m, and what every rank must launch
-        # the call with (the recipe and the transfer, compared by every reader)
-        self.settings = CountWord.settings(block_m, layout.recipe, self.push)
+        # the call with (the recipe, the transfer and the row protocol, compared by every
+        # reader)
+        self.settings = CountWord.settings(block_m, layout.recipe, self.push, pool_order)
         self.block_m_mask = (1 << CountWord.BLOCK_M_BITS) - 1
         self.num_ranks = layout.num_ranks
         self.num_experts = layout.num_experts
@@ -395,16 +399,22 @@ class DispatchKernel:
 
     @cute.jit
     def check_settings(self, barrier: cute.Pointer, seen: Int32):
-        """Trap, naming the setting and both values, when a peer's published transfer or
-        recipe differs from this rank's (step 4; BLOCK_M may differ)."""
+        """Trap, naming the setting and both values, when a peer's published row protocol,
+        transfer or recipe differs from this rank's (step 4; BLOCK_M may differ)."""
         agreed = ~self.block_m_mask & CountWord.SETTINGS_MASK
         if (seen & agreed) != (self.settings & agreed):
-            push_bit = 1 << CountWord.PUSH_SHIFT
-            if (seen & push_bit) != (self.settings & push_bit):
-                report_disagreement(barrier, "the dispatch transfer (1: push, 0: pull)",
-                                    Int32((seen & push_bit) != 0), Int32(self.push))
-            report_disagreement(barrier, RECIPE_FIELD, (seen >> CountWord.RECIPE_SHIFT) & 3,
-                                Int32((self.settings >> CountWord.RECIPE_SHIFT) & 3))
+            # one report names the first field that differs (one report site: each costs
+            # registers in every kernel that runs the dispatch)
+            field = Int32(REPORT_NAMES.index(RECIPE_FIELD))
+            shift = Int32(CountWord.RECIPE_SHIFT)
+            mask = Int32(3)
+            for name, bit in ((ROWS_FIELD, CountWord.ROWS_COUNTED_SHIFT),
+                              (PUSH_FIELD, CountWord.PUSH_SHIFT)):
+                if ((seen ^ self.settings) >> bit) & 1 != 0 and field == REPORT_NAMES.index(
+                        RECIPE_FIELD):
+                    field, shift, mask = Int32(REPORT_NAMES.index(name)), Int32(bit), Int32(1)
+            report_disagreement(barrier, field, (seen >> shift) & mask,
+                                (Int32(self.settings) >> shift) & mask)
 
     @cute.jit
     def received_row(self, row: Int32, recv_count: cute.Tensor, row_start: cute.Tensor,

@@ -11,23 +11,27 @@ one kernel), for `fp8xfp8`, `bf16xbf16` and `fp8xfp4_sm90` (MXFP4 weights decode
 
 How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads (FP4 weights: plus the decode
 warpgroups, 512 in all), launched cooperatively.
-1. Dispatch (every thread, `DispatchKernel.exchange_counts`): count, prefix, scatter, publish
-   the counts (tagged with the call number, `layout.CountWord`), gather every rank's counts,
-   build the pool prefix sums in shared memory, write the received rows' metadata; a grid
-   barrier then gives every CTA the pool's layout and metadata. The rows themselves move while
-   the GEMMs run: the producer warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push
-   this rank's rows into the destinations' pools in each pool's order
-   (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool block's counter in the
-   destination's `pool_block_arrivals` (system-scope release).
+1. Dispatch (every thread, `DispatchKernel.run`): count, prefix, scatter, publish the counts
+   (tagged with the call number, `layout.CountWord`), push the rows into the destinations'
+   pools, meet the other ranks; it leaves this rank's pool prefix sums in shared memory, and a
+   grid barrier then tells every CTA that the pool is complete.
+   With `rows_with_gemm` (an A/B variant: 0.95x the time at 1 token, 1.01-1.04x at 4096-8192,
+   docs/performance.md), every thread runs steps 1-6 only (`DispatchKernel.exchange_counts`:
+   up to the metadata), and the rows move while the GEMMs run: the producer warpgroup's warps
+   that load nothing (1-3, FP4 weights 2-3) push this rank's rows into the destinations' pools
+   in each pool's order (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool
+   block's counter in the destination's `pool_block_arrivals` (system-scope release). It is
+   the call's row protocol: every rank must use the same (checked through the count words).
 2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
    warpgroups run WGMMA and the epilogues). One walk over the L1 tiles followed by the L2 tiles
    (CTA c takes tiles c, c + G, ... of the concatenation,
    `scheduler.host_model.fused_tile_walk`), through one ring of pipeline stages
    (`sm90_expert_gemm.share_ring`), so a CTA's first L2 tiles load while its last L1 tiles still
    compute (FP4 weights: warp 1 loads the packed weights of both walks into their own stages,
-   waiting for nothing, and the decode warpgroups walk the same tiles). An L1 tile starts once
-   the rows of its pool block have arrived: warp 0 acquires the block's arrival counter (system
-   scope, then a proxy fence) until it reaches the block's row count. An L2 tile waits only
+   waiting for nothing, and the decode warpgroups walk the same tiles). With
+   `rows_with_gemm`, an L1 tile starts once the rows of its pool block have arrived: warp 0
+   acquires the block's arrival counter (system scope, then a proxy fence) until it reaches the
+   block's row count. An L2 tile waits only
    for the L1 tiles of its own pool block: every consumer warp
    adds 1 to the block's counter in `pool_block_ready` once its rows of an L1 tile are in global
    memory (release at GPU scope, after its bulk stores completed), and the L2 producer acquires
@@ -36,15 +40,16 @@ warpgroups, 512 in all), launched cooperatively.
    end. The L2 epilogue writes each row into its source rank's combine buffer over NVLink.
 3. Combine (every thread, `CombineKernel.send_and_reduce` in its "epilogue" mode): the split
    barriers meet the other ranks once every CTA's rows are delivered, then the top-k
-   reduction in ascending k writes `y`; CTA 0 then records the call as finished
-   (`common.sync.finish_call`).
+   reduction in ascending k writes `y`; with `rows_with_gemm`, CTA 0 then records the call as
+   finished (`common.sync.finish_call`; the dispatch's closing barrier does otherwise).
 
 Readiness and arrival counters are per call: every CTA zeroes its share at the start, and the
 grid barriers of step 1 order that before any use (a sender adds to a destination's arrivals
 only once it holds the destination's counts of the call, published after the zeroing); nothing
 else is reset (the barriers and call tags of `common/sync.py` only grow, wrap-safe), so
-back-to-back calls and CUDA-graph replays need nothing from the host. Without the staged
-dispatch's closing cross-rank barrier, the calls stay apart through the counts: a rank pushes
+back-to-back calls and CUDA-graph replays need nothing from the host. With `rows_with_gemm`
+there is no closing cross-rank barrier in the dispatch; the calls stay apart through the
+counts: a rank pushes
 rows into a peer's pool only with the peer's counts of the same call (published once the
 peer's previous call has ended), an L2 epilogue writes into a peer's combine buffer only rows
 that peer sent in this call, and a rank's next call rewrites its inputs and scatter tables only
@@ -79,7 +84,8 @@ from .sm90_expert_gemm import (
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
-# prefix sums and metadata are in place, when its first sender warp has sent its rows, when
+# prefix sums and metadata are in place (rows moved before the GEMMs: once the pool is
+# complete), with `rows_with_gemm` when its first sender warp has sent its rows, when
 # its first consumer warp finished its L1 tiles and its L2 tiles, when warp 0
 # issued its last loads and saw them consumed, (FP4 weights) when warp 1 did the same for the
 # packed weights and the first decode warp finished, and at the end (0: not reached). Each
@@ -108,7 +114,7 @@ class Sm90MegaMoEKernel:
                  has_stats: bool = False, l2_staging_parts: int | None = None,
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
-                 promotion: str | None = None, rows_with_gemm: bool | None = None):
+                 promotion: str | None = None, rows_with_gemm: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -146,14 +152,15 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128 (not with FP4 weights); got "
                              f"{cluster_m}")
         self.cluster_m = cluster_m
-        # `rows_with_gemm` False: the dispatch moves every row before the GEMMs (`run`, then a
-        # grid barrier), the L1 tiles wait for nothing more. Default: at BLOCK_M 64 only.
-        # Interleaved on an H200 at R = 1 (docs/performance.md), rows moving with the GEMMs
-        # took 0.95x the time at 1 token and 1.00x at 128, but 1.01-1.04x at 4096-8192 tokens
-        # (BLOCK_M 128), where the sender warps' copies slow the tensor-bound L1 tiles by more
-        # than the ~190 us of dispatch they hide
-        if rows_with_gemm is None:
-            rows_with_gemm = block_m == 64
+        # `rows_with_gemm` True: the rows move while the GEMMs run (step 1), each L1 tile
+        # waiting for its pool block's rows; False (the default): the dispatch moves every row
+        # before the GEMMs (`run`, then a grid barrier). Interleaved on an H200 at R = 1
+        # (docs/performance.md), rows moving with the GEMMs took 0.95x the time at 1 token and
+        # 1.00x at 128, but 1.01-1.04x at 4096-8192 tokens (BLOCK_M 128), where the sender
+        # warps' copies slow the tensor-bound L1 tiles by more than the ~190 us of dispatch
+        # they hide. One setting for every BLOCK_M: it is the call's row protocol, which every
+        # rank must share (published in the count words and checked, `layout.CountWord`),
+        # while ranks may choose different BLOCK_Ms
         self.rows_with_gemm = bool(rows_with_gemm)
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",

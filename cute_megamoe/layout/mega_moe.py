@@ -198,24 +198,29 @@ class CountWord:
 
     ``tag`` numbers the call; ``settings`` are what every rank must launch the call with
     (readers compare them with their own and trap on a difference, naming the field):
-    ``push << 7 | recipe << 5 | (block_m // 16 - 1)``.
+    ``rows_counted << 8 | push << 7 | recipe << 5 | (block_m // 16 - 1)``; ``rows_counted``: the
+    senders count every row into the destination's ``pool_block_arrivals`` and the call ends
+    without the dispatch's closing cross-rank barrier (the fused kernel moving rows during its
+    GEMMs), which a rank that waits for that barrier, or for the counts, would never see.
     """
 
-    COUNT_BITS = 24
+    COUNT_BITS = 23  # (a count is at most MAX_NUM_TOKENS_PER_RANK = 2**20)
     COUNT_MASK = (1 << COUNT_BITS) - 1
-    SETTINGS_MASK = 0xFF
+    SETTINGS_MASK = 0x1FF
     BLOCK_M_BITS = 5  # block_m // 16 - 1: block_m in 16..512
     RECIPE_SHIFT = 5
     PUSH_SHIFT = 7
+    ROWS_COUNTED_SHIFT = 8
 
     @staticmethod
-    def settings(block_m: int, recipe: str, push: bool) -> int:
-        """The settings field (8 bits) of a call launched with these values."""
+    def settings(block_m: int, recipe: str, push: bool, rows_counted: bool = False) -> int:
+        """The settings field (9 bits) of a call launched with these values."""
         if block_m % 16 != 0 or not 16 <= block_m <= 16 << CountWord.BLOCK_M_BITS:
             raise ValueError(f"block_m: expected a multiple of 16 in [16, "
                              f"{16 << CountWord.BLOCK_M_BITS}], got {block_m}")
-        return ((int(push) << CountWord.PUSH_SHIFT) | (RECIPES.index(recipe)
-                << CountWord.RECIPE_SHIFT) | (block_m // 16 - 1))
+        return ((int(rows_counted) << CountWord.ROWS_COUNTED_SHIFT)
+                | (int(push) << CountWord.PUSH_SHIFT)
+                | (RECIPES.index(recipe) << CountWord.RECIPE_SHIFT) | (block_m // 16 - 1))
 
     @staticmethod
     def decode(word: int) -> dict[str, int | str | bool]:
@@ -225,7 +230,8 @@ class CountWord:
         return {"tag": word >> 32, "count": word & CountWord.COUNT_MASK,
                 "block_m": 16 * ((settings & ((1 << CountWord.BLOCK_M_BITS) - 1)) + 1),
                 "recipe": RECIPES[(settings >> CountWord.RECIPE_SHIFT) & 3],
-                "push": bool(settings >> CountWord.PUSH_SHIFT)}
+                "push": bool((settings >> CountWord.PUSH_SHIFT) & 1),
+                "rows_counted": bool(settings >> CountWord.ROWS_COUNTED_SHIFT)}
 
 
 class AbsentRegionError(LookupError):

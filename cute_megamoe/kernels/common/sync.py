@@ -78,11 +78,12 @@ def _claim_report(barrier_slots: cute.Pointer) -> cutlass.Boolean:
 
 
 @cute.jit
-def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what: cutlass.Constexpr,
-           value: Int32, target: Int32, source: Int32 = 0, expert: Int32 = 0):
+def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: Int32,
+           target: Int32, source: Int32 = 0, expert: Int32 = 0):
     """Record a report of `kind` (`reports.ReportKind`) naming `what` (one of
-    `reports.REPORT_NAMES`) into the rank's pinned host record, if this thread is the rank's
-    first to report and the buffer has a record (see `reports`), then trap."""
+    `reports.REPORT_NAMES`, or its index as a runtime value) into the rank's pinned host
+    record, if this thread is the rank's first to report and the buffer has a record (see
+    `reports`), then trap."""
     if _claim_report(barrier_slots):
         low = cute.arch.load(barrier_slots + BarrierSlots.REPORT, Int32)
         high = cute.arch.load(barrier_slots + BarrierSlots.REPORT + 1, Int32)
@@ -91,7 +92,8 @@ def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what: cutlass.C
             record = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
             bidx, _, _ = cute.arch.block_idx()
             tidx, _, _ = cute.arch.thread_idx()
-            fields = dict(name=Int32(REPORT_NAMES.index(what)), cta=Int32(bidx),
+            name = Int32(REPORT_NAMES.index(what)) if isinstance(what, str) else what
+            fields = dict(name=name, cta=Int32(bidx),
                           thread=Int32(tidx), value=value, target=target, source=source,
                           expert=expert)
             for i, field in enumerate(REPORT_FIELDS[1:], 1):
@@ -109,11 +111,10 @@ def _report_stall(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: I
 
 
 @cute.jit
-def report_disagreement(barrier_slots: cute.Pointer, what: cutlass.Constexpr, value: Int32,
-                        expected: Int32):
-    """Ranks launched one collective kernel with different settings: record which (`what`),
-    a peer's value and this rank's, and stop the kernel (a trap) rather than let it produce
-    wrong data."""
+def report_disagreement(barrier_slots: cute.Pointer, what, value: Int32, expected: Int32):
+    """Ranks launched one collective kernel with different settings: record which (`what`, as
+    for `report`), a peer's value and this rank's, and stop the kernel (a trap) rather than
+    let it produce wrong data."""
     report(barrier_slots, ReportKind.DISAGREE, what, value, expected)
 
 
