@@ -132,6 +132,9 @@ def test_compiles_with_stall_reports_and_asynchronous_wgmma(block_m):
     if art.sass is None:
         pytest.skip("nvdisasm not available")
     assert art.count("CALL") == 0 and art.resource_usage()["LOCAL"] == 0
+    # fp8xfp8's default build spills nothing either (bf16xbf16 at BLOCK_M 64 and FP4 weights
+    # at 128 keep a few values across the producer's 40-register region in local memory)
+    assert art.count("STL") == 0 and art.count("LDL") == 0
 
 
 def test_the_two_gemm_phases_share_one_ring():

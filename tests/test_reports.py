@@ -65,3 +65,25 @@ def test_every_wait_of_the_kernels_has_a_name():
             used.update(m for m in re.findall(r'"([^"]+)"', text[call.end():end])
                         if m not in ("gpu", "sys"))
     assert used and used <= set(REPORT_NAMES), used - set(REPORT_NAMES)
+
+
+def test_a_buffer_with_a_report_refuses_to_launch():
+    """After a trap the entry points raise the record's message before touching CUDA (a CPU
+    buffer stands in for a CUDA one: its record is set by hand)."""
+    import torch
+
+    from cute_megamoe.buffer import SymmBuffer
+    from cute_megamoe.launch import buffer_state
+
+    buf = SymmBuffer(None, 8, 64, 2, 256, 128, mma_type="fp8xfp8", device="cpu")
+    assert buf.report() is None
+    buf.raise_if_reported()  # (no record: nothing to raise)
+    buf.report_record = torch.zeros(REPORT_WORDS, dtype=torch.int32)
+    buf._report_words = buf.report_record.numpy()
+    buf.raise_if_reported()  # (an empty record)
+    buf.report_record.copy_(torch.tensor(_record(ReportKind.STALL, "grid barrier")))
+    message = "cute_megamoe: wait on grid barrier stalled (rank 0, cta 3, thread 70)"
+    assert buf.report().startswith(message)
+    for call in (buf.raise_if_reported, lambda: buffer_state(buf)):
+        with pytest.raises(RuntimeError, match=r"stalled \(rank 0, cta 3.*a kernel trapped"):
+            call()
