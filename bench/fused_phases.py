@@ -3,8 +3,8 @@
     python3 -m bench.fused_phases [--tokens 128 4096 8192] [--recipe fp8xfp8] [--calls 20]
 
 Runs `kernels/sm90_mega_moe.py` compiled with `phase_clock` (every CTA writes the global timer
-at its start, once the pool's prefix sums and metadata are in place, when its first sender warp
-has pushed its rows, when its first consumer warp finished its L1 tiles and its L2 tiles, and
+at its start, once the pool's prefix sums are in place, when its first (sender) warp has pushed
+its rows, when its first consumer warp finished its L1 tiles and its L2 tiles, and
 at its end: `PHASE_STAMPS`), over `calls` back-to-back calls on staged inputs,
 and reports per phase the median over calls of the time from the grid's first start to the
 median / latest CTA reaching the phase's end. The stamps cost a store per CTA per phase; the
@@ -37,8 +37,9 @@ def main() -> None:
                         help="L2 tiles wait for their pool block's L1 tiles, or for all")
     parser.add_argument("--extra-warpgroups", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="1: a warpgroup more for dispatch and combine (BLOCK_M 64 only)")
-    parser.add_argument("--rows-with-gemm", type=int, nargs="+", default=[0], choices=(0, 1),
-                        help="1: rows move while the GEMMs run; 0: before them (A/B)")
+    parser.add_argument("--rows", nargs="+", default=["barrier"],
+                        choices=("barrier", "counted", "with_gemm"),
+                        help="how the rows move (`sm90_mega_moe.ROW_TRANSFERS`; A/B)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over all variants (interleaves an A/B)")
     args = parser.parse_args()
@@ -63,7 +64,7 @@ def main() -> None:
         "clocks_before": gpu_clocks()})
     variants = [(n, g, x, r) for n in args.tokens for _ in range(args.rounds)
                 for g in args.l2_gates for x in args.extra_warpgroups
-                for r in args.rows_with_gemm]
+                for r in args.rows]
     for n, gate, extra, rows in variants:
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
@@ -75,7 +76,7 @@ def main() -> None:
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,
                           l2_gate=gate, extra_warpgroups=extra,
-                          rows_with_gemm=bool(rows))
+                          row_transfer=rows)
         for _ in range(3):
             call()
         samples = []
@@ -94,11 +95,11 @@ def main() -> None:
         row["l1_us"] = row["l1_done_median_us"] - row["prefix_ready_median_us"]
         row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
         row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
-        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows_with_gemm=rows,
+        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows=rows,
                 block_m=block_m, **row)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["tokens", "rows_with_gemm", "l2_gate", "extra_warpgroups", "block_m",
+    print(res.table(["tokens", "rows", "l2_gate", "extra_warpgroups", "block_m",
                      "start_spread_us", "prefix_ready_last_us", "rows_sent_last_us", "l1_us",
                      "l1_done_median_us", "l2_us", "l2_done_last_us", "combine_us",
                      "end_last_us"]))

@@ -85,16 +85,22 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                    fast_math: bool = True, block_m: int | None = None,
                    num_sms: int | None = None,
                    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                   validate_routing: bool | None = None) -> torch.Tensor:
+                   validate_routing: bool | None = None,
+                   row_transfer: str | None = None) -> torch.Tensor:
     """One whole layer in one persistent kernel (after the input staging). Collective: every
     rank of the buffer's group calls it once per call, also with 0 tokens. Arguments as
     `staged.staged_mega_moe` (``x=None``: ``num_tokens`` rows were staged into the buffer
-    already); ``block_m`` 64 or 128 (default: the heuristics; ranks may differ). Every check
+    already); ``block_m`` 64 or 128 (default: the heuristics; ranks may differ).
+    ``row_transfer`` (sm_90a, for A/Bs): how the rows move, `sm90_mega_moe.ROW_TRANSFERS`
+    (None: ``CUTE_MEGAMOE_FUSED_ROWS``, else the kernel's default); "barrier" and the counted
+    ones are different row protocols that ranks must not mix (a mismatch traps). Every check
     runs before the first launch; one that fails gives the call up on this rank
     (`staged.gives_up_call_on_error`). No host synchronization with
     ``validate_routing=False``: CUDA-graph capturable."""
     key = _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math,
                     block_m, num_sms, cumulative_local_expert_recv_stats)
+    if key is not None:
+        key += (row_transfer,)
     state = existing_buffer_state(sym_buffer) if key is not None else None
     plan = None if state is None else state.plans.get(key)
     n = None
@@ -124,7 +130,7 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
             y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
         check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
         launches.append(fused_call(sym_buffer, weights, n, block_m, y, grid, stats,
-                                   activation_clamp, fast_math))
+                                   activation_clamp, fast_math, row_transfer=row_transfer))
     if key is not None and n > 0:
         plans = buffer_state(sym_buffer).plans
         if len(plans) >= _MAX_PLANS:

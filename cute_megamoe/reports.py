@@ -39,8 +39,8 @@ RECIPE_FIELD = "the recipe (" + ", ".join(f"{i}: {r}" for i, r in enumerate(RECI
 #: how a disagreement on `layout.CountWord`'s push bit is named
 PUSH_FIELD = "the dispatch transfer (1: push, 0: pull)"
 #: how a disagreement on `layout.CountWord`'s rows_counted bit is named
-ROWS_FIELD = ("the row protocol (1: rows counted per pool block, the fused kernel moving rows "
-              "during its GEMMs; 0: rows moved before a closing cross-rank barrier)")
+ROWS_FIELD = ("the row protocol (1: rows counted per pool block, the fused kernel's counted "
+              "row transfers; 0: rows moved before a closing cross-rank barrier)")
 #: what a report names (its ``name`` field is the index); every wait and check names one
 REPORT_NAMES = (
     "grid barrier",

@@ -167,12 +167,27 @@ def sm90_fp4_cluster() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
+FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
+
+
+def fused_rows() -> str | None:
+    """``CUTE_MEGAMOE_FUSED_ROWS``: how the sm_90a fused kernel moves the rows
+    (`sm90_mega_moe.ROW_TRANSFERS`), forced for A/B runs; None ("auto", the default): the
+    kernel's `DEFAULT_ROW_TRANSFER`. "barrier" and the two counted transfers are different row
+    protocols: every rank of a call must use one of the same kind (a mismatch traps). Part of
+    the fused kernel's cache key and the layer plans' keys."""
+    value = os.environ.get("CUTE_MEGAMOE_FUSED_ROWS", "auto").strip().lower()
+    if value not in FUSED_ROWS:
+        raise ValueError(f"CUTE_MEGAMOE_FUSED_ROWS: one of {FUSED_ROWS}, got {value!r}")
+    return None if value == "auto" else value
+
+
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
-                      "CUTE_MEGAMOE_EXPERIMENTAL_FUSED")
+                      "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -108,7 +108,8 @@ def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    # (rows_sent only with rows_with_gemm; packed_done, decode_done only with FP4 weights)
+    # (rows_sent only with the counted row transfers; packed_done, decode_done only
+    # with FP4 weights)
     stamps = len(PHASE_STAMPS) - (1 if recipe == "fp8xfp4_sm90" else 3)
     _, plain = _compile(recipe, 64)
     _, clocked = _compile(recipe, 64, phase_clock=True)
@@ -403,34 +404,42 @@ def test_tile_log_variant_compiles(monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
-                                            ("fp8xfp4_sm90", 64)])
-def test_rows_before_gemm_variant_compiles_without_spills(recipe, block_m, monkeypatch):
-    """The default, whose dispatch moves every row before the GEMMs (no sender warps, no
-    arrival waits, the GEMM kernel's register split, the staged dispatch's settings), and the
-    variant that sends the rows while the GEMMs run (its count words say so)."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    before, art = _compile(recipe, block_m, rows_with_gemm=False)
-    with_gemm, art_with = _compile(recipe, block_m, rows_with_gemm=True)
-    assert not before.dispatch.pool_order and with_gemm.dispatch.pool_order
+                                            ("fp8xfp4_sm90", 64), ("fp8xfp4_sm90", 128)])
+def test_row_transfers_compile(recipe, block_m, monkeypatch):
+    """The three row transfers: "barrier" (the staged dispatch's settings, no arrival
+    counts) and the two counted ones (their count words say so; the metadata counted into the
+    own pool with GPU-scope releases, the rows with a fence per batch of rows and relaxed
+    adds at system scope, R = 2 here). "barrier" and "counted" spill nothing; "with_gemm"'s
+    senders share the producer warpgroup's 40 registers (a few spill at BLOCK_M 128)."""
+    from cute_megamoe.kernels.sm90_mega_moe import DEFAULT_ROW_TRANSFER, ROW_TRANSFERS
     from cute_megamoe.layout import CountWord
 
-    assert not CountWord.decode(before.dispatch.settings << CountWord.COUNT_BITS)["rows_counted"]
-    assert CountWord.decode(with_gemm.dispatch.settings << CountWord.COUNT_BITS)["rows_counted"]
-    # the senders count rows into their own pool with GPU-scope releases (others: system)
-    red = "red.release.gpu.global.add.s32"
-    assert art_with.ptx.count(red) > art.ptx.count(red)
-    if art.sass is not None:
-        for a in (art, art_with):
-            assert a.count("STL") == 0 and a.resource_usage()["LOCAL"] == 0
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
+    built = {t: _compile(recipe, block_m, row_transfer=t) for t in ROW_TRANSFERS}
+    assert _compile(recipe, block_m)[0].row_transfer == DEFAULT_ROW_TRANSFER
+    for t, (kernel, art) in built.items():
+        counted = t != "barrier"
+        assert kernel.dispatch.pool_order == kernel.rows_counted == counted
+        settings = CountWord.decode(kernel.dispatch.settings << CountWord.COUNT_BITS)
+        assert settings["rows_counted"] == counted
+        metadata = "red.release.gpu.global.add.s32"
+        rows = "red.relaxed.sys.global.add.s32"
+        assert (art.ptx.count(metadata) > built["barrier"][1].ptx.count(metadata)) == counted
+        assert (rows in art.ptx) == counted, t
+        if art.sass is not None and t != "with_gemm":
+            assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0, t
+    with pytest.raises(ValueError, match="row_transfer"):
+        _compile(recipe, block_m, row_transfer="later")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
-                                     dict(rows_with_gemm=True)])
+                                     dict(row_transfer="barrier"), dict(row_transfer="counted"),
+                                     dict(row_transfer="with_gemm")])
 def test_fused_ab_variants_match_staged(variant):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; the rows moving while the GEMMs run) give the same bits."""
+    combine at BLOCK_M 64; each way of moving the rows) give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
@@ -438,7 +447,8 @@ def test_fused_ab_variants_match_staged(variant):
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
     (buf,) = layer.ranks.buffers
-    cases = ((300, 64), (1, 64)) if "extra_warpgroups" in variant else ((300, 128), (77, 64))
+    cases = ((300, 64), (1, 64)) if "extra_warpgroups" in variant else \
+        ((300, 128), (77, 64), (0, 64), (1, 128))
     for n, block_m in cases:
         _, _, _, inputs = layer.inputs((n,), "skewed", seed=n)
         x, idx, w = inputs[0]
@@ -450,6 +460,24 @@ def test_fused_ab_variants_match_staged(variant):
                    True, **variant)()
         torch.cuda.synchronize()
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_fused_two_ranks_mixing_the_counted_row_transfers(recipe, monkeypatch):
+    """"counted" and "with_gemm" are one row protocol: a loopback group whose rank 0 moves its
+    rows before its GEMMs and rank 1 during them (different BLOCK_Ms, 0 tokens on a rank,
+    back-to-back calls) gives the staged layer's bits."""
+    _gpu(recipe, monkeypatch)
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe),
+                       row_transfers={0: "counted", 1: "with_gemm"})
+    layer.warm_up((64, 128))
+    layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=11)
+    layer.check_call((1, 130), "skewed", {0: 64, 1: 128}, seed=12)
+    check_fused_calls(layer, 20, 200, seed=13)
 
 
 def test_stall_probe_needs_a_gpu(monkeypatch):

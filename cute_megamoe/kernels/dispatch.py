@@ -54,9 +54,11 @@ How (the seed analysis' count -> prefix -> scatter):
    with 1-D bulk copies, peer global -> shared -> local pool, the load of a chunk overlapping
    the store of the previous one (DeepGEMM's pull).
    `pool_order` (the fused layer kernel, `sm90_mega_moe`): steps 1-6 only
-   (`exchange_counts`); the fused kernel's spare warps then push the rows in each
-   destination's pool order while its GEMMs run, counting every row into the destination's
-   `pool_block_arrivals` (`push_in_pool_order`), and step 8 is left to the fused kernel.
+   (`exchange_counts`; step 6 counts every row's metadata into this rank's
+   `pool_block_arrivals`); the fused kernel then pushes the rows in each destination's pool
+   order, counting every row into the destination's `pool_block_arrivals`
+   (`push_in_pool_order`), and step 8 is left to the fused kernel: a pool block is ready when
+   its counter reaches `arrivals_per_row` per valid row, with no barrier in between.
 8. Grid barrier (all rows moved); CTA 0 enters the cross-rank barrier (system-scope release and
    acquire) and records the call as finished. After it every rank's pool is complete, and no
    peer reads this rank's inputs or counts for this call any more: the next call may restage
@@ -141,6 +143,10 @@ class DispatchKernel:
         if pool_order and not self.push:
             raise ValueError("pool_order: the rows are pushed in pool order; transfer='push'")
         self.pool_order = pool_order
+        # `pool_order`: a pool block's rows are ready once its counter in
+        # `pool_block_arrivals` reaches this many per valid row (the row from its source, and
+        # its metadata, weight and scales from this rank's step 6)
+        self.arrivals_per_row = 2
         # published in every count word: this rank's block_m, and what every rank must launch
         # the call with (the recipe, the transfer and the row protocol, compared by every
         # reader)
@@ -502,6 +508,8 @@ class DispatchKernel:
             meta[3] = Int32(0)
             cute.autovec_copy(meta, gmem_vector(metadata + Int64(pool_row) * 16, Int32, 4))
             cute.arch.store(pool_weights + pool_row, weight)
+            if cutlass.const_expr(self.pool_order):  # (no grid barrier orders them for readers)
+                self.count_arrival(my_base, pool_row // self.block_m, fenced=False)
             row += num_ctas * self.num_threads
 
     @cute.jit
@@ -572,11 +580,11 @@ class DispatchKernel:
                            num_senders: Int32, lane: Int32, arrays,
                            unroll: cutlass.Constexpr):
         """Step 7 for the fused kernel (`pool_order`), by sender warp `sender` of `num_senders`
-        (spare warps of every CTA, after `exchange_counts` and a grid barrier): this rank's
-        rows to each destination in that destination's pool order, each row followed by +1 on
-        its pool block's `pool_block_arrivals` there (release: system scope, GPU scope for
-        this rank's own pool), so the
-        destination's L1 tiles start block by block while later rows are still on the way.
+        (every warp of every CTA, or spare warps while the GEMMs run, after `exchange_counts`):
+        this rank's rows to each destination in that destination's pool order, each batch of
+        32 rows followed by +1 per row on its pool block's `pool_block_arrivals` there (one
+        fence per batch, `count_arrival`), so the destination's L1 tiles start block by block
+        while later rows are still on the way.
 
         The rows to all destinations are merged, destination-fastest (merged row i: row
         i // R to destination i % R), so every destination's pool fills front to back at the
@@ -612,28 +620,42 @@ class DispatchKernel:
                 if row_j >= 0:
                     token_j = cute.arch.shuffle_sync(token, j)
                     dest_j = (first + j * num_senders) % R
-                    dest_base = Int64(peer_bases[dest_j])
                     # (this rank's `x` is addressed again per row: the spare warps have 32-40
                     # registers)
                     x = Int64(peer_bases[rank]) + self.regions.offset("x")
                     copy_row_in_registers(x + Int64(token_j) * self.row_bytes,
-                                          dest_base + self.regions.offset("l1_acts")
+                                          Int64(peer_bases[dest_j])
+                                          + self.regions.offset("l1_acts")
                                           + Int64(row_j) * self.row_bytes, lane,
                                           self.row_bytes, unroll)
-                    # the warp's stores of the row, then lane 0's release of its count
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        # (BLOCK_M is a multiple of 16: the quotient by BLOCK_M / 16 of
-                        # row / 16, within `ceil_div_small`'s range)
-                        block_j = ceil_div_small((row_j >> 4) + 1, dest_block_m[dest_j] >> 4) - 1
-                        arrivals = self.regions.ptr(dest_base, "pool_block_arrivals")
-                        if dest_j == rank:  # (this GPU's reader: a GPU-scope fence suffices)
-                            cute.arch.red(arrivals + block_j, Int32(1), op="add", dtype="s32",
-                                          sem="release", scope="gpu")
-                        else:
-                            cute.arch.red(arrivals + block_j, Int32(1), op="add", dtype="s32",
-                                          sem="release", scope="sys")
+            # the warp's stores of the batch, then every lane fences once and counts its own
+            # row: one fence per batch of 32 rows, not a release per row
+            cute.arch.sync_warp()
+            if pool_row >= 0:
+                # (BLOCK_M is a multiple of 16: the quotient by BLOCK_M / 16 of row / 16,
+                # within `ceil_div_small`'s range)
+                block = ceil_div_small((pool_row >> 4) + 1, dest_block_m[dest] >> 4) - 1
+                self.count_arrival(Int64(peer_bases[dest]), block, fenced=True)
             first += 32 * num_senders
+
+    @cute.jit
+    def count_arrival(self, dest_base: Int64, pool_block: Int32, fenced: cutlass.Constexpr):
+        """+1 on ``pool_block``'s counter in the `pool_block_arrivals` at ``dest_base``, after
+        this thread's (and, through a warp barrier before, its warp's) stores: with a fence
+        first at system scope (GPU scope when the group is one rank) and a relaxed add when
+        ``fenced``, else a release add at GPU scope (this rank's own pool)."""
+        arrivals = self.regions.ptr(dest_base, "pool_block_arrivals")
+        if cutlass.const_expr(not fenced):
+            cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
+                          sem="release", scope="gpu")
+        elif cutlass.const_expr(self.num_ranks == 1):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
+                          sem="relaxed", scope="gpu")
+        else:
+            cute.arch.fence_acq_rel_sys()
+            cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
+                          sem="relaxed", scope="sys")
 
     @cute.jit
     def pull_rows(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,

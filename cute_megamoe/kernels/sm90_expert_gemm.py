@@ -179,6 +179,11 @@ class Sm90ExpertGemmKernel:
         self.num_n_blocks = n // self.block_n
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
+        # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
+        # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
+        # metadata is read once the tile's first stage is in (the producer acquired the rows'
+        # arrival counts, which follow the metadata, before its loads), not at the tile start
+        self.late_metadata = False
         if self.to_combine:
             self.combine_offset, self.combine_tokens, self.num_ranks = combine_target(
                 phase, n, num_pool_rows, combine_layout)
@@ -616,17 +621,19 @@ class Sm90ExpertGemmKernel:
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
                 log_first: Int32 = 0, ready_target: Int32 = None,
-                rows_arrived: cute.Pointer = None):
+                rows_arrived: cute.Pointer = None, arrivals_per_row: cutlass.Constexpr = 1):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles`` (FP4 weights: A and
         the scale vectors; `produce_packed` loads the weights); in a cluster whose
         two pool blocks share an expert, only chunk ``rank`` of B, to both CTAs. ``state``: the
         ring's producer state. With ``rows_arrived`` (L1 of the fused kernel: the dispatch's
-        `pool_block_arrivals`), a tile's loads start once its pool block's valid rows have
-        landed. With ``waits_ready`` (L2 of the fused kernel), a tile's loads
-        start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches it, or with
-        a ``ready_slot`` its first tile once ``ready[ready_slot]`` reaches ``ready_target``
-        (every L1 tile done). With
+        `pool_block_arrivals`), a tile's loads start once its pool block's counter reaches
+        ``arrivals_per_row`` per valid row. With ``waits_ready`` (L2 of the fused kernel), a
+        tile's loads start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches
+        it, or with a ``ready_slot`` its first tile once ``ready[ready_slot]`` reaches
+        ``ready_target`` (every L1 tile done). A tile that waits for its pool block loads the
+        weights of its first stages before the wait (they depend on nothing; FP8 and BF16
+        weights, whose B this warp loads). With
         ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of this walk is
         recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
         ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
@@ -658,12 +665,25 @@ class Sm90ExpertGemmKernel:
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
+            # a tile that waits for its pool block first loads the weights of the stages it
+            # can take (they depend on nothing), then waits, then loads their A
+            gated = rows_arrived is not None or (self.waits_ready > 0
+                                                 and self.ready_slot is None)
+            prefill = min(self.num_stages, self.num_k_blocks) if gated and not \
+                self.fp4_weights else 0
+            a_state = state.clone()
+            for kb in cutlass.range(prefill):
+                bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
+                self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
+                                  multicast, b_block, expert, rank, kb, state.index, bar, lane)
+                state.advance()
             if cutlass.const_expr(rows_arrived is not None):
                 if valid_m > 0:
                     # senders on every rank release their rows' counts at system scope; the
                     # rows came through generic stores, the TMA loads read through the async
                     # proxy
-                    wait_reached(barrier_slots, rows_arrived + pool_block, valid_m, "sys",
+                    wait_reached(barrier_slots, rows_arrived + pool_block,
+                                 valid_m * arrivals_per_row, "sys",
                                  "rows of a pool block (pool_block_arrivals)", self.timeout_ns)
                     cute.arch.fence_proxy("async.global")
             if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is None):
@@ -672,33 +692,65 @@ class Sm90ExpertGemmKernel:
                 # the L1 rows came through bulk (async proxy) stores and generic stores; the
                 # acquire above is generic: order the TMA loads below after it
                 cute.arch.fence_proxy("async.global")
-            for kb in cutlass.range(self.num_k_blocks):
+            for kb in cutlass.range(prefill):
+                self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
+                               a_state.index, ab_pipe.producer_get_barrier(a_state), lane)
+                ab_pipe.producer_commit(a_state)
+                a_state.advance()
+            for kb in cutlass.range(prefill, self.num_k_blocks):
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
-                cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, state.index)],
-                          tma_bar_ptr=bar)
-                if cutlass.const_expr(self.cluster_m > 1 and not self.fp4_weights):
-                    if multicast:
-                        cute.copy(tma_b_mc, t_gb_mc[(None, b_block + rank, kb)],
-                                  t_sb_mc[(None, state.index * self.chunks + rank)],
-                                  tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
-                    else:
-                        self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
-                elif cutlass.const_expr(not self.fp4_weights):
-                    self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
-                if cutlass.const_expr(self.is_fp8):
-                    if lane == 0:
-                        prims.cp_async_bulk_shared_cluster_global(
-                            sfa.iterator + state.index * self.sfa_stride,
-                            a_sf + (Int64(kb) * self.num_pool_rows + sf_block * self.block_m),
-                            bar, Int32(self.sfa_len * 4))
-                        prims.cp_async_bulk_shared_cluster_global(
-                            sfb.iterator + state.index * self.sfb_stride,
-                            b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
-                            bar, Int32(self.sfb_len * 4))
+                self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
+                               state.index, bar, lane)
+                if cutlass.const_expr(not self.fp4_weights):
+                    self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
+                                      multicast, b_block, expert, rank, kb, state.index, bar,
+                                      lane)
+                elif cutlass.const_expr(self.is_fp8):  # (FP4: warp 1 loads the weights)
+                    self.load_weight_scales(sfb, b_sf, expert, kb, state.index, bar, lane)
                 ab_pipe.producer_commit(state)
                 state.advance()
             tile += num_clusters
         return state, tile
+
+    @cute.jit
+    def load_rows(self, tma_a, t_ga, t_sa, sfa, a_sf: cute.Pointer, pool_block: Int32,
+                  sf_block: Int32, kb: Int32, stage: Int32, bar, lane: Int32):
+        """Warp 0: k-block ``kb`` of the tile's rows (and FP8: their scales) into ``stage``."""
+        cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, stage)], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.is_fp8):
+            if lane == 0:
+                prims.cp_async_bulk_shared_cluster_global(
+                    sfa.iterator + stage * self.sfa_stride,
+                    a_sf + (Int64(kb) * self.num_pool_rows + sf_block * self.block_m),
+                    bar, Int32(self.sfa_len * 4))
+
+    @cute.jit
+    def load_weight_scales(self, sfb, b_sf: cute.Pointer, expert: Int32, kb: Int32,
+                           stage: Int32, bar, lane: Int32):
+        """Warp 0: the expert's row of weight block scales of k-block ``kb`` into ``stage``."""
+        if lane == 0:
+            prims.cp_async_bulk_shared_cluster_global(
+                sfb.iterator + stage * self.sfb_stride,
+                b_sf + (Int64(expert) * self.num_k_blocks + kb) * self.sfb_len,
+                bar, Int32(self.sfb_len * 4))
+
+    @cute.jit
+    def load_weights(self, tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb,
+                     b_sf: cute.Pointer, multicast, b_block: Int32, expert: Int32, rank: Int32,
+                     kb: Int32, stage: Int32, bar, lane: Int32):
+        """Warp 0: k-block ``kb`` of the weight tile (FP8 and BF16 weights; in a cluster whose
+        blocks share the expert, chunk ``rank`` to both CTAs) and FP8: its block scales."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            if multicast:
+                cute.copy(tma_b_mc, t_gb_mc[(None, b_block + rank, kb)],
+                          t_sb_mc[(None, stage * self.chunks + rank)],
+                          tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+            else:
+                self.load_b(tma_b, t_gb, t_sb, b_block, kb, stage, bar)
+        else:
+            self.load_b(tma_b, t_gb, t_sb, b_block, kb, stage, bar)
+        if cutlass.const_expr(self.is_fp8):
+            self.load_weight_scales(sfb, b_sf, expert, kb, stage, bar, lane)
 
     @cute.jit
     def pair_tile(self, tile: Int32, owner: Int32, block_start, row_start, raster_group: Int32,
@@ -996,9 +1048,12 @@ class Sm90ExpertGemmKernel:
             owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             row_base = pool_block * self.block_m
-            # where lane i < 16 sends the tile's row warp_row0 + i (loaded before the mainloop)
-            row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
-                                           warp_row0 + lane, valid_m, n_block, lane)
+            # where lane i < 16 sends the tile's row warp_row0 + i (loaded before the mainloop;
+            # with `late_metadata`, once the tile's first stage is in)
+            row_dst = Int64(0)
+            if cutlass.const_expr(not self.late_metadata):
+                row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
+                                               warp_row0 + lane, valid_m, n_block, lane)
             for c in cutlass.range_constexpr(self.wg_chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
@@ -1012,6 +1067,11 @@ class Sm90ExpertGemmKernel:
                             # (half of it by the peer's st.async: generic-proxy writes the
                             # WGMMAs read through the async proxy)
                             cute.arch.fence_view_async_shared()
+                    if cutlass.const_expr(self.late_metadata):
+                        if kb == 0:
+                            row_dst = self.row_destination(out, peer_bases, src_metadata,
+                                                           row_base, warp_row0 + lane, valid_m,
+                                                           n_block, lane)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
                     scale_b = self.weight_scales(sfb, state.index, n_block, chunk0)
@@ -1042,6 +1102,11 @@ class Sm90ExpertGemmKernel:
                 for kb in cutlass.range(self.num_k_blocks):
                     self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
+                    if cutlass.const_expr(self.late_metadata):
+                        if kb == 0:
+                            row_dst = self.row_destination(out, peer_bases, src_metadata,
+                                                           row_base, warp_row0 + lane, valid_m,
+                                                           n_block, lane)
                     warpgroup.fence()
                     for c in cutlass.range_constexpr(self.chunks):
                         for kk in cutlass.range_constexpr(num_k_phases):

@@ -11,27 +11,34 @@ one kernel), for `fp8xfp8`, `bf16xbf16` and `fp8xfp4_sm90` (MXFP4 weights decode
 
 How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads (FP4 weights: plus the decode
 warpgroups, 512 in all), launched cooperatively.
-1. Dispatch (every thread, `DispatchKernel.run`): count, prefix, scatter, publish the counts
-   (tagged with the call number, `layout.CountWord`), push the rows into the destinations'
-   pools, meet the other ranks; it leaves this rank's pool prefix sums in shared memory, and a
-   grid barrier then tells every CTA that the pool is complete.
-   With `rows_with_gemm` (an A/B variant: 0.95x the time at 1 token, 1.01-1.04x at 4096-8192,
-   docs/performance.md), every thread runs steps 1-6 only (`DispatchKernel.exchange_counts`:
-   up to the metadata), and the rows move while the GEMMs run: the producer warpgroup's warps
-   that load nothing (1-3, FP4 weights 2-3) push this rank's rows into the destinations' pools
-   in each pool's order (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool
-   block's counter in the destination's `pool_block_arrivals` (system-scope release). It is
-   the call's row protocol: every rank must use the same (checked through the count words).
+1. Dispatch: count, prefix, scatter, publish the counts (tagged with the call number,
+   `layout.CountWord`), write the pool's metadata and push the rows into the destinations'
+   pools; it leaves this rank's pool prefix sums in shared memory. How the rows move is the
+   `row_transfer` (`ROW_TRANSFERS`):
+   * "barrier": every thread runs the whole staged dispatch (`DispatchKernel.run`), which
+     meets the other ranks once every row has moved; a grid barrier then tells every CTA that
+     the pool is complete.
+   * "counted": every thread runs steps 1-6 (`DispatchKernel.exchange_counts`, whose metadata
+     writes add 1 per row to the row's pool block in this rank's `pool_block_arrivals`), then
+     every warp pushes this rank's rows into the destinations' pools in each pool's order
+     (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool block's counter in
+     the destination's `pool_block_arrivals` (a fence per batch of 32 rows, system scope).
+     No barrier: each CTA goes on to its GEMM tiles, an L1 tile starting once its pool block
+     is complete.
+   * "with_gemm": as "counted", but the rows move while the GEMMs run: the producer
+     warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push them.
+   "barrier" and the counted transfers are different row protocols, which every rank of a call
+   must share (checked through the count words); "counted" and "with_gemm" are one protocol.
 2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
    warpgroups run WGMMA and the epilogues). One walk over the L1 tiles followed by the L2 tiles
    (CTA c takes tiles c, c + G, ... of the concatenation,
    `scheduler.host_model.fused_tile_walk`), through one ring of pipeline stages
    (`sm90_expert_gemm.share_ring`), so a CTA's first L2 tiles load while its last L1 tiles still
    compute (FP4 weights: warp 1 loads the packed weights of both walks into their own stages,
-   waiting for nothing, and the decode warpgroups walk the same tiles). With
-   `rows_with_gemm`, an L1 tile starts once the rows of its pool block have arrived: warp 0
-   acquires the block's arrival counter (system scope, then a proxy fence) until it reaches the
-   block's row count. An L2 tile waits only
+   waiting for nothing, and the decode warpgroups walk the same tiles). With the counted row
+   transfers, an L1 tile starts once its pool block is complete: warp 0 acquires the block's
+   arrival counter (system scope, then a proxy fence) until it reaches twice the block's row
+   count, having loaded the first stages' weights already. An L2 tile waits only
    for the L1 tiles of its own pool block: every consumer warp
    adds 1 to the block's counter in `pool_block_ready` once its rows of an L1 tile are in global
    memory (release at GPU scope, after its bulk stores completed), and the L2 producer acquires
@@ -40,16 +47,16 @@ warpgroups, 512 in all), launched cooperatively.
    end. The L2 epilogue writes each row into its source rank's combine buffer over NVLink.
 3. Combine (every thread, `CombineKernel.send_and_reduce` in its "epilogue" mode): the split
    barriers meet the other ranks once every CTA's rows are delivered, then the top-k
-   reduction in ascending k writes `y`; with `rows_with_gemm`, CTA 0 then records the call as
-   finished (`common.sync.finish_call`; the dispatch's closing barrier does otherwise).
+   reduction in ascending k writes `y`; with the counted row transfers, CTA 0 then records the
+   call as finished (`common.sync.finish_call`; the dispatch's closing barrier does otherwise).
 
 Readiness and arrival counters are per call: every CTA zeroes its share at the start, and the
-grid barriers of step 1 order that before any use (a sender adds to a destination's arrivals
-only once it holds the destination's counts of the call, published after the zeroing); nothing
-else is reset (the barriers and call tags of `common/sync.py` only grow, wrap-safe), so
-back-to-back calls and CUDA-graph replays need nothing from the host. With `rows_with_gemm`
-there is no closing cross-rank barrier in the dispatch; the calls stay apart through the
-counts: a rank pushes
+grid barrier of step 1 (after the scatter) orders that before any use (a sender adds to a
+destination's arrivals only once it holds the destination's counts of the call, published
+after the zeroing); nothing else is reset (the barriers and call tags of `common/sync.py` only
+grow, wrap-safe), so back-to-back calls and CUDA-graph replays need nothing from the host.
+With the counted row transfers there is no closing cross-rank barrier in the dispatch; the
+calls stay apart through the counts: a rank pushes
 rows into a peer's pool only with the peer's counts of the same call (published once the
 peer's previous call has ended), an L2 epilogue writes into a peer's combine buffer only rows
 that peer sent in this call, and a rank's next call rewrites its inputs and scatter tables only
@@ -72,6 +79,7 @@ from cutlass.cute.nvgpu import cpasync
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
 from .combine import CombineKernel
+from .common.pool import ROW_COPY_UNROLL
 from .common.sync import call_tags, finish_call, grid_barrier, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
@@ -84,8 +92,8 @@ from .sm90_expert_gemm import (
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
-# prefix sums and metadata are in place (rows moved before the GEMMs: once the pool is
-# complete), with `rows_with_gemm` when its first sender warp has sent its rows, when
+# prefix sums are in place ("barrier" rows: once the pool is complete), with the counted row
+# transfers when its first warp ("with_gemm": first sender warp) has sent its rows, when
 # its first consumer warp finished its L1 tiles and its L2 tiles, when warp 0
 # issued its last loads and saw them consumed, (FP4 weights) when warp 1 did the same for the
 # packed weights and the first decode warp finished, and at the end (0: not reached). Each
@@ -104,6 +112,15 @@ COMBINE_REGS = 168
 SENDER_REGS = {(False, 64): (80, 4), (False, 128): (40, 2), (True, 64): (40, 2),
                (True, 128): (40, 2)}
 REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
+# How the rows move (step 1 of the module doc): "barrier": every warp pushes them, then every
+# rank meets (the staged dispatch's protocol), then the GEMMs; "counted": every warp pushes
+# them counting each row (and its metadata) into its pool block, and an L1 tile starts once its
+# block is complete, with no barrier; "with_gemm": as "counted", but the producer warpgroup's
+# spare warps push while the GEMMs run. Interleaved on an H200 at R = 1 (docs/performance.md):
+# "with_gemm" took 0.95x the time of "barrier" at 1 token, 1.00x at 128 and 1.01-1.04x at
+# 4096-8192 tokens (BLOCK_M 128: the senders slow the tensor-bound L1 tiles)
+ROW_TRANSFERS = ("barrier", "counted", "with_gemm")
+DEFAULT_ROW_TRANSFER = "counted"
 
 
 class Sm90MegaMoEKernel:
@@ -114,7 +131,7 @@ class Sm90MegaMoEKernel:
                  has_stats: bool = False, l2_staging_parts: int | None = None,
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
-                 promotion: str | None = None, rows_with_gemm: bool = False):
+                 promotion: str | None = None, row_transfer: str | None = None):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -152,19 +169,19 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128 (not with FP4 weights); got "
                              f"{cluster_m}")
         self.cluster_m = cluster_m
-        # `rows_with_gemm` True: the rows move while the GEMMs run (step 1), each L1 tile
-        # waiting for its pool block's rows; False (the default): the dispatch moves every row
-        # before the GEMMs (`run`, then a grid barrier). Interleaved on an H200 at R = 1
-        # (docs/performance.md), rows moving with the GEMMs took 0.95x the time at 1 token and
-        # 1.00x at 128, but 1.01-1.04x at 4096-8192 tokens (BLOCK_M 128), where the sender
-        # warps' copies slow the tensor-bound L1 tiles by more than the ~190 us of dispatch
-        # they hide. One setting for every BLOCK_M: it is the call's row protocol, which every
-        # rank must share (published in the count words and checked, `layout.CountWord`),
-        # while ranks may choose different BLOCK_Ms
-        self.rows_with_gemm = bool(rows_with_gemm)
+        # how the rows move (step 1, `ROW_TRANSFERS`). "barrier" and the two counted ones are
+        # different row protocols, which every rank of a call must share (published in the
+        # count words and checked, `layout.CountWord`); "counted" and "with_gemm" are one
+        # protocol, so ranks may mix them (and BLOCK_Ms)
+        row_transfer = DEFAULT_ROW_TRANSFER if row_transfer is None else row_transfer
+        if row_transfer not in ROW_TRANSFERS:
+            raise ValueError(f"row_transfer: one of {ROW_TRANSFERS}, got {row_transfer!r}")
+        self.row_transfer = row_transfer
+        self.rows_counted = row_transfer != "barrier"
+        self.rows_with_gemm = row_transfer == "with_gemm"
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",
-                                       pool_order=self.rows_with_gemm)
+                                       pool_order=self.rows_counted)
         # the producer warpgroup's warps that load nothing send this rank's rows (step 1)
         self.first_sender_warp = 2 if self.fp4_weights else 1
         self.sender_warps = 4 - self.first_sender_warp
@@ -200,6 +217,7 @@ class Sm90MegaMoEKernel:
         assert 128 * (self.l1.producer_regs + decode_wgs * self.l1.decode_regs
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
+        self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
@@ -389,18 +407,27 @@ class Sm90MegaMoEKernel:
             cute.arch.store(rows_arrived + i, Int32(0))
             i += grid * self.num_threads
 
-        # 1. dispatch: counts, prefix sums, scatter, metadata; after the grid barrier every
-        # CTA has the pool's layout and its metadata. The rows move while the L1 tiles run
+        # 1. dispatch: counts, prefix sums, scatter, metadata, and the rows: "barrier": all
+        # of it, then a grid barrier (the pool is complete); counted: every CTA has the pool's
+        # layout, and the pool blocks count their rows and metadata in (no barrier), the rows
+        # moving now ("counted", every warp) or while the GEMMs run ("with_gemm")
         dispatch = None
-        if cutlass.const_expr(self.rows_with_gemm):
+        if cutlass.const_expr(self.rows_counted):
             dispatch = self.dispatch.allocate_arrays(smem)
             _counts, row_start, block_start = self.dispatch.exchange_counts(
                 peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch)
+            self.stamp(stamps, "prefix_ready", tidx == 0)
+            if cutlass.const_expr(not self.rows_with_gemm):
+                num_warps = self.num_threads // 32
+                self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
+                                                 grid * num_warps, lane, dispatch,
+                                                 ROW_COPY_UNROLL)
+                self.stamp(stamps, "rows_sent", tidx == 0)
         else:
             row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                        expert_recv_tokens, stats, smem)
-        grid_barrier(barrier, grid, self.timeout_ns)
-        self.stamp(stamps, "prefix_ready", tidx == 0)
+            grid_barrier(barrier, grid, self.timeout_ns)
+            self.stamp(stamps, "prefix_ready", tidx == 0)
 
         # 2. L1 tiles then L2 tiles, one walk, one ring
         l1_tiles = self.l1.scheduler.num_tiles(block_start)
@@ -418,8 +445,8 @@ class Sm90MegaMoEKernel:
                     w1_sf, ring, block_start, row_start, l1_tiles, cluster, num_clusters,
                     Int32(self.l1.raster_group), cta_rank, lane, state,
                     barrier_slots=barrier, tile_log=log,
-                    rows_arrived=rows_arrived if cutlass.const_expr(self.rows_with_gemm)
-                    else None)
+                    rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
+                    else None, arrivals_per_row=self.dispatch.arrivals_per_row)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
@@ -494,7 +521,7 @@ class Sm90MegaMoEKernel:
                                      l1_topk_weights, row_start, block_start, y, None)
         # every rank has read this rank's counts of the call (the combine's barriers needed
         # every CTA of every rank, all past their dispatch)
-        if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_with_gemm):
+        if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
 

@@ -24,10 +24,13 @@ ROUTINGS = ("random", "masked", "one_expert", "skewed")
 class FusedLayer:
     """Per-rank weights (random BF16 masters, quantized per recipe) and the two layers."""
 
-    def __init__(self, ranks: Ranks, seed: int = 0, activation_clamp: float = 10.0):
+    def __init__(self, ranks: Ranks, seed: int = 0, activation_clamp: float = 10.0,
+                 row_transfers: dict | None = None):
         from ..expert_gemm import ExpertWeights
 
         self.ranks = ranks
+        # per rank: the fused kernel's `row_transfer` (None: its default)
+        self.row_transfers = row_transfers or {}
         layout = ranks.layout
         self.clamp = activation_clamp
         e_l, h, inter = layout.num_local_experts, layout.hidden, layout.intermediate_hidden
@@ -59,7 +62,8 @@ class FusedLayer:
                           block_m=block_ms[buf.rank], validate_routing=False,
                           cumulative_local_expert_recv_stats=self.stats[buf.rank][kind])
             if kind == "fused":
-                fused.fused_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
+                fused.fused_mega_moe(buf, x, idx, w, self.weights[buf.rank],
+                                     row_transfer=self.row_transfers.get(buf.rank), **kwargs)
             else:
                 staged.staged_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
 

@@ -337,6 +337,8 @@ def _run_trap_scenario(scenario: str, ranks) -> None:
             print(f"rank 1 gave up a call: {err}", flush=True)
         ranks.run(lambda buf: staged.dispatch(buf, *inputs[buf.rank], block_m=64,
                                               validate_routing=False))
+    elif scenario == "row_protocol":
+        _run_with_row_transfers(ranks, inputs)
     elif scenario == "lost_rank":
         # rank 1 never launches its call: rank 0 waits for its counts until the timeout
         staged.dispatch(ranks.buffers[0], *inputs[0], block_m=64, validate_routing=False)
@@ -344,6 +346,32 @@ def _run_trap_scenario(scenario: str, ranks) -> None:
         raise ValueError(scenario)
     torch.cuda.synchronize(device)
     print("FINISHED WITHOUT A TRAP", flush=True)
+
+
+def _run_with_row_transfers(ranks: Ranks, inputs) -> None:
+    """Fused-kernel calls whose ranks move the rows alike, then with one protocol each: the
+    two counted transfers ("counted", "with_gemm") are one protocol and agree; "barrier"
+    against "counted" must trap."""
+    from .. import fused
+    from ..expert_gemm import ExpertWeights
+
+    layout = ranks.layout
+    e_l, h, inter = layout.num_local_experts, layout.hidden, layout.intermediate_hidden
+    gen = torch.Generator().manual_seed(3)
+    weights = {buf.rank: ExpertWeights.from_bf16(
+        (torch.randn(e_l, 2 * inter, h, generator=gen) / h**0.5).to(torch.bfloat16).to(
+            buf.device),
+        (torch.randn(e_l, h, inter, generator=gen) / inter**0.5).to(torch.bfloat16).to(
+            buf.device), layout.recipe) for buf in ranks.buffers}
+    for transfers in (("barrier", "barrier"), ("counted", "counted"),
+                      ("with_gemm", "with_gemm"), ("counted", "with_gemm"),
+                      ("barrier", "counted")):
+        ranks.run(lambda buf, t=transfers: fused.fused_mega_moe(
+            buf, *inputs[buf.rank], weights[buf.rank], block_m=64, validate_routing=False,
+            row_transfer=t[buf.rank]))
+        if transfers != ("barrier", "counted"):
+            torch.cuda.synchronize(ranks.buffers[0].device)
+            print(f"{transfers}: ok", flush=True)
 
 
 def _run_with_foreign_recipe(ranks: Ranks, inputs) -> None:
