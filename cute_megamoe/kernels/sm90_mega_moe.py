@@ -423,6 +423,9 @@ class Sm90MegaMoEKernel:
                                                  grid * num_warps, lane, dispatch,
                                                  ROW_COPY_UNROLL)
                 self.stamp(stamps, "rows_sent", tidx == 0)
+                # every warp of a warpgroup must reach its setmaxnreg below together (the
+                # warps finish their rows at different times)
+                cute.arch.sync_threads()
         else:
             row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                        expert_recv_tokens, stats, smem)
