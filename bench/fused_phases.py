@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["barrier"],
                         choices=("barrier", "counted", "with_gemm"),
                         help="how the rows move (`sm90_mega_moe.ROW_TRANSFERS`; A/B)")
+    parser.add_argument("--weights-first", type=int, nargs="+", default=[1], choices=(0, 1),
+                        help="0: tiles waiting for their pool block load no weights first (A/B)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over all variants (interleaves an A/B)")
     args = parser.parse_args()
@@ -62,10 +64,10 @@ def main() -> None:
         "intermediate": inter, "calls": args.calls, "stamps": list(PHASE_STAMPS),
         "l2_gates": args.l2_gates, "extra_warpgroups": args.extra_warpgroups,
         "clocks_before": gpu_clocks()})
-    variants = [(n, g, x, r) for n in args.tokens for _ in range(args.rounds)
+    variants = [(n, g, x, r, f) for n in args.tokens for _ in range(args.rounds)
                 for g in args.l2_gates for x in args.extra_warpgroups
-                for r in args.rows]
-    for n, gate, extra, rows in variants:
+                for r in args.rows for f in args.weights_first]
+    for n, gate, extra, rows, first in variants:
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
         api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
@@ -76,7 +78,7 @@ def main() -> None:
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,
                           l2_gate=gate, extra_warpgroups=extra,
-                          row_transfer=rows)
+                          row_transfer=rows, weights_first=bool(first))
         for _ in range(3):
             call()
         samples = []
@@ -95,11 +97,11 @@ def main() -> None:
         row["l1_us"] = row["l1_done_median_us"] - row["prefix_ready_median_us"]
         row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
         row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
-        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows=rows,
+        res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows=rows, weights_first=first,
                 block_m=block_m, **row)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["tokens", "rows", "l2_gate", "extra_warpgroups", "block_m",
+    print(res.table(["tokens", "rows", "weights_first", "l2_gate", "extra_warpgroups", "block_m",
                      "start_spread_us", "prefix_ready_last_us", "rows_sent_last_us", "l1_us",
                      "l1_done_median_us", "l2_us", "l2_done_last_us", "combine_us",
                      "end_last_us"]))

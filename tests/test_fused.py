@@ -472,9 +472,13 @@ def test_fused_two_ranks_mixing_the_counted_row_transfers(recipe, monkeypatch):
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
     from cute_megamoe.testing.protocol_checks import Ranks
 
-    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe),
-                       row_transfers={0: "counted", 1: "with_gemm"})
-    layer.warm_up((64, 128))
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
+    # every kernel loaded with every rank running it first (a first launch loads its module,
+    # which waits for the kernels running, here the other rank's: see `Ranks`)
+    for transfer in ("counted", "with_gemm"):
+        layer.row_transfers = {0: transfer, 1: transfer}
+        layer.warm_up((64, 128))
+    layer.row_transfers = {0: "counted", 1: "with_gemm"}
     layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=11)
     layer.check_call((1, 130), "skewed", {0: 64, 1: 128}, seed=12)
     check_fused_calls(layer, 20, 200, seed=13)

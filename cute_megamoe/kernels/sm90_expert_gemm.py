@@ -184,6 +184,9 @@ class Sm90ExpertGemmKernel:
         # metadata is read once the tile's first stage is in (the producer acquired the rows'
         # arrival counts, which follow the metadata, before its loads), not at the tile start
         self.late_metadata = False
+        # a tile whose producer waits for its pool block (fused kernel) loads its first
+        # stages' weights before the wait (`produce`); False for A/Bs
+        self.weights_first = True
         if self.to_combine:
             self.combine_offset, self.combine_tokens, self.num_ranks = combine_target(
                 phase, n, num_pool_rows, combine_layout)
@@ -670,7 +673,7 @@ class Sm90ExpertGemmKernel:
             gated = rows_arrived is not None or (self.waits_ready > 0
                                                  and self.ready_slot is None)
             prefill = min(self.num_stages, self.num_k_blocks) if gated and not \
-                self.fp4_weights else 0
+                self.fp4_weights and self.weights_first else 0
             a_state = state.clone()
             for kb in cutlass.range(prefill):
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)

@@ -131,7 +131,8 @@ class Sm90MegaMoEKernel:
                  has_stats: bool = False, l2_staging_parts: int | None = None,
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
-                 promotion: str | None = None, row_transfer: str | None = None):
+                 promotion: str | None = None, row_transfer: str | None = None,
+                 weights_first: bool = True):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -218,6 +219,9 @@ class Sm90MegaMoEKernel:
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
+        # tiles that wait for their pool block load their first stages' weights first
+        # (`Sm90ExpertGemmKernel.produce`); False for A/Bs
+        self.l1.weights_first = self.l2.weights_first = bool(weights_first)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
