@@ -116,11 +116,14 @@ REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet befor
 # rank meets (the staged dispatch's protocol), then the GEMMs; "counted": every warp pushes
 # them counting each row (and its metadata) into its pool block, and an L1 tile starts once its
 # block is complete, with no barrier; "with_gemm": as "counted", but the producer warpgroup's
-# spare warps push while the GEMMs run. Interleaved on an H200 at R = 1 (docs/performance.md):
-# "with_gemm" took 0.95x the time of "barrier" at 1 token, 1.00x at 128 and 1.01-1.04x at
-# 4096-8192 tokens (BLOCK_M 128: the senders slow the tensor-bound L1 tiles)
+# spare warps push while the GEMMs run. On an H200 at R = 1 (docs/performance.md): the kernel
+# alone (phase clock, interleaved) took 0.93-0.95x the time of "barrier" with "counted" at 1
+# token, 0.98-0.99x at 128 and 0.95-1.03x at 4096-8192; but in back-to-back layer calls
+# (`bench_layer`, alternating processes) "counted" took 1.13-1.14x (4096) and 1.04-1.05x
+# (8192) the time of "barrier", not understood yet; "with_gemm" 1.01-1.04x at 4096-8192 (the
+# senders slow the tensor-bound L1 tiles). So "barrier" stays the default
 ROW_TRANSFERS = ("barrier", "counted", "with_gemm")
-DEFAULT_ROW_TRANSFER = "counted"
+DEFAULT_ROW_TRANSFER = "barrier"
 
 
 class Sm90MegaMoEKernel:
