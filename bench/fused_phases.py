@@ -4,9 +4,10 @@
 
 Runs `kernels/sm90_mega_moe.py` compiled with `phase_clock` (every CTA writes the global timer
 at its start, once the pool's prefix sums are in place, when its first (sender) warp has pushed
-its rows, when its first consumer warp finished its L1 tiles and its L2 tiles, and
-at its end: `PHASE_STAMPS`), over `calls` back-to-back calls on staged inputs,
-and reports per phase the median over calls of the time from the grid's first start to the
+its rows, when its first consumer warp finished its L1 tiles and its L2 tiles, and at its end:
+`PHASE_STAMPS`), over `calls` calls on staged inputs (a host sync after each; with
+`--back-to-back N` each sampled call is the last of N + 1 launched without one, as layer calls
+run), and reports per phase the median over calls of the time from the grid's first start to the
 median / latest CTA reaching the phase's end. The stamps cost a store per CTA per phase; the
 kernel is otherwise the one the layer runs (`fused_graph_us` of `bench_layer` is the
 uninstrumented time). Writes `fused_phases-*.json` under `bench/results/` (or
@@ -42,6 +43,9 @@ def main() -> None:
                         help="how the rows move (`sm90_mega_moe.ROW_TRANSFERS`; A/B)")
     parser.add_argument("--weights-first", type=int, nargs="+", default=[1], choices=(0, 1),
                         help="0: tiles waiting for their pool block load no weights first (A/B)")
+    parser.add_argument("--back-to-back", type=int, default=0,
+                        help="calls launched without a host sync before each sampled one (the "
+                             "power-limited steady state of back-to-back layer calls)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over all variants (interleaves an A/B)")
     args = parser.parse_args()
@@ -63,6 +67,7 @@ def main() -> None:
         "ranks": 1, "recipe": args.recipe, "experts": e, "topk": args.topk, "hidden": h,
         "intermediate": inter, "calls": args.calls, "stamps": list(PHASE_STAMPS),
         "l2_gates": args.l2_gates, "extra_warpgroups": args.extra_warpgroups,
+        "back_to_back": args.back_to_back,
         "clocks_before": gpu_clocks()})
     variants = [(n, g, x, r, f) for n in args.tokens for _ in range(args.rounds)
                 for g in args.l2_gates for x in args.extra_warpgroups
@@ -83,8 +88,9 @@ def main() -> None:
             call()
         samples = []
         for _ in range(args.calls):
-            call()
-            stamps = clock.cpu()
+            for _ in range(args.back_to_back + 1):
+                call()
+            stamps = clock.cpu()  # (the stamps of the last call)
             # from the grid's first start; per phase end: the median and the latest CTA
             rel = (stamps - stamps[:, 0].min()).double() / 1e3
             samples.append({f"{name}_{stat}": float(fn(rel[:, i]))
