@@ -674,12 +674,14 @@ class Sm90ExpertGemmKernel:
                                                  and self.ready_slot is None)
             prefill = min(self.num_stages, self.num_k_blocks) if gated and not \
                 self.fp4_weights and self.weights_first else 0
-            a_state = state.clone()
-            for kb in cutlass.range(prefill):
-                bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
-                self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
-                                  multicast, b_block, expert, rank, kb, state.index, bar, lane)
-                state.advance()
+            a_state = state.clone() if cutlass.const_expr(prefill > 0) else None
+            if cutlass.const_expr(prefill > 0):
+                for kb in cutlass.range(prefill):
+                    bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
+                    self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
+                                      multicast, b_block, expert, rank, kb, state.index, bar,
+                                      lane)
+                    state.advance()
             if cutlass.const_expr(rows_arrived is not None):
                 if valid_m > 0:
                     # senders on every rank release their rows' counts at system scope; the
@@ -695,11 +697,12 @@ class Sm90ExpertGemmKernel:
                 # the L1 rows came through bulk (async proxy) stores and generic stores; the
                 # acquire above is generic: order the TMA loads below after it
                 cute.arch.fence_proxy("async.global")
-            for kb in cutlass.range(prefill):
-                self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
-                               a_state.index, ab_pipe.producer_get_barrier(a_state), lane)
-                ab_pipe.producer_commit(a_state)
-                a_state.advance()
+            if cutlass.const_expr(prefill > 0):
+                for kb in cutlass.range(prefill):
+                    self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
+                                   a_state.index, ab_pipe.producer_get_barrier(a_state), lane)
+                    ab_pipe.producer_commit(a_state)
+                    a_state.advance()
             for kb in cutlass.range(prefill, self.num_k_blocks):
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                 self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
