@@ -41,8 +41,9 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["barrier"],
                         choices=("barrier", "counted", "with_gemm"),
                         help="how the rows move (`sm90_mega_moe.ROW_TRANSFERS`; A/B)")
-    parser.add_argument("--weights-first", type=int, nargs="+", default=[1], choices=(0, 1),
-                        help="0: tiles waiting for their pool block load no weights first (A/B)")
+    parser.add_argument("--weights-first", type=int, nargs="+", default=[0], choices=(0, 1),
+                        help="1: tiles that find their pool block not ready load their first "
+                             "stages' weights before they wait (A/B)")
     parser.add_argument("--back-to-back", type=int, default=0,
                         help="calls launched without a host sync before each sampled one (the "
                              "power-limited steady state of back-to-back layer calls)")

@@ -400,7 +400,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                phase_clock: torch.Tensor | None = None,
                tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
                extra_warpgroups: int = 0, row_transfer: str | None = None,
-               weights_first: bool = True) -> KernelCall:
+               weights_first: bool = False) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -412,8 +412,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ``extra_warpgroups`` 1 the variant with a warpgroup more for the dispatch and combine
     phases (BLOCK_M 64); ``row_transfer`` how the rows move (`sm90_mega_moe.ROW_TRANSFERS`;
     None: `runtime.fused_rows`, else the kernel's default; every rank of the call must use one
-    of the same row protocol); ``weights_first`` False the variant whose waiting tiles load no
-    weights before their wait."""
+    of the same row protocol); ``weights_first`` True the variant whose tiles that find their pool
+    block not ready load their first stages' weights before they wait."""
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
@@ -430,7 +430,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
             if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
-                    or row_transfer is not None or not weights_first):
+                    or row_transfer is not None or weights_first):
                 raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
                                  "warpgroups and row transfer are sm_90a only")
             return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,

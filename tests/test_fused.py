@@ -433,13 +433,30 @@ def test_row_transfers_compile(recipe, block_m, monkeypatch):
         _compile(recipe, block_m, row_transfer="later")
 
 
+@pytest.mark.compile
+def test_weights_first_variant_compiles(monkeypatch):
+    """The variant whose tiles that find their pool block not ready load their first stages'
+    weights before they wait: more TMA load sites (the weights-first loops), no spills with
+    waits that never time out, the default build without them."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    plain, art = _compile("fp8xfp8", 64, row_transfer="counted")
+    first, art_first = _compile("fp8xfp8", 64, row_transfer="counted", weights_first=True)
+    assert not plain.l1.weights_first and first.l1.weights_first and first.l2.weights_first
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art_first.count("UTMALDG") > art.count("UTMALDG")
+    assert art_first.count("STL") == 0 and art_first.resource_usage()["LOCAL"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
-                                     dict(row_transfer="with_gemm")])
+                                     dict(row_transfer="with_gemm"),
+                                     dict(row_transfer="counted", weights_first=True)])
 def test_fused_ab_variants_match_staged(variant):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; each way of moving the rows) give the same bits."""
+    combine at BLOCK_M 64; each way of moving the rows; weights loaded before a tile's wait)
+    give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call

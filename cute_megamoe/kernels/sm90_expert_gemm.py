@@ -184,9 +184,9 @@ class Sm90ExpertGemmKernel:
         # metadata is read once the tile's first stage is in (the producer acquired the rows'
         # arrival counts, which follow the metadata, before its loads), not at the tile start
         self.late_metadata = False
-        # a tile whose producer waits for its pool block (fused kernel) loads its first
-        # stages' weights before the wait (`produce`); False for A/Bs
-        self.weights_first = True
+        # a tile whose producer finds its pool block not ready (fused kernel) loads its first
+        # stages' weights before the wait (`produce`); an A/B option, off
+        self.weights_first = False
         if self.to_combine:
             self.combine_offset, self.combine_tokens, self.num_ranks = combine_target(
                 phase, n, num_pool_rows, combine_layout)
@@ -668,15 +668,26 @@ class Sm90ExpertGemmKernel:
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
-            # a tile that waits for its pool block first loads the weights of the stages it
-            # can take (they depend on nothing), then waits, then loads their A
+            # `weights_first`: a tile whose pool block is not ready yet first loads the weights
+            # of the stages it can take (they depend on nothing), then waits, then loads their
+            # A; a ready tile loads A and B stage by stage (weights first there would delay its
+            # first stage by the others' weights)
             gated = rows_arrived is not None or (self.waits_ready > 0
                                                  and self.ready_slot is None)
             prefill = min(self.num_stages, self.num_k_blocks) if gated and not \
                 self.fp4_weights and self.weights_first else 0
-            a_state = state.clone() if cutlass.const_expr(prefill > 0) else None
+            n_pre = Int32(0)  # stages loaded weights first (0 .. prefill)
+            a_state = None
             if cutlass.const_expr(prefill > 0):
-                for kb in cutlass.range(prefill):
+                a_state = state.clone()
+                if cutlass.const_expr(rows_arrived is not None):
+                    gate, target = rows_arrived + pool_block, valid_m * arrivals_per_row
+                else:
+                    gate, target = ready + pool_block, Int32(self.waits_ready)
+                # (a hint: the wait below acquires)
+                if cute.arch.load(gate, Int32, sem="relaxed", scope="gpu") - target < 0:
+                    n_pre = Int32(prefill)
+                for kb in cutlass.range(n_pre):
                     bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
@@ -698,12 +709,12 @@ class Sm90ExpertGemmKernel:
                 # acquire above is generic: order the TMA loads below after it
                 cute.arch.fence_proxy("async.global")
             if cutlass.const_expr(prefill > 0):
-                for kb in cutlass.range(prefill):
+                for kb in cutlass.range(n_pre):
                     self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
                                    a_state.index, ab_pipe.producer_get_barrier(a_state), lane)
                     ab_pipe.producer_commit(a_state)
                     a_state.advance()
-            for kb in cutlass.range(prefill, self.num_k_blocks):
+            for kb in cutlass.range(n_pre, self.num_k_blocks):
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                 self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
                                state.index, bar, lane)

@@ -135,7 +135,7 @@ class Sm90MegaMoEKernel:
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
                  promotion: str | None = None, row_transfer: str | None = None,
-                 weights_first: bool = True):
+                 weights_first: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -222,8 +222,12 @@ class Sm90MegaMoEKernel:
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
-        # tiles that wait for their pool block load their first stages' weights first
-        # (`Sm90ExpertGemmKernel.produce`); False for A/Bs
+        # `weights_first`: tiles whose pool block is not ready load their first stages'
+        # weights before they wait (`Sm90ExpertGemmKernel.produce`). Off: loading them first
+        # for every waiting tile (the A/B of docs/performance.md) took 0.97x the time at 1
+        # token with counted rows but delayed ready tiles' first stages (1.02-1.04x at
+        # 4096-8192 with barrier rows); the variant that checks the pool block first is
+        # compiled, not measured
         self.l1.weights_first = self.l2.weights_first = bool(weights_first)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);

@@ -65,11 +65,13 @@ next call needs no host memset; :meth:`SymmBuffer.zero_workspace_` is for recove
     to. Written by this rank's dispatch, read by the L2 epilogue. Local. Indexed by pool row, so
     it is never overwritten within a call.
 ``pool_block_arrivals`` int32 [P / 16]
-    Per pool block (this rank's BLOCK_M): rows of the call that have landed in ``l1_acts``.
-    The fused kernel's senders add to it with system-scope releases once a batch of rows is
-    stored (remote-written); its L1 producer acquires it before loading the block's rows.
-    Zeroed by this rank at the start of each call, before it publishes its counts (no sender
-    writes a destination's pool before it has the destination's counts of the call).
+    Per pool block (this rank's BLOCK_M), with the fused kernel's counted row transfers: 1 per
+    row of the call that has landed in ``l1_acts`` (the senders add with relaxed system-scope
+    atomics after a fence per batch of rows; remote-written) and 1 per row whose metadata,
+    routing weight and scales this rank's dispatch has written (release, GPU scope); its L1
+    producer acquires it until 2 per valid row before loading the block's rows. Zeroed by this
+    rank at the start of each call, before it publishes its counts (no sender writes a
+    destination's pool before it has the destination's counts of the call).
 
 Data:
 
