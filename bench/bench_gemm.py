@@ -18,7 +18,9 @@ times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `qu
 `--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`);
 `--swap-ab` (MXFP4 weights) BLOCK_M 64 transposed, the decoded weights in the WGMMA's register
 operand (`swap_us`, `swap_ratio_to_fp8`); `--cluster-ab` (MXFP4 weights) BLOCK_M 128 in 2-CTA
-clusters that share the decode of a weight tile (`cluster_us`, `cluster_ratio_to_fp8`).
+clusters that share the decode of a weight tile (`cluster_us`, `cluster_ratio_to_fp8`);
+`--overlap-ab` (fp8xfp8) the L2 GEMM with 128-column tiles and the "overlap" promotion, each
+k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_default`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -42,6 +44,7 @@ PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
 SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
 SWAP_ENV = "CUTE_MEGAMOE_SM90_SWAP_AB"
 CLUSTER_ENV = "CUTE_MEGAMOE_SM90_FP4_CLUSTER"
+OVERLAP_ENV = "CUTE_MEGAMOE_SM90_L2_OVERLAP"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -168,6 +171,10 @@ def main() -> None:
                    help="MXFP4 weights: also time BLOCK_M 128 in 2-CTA clusters that share the "
                         "decode of a weight tile (CUTE_MEGAMOE_SM90_FP4_CLUSTER; outputs checked "
                         "bit-exact)")
+    p.add_argument("--overlap-ab", action="store_true",
+                   help="fp8xfp8: also time the L2 GEMM with 128-column tiles and the 'overlap' "
+                        "promotion at both BLOCK_Ms (CUTE_MEGAMOE_SM90_L2_OVERLAP; outputs "
+                        "checked bit-exact; overlap_over_default: against the default build)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -207,6 +214,9 @@ def main() -> None:
             clustered = args.cluster_ab and fp4
             if clustered:
                 variants["cluster_128"] = (128, {CLUSTER_ENV: "1"})
+            overlap = args.overlap_ab and recipe == "fp8xfp8"
+            if overlap:
+                variants.update({f"overlap_{bm}": (bm, {OVERLAP_ENV: "1"}) for bm in (64, 128)})
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, w, m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -248,6 +258,9 @@ def main() -> None:
                     base.update(swap_us=times["swap_64"] * 1e6,
                                 swap_over_default=times["swap_64"] / t,
                                 swap_ratio_to_fp8=times["swap_64"] / t_fp8)
+                if overlap:
+                    base.update(overlap_us=times[f"overlap_{block_m}"] * 1e6,
+                                overlap_over_default=times[f"overlap_{block_m}"] / t)
                 if clustered and block_m == 128:
                     base.update(cluster_us=times["cluster_128"] * 1e6,
                                 cluster_over_default=times["cluster_128"] / t,
@@ -265,7 +278,8 @@ def main() -> None:
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
                      "split_us", "split_over_default", "swap_us", "swap_over_default",
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
-                     "cluster_ratio_to_fp8", "quarter_over_chunk", "ours_tflops",
+                     "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
+                     "quarter_over_chunk", "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 
 

@@ -33,6 +33,7 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_cluster,
+    sm90_l2_overlap,
     sm90_promotion,
     sm90_split_n,
     sm90_swap_ab,
@@ -295,6 +296,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
 
     clamp = activation_clamp if phase == "l1" else None
     if arch == "sm_90a":
+        from .kernels.sm90_expert_gemm import MAX_OVERLAP_K_BLOCKS
         from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
 
         ab = BFloat16 if recipe == "bf16xbf16" else Float8E4M3FN
@@ -327,6 +329,9 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
             extra["promotion"] = sm90_promotion()
         if sm90_split_n() and Kernel.can_split_n(phase, recipe, n, block_m):
             extra["split_n"] = True
+        if sm90_l2_overlap() and phase == "l2" and recipe == "fp8xfp8" and n % 128 == 0 \
+                and k // 128 <= MAX_OVERLAP_K_BLOCKS:
+            extra.update(block_n=128, promotion="overlap", cluster_m=1)
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -369,7 +374,8 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster())
+               (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
+                sm90_l2_overlap())
                if arch == "sm_90a" else None)
         plan = {}
 

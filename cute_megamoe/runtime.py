@@ -152,6 +152,14 @@ def sm90_split_n() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
 
 
+def sm90_l2_overlap() -> bool:
+    """``CUTE_MEGAMOE_SM90_L2_OVERLAP=1``: the sm_90a fp8xfp8 L2 grouped GEMM with 128-column
+    tiles and the "overlap" promotion (`Sm90ExpertGemmKernel`'s ``promotion``: k-block by
+    k-block into two scratch accumulators, each promoted while the next k-block's WGMMAs run),
+    for A/B runs against the 256-column "chunk" L2. Part of the grouped GEMMs' cache keys."""
+    return env_flag("CUTE_MEGAMOE_SM90_L2_OVERLAP")
+
+
 def sm90_swap_ab() -> bool:
     """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
     64 run transposed, the decoded weights in the WGMMA's register operand
@@ -186,6 +194,7 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
+                      "CUTE_MEGAMOE_SM90_L2_OVERLAP",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS")
 
