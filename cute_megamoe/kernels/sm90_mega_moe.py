@@ -38,7 +38,8 @@ warpgroups, 512 in all), launched cooperatively.
    waiting for nothing, and the decode warpgroups walk the same tiles). With the counted row
    transfers, an L1 tile starts once its pool block is complete: warp 0 acquires the block's
    arrival counter (system scope, then a proxy fence) until it reaches twice the block's row
-   count, having loaded the first stages' weights already. An L2 tile waits only
+   count (with `weights_first`, a tile that finds its block not ready loads its first stages'
+   weights before the wait). An L2 tile waits only
    for the L1 tiles of its own pool block: every consumer warp
    adds 1 to the block's counter in `pool_block_ready` once its rows of an L1 tile are in global
    memory (release at GPU scope, after its bulk stores completed), and the L2 producer acquires
@@ -117,7 +118,7 @@ REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet befor
 # them counting each row (and its metadata) into its pool block, and an L1 tile starts once its
 # block is complete, with no barrier; "with_gemm": as "counted", but the producer warpgroup's
 # spare warps push while the GEMMs run. On an H200 at R = 1 (docs/performance.md): the kernel
-# alone (phase clock, interleaved) took 0.93-0.95x the time of "barrier" with "counted" at 1
+# alone (phase clock, interleaved) took 0.94-0.95x the time of "barrier" with "counted" at 1
 # token, 0.98-0.99x at 128 and 0.95-1.03x at 4096-8192; but in back-to-back layer calls
 # (`bench_layer`, alternating processes) "counted" took 1.13-1.14x (4096) and 1.04-1.05x
 # (8192) the time of "barrier", not understood yet; "with_gemm" 1.01-1.04x at 4096-8192 (the
@@ -434,9 +435,10 @@ class Sm90MegaMoEKernel:
                                                  grid * num_warps, lane, dispatch,
                                                  ROW_COPY_UNROLL)
                 self.stamp(stamps, "rows_sent", tidx == 0)
-                # every warp of a warpgroup must reach its setmaxnreg below together (the
-                # warps finish their rows at different times)
-                cute.arch.sync_threads()
+            # every warp of a warpgroup must reach its setmaxnreg below together (the warps
+            # finish their metadata rows, and rows, at different times; without this a
+            # two-rank call with counted rows hung)
+            cute.arch.sync_threads()
         else:
             row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                        expert_recv_tokens, stats, smem)
