@@ -20,7 +20,9 @@ times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `qu
 operand (`swap_us`, `swap_ratio_to_fp8`); `--cluster-ab` (MXFP4 weights) BLOCK_M 128 in 2-CTA
 clusters that share the decode of a weight tile (`cluster_us`, `cluster_ratio_to_fp8`);
 `--overlap-ab` (fp8xfp8) the L2 GEMM with 128-column tiles and the "overlap" promotion, each
-k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_default`).
+k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_default`);
+`--ordered-ab` (FP8) BLOCK_M 128 with the two consumer warpgroups taking turns issuing their
+WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ordered_l1_us`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -45,6 +47,7 @@ SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
 SWAP_ENV = "CUTE_MEGAMOE_SM90_SWAP_AB"
 CLUSTER_ENV = "CUTE_MEGAMOE_SM90_FP4_CLUSTER"
 OVERLAP_ENV = "CUTE_MEGAMOE_SM90_L2_OVERLAP"
+ORDERED_ENV = "CUTE_MEGAMOE_SM90_ORDERED_MMA"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -175,6 +178,10 @@ def main() -> None:
                    help="fp8xfp8: also time the L2 GEMM with 128-column tiles and the 'overlap' "
                         "promotion at both BLOCK_Ms (CUTE_MEGAMOE_SM90_L2_OVERLAP; outputs "
                         "checked bit-exact; overlap_over_default: against the default build)")
+    p.add_argument("--ordered-ab", action="store_true",
+                   help="FP8 recipes: also time BLOCK_M 128 with the consumer warpgroups taking "
+                        "turns issuing their WGMMAs (CUTE_MEGAMOE_SM90_ORDERED_MMA; outputs "
+                        "checked bit-exact; ordered_over_default: against the default build)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -217,6 +224,10 @@ def main() -> None:
             overlap = args.overlap_ab and recipe == "fp8xfp8"
             if overlap:
                 variants.update({f"overlap_{bm}": (bm, {OVERLAP_ENV: "1"}) for bm in (64, 128)})
+            ordered = args.ordered_ab and fp8
+            if ordered:
+                variants["ordered_128"] = (128, {ORDERED_ENV: "1"})
+                variants["ordered_l1_128"] = (128, {ORDERED_ENV: "l1"})
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, w, m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -254,6 +265,11 @@ def main() -> None:
                 if split and block_m == 64:
                     base.update(split_us=times["split_64"] * 1e6,
                                 split_over_default=times["split_64"] / t)
+                if ordered and block_m == 128:
+                    base.update(ordered_us=times["ordered_128"] * 1e6,
+                                ordered_over_default=times["ordered_128"] / t,
+                                ordered_l1_us=times["ordered_l1_128"] * 1e6,
+                                ordered_l1_over_default=times["ordered_l1_128"] / t)
                 if swap and block_m == 64:
                     base.update(swap_us=times["swap_64"] * 1e6,
                                 swap_over_default=times["swap_64"] / t,
@@ -279,6 +295,7 @@ def main() -> None:
                      "split_us", "split_over_default", "swap_us", "swap_over_default",
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
+                     "ordered_us", "ordered_over_default", "ordered_l1_over_default",
                      "quarter_over_chunk", "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 

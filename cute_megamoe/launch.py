@@ -34,6 +34,7 @@ from .runtime import (
     launch_path,
     sm90_fp4_cluster,
     sm90_l2_overlap,
+    sm90_ordered_mma,
     sm90_promotion,
     sm90_split_n,
     sm90_swap_ab,
@@ -332,6 +333,10 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if sm90_l2_overlap() and phase == "l2" and recipe == "fp8xfp8" and n % 128 == 0 \
                 and k // 128 <= MAX_OVERLAP_K_BLOCKS:
             extra.update(block_n=128, promotion="overlap", cluster_m=1)
+        if (phase in sm90_ordered_mma() and recipe != "bf16xbf16"
+                and extra.get("promotion") in (None, "chunk")
+                and (block_m == 128 or extra.get("split_n"))):
+            extra["ordered_mma"] = True
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -375,7 +380,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
-                sm90_l2_overlap())
+                sm90_l2_overlap(), sm90_ordered_mma())
                if arch == "sm_90a" else None)
         plan = {}
 
@@ -427,9 +432,12 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
     if row_transfer is None and state.arch == "sm_90a":
         row_transfer = fused_rows()
+    # (the turns of `ordered_mma` need two consumer warpgroups: BLOCK_M 128)
+    ordered = (state.arch == "sm_90a" and layout.has_sf and block_m == 128
+               and promotion in (None, "chunk") and sm90_ordered_mma() == ("l1", "l2"))
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first)
+           weights_first, ordered)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -447,7 +455,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  fast_math=fast_math, has_stats=has_stats, phase_clock=clocked,
                                  tile_log=logged, l2_gate=l2_gate,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
-                                 row_transfer=row_transfer, weights_first=weights_first)
+                                 row_transfer=row_transfer, weights_first=weights_first,
+                                 ordered_mma=ordered)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -160,6 +160,19 @@ def sm90_l2_overlap() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_L2_OVERLAP")
 
 
+def sm90_ordered_mma() -> tuple[str, ...]:
+    """``CUTE_MEGAMOE_SM90_ORDERED_MMA``: the GEMM phases ("l1", "l2") whose sm_90a FP8
+    kernels with two consumer warpgroups take turns issuing their chunks' WGMMAs
+    (`Sm90ExpertGemmKernel`'s ``ordered_mma``), for A/B runs: "1" both, "l1" or "l2" one,
+    unset or "0" none (the fused kernel: both or none). Part of the grouped GEMMs' and the
+    fused kernel's cache keys."""
+    value = os.environ.get("CUTE_MEGAMOE_SM90_ORDERED_MMA", "0").strip().lower()
+    phases = {"0": (), "": (), "1": ("l1", "l2"), "l1": ("l1",), "l2": ("l2",)}
+    if value not in phases:
+        raise ValueError(f"CUTE_MEGAMOE_SM90_ORDERED_MMA: one of {tuple(phases)}, got {value!r}")
+    return phases[value]
+
+
 def sm90_swap_ab() -> bool:
     """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
     64 run transposed, the decoded weights in the WGMMA's register operand
@@ -194,7 +207,7 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
-                      "CUTE_MEGAMOE_SM90_L2_OVERLAP",
+                      "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS")
 

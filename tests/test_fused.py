@@ -84,6 +84,31 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+def test_ordered_mma_compiles_in_both_gemm_stages(recipe, monkeypatch):
+    """``ordered_mma`` (BLOCK_M 128): both GEMM stages' consumer warpgroups take turns
+    (`Sm90ExpertGemmKernel.ordered_mma`), no spills, WGMMAs asynchronous."""
+    import re
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, 128, ordered_mma=True)
+    assert kernel.l1.ordered_mma and kernel.l2.ordered_mma
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    sass = re.sub(r"\s+", " ", art.sass)
+    # per stage: two chunks' turns awaited and passed on, warpgroup 0's last wait, warpgroup
+    # 1's first pass
+    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100 ;", sass)) == 2 * 3
+    assert len(re.findall(r"BAR\.ARV R\d+, 0x100 ;", sass)) == 2 * 2
+    assert sass.count("BAR.ARV 0x8, 0x100 ;") == 2
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    from cute_megamoe.testing.compile import find_cuda_tool
+
+    if find_cuda_tool("ptxas") is not None:
+        assert art.ptxas_performance_notes() == []
+
+
+@pytest.mark.compile
 def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, cluster_m=2)
