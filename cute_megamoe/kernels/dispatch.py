@@ -203,12 +203,12 @@ class DispatchKernel:
 
     @cute.jit
     def run(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
-            expert_recv_tokens: cute.Tensor, stats: cute.Tensor, smem):
+            expert_recv_tokens: cute.Tensor, stats: cute.Tensor, smem, stamp=None):
         """The whole dispatch (steps 1-8) by every thread of every CTA of a cooperative grid of
         `num_threads`-thread CTAs, with shared memory from the allocator `smem`. Returns this
         rank's pool prefix sums in shared memory, `(row_start, block_start)` (`E_l + 1` each,
         `block_m` rows per block). Only CTA 0 has passed the final cross-rank barrier on
-        return."""
+        return. ``stamp``: as `exchange_counts`', also after the rows (step 7)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -221,7 +221,7 @@ class DispatchKernel:
             self.rows.init_barriers(pipe[0], lane)
             cute.arch.mbarrier_init_fence()
         own_count, own_row_start, own_block_start = self.exchange_counts(
-            peer_bases, rank, num_tokens, expert_recv_tokens, stats, arrays)
+            peer_bases, rank, num_tokens, expert_recv_tokens, stats, arrays, stamp)
         _slots, recv_count, _totals, _rows, block_start, dest_block_m, _sends = arrays
 
         # 7. the rows
@@ -232,6 +232,8 @@ class DispatchKernel:
         else:
             self.pull_rows(peer_bases, my_base, warp, lane, own_count, own_row_start,
                            own_block_start, pipe)
+        if cutlass.const_expr(stamp is not None):
+            stamp("rows_pushed")
 
         # 8. all rows moved -> meet the other ranks. (The call tag is read again rather than
         # kept in a register through the copies: only `finish_call` changes it.)
@@ -266,11 +268,14 @@ class DispatchKernel:
 
     @cute.jit
     def exchange_counts(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
-                        expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays):
+                        expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays,
+                        stamp=None):
         """Steps 1-6 by every thread of every CTA, into the shared-memory `arrays`
         (`allocate_arrays`). Returns `(own_count, own_row_start, own_block_start)`:
         this rank's `[src][expert]` received counts and pool prefix sums in shared memory.
-        The metadata stores of step 6 are this thread's own: a reader meets the grid first."""
+        The metadata stores of step 6 are this thread's own: a reader meets the grid first.
+        ``stamp``: None, or a trace-time callable ``stamp(name)`` (the fused kernel's phase
+        clock) called after steps 3, 4 and 5."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -332,6 +337,8 @@ class DispatchKernel:
                         table + ((expert % E_l) * R + rank) * self.num_slots + slot, p)
             p += self.num_threads
 
+        if cutlass.const_expr(stamp is not None):
+            stamp("scattered")
         grid_barrier(barrier, num_ctas, self.timeout_ns)
 
         # 4. CTA 0 publishes this rank's per-expert counts to every rank
@@ -346,6 +353,9 @@ class DispatchKernel:
                     recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
                     cute.arch.store(recv + rank * E + e, published, sem="release", scope="sys")
                 e += self.num_threads
+
+        if cutlass.const_expr(stamp is not None):
+            stamp("counts_published")
 
         # 5. every CTA gathers the counts of its own experts (every rank's experts when
         # pushing) and builds the prefix sums, one warp per rank
@@ -366,6 +376,8 @@ class DispatchKernel:
             recv_count[i] = word & CountWord.COUNT_MASK
             i += self.num_threads
         cute.arch.sync_threads()
+        if cutlass.const_expr(stamp is not None):
+            stamp("counts_seen")
         i = tidx
         while i < D * E_l:
             total = Int32(0)

@@ -100,7 +100,9 @@ RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # packed weights and the first decode warp finished, and at the end (0: not reached). Each
 # stamp is fenced at system scope, so a host reading pinned memory sees where a hung call is
 PHASE_STAMPS = ("start", "prefix_ready", "rows_sent", "l1_done", "l2_done", "loads_done",
-                "packed_done", "decode_done", "end")
+                "packed_done", "decode_done", "end",
+                # inside the dispatch (`DispatchKernel.exchange_counts`, `run`): unfenced
+                "scattered", "counts_published", "counts_seen", "rows_pushed")
 # dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
 # `smem_bytes` does not count
 SM_SMEM_CAPACITY = 227 * 1024 - 2048
@@ -428,7 +430,8 @@ class Sm90MegaMoEKernel:
         if cutlass.const_expr(self.rows_counted):
             dispatch = self.dispatch.allocate_arrays(smem)
             _counts, row_start, block_start = self.dispatch.exchange_counts(
-                peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch)
+                peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch,
+                self.dispatch_stamp(stamps, tidx))
             self.stamp(stamps, "prefix_ready", tidx == 0)
             if cutlass.const_expr(not self.rows_with_gemm):
                 num_warps = self.num_threads // 32
@@ -442,7 +445,8 @@ class Sm90MegaMoEKernel:
             cute.arch.sync_threads()
         else:
             row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
-                                                       expert_recv_tokens, stats, smem)
+                                                       expert_recv_tokens, stats, smem,
+                                                       self.dispatch_stamp(stamps, tidx))
             grid_barrier(barrier, grid, self.timeout_ns)
             self.stamp(stamps, "prefix_ready", tidx == 0)
 
@@ -566,11 +570,20 @@ class Sm90MegaMoEKernel:
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
 
+    def dispatch_stamp(self, stamps: cute.Pointer, tidx: Int32):
+        """With `phase_clock`: the dispatch's own stamps (thread 0, unfenced: a fence there
+        would delay the steps it times); None without."""
+        if not self.phase_clock:
+            return None
+        return lambda name: self.stamp(stamps, name, tidx == 0, fenced=False)
+
     @cute.jit
-    def stamp(self, stamps: cute.Pointer, name: cutlass.Constexpr, mine):
+    def stamp(self, stamps: cute.Pointer, name: cutlass.Constexpr, mine,
+              fenced: cutlass.Constexpr = True):
         """With `phase_clock`: the global timer into stamp ``name`` of `PHASE_STAMPS` (by the
-        thread where ``mine``), fenced at system scope."""
+        thread where ``mine``), fenced at system scope (``fenced``)."""
         if cutlass.const_expr(self.phase_clock):
             if mine:
                 cute.arch.store(stamps + PHASE_STAMPS.index(name), cute.arch.globaltimer())
-                cute.arch.fence_acq_rel_sys()
+                if cutlass.const_expr(fenced):
+                    cute.arch.fence_acq_rel_sys()
