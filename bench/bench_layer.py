@@ -18,7 +18,8 @@ they cannot be graph-captured), median of repeats, max over ranks.
 
     python -m bench.bench_layer [--tokens 128,1024,4096] [--recipe fp8xfp8] [--quick]
 
-`--quick`: only `ours` and `fused` (no steps, no torch paths).
+`--quick`: only `ours` and `fused` (no steps, no torch paths). `--fused-rows barrier,counted`:
+the fused layer with each of those row transfers forced too (graph, alternating with the rest).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from bench.common import Results, copy_ceiling, gpu_clocks
 
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
-            quick=False):
+            quick=False, fused_rows=()):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -90,6 +91,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             fused.fused_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
                                  block_m=block_m, validate_routing=False)
 
+        def fused_rows_layer(rows, x=x, idx=idx, w=w, block_m=block_m):
+            fused.fused_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
+                                 block_m=block_m, validate_routing=False, row_transfer=rows)
+
         def ours_pool_order(x=x, idx=idx, w=w, block_m=block_m):
             ours(x, idx, w, block_m, l2_sends=False)
 
@@ -104,10 +109,13 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         t_ours = _time(ours, 5)
         t_fused = _time(fused_layer, 5) if fused_ok else None
         graphs = {"sends": [], "pool": [], "fused": []}
+        rows_graphs = {rows: [] for rows in fused_rows if fused_ok}
         for _ in range(3):  # alternate: the GPU's clocks drift at its power limit
             graphs["sends"].append(_time_graph(ours, 5, repeats=3))
             if fused_ok:
                 graphs["fused"].append(_time_graph(fused_layer, 5, repeats=3))
+            for rows, times in rows_graphs.items():
+                times.append(_time_graph(partial(fused_rows_layer, rows), 5, repeats=3))
             if not quick:
                 graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
         t_graph, t_pool, t_fused_graph = (None if None in v or not v else statistics.median(v)
@@ -125,6 +133,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 fused_tflops=flops / fused_best / 1e12,
                 staged_over_fused=(t_graph or t_ours) / fused_best,
                 fused_over_floor=fused_best / weight_floor)
+            for rows, times in rows_graphs.items():  # (each row transfer forced)
+                t_rows = statistics.median(times)
+                fused_cols[f"fused_{rows}_graph_us"] = t_rows * 1e6
+                fused_cols[f"fused_{rows}_over_floor"] = t_rows / weight_floor
         if quick:
             best = min(t_ours, t_graph or t_ours)
             res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
@@ -161,6 +173,8 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         cols = ["tokens", "block_m", "ours_us", "ours_graph_us", "fused_us", "fused_graph_us",
                 "staged_over_fused", "ours_tflops", "fused_tflops", "weight_floor_us",
                 "fused_over_floor", "fp8_weight_floor_us", "ours_over_fp8_floor"]
+        for rows in fused_rows:
+            cols += [f"fused_{rows}_graph_us", f"fused_{rows}_over_floor"]
         if not quick:
             cols += ["ours_pool_order_graph_us", "dispatch_graph_us", "experts_graph_us",
                      "combine_graph_us", "staged_torch_us", "torch_baseline_us",
@@ -184,10 +198,15 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--port", type=int, default=29544)
     p.add_argument("--quick", action="store_true", help="only ours and fused")
+    p.add_argument("--fused-rows", default="",
+                   help="row transfers of the fused kernel to time too, forced, alternating "
+                        "with the default in the graph rounds (e.g. barrier,counted; columns "
+                        "fused_<rows>_graph_us)")
     a = p.parse_args()
     mp.spawn(_worker, args=(a.ranks, a.port, [int(t) for t in a.tokens.split(",")], a.recipe,
                             a.experts, a.topk, a.hidden, a.intermediate,
-                            os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick),
+                            os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick,
+                            tuple(r for r in a.fused_rows.split(",") if r)),
              nprocs=a.ranks, join=True)
 
 

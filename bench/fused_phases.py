@@ -110,7 +110,8 @@ def main() -> None:
     print(f"saved {res.save()}")
     print(res.table(["tokens", "rows", "weights_first", "l2_gate", "extra_warpgroups", "block_m",
                      "start_spread_us", "scattered_last_us", "counts_published_last_us",
-                     "counts_seen_last_us", "rows_pushed_last_us", "prefix_ready_last_us", "rows_sent_last_us", "l1_us",
+                     "counts_seen_last_us", "rows_pushed_last_us", "prefix_ready_last_us",
+                     "rows_sent_last_us", "l1_us",
                      "l1_done_median_us", "l2_us", "l2_done_last_us", "combine_us",
                      "end_last_us"]))
     buf.destroy()

@@ -25,7 +25,8 @@ How (the seed analysis' count -> prefix -> scatter):
 3. Scatter: a second walk takes slots (shared atomics from the CTA's first slot) and stores
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
    symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
-4. Grid barrier; CTA 0 reads the totals, zeroes `expert_send_count` for the next call, and
+4. Every CTA arrives at the grid barrier's counter without waiting (`sync.grid_arrive`);
+   the last to arrive reads the totals, zeroes `expert_send_count` for the next call, and
    publishes a `layout.CountWord` `tag << 32 | settings << 24 | count` into every rank's
    `expert_recv_count[my_rank][e]` with system-scope release stores (all experts to all
    ranks: a pushing rank needs its destinations' counts from every source, and spinning on
@@ -100,6 +101,7 @@ from .common.sync import (
     call_tags,
     cross_rank_barrier,
     finish_call,
+    grid_arrive,
     grid_barrier,
     report_disagreement,
     spin_timeout_ns,
@@ -309,8 +311,8 @@ class DispatchKernel:
 
         # 2. prefix: one 64-bit atomic per expert allocates this CTA's slots
         send_count = self.regions.ptr(my_base, "expert_send_count")
-        # (experts this CTA does not send to skip the atomic: the grid barrier, not the
-        # arrival count, tells when every CTA has reported)
+        # (experts this CTA does not send to skip the atomic: the grid's arrival after step 3,
+        # not the count in the high word, tells when every CTA has reported)
         e = tidx
         while e < E:
             if expert_slot[e] > 0:
@@ -339,10 +341,10 @@ class DispatchKernel:
 
         if cutlass.const_expr(stamp is not None):
             stamp("scattered")
-        grid_barrier(barrier, num_ctas, self.timeout_ns)
-
-        # 4. CTA 0 publishes this rank's per-expert counts to every rank
-        if bidx == 0:
+        # 4. the last CTA to finish the scatter publishes this rank's per-expert counts to
+        # every rank (no grid barrier: every CTA waits for the published counts next, its own
+        # rank's among them)
+        if grid_arrive(barrier, num_ctas, expert_slot.iterator):
             e = tidx
             while e < E:
                 total = cute.arch.load(send_count + e, Int64) & 0xFFFFFFFF
@@ -496,13 +498,19 @@ class DispatchKernel:
     @cute.jit
     def write_metadata(self, peer_bases: cute.Tensor, my_base: Int64, recv_count: cute.Tensor,
                        row_start: cute.Tensor, block_start: cute.Tensor):
-        """Thread j of the grid: received rows j, j + threads, ... (step 6)."""
+        """Thread j of the grid: received rows j, j + threads, ... (step 6); with `pool_order`
+        the grid's threads counted from its last CTA, so that at small counts the CTAs that
+        push the rows next (`push_in_pool_order`, from CTA 0 on) are not the ones that write
+        their metadata (both count into the same pool blocks)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         K = self.num_topk
         num_rows = row_start[self.num_local_experts]
-        row = bidx * self.num_threads + tidx
+        cta = bidx
+        if cutlass.const_expr(self.pool_order):
+            cta = num_ctas - 1 - bidx
+        row = cta * self.num_threads + tidx
         table = self.regions.ptr(my_base, "src_token_topk_idx")
         pool_weights = self.regions.ptr(my_base, "l1_topk_weights")
         metadata = my_base + self.regions.offset("token_src_metadata")

@@ -56,7 +56,8 @@ from ...reports import REPORT_FIELDS, REPORT_NAMES, ReportKind
 from ...runtime import spin_timeout_ns
 
 __all__ = [
-    "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "finish_call", "grid_barrier",
+    "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "finish_call", "grid_arrive",
+    "grid_barrier",
     "report", "report_disagreement", "spin_timeout_ns", "split_barrier_arrive",
     "split_barrier_finish", "split_barrier_target", "split_barrier_wait", "wait_call_tag",
     "wait_reached",
@@ -212,6 +213,34 @@ def grid_barrier(barrier_slots: cute.Pointer, num_ctas: Int32, timeout_ns: cutla
                         _report_stall(barrier_slots, "grid barrier", current, old)
         cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
+
+
+@cute.jit
+def grid_arrive(barrier_slots: cute.Pointer, num_ctas: Int32, flag: cute.Pointer):
+    """Every CTA of the grid arrives at one phase of `grid_barrier`'s counter and goes on
+    without waiting; returns, in every thread, whether this CTA arrived last (the add that
+    flips the top bit), which has then acquired what every CTA wrote before it arrived (the
+    others' writes reach it, not them). ``flag``: one Int32 of shared memory for the answer.
+    No CTA may reach another grid barrier before every CTA has arrived: each must first wait
+    for something the last one does after its arrival (the dispatch: the published counts)."""
+    cute.arch.sync_threads()
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    if tidx == 0:
+        cute.arch.fence_proxy("async.global")
+        cute.arch.fence_acq_rel_sys()
+        add = Int32(1)
+        if bidx == 0:
+            add = Int32(TOP_BIT - 1) - (num_ctas - 2)  # as in grid_barrier
+        old = cute.arch.atomic_add(barrier_slots + BarrierSlots.GRID, add, sem="release",
+                                   scope="gpu")
+        last = Int32(0)
+        if ((old + add) ^ old) < 0:  # this add flipped the top bit: every CTA has arrived
+            cute.arch.fence_acq_rel_sys()
+            last = Int32(1)
+        cute.arch.store(flag, last)
+    cute.arch.sync_threads()
+    return cute.arch.load(flag, Int32) != 0
 
 
 @cute.jit
