@@ -22,7 +22,9 @@ clusters that share the decode of a weight tile (`cluster_us`, `cluster_ratio_to
 `--overlap-ab` (fp8xfp8) the L2 GEMM with 128-column tiles and the "overlap" promotion, each
 k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_default`);
 `--ordered-ab` (FP8) BLOCK_M 128 with the two consumer warpgroups taking turns issuing their
-WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ordered_l1_us`).
+WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ordered_l1_us`);
+`--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
+(`prefetch_us`, `prefetch_over_default`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -48,6 +50,7 @@ SWAP_ENV = "CUTE_MEGAMOE_SM90_SWAP_AB"
 CLUSTER_ENV = "CUTE_MEGAMOE_SM90_FP4_CLUSTER"
 OVERLAP_ENV = "CUTE_MEGAMOE_SM90_L2_OVERLAP"
 ORDERED_ENV = "CUTE_MEGAMOE_SM90_ORDERED_MMA"
+PREFETCH_ENV = "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -182,6 +185,10 @@ def main() -> None:
                    help="FP8 recipes: also time BLOCK_M 128 with the consumer warpgroups taking "
                         "turns issuing their WGMMAs (CUTE_MEGAMOE_SM90_ORDERED_MMA; outputs "
                         "checked bit-exact; ordered_over_default: against the default build)")
+    p.add_argument("--prefetch-ab", type=int, default=0, metavar="K_BLOCKS",
+                   help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
+                        "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
+                        "bit-exact; prefetch_over_default: against the default build)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -228,6 +235,9 @@ def main() -> None:
             if ordered:
                 variants["ordered_128"] = (128, {ORDERED_ENV: "1"})
                 variants["ordered_l1_128"] = (128, {ORDERED_ENV: "l1"})
+            if args.prefetch_ab:
+                variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
+                                 for bm in (64, 128)})
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, w, m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -265,6 +275,9 @@ def main() -> None:
                 if split and block_m == 64:
                     base.update(split_us=times["split_64"] * 1e6,
                                 split_over_default=times["split_64"] / t)
+                if args.prefetch_ab:
+                    base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
+                                prefetch_over_default=times[f"prefetch_{block_m}"] / t)
                 if ordered and block_m == 128:
                     base.update(ordered_us=times["ordered_128"] * 1e6,
                                 ordered_over_default=times["ordered_128"] / t,
@@ -296,6 +309,7 @@ def main() -> None:
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
+                     "prefetch_us", "prefetch_over_default",
                      "quarter_over_chunk", "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 

@@ -38,6 +38,7 @@ from .runtime import (
     sm90_promotion,
     sm90_split_n,
     sm90_swap_ab,
+    sm90_weight_prefetch,
 )
 
 __all__ = [
@@ -337,6 +338,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                 and extra.get("promotion") in (None, "chunk")
                 and (block_m == 128 or extra.get("split_n"))):
             extra["ordered_mma"] = True
+        extra["weight_prefetch"] = sm90_weight_prefetch()
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -380,7 +382,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
-                sm90_l2_overlap(), sm90_ordered_mma())
+                sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch())
                if arch == "sm_90a" else None)
         plan = {}
 
@@ -435,9 +437,10 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     # (the turns of `ordered_mma` need two consumer warpgroups: BLOCK_M 128)
     ordered = (state.arch == "sm_90a" and layout.has_sf and block_m == 128
                and promotion in (None, "chunk") and sm90_ordered_mma() == ("l1", "l2"))
+    prefetch = sm90_weight_prefetch() if state.arch == "sm_90a" else 0
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered)
+           weights_first, ordered, prefetch)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -456,7 +459,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  tile_log=logged, l2_gate=l2_gate,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
-                                 ordered_mma=ordered)
+                                 ordered_mma=ordered, weight_prefetch=prefetch)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -173,6 +173,18 @@ def sm90_ordered_mma() -> tuple[str, ...]:
     return phases[value]
 
 
+def sm90_weight_prefetch() -> int:
+    """``CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=<k-blocks>``: the sm_90a grouped GEMMs (and the fused
+    kernel's GEMM stages) prefetch each weight tile that many k-blocks ahead of its loads into
+    L2 (`Sm90ExpertGemmKernel`'s ``weight_prefetch``), for A/B runs; unset or 0: off. Part of
+    the grouped GEMMs' and the fused kernel's cache keys."""
+    value = os.environ.get("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "0").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH: a number of k-blocks >= 0, got "
+                         f"{value!r}")
+    return int(value)
+
+
 def sm90_swap_ab() -> bool:
     """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
     64 run transposed, the decoded weights in the WGMMA's register operand
@@ -208,6 +220,7 @@ def fused_rows() -> str | None:
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
+                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS")
 

@@ -283,6 +283,39 @@ def test_sm90_l2_overlap_compiles_with_two_scratch_accumulators(block_m, monkeyp
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16"))
+def test_sm90_weight_prefetch_issues_tma_prefetches(recipe, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=8`: the weight loads come with TMA prefetches into L2
+    (`UTMAPF.L2`, one per 128-row chunk), none without it; no spills."""
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    counts = {}
+    for ahead in ("0", "8"):
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", ahead)
+        kernel, dtypes = gemm_kernel("sm_90a", recipe, "l1", 32, 8192, 4096, 7168, 64,
+                                     activation_clamp=10.0)
+        assert kernel.weight_prefetch == int(ahead)
+        art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                         for i, d in enumerate(dtypes)),
+                               Int32(132), fake_stream(), arch="sm_90a")
+        if art.sass is None:
+            pytest.skip("nvdisasm not available: PTX only")
+        counts[ahead] = art.count("UTMAPF.L2")
+        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    assert counts["0"] == 0 and counts["8"] >= kernel.chunks, counts
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "soon")
+    with pytest.raises(ValueError, match="WEIGHT_PREFETCH"):
+        gemm_kernel("sm_90a", recipe, "l1", 32, 8192, 4096, 7168, 64, activation_clamp=10.0)
+    with pytest.raises(ValueError, match="weight_prefetch"):
+        Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, 64, weight_prefetch=-1)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe,phase", [("fp8xfp8", "l1"), ("fp8xfp8", "l2"),
                                           ("fp8xfp4_sm90", "l1")])
 def test_sm90_ordered_mma_takes_turns(recipe, phase, monkeypatch):
@@ -567,12 +600,15 @@ def test_expert_ffn_narrow_tiles(recipe):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"), (64, "split_n"),
                                              (64, "l2_overlap"), (128, "l2_overlap"),
-                                             (128, "ordered_mma"), (64, "split_ordered")])
+                                             (128, "ordered_mma"), (64, "split_ordered"),
+                                             (64, "weight_prefetch"),
+                                             (128, "weight_prefetch")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the chunks split between
     two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the fp8xfp8 L2 with 128-column tiles and
     the "overlap" promotion (`CUTE_MEGAMOE_SM90_L2_OVERLAP`) and the consumer warpgroups
-    taking turns (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n) compute the same products and
+    taking turns (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n) and the weights
+    prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) compute the same products and
     promote them in the same order as "chunk": L2 inputs, their scales and the outputs equal
     bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
@@ -596,11 +632,14 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                    "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"},
                    "split_ordered": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                      "CUTE_MEGAMOE_SM90_SPLIT_N": "1",
-                                     "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"}}[variant]
+                                     "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"},
+                   "weight_prefetch": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
+                                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_SPLIT_N",
-                     "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA"):
+                     "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
+                     "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -109,6 +109,21 @@ def test_ordered_mma_compiles_in_both_gemm_stages(recipe, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+def test_weight_prefetch_compiles_in_both_gemm_stages(recipe, monkeypatch):
+    """``weight_prefetch``: both GEMM stages' weight loads come with TMA prefetches into L2,
+    no spills."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, 64, weight_prefetch=8)
+    assert kernel.l1.weight_prefetch == kernel.l2.weight_prefetch == 8
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.count("UTMAPF.L2") >= 2 * kernel.l1.chunks
+    assert art.count("UTMAPF.L2") > _compile(recipe, 64)[1].count("UTMAPF.L2")
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+
+
+@pytest.mark.compile
 def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, cluster_m=2)
@@ -274,22 +289,27 @@ def test_fused_two_ranks_on_one_gpu(recipe):
     check_fused_calls(layer, 40, 200, seed=3)
 
 
+# (None: the default row transfer; "counted" also, the candidate default)
 @pytest.mark.gpu
-def test_fused_500_back_to_back_calls():
+@pytest.mark.parametrize("rows", (None, "counted"))
+def test_fused_500_back_to_back_calls(rows):
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
 
-    layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256))
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
+                       row_transfers={0: rows} if rows else None)
     layer.warm_up((64, 128))
     check_fused_calls(layer, 500, 256, seed=5, reference_every=50)
 
 
 @pytest.mark.gpu
-def test_fused_500_graph_replays():
+@pytest.mark.parametrize("rows", (None, "counted"))
+def test_fused_500_graph_replays(rows):
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_graph
 
-    layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256))
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
+                       row_transfers={0: rows} if rows else None)
     layer.warm_up((64, 128))
     check_fused_graph(layer, 100, 500, seed=6)
 
@@ -479,12 +499,16 @@ def test_weights_first_variant_compiles(monkeypatch):
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
                                      dict(row_transfer="with_gemm"),
-                                     dict(row_transfer="counted", weights_first=True)])
-def test_fused_ab_variants_match_staged(variant):
+                                     dict(row_transfer="counted", weights_first=True),
+                                     dict(weight_prefetch="8")])
+def test_fused_ab_variants_match_staged(variant, monkeypatch):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; each way of moving the rows; weights loaded before a tile's wait)
-    give the same bits."""
+    combine at BLOCK_M 64; each way of moving the rows; weights loaded before a tile's wait;
+    weights prefetched into L2, `CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) give the same bits."""
     _gpu()
+    variant = dict(variant)
+    if "weight_prefetch" in variant:
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", variant.pop("weight_prefetch"))
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
     from cute_megamoe.testing.fused_checks import FusedLayer

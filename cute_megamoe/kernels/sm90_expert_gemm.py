@@ -164,7 +164,8 @@ class Sm90ExpertGemmKernel:
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None, split_n: bool = False,
-                 block_n: int | None = None, ordered_mma: bool = False):
+                 block_n: int | None = None, ordered_mma: bool = False,
+                 weight_prefetch: int = 0):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -245,6 +246,14 @@ class Sm90ExpertGemmKernel:
             raise ValueError("ordered_mma: FP8 with the 'chunk' promotion and two consumer "
                              "warpgroups only")
         self.ordered_mma = bool(ordered_mma)
+        # `weight_prefetch` k-blocks: with each weight load (FP4 weights: each packed load) the
+        # producer also prefetches the same weight rows that many k-blocks further into L2
+        # (one TMA prefetch per 128-row chunk), so more of a decode-size tile's weight bytes
+        # are in flight than the shared-memory ring holds (a tile's weights are the bulk of its
+        # DRAM reads there). 0: off. An A/B option
+        if weight_prefetch < 0:
+            raise ValueError(f"weight_prefetch must be >= 0, got {weight_prefetch}")
+        self.weight_prefetch = int(weight_prefetch)
         # (decode_regs: only FP4-weight kernels have decode warpgroups)
         self.decode_wgs = 0
         self.producer_regs, self.decode_regs, self.consumer_regs = \
@@ -723,6 +732,7 @@ class Sm90ExpertGemmKernel:
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
+                    self.prefetch_b(tma_b, t_gb, b_block, kb)
                     state.advance()
             if cutlass.const_expr(rows_arrived is not None):
                 if valid_m > 0:
@@ -753,6 +763,7 @@ class Sm90ExpertGemmKernel:
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
+                    self.prefetch_b(tma_b, t_gb, b_block, kb)
                 elif cutlass.const_expr(self.is_fp8):  # (FP4: warp 1 loads the weights)
                     self.load_weight_scales(sfb, b_sf, expert, kb, state.index, bar, lane)
                 ab_pipe.producer_commit(state)
@@ -847,6 +858,7 @@ class Sm90ExpertGemmKernel:
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
+                self.prefetch_b(tma_b, t_gb, b_block, kb)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
                         sfg + state.index * self.block_n,
@@ -1040,6 +1052,16 @@ class Sm90ExpertGemmKernel:
                                           assumed_align=16),
                             (out[half][0], out[half][1], out[half][2], out[half][3]),
                             decoded + state.index, peer)
+
+    @cute.jit
+    def prefetch_b(self, tma_b, t_gb, b_block: Int32, kb: Int32):
+        """`weight_prefetch`: the weight tile's k-block ``kb + weight_prefetch`` (if the tile
+        has it) into L2, both 128-row chunks."""
+        if cutlass.const_expr(self.weight_prefetch > 0):
+            ahead = kb + self.weight_prefetch
+            if ahead < self.num_k_blocks:
+                for c in cutlass.range_constexpr(self.chunks):
+                    cute.prefetch(tma_b, t_gb[(None, b_block + c, ahead)])
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):

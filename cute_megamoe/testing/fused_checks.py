@@ -162,7 +162,8 @@ def check_fused_graph(layer: FusedLayer, tokens: int, num_replays: int, seed: in
 
     def call():
         fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=layer.clamp,
-                             validate_routing=False)
+                             validate_routing=False,
+                             row_transfer=layer.row_transfers.get(buf.rank))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
