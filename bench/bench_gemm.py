@@ -24,7 +24,9 @@ k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_de
 `--ordered-ab` (FP8) BLOCK_M 128 with the two consumer warpgroups taking turns issuing their
 WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ordered_l1_us`);
 `--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
-(`prefetch_us`, `prefetch_over_default`).
+(`prefetch_us`, `prefetch_over_default`); `--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
+weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
+`transposed_ratio_to_fp8`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -51,6 +53,7 @@ CLUSTER_ENV = "CUTE_MEGAMOE_SM90_FP4_CLUSTER"
 OVERLAP_ENV = "CUTE_MEGAMOE_SM90_L2_OVERLAP"
 ORDERED_ENV = "CUTE_MEGAMOE_SM90_ORDERED_MMA"
 PREFETCH_ENV = "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"
+TRANSPOSED_ENV = "CUTE_MEGAMOE_SM90_TRANSPOSED"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -189,6 +192,10 @@ def main() -> None:
                    help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
                         "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
                         "bit-exact; prefetch_over_default: against the default build)")
+    p.add_argument("--transposed-ab", action="store_true",
+                   help="FP8 recipes: also time BLOCK_M 64 transposed, the weight tile as the "
+                        "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
+                        "checked bit-exact; transposed_over_default: against the default build)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     peaks = Peaks()
@@ -235,6 +242,9 @@ def main() -> None:
             if ordered:
                 variants["ordered_128"] = (128, {ORDERED_ENV: "1"})
                 variants["ordered_l1_128"] = (128, {ORDERED_ENV: "l1"})
+            transposed = args.transposed_ab and fp8
+            if transposed:
+                variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
             if args.prefetch_ab:
                 variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
                                  for bm in (64, 128)})
@@ -275,6 +285,11 @@ def main() -> None:
                 if split and block_m == 64:
                     base.update(split_us=times["split_64"] * 1e6,
                                 split_over_default=times["split_64"] / t)
+                if transposed and block_m == 64:
+                    base.update(transposed_us=times["transposed_64"] * 1e6,
+                                transposed_over_default=times["transposed_64"] / t)
+                    if fp4:
+                        base["transposed_ratio_to_fp8"] = times["transposed_64"] / t_fp8
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
@@ -309,7 +324,8 @@ def main() -> None:
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
-                     "prefetch_us", "prefetch_over_default",
+                     "prefetch_us", "prefetch_over_default", "transposed_us",
+                     "transposed_over_default", "transposed_ratio_to_fp8",
                      "quarter_over_chunk", "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 

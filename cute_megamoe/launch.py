@@ -38,6 +38,7 @@ from .runtime import (
     sm90_promotion,
     sm90_split_n,
     sm90_swap_ab,
+    sm90_transposed,
     sm90_weight_prefetch,
 )
 
@@ -324,6 +325,14 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                             block_m, activation_clamp=clamp,
                                             fast_math=fast_math, **extra)
         return kernel, dtypes
+    if arch == "sm_90a" and recipe != "bf16xbf16" and block_m == 64 and sm90_transposed():
+        from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
+
+        kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
+                                                block_m, activation_clamp=clamp,
+                                                fast_math=fast_math,
+                                                weight_prefetch=sm90_weight_prefetch(), **extra)
+        return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: clusters only as an A/B variant)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90" and not sm90_fp4_cluster()
                               else select_cluster_m(arch, phase, block_m, n))
@@ -382,7 +391,8 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
-                sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch())
+                sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
+                sm90_transposed())
                if arch == "sm_90a" else None)
         plan = {}
 

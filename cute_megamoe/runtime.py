@@ -185,6 +185,14 @@ def sm90_weight_prefetch() -> int:
     return int(value)
 
 
+def sm90_transposed() -> bool:
+    """``CUTE_MEGAMOE_SM90_TRANSPOSED=1``: the sm_90a FP8 grouped GEMMs (fp8xfp8, fp8xfp4_sm90)
+    at BLOCK_M 64 run transposed, the weight tile as the WGMMA's A and the pool rows in 16-token
+    sub-blocks (`sm90_expert_gemm_transposed`), for A/B runs. Part of the grouped GEMMs' cache
+    keys."""
+    return env_flag("CUTE_MEGAMOE_SM90_TRANSPOSED")
+
+
 def sm90_swap_ab() -> bool:
     """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
     64 run transposed, the decoded weights in the WGMMA's register operand
@@ -220,7 +228,7 @@ def fused_rows() -> str | None:
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
-                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
+                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS")
 

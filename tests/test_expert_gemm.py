@@ -283,6 +283,45 @@ def test_sm90_l2_overlap_compiles_with_two_scratch_accumulators(block_m, monkeyp
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+@pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
+                                       ("l2", 1152, 512)])
+def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
+    sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (four
+    sub-blocks, each under its own branch), no spills, WGMMAs not serialized; BLOCK_M 128 and
+    BF16 are built without it."""
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
+    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
+                                 activation_clamp=10.0)
+    assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
+    assert (kernel.weight_blocks, kernel.token_blocks) == (kernel.block_n // 64, 4)
+    for other in (gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
+                              activation_clamp=10.0)[0],
+                  gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, 64,
+                              activation_clamp=10.0)[0]):
+        assert not isinstance(other, Sm90TransposedExpertGemmKernel)
+    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                     for i, d in enumerate(dtypes)),
+                           Int32(132), fake_stream(), arch="sm_90a")
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA") == art.count("QGMMA.64x16x32.F32.E4M3.E4M3") \
+        == 4 * kernel.weight_blocks * kernel.token_blocks
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    assert art.ptxas_performance_notes() == []
+    with pytest.raises(ValueError, match="transposed"):
+        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16"))
 def test_sm90_weight_prefetch_issues_tma_prefetches(recipe, monkeypatch):
     """`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=8`: the weight loads come with TMA prefetches into L2
@@ -602,13 +641,14 @@ def test_expert_ffn_narrow_tiles(recipe):
                                              (64, "l2_overlap"), (128, "l2_overlap"),
                                              (128, "ordered_mma"), (64, "split_ordered"),
                                              (64, "weight_prefetch"),
-                                             (128, "weight_prefetch")])
+                                             (128, "weight_prefetch"), (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the chunks split between
     two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the fp8xfp8 L2 with 128-column tiles and
     the "overlap" promotion (`CUTE_MEGAMOE_SM90_L2_OVERLAP`) and the consumer warpgroups
-    taking turns (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n) and the weights
-    prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) compute the same products and
+    taking turns (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n), the weights
+    prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
+    (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and
     promote them in the same order as "chunk": L2 inputs, their scales and the outputs equal
     bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
@@ -634,12 +674,14 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                      "CUTE_MEGAMOE_SM90_SPLIT_N": "1",
                                      "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"},
                    "weight_prefetch": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"}}[variant]
+                                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"},
+                   "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
+                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_SPLIT_N",
                      "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
-                     "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"):
+                     "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

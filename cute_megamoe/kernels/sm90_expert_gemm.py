@@ -246,6 +246,8 @@ class Sm90ExpertGemmKernel:
             raise ValueError("ordered_mma: FP8 with the 'chunk' promotion and two consumer "
                              "warpgroups only")
         self.ordered_mma = bool(ordered_mma)
+        # shared-memory words the consumers exchange row amaxes through (`split_n`)
+        self.amax_exchange_len = 256 if self.split_n else 4
         # `weight_prefetch` k-blocks: with each weight load (FP4 weights: each packed load) the
         # producer also prefetches the same weight rows that many k-blocks further into L2
         # (one TMA prefetch per 128-row chunk), so more of a decode-size tile's weight bytes
@@ -508,7 +510,7 @@ class Sm90ExpertGemmKernel:
                 Float32, max(4, self.packed_stages * self.packed_sfb_stride)], 16]
             decoded: cute.struct.MemRange[Int64, self.num_stages]
             # `split_n`: the row amaxes of the L1 requantization, [row, warpgroup, parity]
-            amax_exchange: cute.struct.MemRange[Float32, 256 if self.split_n else 4]
+            amax_exchange: cute.struct.MemRange[Float32, self.amax_exchange_len]
 
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_b_mc, tma_m_b, a_layout, b_layout,
@@ -592,7 +594,7 @@ class Sm90ExpertGemmKernel:
                          num_tiles, cluster, num_clusters, raster_group, rank, wg - 1,
                          warp % 4, lane,
                          topk_weights, out, out_sf, peer_bases, src_metadata,
-                         staging + (warp - 4) * (ROWS_PER_WARP * self.staging_stride), state,
+                         self.consumer_staging(staging, warp - 4), state,
                          state.clone(), decoded=storage.decoded.data_ptr(),
                          exchange=storage.amax_exchange.data_ptr())
         if cutlass.const_expr(self.cluster_m > 1):
@@ -625,6 +627,10 @@ class Sm90ExpertGemmKernel:
                     row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state,
                     rank=rank)
                 packed_pipe.producer_tail(state)
+
+    def consumer_staging(self, staging: cute.Pointer, consumer_warp):
+        """Consumer warp ``consumer_warp``'s staging rows (`ROWS_PER_WARP` of them)."""
+        return staging + consumer_warp * (ROWS_PER_WARP * self.staging_stride)
 
     @cute.jit
     def stage_tensors(self, storage, a_layout: cute.ComposedLayout):

@@ -1,0 +1,270 @@
+"""Hopper (sm_90a) grouped GEMMs over the expert pool, transposed for decode sizes: the weight
+tile is the WGMMA's A (M = 64 weight rows, from shared memory), the pool rows its B in 16-token
+sub-blocks (N = 16), and only the sub-blocks that hold received tokens are computed. Recipes
+``fp8xfp8`` and ``fp8xfp4_sm90``, BLOCK_M 64. An A/B variant (`CUTE_MEGAMOE_SM90_TRANSPOSED`).
+
+What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes (L1 with the
+SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows into ``out``
+or the source ranks' combine buffers), bit for bit: the same FP32 partial sums per 128-deep
+k-block (a transposed WGMMA sums the same products), the same promotion ``acc += part * (sa[row]
+* sb[block])`` and the same epilogue arithmetic as `sm90_expert_gemm_swapab` (GPU-checked there).
+
+Why: at decode sizes a pool block of 64 rows holds a handful of tokens. The staged kernel's
+m64n256 WGMMAs compute all 64 rows, and its single consumer warpgroup waits for them and promotes
+them in turn (with FP4 weights it took 0.74x the fp8xfp8 time even with the decode skipped:
+docs/performance.md, FP4 section). Transposed, a k-block of a 256-row tile with up to 16 tokens is
+4 x 4 m64n16k32 WGMMAs (a quarter of the tensor-core time) and 32 promotion FMAs per thread instead
+of 128. Unlike `sm90_expert_gemm_swapab` the weights stay in shared memory, where the staged
+kernel's producer (FP8: TMA) or decode warpgroups (FP4) put them, so the consumer decodes nothing.
+
+How: the staged kernel's warps, rings, decode and tile walk unchanged; only the consumer
+warpgroup differs. The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile
+as 16-row sub-blocks: the same bytes, through views of the same swizzled layout with smaller
+tiles (8 and 2 swizzle atoms). Per k-block, for each sub-block ``s < ceil(valid_m / 16)``: the
+four m64 blocks' WGMMAs (four k32 each) into four 8-register scratch accumulators, one wait,
+the promotion. Value ``c + 2 r + 4 j`` of an m64n16 accumulator is weight row ``16 warp + lane /
+4 + 8 r`` of its block and token ``16 s + 8 j + 2 (lane % 4) + c``: in L1 the weight rows
+interleave gate and up by 8 (``quant.interleave_gate_up``), so ``r = 0`` is the gate and ``r =
+1`` the up row of one feature and SwiGLU is thread-local. The epilogue writes the tile transposed
+into shared-memory rows per token (L1: the token amax over the tile's 128 features meets over
+shared memory across the four warps) and the first 64 threads send the valid tokens' rows with
+one 1-D bulk copy each.
+
+Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
+L1), ``K`` a multiple of 128; not in the fused kernel.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.experimental import primitives as prims
+
+from .common.quant_math import FP8_E4M3_MAX, requant_exponent
+from .sm90_expert_gemm import Sm90ExpertGemmKernel
+
+TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
+WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
+EPILOGUE_BARRIER = 2  # named barrier of the consumer warpgroup's epilogue (1: the skew's)
+
+
+class Sm90TransposedExpertGemmKernel(Sm90ExpertGemmKernel):
+    """One grouped GEMM of the expert FFN with the weight tile as the WGMMA's A (see module
+    doc)."""
+
+    def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
+                 k: int, block_m: int, activation_clamp: float | None = None,
+                 fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
+                 weight_prefetch: int = 0):
+        if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
+            raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
+                             f"got {recipe!r} at {block_m}")
+        super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
+                         activation_clamp=activation_clamp, fast_math=fast_math,
+                         raster_group=raster_group, combine_layout=combine_layout,
+                         staging_parts=1, promotion="chunk", weight_prefetch=weight_prefetch)
+        assert self.num_mma_wgs == 1 and self.cluster_m == 1
+        self.weight_blocks = self.block_n // WEIGHT_M
+        self.token_blocks = block_m // TOKEN_N
+        # L1: per-warp token amaxes, then the tile's
+        self.amax_exchange_len = 5 * block_m
+
+    # ------------------------------------------------------------------------------ host side
+    def mma_and_stage_layouts(self):
+        """The transposed WGMMA (m64 weight rows x 16 tokens, both from shared memory) and the
+        staged kernel's ring layouts."""
+        _, a_layout, b_layout = super().mma_and_stage_layouts()
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, TOKEN_N))
+        return tiled_mma, a_layout, b_layout
+
+    # ---------------------------------------------------------------------------- device side
+    def consumer_staging(self, staging: cute.Pointer, consumer_warp):
+        """All staging rows, one per token (the transposed epilogue's warps share them)."""
+        return staging
+
+    @cute.jit
+    def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
+                num_tiles: Int32, first_tile: Int32, num_clusters: Int32, raster_group: Int32,
+                rank: Int32, mma_wg: Int32, warp_in_wg: Int32,
+                lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
+                out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
+                staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
+                decoded: cute.Pointer = None, exchange: cute.Pointer = None):
+        """The consumer warpgroup: tiles ``first_tile``, ``first_tile + num_clusters``, ...
+        ``< num_tiles``, transposed (see module doc). Returns ``(state, prev, the first tile
+        index past num_tiles)``."""
+        # the ring's weight chunks as m64 blocks (block b of stage s: slot 2 chunks s + b) and
+        # its pool tiles as 16-row sub-blocks (sub-block t of stage s: slot blocks s + t): the
+        # same bytes as `sb` / `sa`, smaller tiles of the same swizzle atoms
+        w_layout = self._smem_layout(WEIGHT_M, self.num_stages * self.weight_blocks)
+        t_layout = self._smem_layout(TOKEN_N, self.num_stages * self.token_blocks)
+        sw = cute.make_tensor(sb.iterator, w_layout.outer)
+        st = cute.make_tensor(sa.iterator, t_layout.outer)
+        thr_mma = tiled_mma.get_slice(warp_in_wg * 32 + lane)
+        t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(sw))  # [.., .., k32, slot]
+        t_rt = tiled_mma.make_fragment_B(thr_mma.partition_B(st))
+        num_k_phases = cute.size(t_rw, mode=[2])
+        acc_shape = thr_mma.partition_shape_C((WEIGHT_M, TOKEN_N))
+        accs = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.token_blocks)]
+                for _ in range(self.weight_blocks)]
+        parts = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
+        quad = lane % 4
+        ctid = warp_in_wg * 32 + lane
+        tile = first_tile
+        owner = Int32(0)
+        while tile < num_tiles:
+            owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
+                tile, owner, block_start, row_start, raster_group, rank)
+            row_base = pool_block * self.block_m
+            num_sub = (valid_m + TOKEN_N - 1) // TOKEN_N  # sub-blocks with received tokens
+            for b in cutlass.range_constexpr(self.weight_blocks):
+                for s in cutlass.range_constexpr(self.token_blocks):
+                    accs[b][s].fill(0.0)
+            for _kb in cutlass.range(self.num_k_blocks):
+                ab_pipe.consumer_wait(state)
+                if cutlass.const_expr(self.fp4_weights):
+                    # the decode warps have written the stage's e4m3 weight tile
+                    cute.arch.mbarrier_wait(decoded + state.index, state.phase)
+                stage = state.index
+                # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
+                row_sb = self.weight_scales(sfb, stage, n_block, Int32(0))
+                for s in cutlass.range_constexpr(self.token_blocks):
+                    if s < num_sub:
+                        warpgroup.fence()
+                        for b in cutlass.range_constexpr(self.weight_blocks):
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                            for kk in cutlass.range_constexpr(num_k_phases):
+                                cute.gemm(tiled_mma, parts[b],
+                                          t_rw[(None, None, kk, stage * self.weight_blocks + b)],
+                                          t_rt[(None, None, kk, stage * self.token_blocks + s)],
+                                          parts[b])
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
+                        for j in cutlass.range_constexpr(TOKEN_N // 8):
+                            for c in cutlass.range_constexpr(2):
+                                sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
+                                for b in cutlass.range_constexpr(self.weight_blocks):
+                                    for r in cutlass.range_constexpr(2):
+                                        i = c + 2 * r + 4 * j
+                                        accs[b][s][i] += parts[b][i] * (
+                                            sa_tok * row_sb[b // 2][r])
+                ab_pipe.consumer_release(state)
+                state.advance()
+            self.epilogue_transposed(accs, topk_weights, out, out_sf, peer_bases, src_metadata,
+                                     staging, exchange, row_base, n_block, valid_m, warp_in_wg,
+                                     lane, ctid)
+            tile += num_clusters
+        if ctid < self.block_m:
+            cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.sync_warp()
+        return state, prev, tile
+
+    def value(self, accs: list, b: int, j: int, r: int, c: int):
+        """Block ``b``'s accumulator value of token ``8 j + 2 (lane % 4) + c`` (j < 8) and row
+        ``r0 + 8 r``."""
+        return accs[b][j // 2][c + 2 * r + 4 * (j % 2)]
+
+    @cute.jit
+    def epilogue_transposed(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
+                            out_sf: cute.Pointer, peer_bases: cute.Pointer,
+                            src_metadata: cute.Pointer, staging: cute.Pointer,
+                            exchange: cute.Pointer, row_base: Int32, n_block: Int32,
+                            valid_m: Int32, warp_in_wg: Int32, lane: Int32, ctid: Int32):
+        """One tile's output rows, one per token: the staging row of token ``t`` holds the
+        tile's part of its output row; consumer thread ``t < 64`` sends it if ``t`` is a
+        received token. L2: BF16 of the accumulators; L1: SwiGLU of the (gate, up) row pairs,
+        requantized to e4m3 with a power-of-two scale per token over the tile's 128
+        features."""
+        quad = lane % 4
+        tokens = self.block_m
+        # the previous tile's bulk copies have read the staging rows
+        if ctid < tokens:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(self.phase == "l2"):
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
+            rows = cute.make_tensor(cute.recast_ptr(staging, dtype=BFloat16),
+                                    cute.make_layout((tokens, self.staging_stride // 2),
+                                                     stride=(self.staging_stride // 2, 1)))
+            for b in cutlass.range_constexpr(self.weight_blocks):
+                col0 = WEIGHT_M * b + 16 * warp_in_wg + lane // 4  # tile-local output column
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for r in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):
+                            rows[8 * j + 2 * quad + c, col0 + 8 * r] = BFloat16(
+                                self.value(accs, b, j, r, c))
+        else:
+            weights = cute.make_tensor(topk_weights + row_base, cute.make_layout(tokens))
+            # h of feature 32 b + 8 warp + lane / 4 (tile-local), token 8 j + 2 quad + c
+            h = cute.make_rmem_tensor((self.weight_blocks, 2, tokens // 8), Float32)
+            for b in cutlass.range_constexpr(self.weight_blocks):
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for c in cutlass.range_constexpr(2):
+                        gate = Float32(BFloat16(self.value(accs, b, j, 0, c)))
+                        up = Float32(BFloat16(self.value(accs, b, j, 1, c)))
+                        h[b, c, j] = self.silu_mul(gate, up) * weights[8 * j + 2 * quad + c]
+            # the token's amax over the thread's blocks, the warp's features (the lanes of one
+            # quad position), then the four warps
+            warp_amax = cute.make_tensor(exchange, cute.make_layout((tokens, 4),
+                                                                    stride=(1, tokens)))
+            tile_amax = cute.make_tensor(exchange + 4 * tokens, cute.make_layout(tokens))
+            for j in cutlass.range_constexpr(tokens // 8):
+                for c in cutlass.range_constexpr(2):
+                    amax = cute.math.absf(h[0, c, j])
+                    for b in cutlass.range_constexpr(1, self.weight_blocks):
+                        amax = cute.arch.fmax(amax, cute.math.absf(h[b, c, j]))
+                    for mask in (4, 8, 16):
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, mask))
+                    if lane < 4:
+                        warp_amax[8 * j + 2 * quad + c, warp_in_wg] = amax
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
+            if ctid < tokens:
+                amax = Float32(0.0)
+                for w in cutlass.range_constexpr(4):
+                    amax = cute.arch.fmax(amax, warp_amax[ctid, w])
+                tile_amax[ctid] = amax
+                if ctid < valid_m:
+                    exponent = requant_exponent(amax)
+                    # 2^e as float32; a zero group (byte 0) is 2^-127, the subnormal 0x00400000
+                    sf_bits = (exponent + 127) << 23
+                    if exponent == -127:
+                        sf_bits = Int32(0x00400000)
+                    sf = cute.make_tensor(out_sf + (Int64(n_block) * self.num_pool_rows
+                                                    + row_base), cute.make_layout(tokens))
+                    sf[ctid] = sf_bits.bitcast(Float32)
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
+            rows = cute.make_tensor(staging, cute.make_layout(
+                (tokens, self.staging_stride), stride=(self.staging_stride, 1)))
+            for b in cutlass.range_constexpr(self.weight_blocks):
+                q = cute.make_rmem_tensor((2, tokens // 8), Float32)
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for c in cutlass.range_constexpr(2):
+                        exponent = requant_exponent(tile_amax[8 * j + 2 * quad + c])
+                        sf_inv = ((127 - exponent) << 23).bitcast(Float32)
+                        q[c, j] = cutlass.max(cutlass.min(h[b, c, j] * sf_inv,
+                                                          Float32(FP8_E4M3_MAX)),
+                                              Float32(-FP8_E4M3_MAX))
+                v = cute.make_rmem_tensor(q.shape, Float8E4M3FN)
+                v.store(q.load().to(Float8E4M3FN))
+                v_bytes = cute.recast_tensor(v, Uint8)
+                feature = 32 * b + 8 * warp_in_wg + lane // 4
+                for j in cutlass.range_constexpr(tokens // 8):
+                    for c in cutlass.range_constexpr(2):
+                        rows[8 * j + 2 * quad + c, feature] = v_bytes[c + 2 * j]
+        # the staging writes (generic proxy), then the bulk copies' reads (async proxy)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
+        if ctid < tokens:
+            if ctid < valid_m:
+                dst = self.row_destination(out, peer_bases, src_metadata, row_base, ctid,
+                                           valid_m, n_block, Int32(0))
+                prims.cp_async_bulk_global_shared_cta(
+                    cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
+                    staging + ctid * self.staging_stride, Int32(self.tile_row_bytes))
+            cute.arch.cp_async_bulk_commit_group()
