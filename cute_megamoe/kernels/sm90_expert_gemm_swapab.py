@@ -49,9 +49,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.experimental import primitives as prims
 
 from .common.fp4_decode import (
     FAST_MIN_SHIFT,
@@ -65,7 +64,7 @@ from .common.fp4_decode import (
 )
 from .common.gemm_config import SF_BLOCK
 from .common.pool import build_pool_prefix
-from .common.quant_math import FP8_E4M3_MAX, requant_exponent
+from .common.transposed_epilogue import TransposedEpilogue
 from .sm90_expert_gemm import (
     MAX_STAGES,
     STAGING_PAD,
@@ -75,12 +74,11 @@ from .sm90_expert_gemm import (
 
 # setmaxnreg: 640 threads launch with 96 registers each: 128 x 24 + 512 x 112 = 60416 of 61440
 PRODUCER_REGS, MAX_CONSUMER_REGS = 24, 232
-EPILOGUE_BARRIER = 2  # named barrier of the consumer warpgroups' epilogue (1: unused here)
 K_GROUPS = 4  # 32-code groups (one k32 WGMMA each) of a 128-deep k-block
 PACKED_SWIZZLE = 64  # bytes: a packed row is one 64-byte swizzle row (16-byte units ^ row/2 % 4)
 
 
-class Sm90SwapABExpertGemmKernel(Sm90ExpertGemmKernel):
+class Sm90SwapABExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     """One grouped GEMM of the expert FFN with MXFP4 weights in the WGMMA's register operand (see
     module doc)."""
 
@@ -340,106 +338,11 @@ class Sm90SwapABExpertGemmKernel(Sm90ExpertGemmKernel):
                             acc[i] += part[i] * (sa_tok * row_sb[r])
                 ab_state.advance()
                 packed.advance()
-            self.epilogue_transposed(acc, topk_weights, out, out_sf, peer_bases, src_metadata,
-                                     staging, exchange, row_base, n_block, valid_m, mma_wg,
-                                     warp_in_wg, lane, ctid)
+            # (acc value c + 2 r + 4 j: row r0 + 8 r, token 8 j + 2 quad + c)
+            self.epilogue_transposed(
+                lambda _i, j, r, c: acc[c + 2 * r + 4 * j], [mma_wg], topk_weights, out,
+                out_sf, peer_bases, src_metadata, staging, exchange, row_base, n_block, valid_m,
+                4 * mma_wg + warp_in_wg, 4 * self.num_mma_wgs, lane, ctid)
             tile += num_clusters
         if ctid < self.block_m:
             cute.arch.cp_async_bulk_wait_group(0)
-
-    @cute.jit
-    def epilogue_transposed(self, acc: cute.Tensor, topk_weights: cute.Pointer,
-                            out: cute.Pointer, out_sf: cute.Pointer, peer_bases: cute.Pointer,
-                            src_metadata: cute.Pointer, staging: cute.Pointer,
-                            exchange: cute.Pointer, row_base: Int32, n_block: Int32,
-                            valid_m: Int32, mma_wg: Int32, warp_in_wg: Int32, lane: Int32,
-                            ctid: Int32):
-        """One tile's output rows, one per token: the staging row of token ``t`` holds the
-        tile's part of its output row; consumer thread ``t < 64`` sends it if ``t`` is a
-        received token. L2: BF16 of the accumulators; L1: SwiGLU of the (gate, up) row pairs,
-        requantized to e4m3 with a power-of-two scale per token over the tile's 128
-        features."""
-        threads = 128 * self.num_mma_wgs
-        quad = lane % 4
-        tokens = self.block_m
-        # the previous tile's bulk copies have read the staging rows
-        if ctid < tokens:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if cutlass.const_expr(self.phase == "l2"):
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
-            rows = cute.make_tensor(cute.recast_ptr(staging, dtype=BFloat16),
-                                    cute.make_layout((tokens, self.staging_stride // 2),
-                                                     stride=(self.staging_stride // 2, 1)))
-            vals = cute.make_rmem_tensor(acc.shape, BFloat16)
-            vals.store(acc.load().to(BFloat16))
-            row0 = 64 * mma_wg + 16 * warp_in_wg + lane // 4  # tile-local output column
-            for j in cutlass.range_constexpr(tokens // 8):
-                for r in cutlass.range_constexpr(2):
-                    for c in cutlass.range_constexpr(2):
-                        rows[8 * j + 2 * quad + c, row0 + 8 * r] = vals[c + 2 * r + 4 * j]
-        else:
-            weights = cute.make_tensor(topk_weights + row_base, cute.make_layout(tokens))
-            # h of feature 32 mma_wg + 8 warp + lane / 4 (tile-local), token 8 j + 2 quad + c
-            h = cute.make_rmem_tensor((2, tokens // 8), Float32)
-            rounded = cute.make_rmem_tensor(acc.shape, Float32)
-            rounded.store(acc.load().to(BFloat16).to(Float32))
-            for j in cutlass.range_constexpr(tokens // 8):
-                for c in cutlass.range_constexpr(2):
-                    h[c, j] = self.silu_mul(rounded[c + 4 * j], rounded[c + 2 + 4 * j]) \
-                        * weights[8 * j + 2 * quad + c]
-            # the token's amax over the warp's features (the lanes of one quad position), then
-            # over the consumer warps
-            warps = 4 * self.num_mma_wgs
-            warp_amax = cute.make_tensor(exchange, cute.make_layout((tokens, warps),
-                                                                    stride=(1, tokens)))
-            tile_amax = cute.make_tensor(exchange + warps * tokens, cute.make_layout(tokens))
-            for j in cutlass.range_constexpr(tokens // 8):
-                for c in cutlass.range_constexpr(2):
-                    amax = cute.math.absf(h[c, j])
-                    for mask in (4, 8, 16):
-                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, mask))
-                    if lane < 4:
-                        warp_amax[8 * j + 2 * quad + c, 4 * mma_wg + warp_in_wg] = amax
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
-            if ctid < tokens:
-                amax = Float32(0.0)
-                for w in cutlass.range_constexpr(warps):
-                    amax = cute.arch.fmax(amax, warp_amax[ctid, w])
-                tile_amax[ctid] = amax
-                if ctid < valid_m:
-                    exponent = requant_exponent(amax)
-                    # 2^e as float32; a zero group (byte 0) is 2^-127, the subnormal 0x00400000
-                    sf_bits = (exponent + 127) << 23
-                    if exponent == -127:
-                        sf_bits = Int32(0x00400000)
-                    sf = cute.make_tensor(out_sf + (Int64(n_block) * self.num_pool_rows
-                                                    + row_base), cute.make_layout(tokens))
-                    sf[ctid] = sf_bits.bitcast(Float32)
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
-            rows = cute.make_tensor(staging, cute.make_layout(
-                (tokens, self.staging_stride), stride=(self.staging_stride, 1)))
-            q = cute.make_rmem_tensor((2, tokens // 8), Float32)
-            for j in cutlass.range_constexpr(tokens // 8):
-                for c in cutlass.range_constexpr(2):
-                    exponent = requant_exponent(tile_amax[8 * j + 2 * quad + c])
-                    sf_inv = ((127 - exponent) << 23).bitcast(Float32)
-                    q[c, j] = cutlass.max(cutlass.min(h[c, j] * sf_inv, Float32(FP8_E4M3_MAX)),
-                                          Float32(-FP8_E4M3_MAX))
-            v = cute.make_rmem_tensor(q.shape, Float8E4M3FN)
-            v.store(q.load().to(Float8E4M3FN))
-            v_bytes = cute.recast_tensor(v, Uint8)
-            feature = 32 * mma_wg + 8 * warp_in_wg + lane // 4
-            for j in cutlass.range_constexpr(tokens // 8):
-                for c in cutlass.range_constexpr(2):
-                    rows[8 * j + 2 * quad + c, feature] = v_bytes[c + 2 * j]
-        # the staging writes (generic proxy), then the bulk copies' reads (async proxy)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
-        if ctid < tokens:
-            if ctid < valid_m:
-                dst = self.row_destination(out, peer_bases, src_metadata, row_base, ctid,
-                                           valid_m, n_block, Int32(0))
-                prims.cp_async_bulk_global_shared_cta(
-                    cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
-                    staging + ctid * self.staging_stride, Int32(self.tile_row_bytes))
-            cute.arch.cp_async_bulk_commit_group()

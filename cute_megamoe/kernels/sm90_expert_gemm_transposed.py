@@ -28,7 +28,7 @@ interleave gate and up by 8 (``quant.interleave_gate_up``), so ``r = 0`` is the 
 1`` the up row of one feature and SwiGLU is thread-local. The epilogue writes the tile transposed
 into shared-memory rows per token (L1: the token amax over the tile's 128 features meets over
 shared memory across the four warps) and the first 64 threads send the valid tokens' rows with
-one 1-D bulk copy each.
+one 1-D bulk copy each (`common.transposed_epilogue`, shared with the swap-AB kernel).
 
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.
@@ -39,19 +39,17 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass import Float8E4M3FN, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.experimental import primitives as prims
 
-from .common.quant_math import FP8_E4M3_MAX, requant_exponent
+from .common.transposed_epilogue import TransposedEpilogue
 from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
 TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
-EPILOGUE_BARRIER = 2  # named barrier of the consumer warpgroup's epilogue (1: the skew's)
 
 
-class Sm90TransposedExpertGemmKernel(Sm90ExpertGemmKernel):
+class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     """One grouped GEMM of the expert FFN with the weight tile as the WGMMA's A (see module
     doc)."""
 
@@ -157,114 +155,14 @@ class Sm90TransposedExpertGemmKernel(Sm90ExpertGemmKernel):
                                             sa_tok * row_sb[b // 2][r])
                 ab_pipe.consumer_release(state)
                 state.advance()
-            self.epilogue_transposed(accs, topk_weights, out, out_sf, peer_bases, src_metadata,
-                                     staging, exchange, row_base, n_block, valid_m, warp_in_wg,
-                                     lane, ctid)
+            # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
+            self.epilogue_transposed(
+                lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
+                list(range(self.weight_blocks)), topk_weights, out, out_sf, peer_bases,
+                src_metadata, staging, exchange, row_base, n_block, valid_m, warp_in_wg, 4, lane,
+                ctid)
             tile += num_clusters
         if ctid < self.block_m:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
         return state, prev, tile
-
-    def value(self, accs: list, b: int, j: int, r: int, c: int):
-        """Block ``b``'s accumulator value of token ``8 j + 2 (lane % 4) + c`` (j < 8) and row
-        ``r0 + 8 r``."""
-        return accs[b][j // 2][c + 2 * r + 4 * (j % 2)]
-
-    @cute.jit
-    def epilogue_transposed(self, accs: list, topk_weights: cute.Pointer, out: cute.Pointer,
-                            out_sf: cute.Pointer, peer_bases: cute.Pointer,
-                            src_metadata: cute.Pointer, staging: cute.Pointer,
-                            exchange: cute.Pointer, row_base: Int32, n_block: Int32,
-                            valid_m: Int32, warp_in_wg: Int32, lane: Int32, ctid: Int32):
-        """One tile's output rows, one per token: the staging row of token ``t`` holds the
-        tile's part of its output row; consumer thread ``t < 64`` sends it if ``t`` is a
-        received token. L2: BF16 of the accumulators; L1: SwiGLU of the (gate, up) row pairs,
-        requantized to e4m3 with a power-of-two scale per token over the tile's 128
-        features."""
-        quad = lane % 4
-        tokens = self.block_m
-        # the previous tile's bulk copies have read the staging rows
-        if ctid < tokens:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if cutlass.const_expr(self.phase == "l2"):
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
-            rows = cute.make_tensor(cute.recast_ptr(staging, dtype=BFloat16),
-                                    cute.make_layout((tokens, self.staging_stride // 2),
-                                                     stride=(self.staging_stride // 2, 1)))
-            for b in cutlass.range_constexpr(self.weight_blocks):
-                col0 = WEIGHT_M * b + 16 * warp_in_wg + lane // 4  # tile-local output column
-                for j in cutlass.range_constexpr(tokens // 8):
-                    for r in cutlass.range_constexpr(2):
-                        for c in cutlass.range_constexpr(2):
-                            rows[8 * j + 2 * quad + c, col0 + 8 * r] = BFloat16(
-                                self.value(accs, b, j, r, c))
-        else:
-            weights = cute.make_tensor(topk_weights + row_base, cute.make_layout(tokens))
-            # h of feature 32 b + 8 warp + lane / 4 (tile-local), token 8 j + 2 quad + c
-            h = cute.make_rmem_tensor((self.weight_blocks, 2, tokens // 8), Float32)
-            for b in cutlass.range_constexpr(self.weight_blocks):
-                for j in cutlass.range_constexpr(tokens // 8):
-                    for c in cutlass.range_constexpr(2):
-                        gate = Float32(BFloat16(self.value(accs, b, j, 0, c)))
-                        up = Float32(BFloat16(self.value(accs, b, j, 1, c)))
-                        h[b, c, j] = self.silu_mul(gate, up) * weights[8 * j + 2 * quad + c]
-            # the token's amax over the thread's blocks, the warp's features (the lanes of one
-            # quad position), then the four warps
-            warp_amax = cute.make_tensor(exchange, cute.make_layout((tokens, 4),
-                                                                    stride=(1, tokens)))
-            tile_amax = cute.make_tensor(exchange + 4 * tokens, cute.make_layout(tokens))
-            for j in cutlass.range_constexpr(tokens // 8):
-                for c in cutlass.range_constexpr(2):
-                    amax = cute.math.absf(h[0, c, j])
-                    for b in cutlass.range_constexpr(1, self.weight_blocks):
-                        amax = cute.arch.fmax(amax, cute.math.absf(h[b, c, j]))
-                    for mask in (4, 8, 16):
-                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, mask))
-                    if lane < 4:
-                        warp_amax[8 * j + 2 * quad + c, warp_in_wg] = amax
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
-            if ctid < tokens:
-                amax = Float32(0.0)
-                for w in cutlass.range_constexpr(4):
-                    amax = cute.arch.fmax(amax, warp_amax[ctid, w])
-                tile_amax[ctid] = amax
-                if ctid < valid_m:
-                    exponent = requant_exponent(amax)
-                    # 2^e as float32; a zero group (byte 0) is 2^-127, the subnormal 0x00400000
-                    sf_bits = (exponent + 127) << 23
-                    if exponent == -127:
-                        sf_bits = Int32(0x00400000)
-                    sf = cute.make_tensor(out_sf + (Int64(n_block) * self.num_pool_rows
-                                                    + row_base), cute.make_layout(tokens))
-                    sf[ctid] = sf_bits.bitcast(Float32)
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
-            rows = cute.make_tensor(staging, cute.make_layout(
-                (tokens, self.staging_stride), stride=(self.staging_stride, 1)))
-            for b in cutlass.range_constexpr(self.weight_blocks):
-                q = cute.make_rmem_tensor((2, tokens // 8), Float32)
-                for j in cutlass.range_constexpr(tokens // 8):
-                    for c in cutlass.range_constexpr(2):
-                        exponent = requant_exponent(tile_amax[8 * j + 2 * quad + c])
-                        sf_inv = ((127 - exponent) << 23).bitcast(Float32)
-                        q[c, j] = cutlass.max(cutlass.min(h[b, c, j] * sf_inv,
-                                                          Float32(FP8_E4M3_MAX)),
-                                              Float32(-FP8_E4M3_MAX))
-                v = cute.make_rmem_tensor(q.shape, Float8E4M3FN)
-                v.store(q.load().to(Float8E4M3FN))
-                v_bytes = cute.recast_tensor(v, Uint8)
-                feature = 32 * b + 8 * warp_in_wg + lane // 4
-                for j in cutlass.range_constexpr(tokens // 8):
-                    for c in cutlass.range_constexpr(2):
-                        rows[8 * j + 2 * quad + c, feature] = v_bytes[c + 2 * j]
-        # the staging writes (generic proxy), then the bulk copies' reads (async proxy)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128)
-        if ctid < tokens:
-            if ctid < valid_m:
-                dst = self.row_destination(out, peer_bases, src_metadata, row_base, ctid,
-                                           valid_m, n_block, Int32(0))
-                prims.cp_async_bulk_global_shared_cta(
-                    cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
-                    staging + ctid * self.staging_stride, Int32(self.tile_row_bytes))
-            cute.arch.cp_async_bulk_commit_group()
