@@ -48,6 +48,9 @@ def main() -> None:
     parser.add_argument("--weight-prefetch", type=int, nargs="+", default=[0],
                         help="k-blocks the GEMM stages prefetch their weights ahead into L2 "
                              "(CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; 0 off; A/B)")
+    parser.add_argument("--early-prefetch", type=int, nargs="+", default=[0],
+                        help="k-blocks of the chosen experts' L1 weights prefetched into L2 "
+                             "before the dispatch (CUTE_MEGAMOE_FUSED_EARLY_PREFETCH; 0 off; A/B)")
     parser.add_argument("--back-to-back", type=int, default=0,
                         help="calls launched without a host sync before each sampled one (the "
                              "power-limited steady state of back-to-back layer calls)")
@@ -74,12 +77,14 @@ def main() -> None:
         "l2_gates": args.l2_gates, "extra_warpgroups": args.extra_warpgroups,
         "back_to_back": args.back_to_back,
         "clocks_before": gpu_clocks()})
-    variants = [(n, g, x, r, f, p) for n in args.tokens for _ in range(args.rounds)
+    variants = [(n, g, x, r, f, p, q) for n in args.tokens for _ in range(args.rounds)
                 for g in args.l2_gates for x in args.extra_warpgroups
-                for r in args.rows for f in args.weights_first for p in args.weight_prefetch]
-    for n, gate, extra, rows, first, prefetch in variants:
+                for r in args.rows for f in args.weights_first for p in args.weight_prefetch
+                for q in args.early_prefetch]
+    for n, gate, extra, rows, first, prefetch, early in variants:
         # (part of the fused kernel's cache key: each value builds its own kernel)
         os.environ["CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"] = str(prefetch)
+        os.environ["CUTE_MEGAMOE_FUSED_EARLY_PREFETCH"] = str(early)
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
         api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
@@ -111,11 +116,12 @@ def main() -> None:
         row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
         row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
         res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows=rows, weights_first=first,
-                weight_prefetch=prefetch,
+                weight_prefetch=prefetch, early_prefetch=early,
                 block_m=block_m, **row)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["tokens", "rows", "weights_first", "weight_prefetch", "l2_gate",
+    print(res.table(["tokens", "rows", "weights_first", "weight_prefetch", "early_prefetch",
+                     "l2_gate",
                      "extra_warpgroups", "block_m",
                      "start_spread_us", "scattered_last_us", "counts_published_last_us",
                      "counts_seen_last_us", "rows_pushed_last_us", "prefix_ready_last_us",

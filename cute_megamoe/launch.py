@@ -29,6 +29,7 @@ from .runtime import (
     LaunchPath,
     as_ptr,
     compiled_kernel,
+    fused_early_prefetch,
     fused_rows,
     get_arch,
     launch_path,
@@ -448,9 +449,10 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ordered = (state.arch == "sm_90a" and layout.has_sf and block_m == 128
                and promotion in (None, "chunk") and sm90_ordered_mma() == ("l1", "l2"))
     prefetch = sm90_weight_prefetch() if state.arch == "sm_90a" else 0
+    early = fused_early_prefetch() if state.arch == "sm_90a" else 0
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch)
+           weights_first, ordered, prefetch, early)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -469,7 +471,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  tile_log=logged, l2_gate=l2_gate,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
-                                 ordered_mma=ordered, weight_prefetch=prefetch)
+                                 ordered_mma=ordered, weight_prefetch=prefetch,
+                                 early_prefetch=early)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -208,6 +208,18 @@ def sm90_fp4_cluster() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
+def fused_early_prefetch() -> int:
+    """``CUTE_MEGAMOE_FUSED_EARLY_PREFETCH=<k-blocks>``: the sm_90a fused kernel prefetches the
+    chosen experts' first L1 weight k-blocks into L2 before its dispatch at decode sizes
+    (`sm90_mega_moe`'s ``early_prefetch``), for A/B runs; unset or 0: off. Part of the fused
+    kernel's cache key."""
+    value = os.environ.get("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "0").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"CUTE_MEGAMOE_FUSED_EARLY_PREFETCH: a number of k-blocks >= 0, got "
+                         f"{value!r}")
+    return int(value)
+
+
 FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
 
 
@@ -230,7 +242,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
-                      "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS")
+                      "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
+                      "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

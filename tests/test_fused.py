@@ -124,6 +124,25 @@ def test_weight_prefetch_compiles_in_both_gemm_stages(recipe, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+def test_early_prefetch_compiles(recipe, monkeypatch):
+    """``early_prefetch``: L2 prefetches of the chosen experts' first L1 weight k-blocks before
+    the dispatch (`prefetch.global.L2`, none without it), no spills; a negative count is
+    refused."""
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, 64, early_prefetch=8)
+    assert kernel.early_prefetch == 8
+    _, plain = _compile(recipe, 64)
+    assert "prefetch.global.L2" in art.ptx and "prefetch.global.L2" not in plain.ptx
+    if art.sass is not None:
+        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    with pytest.raises(ValueError, match="early_prefetch"):
+        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, recipe), 64, early_prefetch=-1)
+
+
+@pytest.mark.compile
 def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, cluster_m=2)
@@ -500,15 +519,18 @@ def test_weights_first_variant_compiles(monkeypatch):
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
                                      dict(row_transfer="with_gemm"),
                                      dict(row_transfer="counted", weights_first=True),
-                                     dict(weight_prefetch="8")])
+                                     dict(weight_prefetch="8"), dict(early_prefetch="8")])
 def test_fused_ab_variants_match_staged(variant, monkeypatch):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
     combine at BLOCK_M 64; each way of moving the rows; weights loaded before a tile's wait;
-    weights prefetched into L2, `CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) give the same bits."""
+    weights prefetched into L2, `CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`, and before the dispatch,
+    `CUTE_MEGAMOE_FUSED_EARLY_PREFETCH`) give the same bits."""
     _gpu()
     variant = dict(variant)
     if "weight_prefetch" in variant:
         monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", variant.pop("weight_prefetch"))
+    if "early_prefetch" in variant:
+        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", variant.pop("early_prefetch"))
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
     from cute_megamoe.testing.fused_checks import FusedLayer

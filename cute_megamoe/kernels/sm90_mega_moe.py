@@ -92,6 +92,12 @@ from .sm90_expert_gemm import (
 )
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
+# `early_prefetch`: calls with at most this many (token, slot) pairs prefetch the chosen local
+# experts' first L1 weight k-blocks into L2 before the dispatch (two per lane of a warp), and
+# at most this many bytes in all (about half of the H100 / H200 L2)
+EARLY_PREFETCH_PAIRS = 64
+EARLY_PREFETCH_BYTES = 24 << 20
+L2_LINE = 128  # bytes of one prefetch (an L2 cache line)
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
 # prefix sums are in place ("barrier" rows: once the pool is complete), with the counted row
 # transfers when its first warp ("with_gemm": first sender warp) has sent its rows, when
@@ -139,7 +145,7 @@ class Sm90MegaMoEKernel:
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
                  promotion: str | None = None, row_transfer: str | None = None,
                  weights_first: bool = False, ordered_mma: bool = False,
-                 weight_prefetch: int = 0):
+                 weight_prefetch: int = 0, early_prefetch: int = 0):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -236,6 +242,16 @@ class Sm90MegaMoEKernel:
         # 4096-8192 with barrier rows); the variant that checks the pool block first is
         # compiled, not measured
         self.l1.weights_first = self.l2.weights_first = bool(weights_first)
+        # `early_prefetch` k-blocks: at decode sizes the first microseconds of a call (counts,
+        # exchange, metadata, rows: 9-11 us at 1 token) leave DRAM idle, while the L1 tiles
+        # that follow are bound by reading their weights. With at most EARLY_PREFETCH_PAIRS
+        # pairs every CTA first prefetches into L2 its share of the first k-blocks of the L1
+        # weight rows of each local expert this rank's tokens chose (the tile walk is not known
+        # yet: the same experts at R = 1, the own tokens' share of them at R > 1), at most
+        # EARLY_PREFETCH_BYTES in all. 0: off. An A/B option
+        if early_prefetch < 0:
+            raise ValueError(f"early_prefetch must be >= 0, got {early_prefetch}")
+        self.early_prefetch = int(early_prefetch)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
@@ -350,7 +366,7 @@ class Sm90MegaMoEKernel:
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
-                    tile_log, y, w1_group_sf, w2_group_sf).launch(
+                    tile_log, y, w1_group_sf, w2_group_sf, w1).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True)
@@ -367,7 +383,7 @@ class Sm90MegaMoEKernel:
                token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
                pool_block_ready: cute.Pointer, phase_clock: cute.Pointer,
                tile_log: cute.Pointer, y: cute.Pointer, w1_group_sf: cute.Pointer,
-               w2_group_sf: cute.Pointer):
+               w2_group_sf: cute.Pointer, w1: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -387,6 +403,9 @@ class Sm90MegaMoEKernel:
         if warp == 0:
             for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
                 cpasync.prefetch_descriptor(atom)
+        if cutlass.const_expr(self.early_prefetch > 0):
+            self.prefetch_chosen_weights(w1, self.regions.ptr(my_base, "topk_idx"), rank,
+                                         num_tokens, bidx, grid, warp, lane)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -572,6 +591,51 @@ class Sm90MegaMoEKernel:
             self.stamp(stamps, "decode_done", tid == 0)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
+
+    @cute.jit
+    def prefetch_chosen_weights(self, w1: cute.Pointer, topk_idx: cute.Pointer, rank: Int32,
+                                num_tokens: Int32, bidx: Int32, grid: Int32, warp: Int32,
+                                lane: Int32):
+        """`early_prefetch`: every thread, before the dispatch (see the option in
+        ``__init__``). CTA ``c`` takes rows ``[c * ceil(N / grid), ...)`` of the L1 weights of
+        each pair's expert, if local, their first `lines` cache lines each; a warp reads the
+        pairs' experts once (two per lane) and walks them by shuffles."""
+        E_l, K = self.num_local_experts, self.layout.num_topk
+        num_pairs = num_tokens * K
+        if num_pairs <= EARLY_PREFETCH_PAIRS:
+            l1 = self.l1
+            row_bytes = l1.k // 2 if cutlass.const_expr(self.fp4_weights) else l1.k
+            # cache lines per weight row: the option's k-blocks, within the byte budget
+            # shared by the (at most) min(pairs, E_l) chosen experts
+            chosen = cutlass.max(cutlass.min(num_pairs, Int32(E_l)), Int32(1))
+            budget = Int32(EARLY_PREFETCH_BYTES // (l1.n * L2_LINE)) // chosen
+            lines = cutlass.min(Int32(self.early_prefetch * l1.b_load_k() // L2_LINE), budget)
+            rows_per_cta = (l1.n + grid - 1) // grid
+            firsts = []  # the expert of pair lane, of pair 32 + lane
+            for half in cutlass.range_constexpr(EARLY_PREFETCH_PAIRS // 32):
+                p = 32 * half + lane
+                expert = Int32(-1)
+                if p < num_pairs:
+                    expert = Int32(cute.arch.load(topk_idx + p, Int64))
+                firsts.append(expert)
+            num_warps = self.num_threads // 32
+            for p in cutlass.range(num_pairs):
+                mine = firsts[0]
+                if p >= 32:
+                    mine = firsts[1]
+                expert = cute.arch.shuffle_sync(mine, p % 32)
+                local = expert - rank * E_l
+                if local >= 0 and local < E_l:
+                    i = warp * 32 + lane
+                    while i < rows_per_cta * lines:
+                        row = bidx * rows_per_cta + i // lines
+                        if row < l1.n:
+                            offset = (Int64(local) * l1.n + row) * row_bytes \
+                                + (i % lines) * L2_LINE
+                            cute.arch.prefetch(cute.make_ptr(Uint8, w1.toint() + offset,
+                                                             cute.AddressSpace.gmem),
+                                               cache_level="L2")
+                        i += num_warps * 32
 
     def dispatch_stamp(self, stamps: cute.Pointer, tidx: Int32):
         """With `phase_clock`: the dispatch's own stamps (thread 0, unfenced: a fence there
