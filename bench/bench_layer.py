@@ -20,7 +20,8 @@ they cannot be graph-captured), median of repeats, max over ranks.
 
 `--quick`: only `ours` and `fused` (no steps, no torch paths). `--fused-rows barrier,counted`:
 the fused layer with each of those row transfers forced too (graph, alternating with the rest);
-`--staged-env CUTE_MEGAMOE_SM90_TRANSPOSED=1`: the staged layer with that variable set too.
+`--staged-env CUTE_MEGAMOE_SM90_TRANSPOSED=1` / `--fused-env ...`: the staged / fused layer with
+that variable set too.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _env_column(setting: str) -> str:
 
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
-            quick=False, fused_rows=(), staged_env=()):
+            quick=False, fused_rows=(), staged_env=(), fused_env=()):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -102,13 +103,13 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             fused.fused_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
                                  block_m=block_m, validate_routing=False, row_transfer=rows)
 
-        def ours_with_env(name, value, x=x, idx=idx, w=w, block_m=block_m):
+        def with_env(layer, name, value):
             # (the variable is part of the layer plans' keys: the call builds that variant's
             # kernels, and a graph captures them)
             old = os.environ.get(name)
             os.environ[name] = value
             try:
-                ours(x, idx, w, block_m)
+                layer()
             finally:
                 if old is None:
                     del os.environ[name]
@@ -130,15 +131,17 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         t_fused = _time(fused_layer, 5) if fused_ok else None
         graphs = {"sends": [], "pool": [], "fused": []}
         rows_graphs = {rows: [] for rows in fused_rows if fused_ok}
-        env_graphs = {setting: [] for setting in staged_env}
+        env_graphs = {("ours", setting): [] for setting in staged_env}
+        env_graphs.update({("fused", setting): [] for setting in fused_env if fused_ok})
         for _ in range(3):  # alternate: the GPU's clocks drift at its power limit
             graphs["sends"].append(_time_graph(ours, 5, repeats=3))
             if fused_ok:
                 graphs["fused"].append(_time_graph(fused_layer, 5, repeats=3))
             for rows, times in rows_graphs.items():
                 times.append(_time_graph(partial(fused_rows_layer, rows), 5, repeats=3))
-            for setting, times in env_graphs.items():
-                times.append(_time_graph(partial(ours_with_env, *setting.split("=", 1)), 5,
+            for (layer, setting), times in env_graphs.items():
+                fn = ours if layer == "ours" else fused_layer
+                times.append(_time_graph(partial(with_env, fn, *setting.split("=", 1)), 5,
                                          repeats=3))
             if not quick:
                 graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
@@ -148,11 +151,11 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         ours_best = min(t_ours, t_graph or t_ours)
         fused_cols = dict(weight_floor_us=weight_floor * 1e6, fp8_weight_floor_us=fp8_floor * 1e6,
                           ours_over_fp8_floor=ours_best / fp8_floor)
-        for setting, times in env_graphs.items():  # the staged layer with that variable set
+        for (layer, setting), times in env_graphs.items():  # a layer with that variable set
             if None not in times:
-                name = _env_column(setting)
-                fused_cols[f"ours_{name}_graph_us"] = statistics.median(times) * 1e6
-                fused_cols[f"ours_{name}_over_fp8_floor"] = statistics.median(times) / fp8_floor
+                name = f"{layer}_{_env_column(setting)}"
+                fused_cols[f"{name}_graph_us"] = statistics.median(times) * 1e6
+                fused_cols[f"{name}_over_fp8_floor"] = statistics.median(times) / fp8_floor
         fused_best = ours_best  # (the speedup over the torch baseline takes the better one)
         if fused_ok:
             fused_best = min(t_fused, t_fused_graph or t_fused)
@@ -204,9 +207,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 "fused_over_floor", "fp8_weight_floor_us", "ours_over_fp8_floor"]
         for rows in fused_rows:
             cols += [f"fused_{rows}_graph_us", f"fused_{rows}_over_floor"]
-        for setting in staged_env:
-            cols += [f"ours_{_env_column(setting)}_graph_us",
-                     f"ours_{_env_column(setting)}_over_fp8_floor"]
+        for layer, settings in (("ours", staged_env), ("fused", fused_env)):
+            for setting in settings:
+                cols += [f"{layer}_{_env_column(setting)}_graph_us",
+                         f"{layer}_{_env_column(setting)}_over_fp8_floor"]
         if not quick:
             cols += ["ours_pool_order_graph_us", "dispatch_graph_us", "experts_graph_us",
                      "combine_graph_us", "staged_torch_us", "torch_baseline_us",
@@ -238,12 +242,16 @@ def main() -> None:
                    help="NAME=VALUE[,NAME=VALUE]: the staged layer also with each of these "
                         "variables set (kernel variants), graph, alternating in the rounds "
                         "(columns ours_<name>_<value>_graph_us, ..._over_fp8_floor)")
+    p.add_argument("--fused-env", default="",
+                   help="NAME=VALUE[,...]: the fused layer also with each of these variables set "
+                        "(columns fused_<name>_<value>_graph_us, ..._over_fp8_floor)")
     a = p.parse_args()
     mp.spawn(_worker, args=(a.ranks, a.port, [int(t) for t in a.tokens.split(",")], a.recipe,
                             a.experts, a.topk, a.hidden, a.intermediate,
                             os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick,
                             tuple(r for r in a.fused_rows.split(",") if r),
-                            tuple(e for e in a.staged_env.split(",") if e)),
+                            tuple(e for e in a.staged_env.split(",") if e),
+                            tuple(e for e in a.fused_env.split(",") if e)),
              nprocs=a.ranks, join=True)
 
 
