@@ -609,7 +609,9 @@ class Sm90MegaMoEKernel:
             # shared by the (at most) min(pairs, E_l) chosen experts
             chosen = cutlass.max(cutlass.min(num_pairs, Int32(E_l)), Int32(1))
             budget = Int32(EARLY_PREFETCH_BYTES // (l1.n * L2_LINE)) // chosen
-            lines = cutlass.min(Int32(self.early_prefetch * l1.b_load_k() // L2_LINE), budget)
+            # (never past the row: a prefetch of another row's bytes, or past the weights)
+            lines = cutlass.min(Int32(min(self.early_prefetch * l1.b_load_k(), row_bytes)
+                                      // L2_LINE), budget)
             rows_per_cta = (l1.n + grid - 1) // grid
             firsts = []  # the expert of pair lane, of pair 32 + lane
             for half in cutlass.range_constexpr(EARLY_PREFETCH_PAIRS // 32):
