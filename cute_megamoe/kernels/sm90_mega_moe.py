@@ -51,17 +51,22 @@ warpgroups, 512 in all), launched cooperatively.
    reduction in ascending k writes `y`; with the counted row transfers, CTA 0 then records the
    call as finished (`common.sync.finish_call`; the dispatch's closing barrier does otherwise).
 
-Readiness and arrival counters are per call: every CTA zeroes its share at the start, and the
-grid barrier of step 1 (after the scatter) orders that before any use (a sender adds to a
-destination's arrivals only once it holds the destination's counts of the call, published
-after the zeroing); nothing else is reset (the barriers and call tags of `common/sync.py` only
-grow, wrap-safe), so back-to-back calls and CUDA-graph replays need nothing from the host.
+Readiness and arrival counters are per call: every CTA zeroes its share at the start, and
+step 1's arrival at the grid counter after the scatter orders that before any use (the last CTA
+to arrive publishes the counts; a sender adds to a destination's arrivals only once it holds
+the destination's counts of the call, published after the zeroing); nothing else is reset
+(the barriers and call tags of `common/sync.py` only grow, wrap-safe), so back-to-back calls
+and CUDA-graph replays need nothing from the host.
 With the counted row transfers there is no closing cross-rank barrier in the dispatch; the
 calls stay apart through the counts: a rank pushes
 rows into a peer's pool only with the peer's counts of the same call (published once the
 peer's previous call has ended), an L2 epilogue writes into a peer's combine buffer only rows
 that peer sent in this call, and a rank's next call rewrites its inputs and scatter tables only
 after this call's combine barriers, which every rank passes after its own dispatch.
+
+A/B options (off by default): `ordered_mma` and `weight_prefetch` of the GEMM stages
+(`sm90_expert_gemm`), `weights_first`, and `early_prefetch` (at decode sizes, the chosen
+experts' first L1 weight k-blocks prefetched into L2 before the dispatch).
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
 BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
