@@ -453,3 +453,35 @@ def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypat
         t.data_ptr() for t in (weights.w1, weights.w1_block_sf, weights.w2, weights.w2_block_sf)]
     assert [_address(a) for a in args[19:21]] == [weights.w1_sf.data_ptr(),
                                                   weights.w2_sf.data_ptr()]
+
+
+def test_kernel_variant_variables_parse_and_key_the_plans(monkeypatch):
+    """The A/B variables of 2026-12-02 parse (numbers of k-blocks, phases), refuse other
+    values, and are part of the layer plans' keys (a change builds new kernels)."""
+    from cute_megamoe import runtime
+
+    for name in ("CUTE_MEGAMOE_SM90_ORDERED_MMA", "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
+                 "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH"):
+        assert name in runtime.KERNEL_VARIANT_ENV
+        monkeypatch.delenv(name, raising=False)
+    assert runtime.sm90_ordered_mma() == ()
+    assert runtime.sm90_weight_prefetch() == runtime.fused_early_prefetch() == 0
+    assert not runtime.sm90_transposed()
+    for value, phases in (("1", ("l1", "l2")), ("l1", ("l1",)), ("L2", ("l2",)), ("0", ())):
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_ORDERED_MMA", value)
+        assert runtime.sm90_ordered_mma() == phases
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "8")
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", " 4 ")
+    assert (runtime.sm90_weight_prefetch(), runtime.fused_early_prefetch()) == (8, 4)
+    before = runtime.kernel_variant_env()
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
+    assert runtime.sm90_transposed() and runtime.kernel_variant_env() != before
+    for name, bad in (("CUTE_MEGAMOE_SM90_ORDERED_MMA", "both"),
+                      ("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "-1"),
+                      ("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "many")):
+        monkeypatch.setenv(name, bad)
+        getter = {"CUTE_MEGAMOE_SM90_ORDERED_MMA": runtime.sm90_ordered_mma,
+                  "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": runtime.sm90_weight_prefetch,
+                  "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH": runtime.fused_early_prefetch}[name]
+        with pytest.raises(ValueError, match=name):
+            getter()
