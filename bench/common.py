@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,64 @@ def gpu_clocks() -> dict[str, str]:
         return {"nvidia_smi": out.strip()}
     except (OSError, subprocess.SubprocessError):
         return {"nvidia_smi": "unavailable"}
+
+
+def power_during(fn: Callable[[], None], seconds: float, calls_per_replay: int = 5,
+                 sample_ms: int = 50, settle_s: float = 0.3) -> dict:
+    """Board power and SM clock while `fn` runs back to back for about `seconds` (captured in a
+    CUDA graph of `calls_per_replay` calls, replayed), sampled by ``nvidia-smi -lms`` and the
+    first `settle_s` dropped (its readings average over about 100 ms). Returns ``watts`` and
+    ``sm_mhz`` (medians), ``seconds_per_call`` (events over all replays) and ``samples``; at
+    the power limit the energy per call, watts x seconds, is what sets the speed. Empty when
+    nvidia-smi is unavailable."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls_per_replay):
+                fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(1, int(seconds / max(start.elapsed_time(end) / 1e3, 1e-6)))
+    try:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
+             f"-lms={sample_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return {}
+    t0 = time.monotonic()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    elapsed = time.monotonic() - t0
+    smi.terminate()
+    out, _ = smi.communicate(timeout=10)
+    readings = []
+    for line in out.splitlines():
+        try:
+            watts, mhz = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        readings.append((watts, mhz))
+    keep = readings[int(len(readings) * min(settle_s / max(elapsed, 1e-6), 0.5)):]
+    if not keep:
+        return {}
+    return {"watts": statistics.median(w for w, _ in keep),
+            "sm_mhz": statistics.median(m for _, m in keep),
+            "seconds_per_call": start.elapsed_time(end) / 1e3 / (replays * calls_per_replay),
+            "samples": len(keep)}
 
 
 def git_commit() -> str:

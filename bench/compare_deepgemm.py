@@ -28,6 +28,11 @@ the useful work, ``6 * E * m * H * I``, for all three. Writes `bench/results/dee
 Needs a Hopper GPU and an importable `deep_gemm` (on the GPU machine:
 ``source .device/env.sh && source .device/deepgemm/env.sh``):
 
+`--power SECONDS`: after the timing, each of ours, DeepGEMM (its faster layout) and torch runs
+back to back for SECONDS while nvidia-smi samples board power and SM clock
+(`bench.common.power_during`): watts, MHz and the energy per useful GFLOP (uJ), which at the
+power limit sets the speed.
+
     python -m bench.compare_deepgemm [--hidden 7168] [--inter 2048] [--configs 256x256,...]
 """
 
@@ -40,7 +45,7 @@ import sys
 import torch
 
 from bench.bench_gemm import DEFAULT_CONFIGS, _ours, _random_weights, _torch
-from bench.common import Results, gpu_clocks, time_cuda_graph
+from bench.common import Results, gpu_clocks, power_during, time_cuda_graph
 from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.utils import align, ceil_div
@@ -126,6 +131,11 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS),
                    help="DeepGEMM layouts to time: contiguous, masked or both")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
+                   help="also run ours, the faster DeepGEMM layout and torch back to back for "
+                        "SECONDS each, alternating, sampling board power and SM clock "
+                        "(nvidia-smi): <key>_watts, <key>_mhz, <key>_uj_per_gflop (energy per "
+                        "useful FLOP: at the power limit it sets the speed)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("compare_deepgemm: needs a CUDA GPU")
@@ -170,6 +180,15 @@ def main() -> None:
             row.update(ours_tflops=flops / t["ours"] / 1e12, deepgemm_tflops=flops / t_dg / 1e12,
                        torch_tflops=flops / t["torch"] / 1e12,
                        ours_vs_deepgemm=t_dg / t["ours"], ours_vs_torch=t["torch"] / t["ours"])
+            if args.power > 0:  # (after the timing rounds: the GPU is at its power limit)
+                for key in ("ours", f"deepgemm_{best}", "torch"):
+                    name = "deepgemm" if key.startswith("deepgemm") else key
+                    power = power_during(runs[key], args.power)
+                    if power:
+                        row.update({f"{name}_watts": power["watts"],
+                                    f"{name}_mhz": power["sm_mhz"],
+                                    f"{name}_uj_per_gflop": power["watts"]
+                                    * power["seconds_per_call"] / flops * 1e15})
             res.add(**row)
             print(f"{recipe} {e}x{m}: ours {row['ours_us']:.1f} us, DeepGEMM "
                   f"{row['deepgemm_us']:.1f} us ({best}), torch {row['torch_us']:.1f} us",
@@ -182,7 +201,9 @@ def main() -> None:
     print(res.table(["recipe", "experts", "pairs_per_expert", "ours_block_m", "ours_us",
                      "ours_other_us", "deepgemm_us", "deepgemm_layout",
                      *(f"deepgemm_{x}_us" for x in layouts), "torch_us", "ours_tflops",
-                     "deepgemm_tflops", "torch_tflops", "ours_vs_deepgemm", "ours_vs_torch"]))
+                     "deepgemm_tflops", "torch_tflops", "ours_vs_deepgemm", "ours_vs_torch",
+                     *([f"{k}_{v}" for k in ("ours", "deepgemm", "torch")
+                        for v in ("watts", "mhz", "uj_per_gflop")] if args.power > 0 else [])]))
 
 
 if __name__ == "__main__":
