@@ -250,8 +250,9 @@ class Sm90ExpertGemmKernel:
         self.amax_exchange_len = 256 if self.split_n else 4
         # `weight_prefetch` k-blocks: with each weight load (FP4 weights: each packed load) the
         # producer also prefetches the same weight rows that many k-blocks further into L2
-        # (one TMA prefetch per 128-row chunk), so more of a decode-size tile's weight bytes
-        # are in flight than the shared-memory ring holds (a tile's weights are the bulk of its
+        # (one TMA prefetch per 128-row chunk; near a tile's end, the next tile's first
+        # k-blocks), so more of a decode-size tile's weight bytes are in flight than the
+        # shared-memory ring holds (a tile's weights are the bulk of its
         # DRAM reads there). 0: off. An A/B option
         if weight_prefetch < 0:
             raise ValueError(f"weight_prefetch must be >= 0, got {weight_prefetch}")
@@ -711,6 +712,8 @@ class Sm90ExpertGemmKernel:
                 self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
                               pool_block, n_block, valid_m, lane)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
+            next_block = self.next_b_block(tile, owner, num_tiles, num_clusters, block_start,
+                                           row_start, raster_group, rank)
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
@@ -738,7 +741,7 @@ class Sm90ExpertGemmKernel:
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
-                    self.prefetch_b(tma_b, t_gb, b_block, kb)
+                    self.prefetch_b(tma_b, t_gb, b_block, kb, next_block)
                     state.advance()
             if cutlass.const_expr(rows_arrived is not None):
                 if valid_m > 0:
@@ -769,7 +772,7 @@ class Sm90ExpertGemmKernel:
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
-                    self.prefetch_b(tma_b, t_gb, b_block, kb)
+                    self.prefetch_b(tma_b, t_gb, b_block, kb, next_block)
                 elif cutlass.const_expr(self.is_fp8):  # (FP4: warp 1 loads the weights)
                     self.load_weight_scales(sfb, b_sf, expert, kb, state.index, bar, lane)
                 ab_pipe.producer_commit(state)
@@ -861,10 +864,12 @@ class Sm90ExpertGemmKernel:
             owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
+            next_block = self.next_b_block(tile, owner, num_tiles, num_clusters, block_start,
+                                           row_start, raster_group, rank)
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
-                self.prefetch_b(tma_b, t_gb, b_block, kb)
+                self.prefetch_b(tma_b, t_gb, b_block, kb, next_block)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
                         sfg + state.index * self.block_n,
@@ -1060,14 +1065,32 @@ class Sm90ExpertGemmKernel:
                             decoded + state.index, peer)
 
     @cute.jit
-    def prefetch_b(self, tma_b, t_gb, b_block: Int32, kb: Int32):
-        """`weight_prefetch`: the weight tile's k-block ``kb + weight_prefetch`` (if the tile
-        has it) into L2, both 128-row chunks."""
+    def next_b_block(self, tile: Int32, owner: Int32, num_tiles: Int32, num_clusters: Int32,
+                     block_start, row_start, raster_group: Int32, rank: Int32):
+        """`weight_prefetch`: the first weight row block of this CTA's next tile of the walk
+        (-1: none, or no prefetch)."""
+        nxt = Int32(-1)
+        if cutlass.const_expr(self.weight_prefetch > 0):
+            if tile + num_clusters < num_tiles:
+                _o, expert, _m, n_block, _p, _v = self.scheduler.tile(
+                    tile + num_clusters, owner, block_start, row_start, raster_group, rank)
+                nxt = expert * (self.n // WG_N) + n_block * self.chunks
+        return nxt
+
+    @cute.jit
+    def prefetch_b(self, tma_b, t_gb, b_block: Int32, kb: Int32, next_block: Int32):
+        """`weight_prefetch`: k-block ``kb + weight_prefetch`` of the weight tile into L2, both
+        128-row chunks; past the tile's last k-block, the next tile's first ones (its first
+        weight row block ``next_block``, -1: none)."""
         if cutlass.const_expr(self.weight_prefetch > 0):
             ahead = kb + self.weight_prefetch
-            if ahead < self.num_k_blocks:
+            block = b_block
+            if ahead >= self.num_k_blocks:
+                ahead -= self.num_k_blocks
+                block = next_block
+            if block >= 0 and ahead < self.num_k_blocks:
                 for c in cutlass.range_constexpr(self.chunks):
-                    cute.prefetch(tma_b, t_gb[(None, b_block + c, ahead)])
+                    cute.prefetch(tma_b, t_gb[(None, block + c, ahead)])
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
