@@ -49,8 +49,9 @@ def main() -> None:
                         help="k-blocks the GEMM stages prefetch their weights ahead into L2 "
                              "(CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; 0 off; A/B)")
     parser.add_argument("--early-prefetch", type=int, nargs="+", default=[0],
-                        help="k-blocks of the chosen experts' L1 weights prefetched into L2 "
-                             "before the dispatch (CUTE_MEGAMOE_FUSED_EARLY_PREFETCH; 0 off; A/B)")
+                        help="with --weights-first 1 and counted rows: k-blocks of each CTA's "
+                             "first L1 tile prefetched into L2 after the counts, beyond the "
+                             "ring (CUTE_MEGAMOE_FUSED_EARLY_PREFETCH; 0 off; A/B)")
     parser.add_argument("--back-to-back", type=int, default=0,
                         help="calls launched without a host sync before each sampled one (the "
                              "power-limited steady state of back-to-back layer calls)")
@@ -89,8 +90,8 @@ def main() -> None:
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
         api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
         block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
-        if extra and block_m != 64:
-            continue
+        if (extra and block_m != 64) or (early and not (first and rows != "barrier")):
+            continue  # (early_prefetch extends the early weights of counted rows only)
         y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,

@@ -30,6 +30,7 @@ from .runtime import (
     as_ptr,
     compiled_kernel,
     fused_early_prefetch,
+    fused_weights_first,
     fused_rows,
     get_arch,
     launch_path,
@@ -436,8 +437,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ``extra_warpgroups`` 1 the variant with a warpgroup more for the dispatch and combine
     phases (BLOCK_M 64); ``row_transfer`` how the rows move (`sm90_mega_moe.ROW_TRANSFERS`;
     None: `runtime.fused_rows`, else the kernel's default; every rank of the call must use one
-    of the same row protocol); ``weights_first`` True the variant whose tiles that find their pool
-    block not ready load their first stages' weights before they wait."""
+    of the same row protocol); ``weights_first`` True (or ``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``)
+    the variant whose tiles that find their pool block not ready load their first stages'
+    weights before they wait (with counted rows, the first L1 tile's right after the counts)."""
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
@@ -450,6 +452,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                and promotion in (None, "chunk") and sm90_ordered_mma() == ("l1", "l2"))
     prefetch = sm90_weight_prefetch() if state.arch == "sm_90a" else 0
     early = fused_early_prefetch() if state.arch == "sm_90a" else 0
+    weights_first = bool(weights_first or (state.arch == "sm_90a" and fused_weights_first()))
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
            weights_first, ordered, prefetch, early)

@@ -208,11 +208,20 @@ def sm90_fp4_cluster() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
+def fused_weights_first() -> bool:
+    """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST=1``: the sm_90a fused kernel's ``weights_first``
+    variant (tiles that find their pool block not ready load their first stages' weights
+    before they wait; with counted rows, each CTA's first L1 tile's right after the counts),
+    for A/B runs. Part of the fused kernel's cache key."""
+    return env_flag("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST")
+
+
 def fused_early_prefetch() -> int:
-    """``CUTE_MEGAMOE_FUSED_EARLY_PREFETCH=<k-blocks>``: the sm_90a fused kernel prefetches the
-    chosen experts' first L1 weight k-blocks into L2 before its dispatch at decode sizes
-    (`sm90_mega_moe`'s ``early_prefetch``), for A/B runs; unset or 0: off. Part of the fused
-    kernel's cache key."""
+    """``CUTE_MEGAMOE_FUSED_EARLY_PREFETCH=<k-blocks>``: the sm_90a fused kernel whose warp 0
+    loads its first L1 tile's first stages' weights right after the counts (``weights_first``
+    with counted rows) also prefetches that tile's next k-blocks into L2
+    (`sm90_mega_moe`'s ``early_prefetch``; the kernel refuses it without those early weights),
+    for A/B runs; unset or 0: off. Part of the fused kernel's cache key."""
     value = os.environ.get("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "0").strip() or "0"
     if not value.isdigit():
         raise ValueError(f"CUTE_MEGAMOE_FUSED_EARLY_PREFETCH: a number of k-blocks >= 0, got "
@@ -226,7 +235,7 @@ FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
 def fused_rows() -> str | None:
     """``CUTE_MEGAMOE_FUSED_ROWS``: how the sm_90a fused kernel moves the rows
     (`sm90_mega_moe.ROW_TRANSFERS`), forced for A/B runs; None ("auto", the default): the
-    kernel's `DEFAULT_ROW_TRANSFER`. "barrier" and the two counted transfers are different row
+    kernel's `default_row_transfer` (by the buffer's token capacity). "barrier" and the two counted transfers are different row
     protocols: every rank of a call must use one of the same kind (a mismatch traps). Part of
     the fused kernel's cache key and the layer plans' keys."""
     value = os.environ.get("CUTE_MEGAMOE_FUSED_ROWS", "auto").strip().lower()
@@ -243,7 +252,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
-                      "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH")
+                      "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -124,22 +124,31 @@ def test_weight_prefetch_compiles_in_both_gemm_stages(recipe, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-def test_early_prefetch_compiles(recipe, monkeypatch):
-    """``early_prefetch``: L2 prefetches of the chosen experts' first L1 weight k-blocks before
-    the dispatch (`prefetch.global.L2`, none without it), no spills; a negative count is
-    refused."""
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
+    """``weights_first`` with counted rows: warp 0 loads its first L1 tile's first stages'
+    weights right after the counts (more TMA load sites than without), and ``early_prefetch``
+    prefetches the next k-blocks of that tile into L2 (`UTMAPF.L2`, none without it); no
+    spills. ``early_prefetch`` without those early weights, or negative, is refused."""
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile(recipe, 64, early_prefetch=8)
-    assert kernel.early_prefetch == 8
-    _, plain = _compile(recipe, 64)
-    assert "prefetch.global.L2" in art.ptx and "prefetch.global.L2" not in plain.ptx
-    if art.sass is not None:
-        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    with pytest.raises(ValueError, match="early_prefetch"):
-        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, recipe), 64, early_prefetch=-1)
+    kernel, art = _compile(recipe, 64, row_transfer="counted", weights_first=True,
+                           early_prefetch=8)
+    assert kernel.early_weights and kernel.early_prefetch == 8
+    _, plain = _compile(recipe, 64, row_transfer="counted", weights_first=True)
+    layout = MegaMoELayout(1, 8, 64, 2, 512, 256, recipe)
+    for options in (dict(early_prefetch=-1),
+                    dict(early_prefetch=4, row_transfer="counted"),
+                    dict(early_prefetch=4, row_transfer="barrier", weights_first=True)):
+        with pytest.raises(ValueError, match="early_prefetch"):
+            Sm90MegaMoEKernel(layout, 64, **options)
+    assert not Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4_sm90"), 64,
+                                 row_transfer="counted", weights_first=True).early_weights
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert plain.count("UTMAPF.L2") == 0 and art.count("UTMAPF.L2") == kernel.l1.chunks * 8
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
 
 
 @pytest.mark.compile
@@ -308,27 +317,38 @@ def test_fused_two_ranks_on_one_gpu(recipe):
     check_fused_calls(layer, 40, 200, seed=3)
 
 
-# (None: the default row transfer; "counted" also, the candidate default)
+# (None: the default row transfer at this capacity, "counted"; "barrier" the default of larger
+# buffers; "weights_first": counted rows with the first L1 tile's weights loaded early)
+ROWS_500 = (None, "barrier", "weights_first")
+
+
+def _rows_500(rows, monkeypatch):
+    if rows == "weights_first":
+        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", "1")
+        return {0: "counted"}
+    return {0: rows} if rows else None
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", (None, "counted"))
-def test_fused_500_back_to_back_calls(rows):
+@pytest.mark.parametrize("rows", ROWS_500)
+def test_fused_500_back_to_back_calls(rows, monkeypatch):
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
-                       row_transfers={0: rows} if rows else None)
+                       row_transfers=_rows_500(rows, monkeypatch))
     layer.warm_up((64, 128))
     check_fused_calls(layer, 500, 256, seed=5, reference_every=50)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", (None, "counted"))
-def test_fused_500_graph_replays(rows):
+@pytest.mark.parametrize("rows", ROWS_500)
+def test_fused_500_graph_replays(rows, monkeypatch):
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_graph
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
-                       row_transfers={0: rows} if rows else None)
+                       row_transfers=_rows_500(rows, monkeypatch))
     layer.warm_up((64, 128))
     check_fused_graph(layer, 100, 500, seed=6)
 
@@ -468,6 +488,27 @@ def test_tile_log_variant_compiles(monkeypatch):
     assert art.count("QGMMA") > 0 if art.sass is not None else "wgmma" in art.ptx
 
 
+def test_default_row_transfer_follows_the_token_capacity():
+    """Decode-sized buffers move rows counted per pool block, larger ones behind a barrier; the
+    choice depends only on the layout, which every rank shares, and a forced one wins."""
+    from cute_megamoe.kernels.sm90_mega_moe import (
+        COUNTED_ROWS_MAX_TOKENS,
+        Sm90MegaMoEKernel,
+        default_row_transfer,
+    )
+
+    def layout(tokens):
+        return MegaMoELayout(2, 16, tokens, 4, 512, 256, "fp8xfp8")
+
+    assert default_row_transfer(layout(1)) == "counted"
+    assert default_row_transfer(layout(COUNTED_ROWS_MAX_TOKENS)) == "counted"
+    assert default_row_transfer(layout(COUNTED_ROWS_MAX_TOKENS + 1)) == "barrier"
+    assert default_row_transfer(layout(8192)) == "barrier"
+    assert Sm90MegaMoEKernel(layout(8192), 128).row_transfer == "barrier"
+    assert Sm90MegaMoEKernel(layout(128), 64).rows_counted
+    assert Sm90MegaMoEKernel(layout(128), 64, row_transfer="barrier").row_transfer == "barrier"
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
                                             ("fp8xfp4_sm90", 64), ("fp8xfp4_sm90", 128)])
@@ -477,13 +518,13 @@ def test_row_transfers_compile(recipe, block_m, monkeypatch):
     own pool with GPU-scope releases, the rows with a fence per batch of rows and relaxed
     adds at system scope, R = 2 here). "barrier" and "counted" spill nothing; "with_gemm"'s
     senders share the producer warpgroup's 40 registers (a few spill at BLOCK_M 128)."""
-    from cute_megamoe.kernels.sm90_mega_moe import DEFAULT_ROW_TRANSFER, ROW_TRANSFERS
+    from cute_megamoe.kernels.sm90_mega_moe import ROW_TRANSFERS
     from cute_megamoe.layout import CountWord
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
     built = {t: _compile(recipe, block_m, row_transfer=t) for t in ROW_TRANSFERS}
-    assert _compile(recipe, block_m)[0].row_transfer == DEFAULT_ROW_TRANSFER
+    assert _compile(recipe, block_m)[0].row_transfer == "counted"  # (512 tokens per rank)
     for t, (kernel, art) in built.items():
         counted = t != "barrier"
         assert kernel.dispatch.pool_order == kernel.rows_counted == counted
@@ -502,8 +543,9 @@ def test_row_transfers_compile(recipe, block_m, monkeypatch):
 @pytest.mark.compile
 def test_weights_first_variant_compiles(monkeypatch):
     """The variant whose tiles that find their pool block not ready load their first stages'
-    weights before they wait: more TMA load sites (the weights-first loops), no spills with
-    waits that never time out, the default build without them."""
+    weights before they wait (with counted rows, the first L1 tile's right after the counts):
+    more TMA load sites (the weights-first loops), no spills with waits that never time out,
+    the default build without them."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     plain, art = _compile("fp8xfp8", 64, row_transfer="counted")
     first, art_first = _compile("fp8xfp8", 64, row_transfer="counted", weights_first=True)
@@ -519,12 +561,15 @@ def test_weights_first_variant_compiles(monkeypatch):
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
                                      dict(row_transfer="with_gemm"),
                                      dict(row_transfer="counted", weights_first=True),
-                                     dict(weight_prefetch="8"), dict(early_prefetch="8")])
+                                     dict(weight_prefetch="8"),
+                                     dict(row_transfer="counted", weights_first=True,
+                                          early_prefetch="8")])
 def test_fused_ab_variants_match_staged(variant, monkeypatch):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
     combine at BLOCK_M 64; each way of moving the rows; weights loaded before a tile's wait;
-    weights prefetched into L2, `CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`, and before the dispatch,
-    `CUTE_MEGAMOE_FUSED_EARLY_PREFETCH`) give the same bits."""
+    weights prefetched into L2, `CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`; with counted rows the
+    first L1 tile's weights loaded right after the counts, and with
+    `CUTE_MEGAMOE_FUSED_EARLY_PREFETCH` its next ones prefetched) give the same bits."""
     _gpu()
     variant = dict(variant)
     if "weight_prefetch" in variant:

@@ -271,13 +271,14 @@ class DispatchKernel:
     @cute.jit
     def exchange_counts(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
                         expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays,
-                        stamp=None):
+                        stamp=None, metadata: cutlass.Constexpr = True):
         """Steps 1-6 by every thread of every CTA, into the shared-memory `arrays`
         (`allocate_arrays`). Returns `(own_count, own_row_start, own_block_start)`:
         this rank's `[src][expert]` received counts and pool prefix sums in shared memory.
         The metadata stores of step 6 are this thread's own: a reader meets the grid first.
         ``stamp``: None, or a trace-time callable ``stamp(name)`` (the fused kernel's phase
-        clock) called after steps 3, 4 and 5."""
+        clock) called after steps 3, 4 and 5. ``metadata`` False: without step 6 (the caller
+        runs `write_metadata` itself)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -414,7 +415,8 @@ class DispatchKernel:
                 e += self.num_threads
 
         # 6. weights, scales and metadata of the received rows
-        self.write_metadata(peer_bases, my_base, own_count, own_row_start, own_block_start)
+        if cutlass.const_expr(metadata):
+            self.write_metadata(peer_bases, my_base, own_count, own_row_start, own_block_start)
         return own_count, own_row_start, own_block_start
 
     @cute.jit

@@ -671,7 +671,8 @@ class Sm90ExpertGemmKernel:
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
                 log_first: Int32 = 0, ready_target: Int32 = None,
-                rows_arrived: cute.Pointer = None, arrivals_per_row: cutlass.Constexpr = 1):
+                rows_arrived: cute.Pointer = None, arrivals_per_row: cutlass.Constexpr = 1,
+                preloaded: Int32 = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles`` (FP4 weights: A and
         the scale vectors; `produce_packed` loads the weights); in a cluster whose
@@ -683,20 +684,17 @@ class Sm90ExpertGemmKernel:
         it, or with a ``ready_slot`` its first tile once ``ready[ready_slot]`` reaches
         ``ready_target`` (every L1 tile done). A tile that waits for its pool block loads the
         weights of its first stages before the wait (they depend on nothing; FP8 and BF16
-        weights, whose B this warp loads). With
+        weights, whose B this warp loads). ``preloaded``: the weights of that many first
+        stages of tile ``first_tile`` were loaded already (`load_first_weights`, from ``state``
+        on); their rows follow once the block is ready. With
         ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of this walk is
         recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
         ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
         num_tiles)``."""
         g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
-        g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                            cute.group_modes(sa, 0, 2), cute.group_modes(g_a, 0, 2))
-        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                           cute.group_modes(sb, 0, 2), cute.group_modes(g_b, 0, 2))
-        t_sb_mc, t_gb_mc = cpasync.tma_partition(tma_b_mc, 0, cute.make_layout(1),
-                                                 cute.group_modes(sb, 0, 2),
-                                                 cute.group_modes(g_b, 0, 2))
+        t_sb, t_gb, t_sb_mc, t_gb_mc = self.weight_partitions(tma_b, tma_b_mc, m_b, sb)
         b_blocks_per_expert = self.n // WG_N
         tile = first_tile
         owner = Int32(0)
@@ -725,18 +723,28 @@ class Sm90ExpertGemmKernel:
                                                  and self.ready_slot is None)
             prefill = min(self.num_stages, self.num_k_blocks) if gated and not \
                 self.fp4_weights and self.weights_first else 0
-            n_pre = Int32(0)  # stages loaded weights first (0 .. prefill)
+            early = preloaded is not None
+            n_pre = Int32(0)  # stages loaded weights first (0 .. prefill, or `preloaded`)
+            n_loaded = Int32(0)  # of them, those `load_first_weights` loaded
             a_state = None
-            if cutlass.const_expr(prefill > 0):
+            if cutlass.const_expr(prefill > 0 or early):
                 a_state = state.clone()
+            if cutlass.const_expr(early):
+                if tile == first_tile:
+                    n_pre = preloaded
+                    n_loaded = preloaded
+                    for _kb in cutlass.range(n_loaded):
+                        state.advance()
+            if cutlass.const_expr(prefill > 0):
                 if cutlass.const_expr(rows_arrived is not None):
                     gate, target = rows_arrived + pool_block, valid_m * arrivals_per_row
                 else:
                     gate, target = ready + pool_block, Int32(self.waits_ready)
                 # (a hint: the wait below acquires)
-                if cute.arch.load(gate, Int32, sem="relaxed", scope="gpu") - target < 0:
+                if n_pre == 0 and cute.arch.load(gate, Int32, sem="relaxed",
+                                                 scope="gpu") - target < 0:
                     n_pre = Int32(prefill)
-                for kb in cutlass.range(n_pre):
+                for kb in cutlass.range(n_loaded, n_pre):
                     bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
@@ -758,7 +766,7 @@ class Sm90ExpertGemmKernel:
                 # the L1 rows came through bulk (async proxy) stores and generic stores; the
                 # acquire above is generic: order the TMA loads below after it
                 cute.arch.fence_proxy("async.global")
-            if cutlass.const_expr(prefill > 0):
+            if cutlass.const_expr(prefill > 0 or early):
                 for kb in cutlass.range(n_pre):
                     self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
                                    a_state.index, ab_pipe.producer_get_barrier(a_state), lane)
@@ -779,6 +787,48 @@ class Sm90ExpertGemmKernel:
                 state.advance()
             tile += num_clusters
         return state, tile
+
+    @cute.jit
+    def weight_partitions(self, tma_b, tma_b_mc, m_b, sb):
+        """The TMA views of the weights and of the ring's weight stages, per 128-row chunk and
+        k-block: ``(t_sb, t_gb, t_sb_mc, t_gb_mc)`` (the last two for the cluster multicast)."""
+        g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
+        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sb, 0, 2), cute.group_modes(g_b, 0, 2))
+        t_sb_mc, t_gb_mc = cpasync.tma_partition(tma_b_mc, 0, cute.make_layout(1),
+                                                 cute.group_modes(sb, 0, 2),
+                                                 cute.group_modes(g_b, 0, 2))
+        return t_sb, t_gb, t_sb_mc, t_gb_mc
+
+    @cute.jit
+    def load_first_weights(self, tma_b, tma_b_mc, m_b, sb, sfb, b_sf: cute.Pointer, ab_pipe,
+                           block_start, row_start, num_tiles: Int32, first_tile: Int32,
+                           raster_group: Int32, lane: Int32, state, l2_ahead: cutlass.Constexpr):
+        """Warp 0, before its pool block's rows can be there (the fused kernel, right after the
+        counts): the weights of the first stages of tile ``first_tile`` into the ring from
+        ``state`` on (FP8 and BF16 weights, no clusters), and the next ``l2_ahead`` k-blocks'
+        weights into L2. Returns how many stages (0: no tile), for `produce`'s ``preloaded``;
+        ``state`` itself does not move."""
+        t_sb, t_gb, t_sb_mc, t_gb_mc = self.weight_partitions(tma_b, tma_b_mc, m_b, sb)
+        stages = min(self.num_stages, self.num_k_blocks)
+        n = Int32(0)
+        if first_tile < num_tiles:
+            _o, multicast, expert, n_block, _b, _v = self.pair_tile(
+                first_tile, Int32(0), block_start, row_start, raster_group, Int32(0))
+            b_block = expert * (self.n // WG_N) + n_block * self.chunks
+            st = state.clone()
+            for kb in cutlass.range(stages):
+                bar = self.acquire_stage(ab_pipe, st, self.extra_tx_bytes, lane)
+                self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
+                                  multicast, b_block, expert, Int32(0), kb, st.index, bar, lane)
+                st.advance()
+            if lane == 0:  # (one prefetch per box: the PTX instruction is per thread)
+                for kb in cutlass.range_constexpr(stages, min(stages + l2_ahead,
+                                                              self.num_k_blocks)):
+                    for c in cutlass.range_constexpr(self.chunks):
+                        cute.prefetch(tma_b, t_gb[(None, b_block + c, kb)])
+            n = Int32(stages)
+        return n
 
     @cute.jit
     def load_rows(self, tma_a, t_ga, t_sa, sfa, a_sf: cute.Pointer, pool_block: Int32,

@@ -65,8 +65,10 @@ that peer sent in this call, and a rank's next call rewrites its inputs and scat
 after this call's combine barriers, which every rank passes after its own dispatch.
 
 A/B options (off by default): `ordered_mma` and `weight_prefetch` of the GEMM stages
-(`sm90_expert_gemm`), `weights_first`, and `early_prefetch` (at decode sizes, the chosen
-experts' first L1 weight k-blocks prefetched into L2 before the dispatch).
+(`sm90_expert_gemm`), `weights_first` (with the counted row transfers also: warp 0 loads the
+weights of its first L1 tile's first stages as soon as the counts are in, before the metadata
+and the rows), and `early_prefetch` (with those early weights, the next k-blocks of that tile
+into L2 as well).
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
 BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
@@ -97,12 +99,6 @@ from .sm90_expert_gemm import (
 )
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
-# `early_prefetch`: calls with at most this many (token, slot) pairs prefetch the chosen local
-# experts' first L1 weight k-blocks into L2 before the dispatch (two per lane of a warp), and
-# at most this many bytes in all (about half of the H100 / H200 L2)
-EARLY_PREFETCH_PAIRS = 64
-EARLY_PREFETCH_BYTES = 24 << 20
-L2_LINE = 128  # bytes of one prefetch (an L2 cache line)
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
 # prefix sums are in place ("barrier" rows: once the pool is complete), with the counted row
 # transfers when its first warp ("with_gemm": first sender warp) has sent its rows, when
@@ -130,14 +126,20 @@ REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet befor
 # rank meets (the staged dispatch's protocol), then the GEMMs; "counted": every warp pushes
 # them counting each row (and its metadata) into its pool block, and an L1 tile starts once its
 # block is complete, with no barrier; "with_gemm": as "counted", but the producer warpgroup's
-# spare warps push while the GEMMs run. On an H200 at R = 1 (docs/performance.md): the kernel
-# alone (phase clock, interleaved) took 0.94-0.95x the time of "barrier" with "counted" at 1
-# token, 0.98-0.99x at 128 and 0.95-1.03x at 4096-8192; but in back-to-back layer calls
-# (`bench_layer`, alternating processes) "counted" took 1.13-1.14x (4096) and 1.04-1.05x
-# (8192) the time of "barrier", not understood yet; "with_gemm" 1.01-1.04x at 4096-8192 (the
-# senders slow the tensor-bound L1 tiles). So "barrier" stays the default
+# spare warps push while the GEMMs run. On an H200 at R = 1, layer calls back to back in one
+# process (CUDA graphs, docs/performance.md), "counted" against "barrier": 0.96x at 1 token,
+# 0.99x at 128 and 512, 0.97x at 1024, 1.01x at 2048, 1.02-1.03x at 4096-8192 ("with_gemm":
+# 1.01-1.04x at 4096-8192, its senders slow the tensor-bound L1 tiles). The default follows the
+# buffer's token capacity, which every rank shares (the two protocols must not mix): "counted"
+# up to COUNTED_ROWS_MAX_TOKENS per rank (decode buffers), "barrier" above
 ROW_TRANSFERS = ("barrier", "counted", "with_gemm")
-DEFAULT_ROW_TRANSFER = "barrier"
+COUNTED_ROWS_MAX_TOKENS = 1024
+
+
+def default_row_transfer(layout: MegaMoELayout) -> str:
+    """The row transfer of a layer on ``layout`` when none is forced (see `ROW_TRANSFERS`)."""
+    return "counted" if layout.num_max_tokens_per_rank <= COUNTED_ROWS_MAX_TOKENS else "barrier"
+
 
 
 class Sm90MegaMoEKernel:
@@ -192,7 +194,7 @@ class Sm90MegaMoEKernel:
         # different row protocols, which every rank of a call must share (published in the
         # count words and checked, `layout.CountWord`); "counted" and "with_gemm" are one
         # protocol, so ranks may mix them (and BLOCK_Ms)
-        row_transfer = DEFAULT_ROW_TRANSFER if row_transfer is None else row_transfer
+        row_transfer = default_row_transfer(layout) if row_transfer is None else row_transfer
         if row_transfer not in ROW_TRANSFERS:
             raise ValueError(f"row_transfer: one of {ROW_TRANSFERS}, got {row_transfer!r}")
         self.row_transfer = row_transfer
@@ -244,18 +246,24 @@ class Sm90MegaMoEKernel:
         # weights before they wait (`Sm90ExpertGemmKernel.produce`). Off: loading them first
         # for every waiting tile (the A/B of docs/performance.md) took 0.97x the time at 1
         # token with counted rows but delayed ready tiles' first stages (1.02-1.04x at
-        # 4096-8192 with barrier rows); the variant that checks the pool block first is
-        # compiled, not measured
+        # 4096-8192 with barrier rows); the variant that checks the pool block first measured
+        # no change at 1 token, where with counted rows a CTA's own pushes come before its
+        # first tile. So with the counted transfers (FP8 / BF16 weights, no clusters) warp 0
+        # also loads its first L1 tile's first stages' weights once the pool's prefix sums are
+        # in place, before the metadata and the rows (1 token: about 6 us of DRAM time that
+        # idled)
         self.l1.weights_first = self.l2.weights_first = bool(weights_first)
-        # `early_prefetch` k-blocks: at decode sizes the first microseconds of a call (counts,
-        # exchange, metadata, rows: 9-11 us at 1 token) leave DRAM idle, while the L1 tiles
-        # that follow are bound by reading their weights. With at most EARLY_PREFETCH_PAIRS
-        # pairs every CTA first prefetches into L2 its share of the first k-blocks of the L1
-        # weight rows of each local expert this rank's tokens chose (the tile walk is not known
-        # yet: the same experts at R = 1, the own tokens' share of them at R > 1), at most
-        # EARLY_PREFETCH_BYTES in all. 0: off. An A/B option
+        self.early_weights = (self.l1.weights_first and self.rows_counted
+                              and not self.fp4_weights and self.cluster_m == 1)
+        # `early_prefetch` k-blocks: with the early weights, the next k-blocks of the first L1
+        # tile into L2 too (beyond what the ring holds). 0: off. An A/B option
         if early_prefetch < 0:
             raise ValueError(f"early_prefetch must be >= 0, got {early_prefetch}")
+        if early_prefetch and not self.early_weights:
+            raise ValueError("early_prefetch: it extends the early weights of `weights_first` "
+                             "with counted rows (FP8 / BF16 weights, cluster_m 1); got "
+                             f"weights_first={weights_first}, row_transfer={row_transfer!r}, "
+                             f"recipe {layout.recipe!r}, cluster_m {cluster_m}")
         self.early_prefetch = int(early_prefetch)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
@@ -371,7 +379,7 @@ class Sm90MegaMoEKernel:
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
-                    tile_log, y, w1_group_sf, w2_group_sf, w1).launch(
+                    tile_log, y, w1_group_sf, w2_group_sf).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True)
@@ -388,7 +396,7 @@ class Sm90MegaMoEKernel:
                token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
                pool_block_ready: cute.Pointer, phase_clock: cute.Pointer,
                tile_log: cute.Pointer, y: cute.Pointer, w1_group_sf: cute.Pointer,
-               w2_group_sf: cute.Pointer, w1: cute.Pointer):
+               w2_group_sf: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -408,9 +416,6 @@ class Sm90MegaMoEKernel:
         if warp == 0:
             for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
                 cpasync.prefetch_descriptor(atom)
-        if cutlass.const_expr(self.early_prefetch > 0):
-            self.prefetch_chosen_weights(w1, self.regions.ptr(my_base, "topk_idx"), rank,
-                                         num_tokens, bidx, grid, warp, lane)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -454,11 +459,25 @@ class Sm90MegaMoEKernel:
         # layout, and the pool blocks count their rows and metadata in (no barrier), the rows
         # moving now ("counted", every warp) or while the GEMMs run ("with_gemm")
         dispatch = None
+        preloaded = None  # (the early weights: stages of the first L1 tile loaded)
         if cutlass.const_expr(self.rows_counted):
             dispatch = self.dispatch.allocate_arrays(smem)
-            _counts, row_start, block_start = self.dispatch.exchange_counts(
+            counts, row_start, block_start = self.dispatch.exchange_counts(
                 peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch,
-                self.dispatch_stamp(stamps, tidx))
+                self.dispatch_stamp(stamps, tidx), metadata=not self.early_weights)
+            if cutlass.const_expr(self.early_weights):
+                # the first L1 tile's weights stream in while this CTA writes metadata and
+                # pushes rows (its rows follow in `produce`)
+                preloaded = Int32(0)
+                if warp == 0:
+                    preloaded = self.l1.load_first_weights(
+                        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
+                        self.l1.scheduler.num_tiles(block_start), cluster,
+                        Int32(self.l1.raster_group), lane,
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages), self.early_prefetch)
+                self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
+                                             block_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
             if cutlass.const_expr(not self.rows_with_gemm):
                 num_warps = self.num_threads // 32
@@ -494,7 +513,8 @@ class Sm90MegaMoEKernel:
                     Int32(self.l1.raster_group), cta_rank, lane, state,
                     barrier_slots=barrier, tile_log=log,
                     rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
-                    else None, arrivals_per_row=self.dispatch.arrivals_per_row)
+                    else None, arrivals_per_row=self.dispatch.arrivals_per_row,
+                    preloaded=preloaded)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
@@ -596,53 +616,6 @@ class Sm90MegaMoEKernel:
             self.stamp(stamps, "decode_done", tid == 0)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
-
-    @cute.jit
-    def prefetch_chosen_weights(self, w1: cute.Pointer, topk_idx: cute.Pointer, rank: Int32,
-                                num_tokens: Int32, bidx: Int32, grid: Int32, warp: Int32,
-                                lane: Int32):
-        """`early_prefetch`: every thread, before the dispatch (see the option in
-        ``__init__``). CTA ``c`` takes rows ``[c * ceil(N / grid), ...)`` of the L1 weights of
-        each pair's expert, if local, their first `lines` cache lines each; a warp reads the
-        pairs' experts once (two per lane) and walks them by shuffles."""
-        E_l, K = self.num_local_experts, self.layout.num_topk
-        num_pairs = num_tokens * K
-        if num_pairs <= EARLY_PREFETCH_PAIRS:
-            l1 = self.l1
-            row_bytes = l1.k // 2 if cutlass.const_expr(self.fp4_weights) else l1.k
-            # cache lines per weight row: the option's k-blocks, within the byte budget
-            # shared by the (at most) min(pairs, E_l) chosen experts
-            chosen = cutlass.max(cutlass.min(num_pairs, Int32(E_l)), Int32(1))
-            budget = Int32(EARLY_PREFETCH_BYTES // (l1.n * L2_LINE)) // chosen
-            # (never past the row: a prefetch of another row's bytes, or past the weights)
-            lines = cutlass.min(Int32(min(self.early_prefetch * l1.b_load_k(), row_bytes)
-                                      // L2_LINE), budget)
-            rows_per_cta = (l1.n + grid - 1) // grid
-            firsts = []  # the expert of pair lane, of pair 32 + lane
-            for half in cutlass.range_constexpr(EARLY_PREFETCH_PAIRS // 32):
-                p = 32 * half + lane
-                expert = Int32(-1)
-                if p < num_pairs:
-                    expert = Int32(cute.arch.load(topk_idx + p, Int64))
-                firsts.append(expert)
-            num_warps = self.num_threads // 32
-            for p in cutlass.range(num_pairs):
-                mine = firsts[0]
-                if p >= 32:
-                    mine = firsts[1]
-                expert = cute.arch.shuffle_sync(mine, p % 32)
-                local = expert - rank * E_l
-                if local >= 0 and local < E_l:
-                    i = warp * 32 + lane
-                    while i < rows_per_cta * lines:
-                        row = bidx * rows_per_cta + i // lines
-                        if row < l1.n:
-                            offset = (Int64(local) * l1.n + row) * row_bytes \
-                                + (i % lines) * L2_LINE
-                            cute.arch.prefetch(cute.make_ptr(Uint8, w1.toint() + offset,
-                                                             cute.AddressSpace.gmem),
-                                               cache_level="L2")
-                        i += num_warps * 32
 
     def dispatch_stamp(self, stamps: cute.Pointer, tidx: Int32):
         """With `phase_clock`: the dispatch's own stamps (thread 0, unfenced: a fence there
