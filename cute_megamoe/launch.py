@@ -30,8 +30,8 @@ from .runtime import (
     as_ptr,
     compiled_kernel,
     fused_early_prefetch,
-    fused_weights_first,
     fused_rows,
+    fused_weights_first,
     get_arch,
     launch_path,
     sm90_fp4_cluster,
@@ -425,7 +425,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                phase_clock: torch.Tensor | None = None,
                tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
                extra_warpgroups: int = 0, row_transfer: str | None = None,
-               weights_first: bool = False) -> KernelCall:
+               weights_first: bool | None = None) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -437,9 +437,10 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ``extra_warpgroups`` 1 the variant with a warpgroup more for the dispatch and combine
     phases (BLOCK_M 64); ``row_transfer`` how the rows move (`sm90_mega_moe.ROW_TRANSFERS`;
     None: `runtime.fused_rows`, else the kernel's default; every rank of the call must use one
-    of the same row protocol); ``weights_first`` True (or ``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``)
-    the variant whose tiles that find their pool block not ready load their first stages'
-    weights before they wait (with counted rows, the first L1 tile's right after the counts)."""
+    of the same row protocol); ``weights_first`` (None: ``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``,
+    else the kernel's default, on with counted rows): tiles that find their pool block not
+    ready load their first stages' weights before they wait (with counted rows, the first L1
+    tile's right after the counts)."""
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
@@ -452,7 +453,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                and promotion in (None, "chunk") and sm90_ordered_mma() == ("l1", "l2"))
     prefetch = sm90_weight_prefetch() if state.arch == "sm_90a" else 0
     early = fused_early_prefetch() if state.arch == "sm_90a" else 0
-    weights_first = bool(weights_first or (state.arch == "sm_90a" and fused_weights_first()))
+    if weights_first is None and state.arch == "sm_90a":
+        weights_first = fused_weights_first()
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
            weights_first, ordered, prefetch, early)
@@ -462,7 +464,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
             if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
-                    or row_transfer is not None or weights_first):
+                    or row_transfer is not None or weights_first is not None):
                 raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
                                  "warpgroups and row transfer are sm_90a only")
             return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,

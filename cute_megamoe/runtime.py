@@ -208,11 +208,14 @@ def sm90_fp4_cluster() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
-def fused_weights_first() -> bool:
-    """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST=1``: the sm_90a fused kernel's ``weights_first``
-    variant (tiles that find their pool block not ready load their first stages' weights
-    before they wait; with counted rows, each CTA's first L1 tile's right after the counts),
-    for A/B runs. Part of the fused kernel's cache key."""
+def fused_weights_first() -> bool | None:
+    """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
+    ``weights_first`` on or off (tiles that find their pool block not ready load their first
+    stages' weights before they wait; with counted rows, each CTA's first L1 tile's right after
+    the counts), for A/B runs; unset: None, the kernel's default (on with counted rows). Part
+    of the fused kernel's cache key."""
+    if os.environ.get("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST") is None:
+        return None
     return env_flag("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST")
 
 
@@ -235,9 +238,10 @@ FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
 def fused_rows() -> str | None:
     """``CUTE_MEGAMOE_FUSED_ROWS``: how the sm_90a fused kernel moves the rows
     (`sm90_mega_moe.ROW_TRANSFERS`), forced for A/B runs; None ("auto", the default): the
-    kernel's `default_row_transfer` (by the buffer's token capacity). "barrier" and the two counted transfers are different row
-    protocols: every rank of a call must use one of the same kind (a mismatch traps). Part of
-    the fused kernel's cache key and the layer plans' keys."""
+    kernel's `default_row_transfer` (by the buffer's token capacity). "barrier" and the two
+    counted transfers are different row protocols: every rank of a call must use one of the
+    same kind (a mismatch traps). Part of the fused kernel's cache key and the layer plans'
+    keys."""
     value = os.environ.get("CUTE_MEGAMOE_FUSED_ROWS", "auto").strip().lower()
     if value not in FUSED_ROWS:
         raise ValueError(f"CUTE_MEGAMOE_FUSED_ROWS: one of {FUSED_ROWS}, got {value!r}")

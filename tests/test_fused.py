@@ -136,10 +136,11 @@ def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
     kernel, art = _compile(recipe, 64, row_transfer="counted", weights_first=True,
                            early_prefetch=8)
     assert kernel.early_weights and kernel.early_prefetch == 8
-    _, plain = _compile(recipe, 64, row_transfer="counted", weights_first=True)
+    default, plain = _compile(recipe, 64, row_transfer="counted")
+    assert default.early_weights and default.early_prefetch == 0
     layout = MegaMoELayout(1, 8, 64, 2, 512, 256, recipe)
     for options in (dict(early_prefetch=-1),
-                    dict(early_prefetch=4, row_transfer="counted"),
+                    dict(early_prefetch=4, row_transfer="counted", weights_first=False),
                     dict(early_prefetch=4, row_transfer="barrier", weights_first=True)):
         with pytest.raises(ValueError, match="early_prefetch"):
             Sm90MegaMoEKernel(layout, 64, **options)
@@ -176,10 +177,11 @@ def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    # (rows_sent only with the counted row transfers; packed_done, decode_done only
+    # (the counted row transfers, the default at 512 tokens per rank: rows_sent, and three of
+    # the dispatch's four, rows_pushed being the barrier rows'; packed_done, decode_done only
     # with FP4 weights)
-    dispatch_stamps = 4
-    stamps = len(PHASE_STAMPS) - dispatch_stamps - (1 if recipe == "fp8xfp4_sm90" else 3)
+    dispatch_stamps = 3
+    stamps = len(PHASE_STAMPS) - 4 - (0 if recipe == "fp8xfp4_sm90" else 2)
     _, plain = _compile(recipe, 64)
     _, clocked = _compile(recipe, 64, phase_clock=True)
     # (the spin-waits read the timer too)
@@ -317,38 +319,31 @@ def test_fused_two_ranks_on_one_gpu(recipe):
     check_fused_calls(layer, 40, 200, seed=3)
 
 
-# (None: the default row transfer at this capacity, "counted"; "barrier" the default of larger
-# buffers; "weights_first": counted rows with the first L1 tile's weights loaded early)
-ROWS_500 = (None, "barrier", "weights_first")
-
-
-def _rows_500(rows, monkeypatch):
-    if rows == "weights_first":
-        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", "1")
-        return {0: "counted"}
-    return {0: rows} if rows else None
+# (None: the default row transfer at this capacity, counted rows with the early weights;
+# "barrier" the default of larger buffers)
+ROWS_500 = (None, "barrier")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", ROWS_500)
-def test_fused_500_back_to_back_calls(rows, monkeypatch):
+def test_fused_500_back_to_back_calls(rows):
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
-                       row_transfers=_rows_500(rows, monkeypatch))
+                       row_transfers={0: rows} if rows else None)
     layer.warm_up((64, 128))
     check_fused_calls(layer, 500, 256, seed=5, reference_every=50)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", ROWS_500)
-def test_fused_500_graph_replays(rows, monkeypatch):
+def test_fused_500_graph_replays(rows):
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_graph
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
-                       row_transfers=_rows_500(rows, monkeypatch))
+                       row_transfers={0: rows} if rows else None)
     layer.warm_up((64, 128))
     check_fused_graph(layer, 100, 500, seed=6)
 
@@ -547,9 +542,12 @@ def test_weights_first_variant_compiles(monkeypatch):
     more TMA load sites (the weights-first loops), no spills with waits that never time out,
     the default build without them."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    plain, art = _compile("fp8xfp8", 64, row_transfer="counted")
-    first, art_first = _compile("fp8xfp8", 64, row_transfer="counted", weights_first=True)
+    plain, art = _compile("fp8xfp8", 64, row_transfer="counted", weights_first=False)
+    first, art_first = _compile("fp8xfp8", 64, row_transfer="counted")  # (the default there)
     assert not plain.l1.weights_first and first.l1.weights_first and first.l2.weights_first
+    assert first.early_weights and not plain.early_weights
+    barrier, _ = _compile("fp8xfp8", 64, row_transfer="barrier")
+    assert not barrier.l1.weights_first and not barrier.early_weights
     if art.sass is None:
         pytest.skip("nvdisasm not available")
     assert art_first.count("UTMALDG") > art.count("UTMALDG")
@@ -560,7 +558,7 @@ def test_weights_first_variant_compiles(monkeypatch):
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
                                      dict(row_transfer="with_gemm"),
-                                     dict(row_transfer="counted", weights_first=True),
+                                     dict(row_transfer="counted", weights_first=False),
                                      dict(weight_prefetch="8"),
                                      dict(row_transfer="counted", weights_first=True,
                                           early_prefetch="8")])

@@ -467,9 +467,10 @@ def test_kernel_variant_variables_parse_and_key_the_plans(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert runtime.sm90_ordered_mma() == ()
     assert runtime.sm90_weight_prefetch() == runtime.fused_early_prefetch() == 0
-    assert not runtime.sm90_transposed() and not runtime.fused_weights_first()
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", "1")
-    assert runtime.fused_weights_first()
+    assert not runtime.sm90_transposed() and runtime.fused_weights_first() is None
+    for value, forced in (("1", True), ("0", False)):
+        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", value)
+        assert runtime.fused_weights_first() is forced
     for value, phases in (("1", ("l1", "l2")), ("l1", ("l1",)), ("L2", ("l2",)), ("0", ())):
         monkeypatch.setenv("CUTE_MEGAMOE_SM90_ORDERED_MMA", value)
         assert runtime.sm90_ordered_mma() == phases

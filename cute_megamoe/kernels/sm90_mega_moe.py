@@ -151,7 +151,7 @@ class Sm90MegaMoEKernel:
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
                  promotion: str | None = None, row_transfer: str | None = None,
-                 weights_first: bool = False, ordered_mma: bool = False,
+                 weights_first: bool | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, early_prefetch: int = 0):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
@@ -243,17 +243,20 @@ class Sm90MegaMoEKernel:
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
         # `weights_first`: tiles whose pool block is not ready load their first stages'
-        # weights before they wait (`Sm90ExpertGemmKernel.produce`). Off: loading them first
-        # for every waiting tile (the A/B of docs/performance.md) took 0.97x the time at 1
-        # token with counted rows but delayed ready tiles' first stages (1.02-1.04x at
-        # 4096-8192 with barrier rows); the variant that checks the pool block first measured
-        # no change at 1 token, where with counted rows a CTA's own pushes come before its
-        # first tile. So with the counted transfers (FP8 / BF16 weights, no clusters) warp 0
-        # also loads its first L1 tile's first stages' weights once the pool's prefix sums are
-        # in place, before the metadata and the rows (1 token: about 6 us of DRAM time that
-        # idled)
+        # weights before they wait (`Sm90ExpertGemmKernel.produce`). Loading them first for
+        # every waiting tile (the A/B of docs/performance.md) delayed ready tiles' first stages
+        # (1.02-1.04x at 4096-8192 with barrier rows); the variant that checks the pool block
+        # first measured no change at 1 token, where with counted rows a CTA's own pushes come
+        # before its first tile. So with the counted transfers (FP8 / BF16 weights, no
+        # clusters, BLOCK_M 64) warp 0 also loads its first L1 tile's first stages' weights
+        # once the pool's prefix sums are in place, before the metadata and the rows: 1 token 108 us
+        # graph against 114 (R = 1, H200), 128 tokens unchanged. None (default): on with the
+        # counted transfers at BLOCK_M 64, else off ("barrier": unmeasured at large M; BLOCK_M
+        # 128: the producer warp's 40 registers spill 3 with it)
+        if weights_first is None:
+            weights_first = self.rows_counted and block_m == 64
         self.l1.weights_first = self.l2.weights_first = bool(weights_first)
-        self.early_weights = (self.l1.weights_first and self.rows_counted
+        self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights and self.cluster_m == 1)
         # `early_prefetch` k-blocks: with the early weights, the next k-blocks of the first L1
         # tile into L2 too (beyond what the ring holds). 0: off. An A/B option
@@ -261,9 +264,10 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"early_prefetch must be >= 0, got {early_prefetch}")
         if early_prefetch and not self.early_weights:
             raise ValueError("early_prefetch: it extends the early weights of `weights_first` "
-                             "with counted rows (FP8 / BF16 weights, cluster_m 1); got "
-                             f"weights_first={weights_first}, row_transfer={row_transfer!r}, "
-                             f"recipe {layout.recipe!r}, cluster_m {cluster_m}")
+                             "with counted rows (FP8 / BF16 weights, BLOCK_M 64, cluster_m 1); "
+                             f"got weights_first={weights_first}, "
+                             f"row_transfer={row_transfer!r}, recipe {layout.recipe!r}, "
+                             f"BLOCK_M {block_m}, cluster_m {cluster_m}")
         self.early_prefetch = int(early_prefetch)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
