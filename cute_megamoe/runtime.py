@@ -223,7 +223,7 @@ def fused_early_prefetch() -> int:
     """``CUTE_MEGAMOE_FUSED_EARLY_PREFETCH=<k-blocks>``: the sm_90a fused kernel whose warp 0
     loads its first L1 tile's first stages' weights right after the counts (``weights_first``
     with counted rows) also prefetches that tile's next k-blocks into L2
-    (`sm90_mega_moe`'s ``early_prefetch``; the kernel refuses it without those early weights),
+    (`sm90_mega_moe`'s ``early_prefetch``; a kernel without those early weights ignores it),
     for A/B runs; unset or 0: off. Part of the fused kernel's cache key."""
     value = os.environ.get("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "0").strip() or "0"
     if not value.isdigit():

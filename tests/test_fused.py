@@ -129,7 +129,8 @@ def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
     """``weights_first`` with counted rows: warp 0 loads its first L1 tile's first stages'
     weights right after the counts (more TMA load sites than without), and ``early_prefetch``
     prefetches the next k-blocks of that tile into L2 (`UTMAPF.L2`, none without it); no
-    spills. ``early_prefetch`` without those early weights, or negative, is refused."""
+    spills. ``early_prefetch`` is 0 in a kernel without those early weights, and refused when
+    negative."""
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
@@ -139,11 +140,13 @@ def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
     default, plain = _compile(recipe, 64, row_transfer="counted")
     assert default.early_weights and default.early_prefetch == 0
     layout = MegaMoELayout(1, 8, 64, 2, 512, 256, recipe)
-    for options in (dict(early_prefetch=-1),
-                    dict(early_prefetch=4, row_transfer="counted", weights_first=False),
-                    dict(early_prefetch=4, row_transfer="barrier", weights_first=True)):
-        with pytest.raises(ValueError, match="early_prefetch"):
-            Sm90MegaMoEKernel(layout, 64, **options)
+    with pytest.raises(ValueError, match="early_prefetch"):
+        Sm90MegaMoEKernel(layout, 64, early_prefetch=-1)
+    for block_m, options in ((64, dict(row_transfer="counted", weights_first=False)),
+                             (64, dict(row_transfer="barrier", weights_first=True)),
+                             (128, dict(row_transfer="counted", weights_first=True))):
+        kernel_without = Sm90MegaMoEKernel(layout, block_m, early_prefetch=4, **options)
+        assert not kernel_without.early_weights and kernel_without.early_prefetch == 0
     assert not Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4_sm90"), 64,
                                  row_transfer="counted", weights_first=True).early_weights
     if art.sass is None:

@@ -259,16 +259,11 @@ class Sm90MegaMoEKernel:
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights and self.cluster_m == 1)
         # `early_prefetch` k-blocks: with the early weights, the next k-blocks of the first L1
-        # tile into L2 too (beyond what the ring holds). 0: off. An A/B option
+        # tile into L2 too (beyond what the ring holds; a kernel without early weights has
+        # none to extend: 0 there). 0: off. An A/B option
         if early_prefetch < 0:
             raise ValueError(f"early_prefetch must be >= 0, got {early_prefetch}")
-        if early_prefetch and not self.early_weights:
-            raise ValueError("early_prefetch: it extends the early weights of `weights_first` "
-                             "with counted rows (FP8 / BF16 weights, BLOCK_M 64, cluster_m 1); "
-                             f"got weights_first={weights_first}, "
-                             f"row_transfer={row_transfer!r}, recipe {layout.recipe!r}, "
-                             f"BLOCK_M {block_m}, cluster_m {cluster_m}")
-        self.early_prefetch = int(early_prefetch)
+        self.early_prefetch = int(early_prefetch) if self.early_weights else 0
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
