@@ -180,11 +180,12 @@ def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    # (the counted row transfers, the default at 512 tokens per rank: rows_sent, and three of
-    # the dispatch's four, rows_pushed being the barrier rows'; packed_done, decode_done only
-    # with FP4 weights)
-    dispatch_stamps = 3
-    stamps = len(PHASE_STAMPS) - 4 - (0 if recipe == "fp8xfp4_sm90" else 2)
+    # (the default row transfer at 512 tokens per rank: counted rows stamp rows_sent and three
+    # of the dispatch's four, rows_pushed being the barrier rows'; packed_done, decode_done
+    # only with FP4 weights, which keep barrier rows)
+    fp4 = recipe == "fp8xfp4_sm90"
+    dispatch_stamps = 4 if fp4 else 3
+    stamps = len(PHASE_STAMPS) - 4 - (1 if fp4 else 2)
     _, plain = _compile(recipe, 64)
     _, clocked = _compile(recipe, 64, phase_clock=True)
     # (the spin-waits read the timer too)
@@ -502,6 +503,8 @@ def test_default_row_transfer_follows_the_token_capacity():
     assert default_row_transfer(layout(COUNTED_ROWS_MAX_TOKENS)) == "counted"
     assert default_row_transfer(layout(COUNTED_ROWS_MAX_TOKENS + 1)) == "barrier"
     assert default_row_transfer(layout(8192)) == "barrier"
+    fp4 = MegaMoELayout(2, 16, 128, 4, 512, 256, "fp8xfp4_sm90")
+    assert default_row_transfer(fp4) == "barrier"  # (the FP4 experiment)
     assert Sm90MegaMoEKernel(layout(8192), 128).row_transfer == "barrier"
     assert Sm90MegaMoEKernel(layout(128), 64).rows_counted
     assert Sm90MegaMoEKernel(layout(128), 64, row_transfer="barrier").row_transfer == "barrier"
@@ -522,7 +525,9 @@ def test_row_transfers_compile(recipe, block_m, monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
     built = {t: _compile(recipe, block_m, row_transfer=t) for t in ROW_TRANSFERS}
-    assert _compile(recipe, block_m)[0].row_transfer == "counted"  # (512 tokens per rank)
+    # (512 tokens per rank: counted rows, but "barrier" for the FP4 experiment)
+    assert _compile(recipe, block_m)[0].row_transfer == (
+        "barrier" if recipe == "fp8xfp4_sm90" else "counted")
     for t, (kernel, art) in built.items():
         counted = t != "barrier"
         assert kernel.dispatch.pool_order == kernel.rows_counted == counted
