@@ -14,7 +14,8 @@ warpgroups, 512 in all), launched cooperatively.
 1. Dispatch: count, prefix, scatter, publish the counts (tagged with the call number,
    `layout.CountWord`), write the pool's metadata and push the rows into the destinations'
    pools; it leaves this rank's pool prefix sums in shared memory. How the rows move is the
-   `row_transfer` (`ROW_TRANSFERS`):
+   `row_transfer` (`ROW_TRANSFERS`; default `default_row_transfer`: "counted" for buffers of
+   at most `COUNTED_ROWS_MAX_TOKENS` tokens per rank, else "barrier"):
    * "barrier": every thread runs the whole staged dispatch (`DispatchKernel.run`), which
      meets the other ranks once every row has moved; a grid barrier then tells every CTA that
      the pool is complete.
@@ -64,11 +65,13 @@ peer's previous call has ended), an L2 epilogue writes into a peer's combine buf
 that peer sent in this call, and a rank's next call rewrites its inputs and scatter tables only
 after this call's combine barriers, which every rank passes after its own dispatch.
 
+`weights_first` (default: on with the counted row transfers at BLOCK_M 64, FP8 / BF16
+weights): tiles that find their pool block not ready load their first stages' weights before
+they wait, and warp 0 loads the weights of its first L1 tile's first stages as soon as the
+pool's prefix sums are in, before the metadata and the rows (the early weights).
 A/B options (off by default): `ordered_mma` and `weight_prefetch` of the GEMM stages
-(`sm90_expert_gemm`), `weights_first` (with the counted row transfers also: warp 0 loads the
-weights of its first L1 tile's first stages as soon as the counts are in, before the metadata
-and the rows), and `early_prefetch` (with those early weights, the next k-blocks of that tile
-into L2 as well).
+(`sm90_expert_gemm`), and `early_prefetch` (with the early weights, the next k-blocks of that
+tile into L2 as well).
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
 BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
