@@ -118,12 +118,25 @@ def spin_timeout_ns() -> int:
     return int(float(os.environ.get("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "120")) * 1e9)
 
 
+def one_rank_scope() -> str:
+    """``CUTE_MEGAMOE_ONE_RANK_SCOPE``: the memory scope of a one-rank group's barriers, flags
+    and count words (`kernels.common.sync.group_scope`): "sys" (the default, as groups of
+    several ranks) or "gpu" (enough for one rank: its buffer and every reader of it within a
+    call are on this GPU; opt-in until it has run on the GPU, for A/B runs). Part of every
+    compiled kernel's cache key."""
+    value = os.environ.get("CUTE_MEGAMOE_ONE_RANK_SCOPE", "sys").strip().lower() or "sys"
+    if value not in ("gpu", "sys"):
+        raise ValueError(f"CUTE_MEGAMOE_ONE_RANK_SCOPE: 'gpu' or 'sys', got {value!r}")
+    return value
+
+
 def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
     """The compiled function for `key`, compiling it with `build()` on first use. The wait
     limit is compiled into the kernels, so it is part of the key: changing
     `CUTE_MEGAMOE_SPIN_TIMEOUT_S` between calls compiles again rather than keeping the old.
-    So is the launch path (`launch_path`): its kernels are compiled differently."""
-    key = (key, spin_timeout_ns(), _PATH.name)
+    So are the launch path (`launch_path`; its kernels are compiled differently) and
+    `one_rank_scope`."""
+    key = (key, spin_timeout_ns(), _PATH.name, one_rank_scope())
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = build()
@@ -256,7 +269,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
-                      "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST")
+                      "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
+                      "CUTE_MEGAMOE_ONE_RANK_SCOPE")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -156,6 +156,40 @@ def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
 
 
 @pytest.mark.compile
+def test_one_rank_group_synchronizes_at_gpu_scope(monkeypatch):
+    """With ``CUTE_MEGAMOE_ONE_RANK_SCOPE=gpu`` a one-rank group's barriers, flags and count
+    words use GPU scope (`sync.group_scope`): no system-scope acquire or release is left, and
+    system-scope fences only in the trap reports (pinned host memory); unset or "sys" builds
+    the system-scope kernel, as for groups of several ranks, which keep it either way."""
+    import re
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+
+    def counts(ranks, scope):
+        monkeypatch.setenv("CUTE_MEGAMOE_ONE_RANK_SCOPE", scope)
+        kernel, art = _compile("fp8xfp8", 64,
+                               layout=MegaMoELayout(ranks, 64, 512, 8, 7168, 2048, "fp8xfp8"))
+        assert kernel.dispatch.scope == kernel.combine.scope == kernel.l1.sync_scope
+        return kernel.dispatch.scope, {p: len(re.findall(p, art.ptx)) for p in (
+            r"fence\.acq_rel\.sys", r"\.acquire\.sys", r"\.release\.sys", r"fence\.acq_rel\.gpu")}
+
+    one_scope, one = counts(1, "gpu")
+    forced_scope, forced = counts(1, "sys")
+    two_scope, two = counts(2, "gpu")
+    monkeypatch.delenv("CUTE_MEGAMOE_ONE_RANK_SCOPE")
+    assert _compile("fp8xfp8", 64, layout=MegaMoELayout(1, 64, 512, 8, 7168, 2048,
+                                                        "fp8xfp8"))[0].dispatch.scope == "sys"
+    assert (one_scope, forced_scope, two_scope) == ("gpu", "sys", "sys")
+    assert one[r"\.acquire\.sys"] == one[r"\.release\.sys"] == 0
+    assert 0 < one[r"fence\.acq_rel\.sys"] < forced[r"fence\.acq_rel\.sys"]
+    assert forced[r"fence\.acq_rel\.gpu"] == two[r"fence\.acq_rel\.gpu"] == 0
+    assert two == counts(2, "sys")[1] and two[r"\.acquire\.sys"] > 0
+    monkeypatch.setenv("CUTE_MEGAMOE_ONE_RANK_SCOPE", "cluster")
+    with pytest.raises(ValueError, match="ONE_RANK_SCOPE"):
+        _compile("fp8xfp8", 64, layout=MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp8"))
+
+
+@pytest.mark.compile
 def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, cluster_m=2)

@@ -462,7 +462,7 @@ def test_kernel_variant_variables_parse_and_key_the_plans(monkeypatch):
 
     for name in ("CUTE_MEGAMOE_SM90_ORDERED_MMA", "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
                  "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH",
-                 "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST"):
+                 "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", "CUTE_MEGAMOE_ONE_RANK_SCOPE"):
         assert name in runtime.KERNEL_VARIANT_ENV
         monkeypatch.delenv(name, raising=False)
     assert runtime.sm90_ordered_mma() == ()

@@ -35,8 +35,8 @@ then the split barriers and the reduction.
 the source ranks' `combine[k, t]` (`expert_ffn(..., combine_buffer=...)`, design step f). The
 split barriers and the reduction only. The L2 kernel, earlier on the same stream, waits for its
 stores to complete before it exits; the split barriers' arrival (proxy fence, system-scope
-fence and release) orders them before this rank's signal, as it does for this kernel's own
-sends in the other modes.
+fence and release; GPU scope in a one-rank group that opts in) orders them before this rank's
+signal, as it does for this kernel's own sends in the other modes.
 
 Ranks may use different modes and `rounds` in one call: every mode delivers all of a rank's
 rows before its arrival at the barrier of their token class, and the barriers are the same.
@@ -68,6 +68,7 @@ from .common.pool import (
 )
 from .common.sync import (
     SPLIT_BARRIER_COUNT,
+    group_scope,
     spin_timeout_ns,
     split_barrier_arrive,
     split_barrier_finish,
@@ -119,6 +120,7 @@ class CombineKernel:
         if send_mode == "bulk":
             self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
+        self.scope = group_scope(self.num_ranks)  # of its barriers and flags
 
     @cute.jit
     def __call__(
@@ -269,10 +271,11 @@ class CombineKernel:
                                    block_start, *pipe)
                 # ("epilogue": a kernel earlier on this stream sent the rows)
                 split_barrier_arrive(barrier, peer_bases, self.regions.offset("barrier"),
-                                     Int32(firsts[c]), rounds[c], self.num_ranks, num_ctas)
+                                     Int32(firsts[c]), rounds[c], self.num_ranks, num_ctas,
+                                     self.scope)
             if cutlass.const_expr(c > 0):
                 split_barrier_wait(barrier, Int32(firsts[c - 1]), rounds[c - 1], target,
-                                   self.timeout_ns)
+                                   self.timeout_ns, self.scope)
                 self.reduce_tokens(my_base, num_tokens, Int32(firsts[c - 1]), rounds[c - 1],
                                    y_base)
         split_barrier_finish(barrier)

@@ -100,9 +100,11 @@ from .common.pool import (
 from .common.sync import (
     call_tags,
     cross_rank_barrier,
+    fence_acq_rel,
     finish_call,
     grid_arrive,
     grid_barrier,
+    group_scope,
     report_disagreement,
     spin_timeout_ns,
     wait_call_tag,
@@ -138,6 +140,7 @@ class DispatchKernel:
         self.num_threads = num_threads
         self.num_warps = num_threads // 32
         self.has_stats = has_stats
+        self.scope = group_scope(layout.num_ranks)  # of its barriers, flags and count words
         self.transfer = transfer
         self.push = transfer == "push"
         # `pool_order` (the fused kernel): steps 1-6 by `exchange_counts`, then the rows pushed
@@ -240,11 +243,11 @@ class DispatchKernel:
         # 8. all rows moved -> meet the other ranks. (The call tag is read again rather than
         # kept in a register through the copies: only `finish_call` changes it.)
         barrier = self.regions.ptr(my_base, "barrier")
-        grid_barrier(barrier, num_ctas, self.timeout_ns)
+        grid_barrier(barrier, num_ctas, self.timeout_ns, self.scope)
         if bidx == 0:
             tag = call_tags(barrier)[0]
             cross_rank_barrier(barrier, peer_bases, self.regions.offset("barrier"),
-                               Int32(self.num_ranks), self.timeout_ns)
+                               Int32(self.num_ranks), self.timeout_ns, self.scope)
             if tidx == 0:
                 finish_call(barrier, tag)
         return own_row_start, own_block_start
@@ -345,7 +348,7 @@ class DispatchKernel:
         # 4. the last CTA to finish the scatter publishes this rank's per-expert counts to
         # every rank (no grid barrier: every CTA waits for the published counts next, its own
         # rank's among them)
-        if grid_arrive(barrier, num_ctas, expert_slot.iterator):
+        if grid_arrive(barrier, num_ctas, expert_slot.iterator, self.scope):
             e = tidx
             while e < E:
                 total = cute.arch.load(send_count + e, Int64) & 0xFFFFFFFF
@@ -354,7 +357,8 @@ class DispatchKernel:
                              | Int64(self.settings << CountWord.COUNT_BITS))
                 for dst in cutlass.range(R):
                     recv = self.regions.ptr(Int64(peer_bases[dst]), "expert_recv_count")
-                    cute.arch.store(recv + rank * E + e, published, sem="release", scope="sys")
+                    cute.arch.store(recv + rank * E + e, published, sem="release",
+                                    scope=self.scope)
                 e += self.num_threads
 
         if cutlass.const_expr(stamp is not None):
@@ -371,7 +375,7 @@ class DispatchKernel:
             src = (i // E_l) % R
             expert = dest * E_l + i % E_l
             word = wait_call_tag(barrier, recv + src * E + expert, tag, done,
-                                 "expert_recv_count", src, expert, self.timeout_ns)
+                                 "expert_recv_count", src, expert, self.timeout_ns, self.scope)
             settings = (word >> CountWord.COUNT_BITS) & CountWord.SETTINGS_MASK
             self.check_settings(barrier, settings)
             if src == dest and i % E_l == 0:  # the destination's own word: its BLOCK_M
@@ -664,20 +668,16 @@ class DispatchKernel:
     def count_arrival(self, dest_base: Int64, pool_block: Int32, fenced: cutlass.Constexpr):
         """+1 on ``pool_block``'s counter in the `pool_block_arrivals` at ``dest_base``, after
         this thread's (and, through a warp barrier before, its warp's) stores: with a fence
-        first at system scope (GPU scope when the group is one rank) and a relaxed add when
-        ``fenced``, else a release add at GPU scope (this rank's own pool)."""
+        first at the group's scope (`sync.group_scope`) and a relaxed add when ``fenced``, else
+        a release add at GPU scope (this rank's own pool)."""
         arrivals = self.regions.ptr(dest_base, "pool_block_arrivals")
         if cutlass.const_expr(not fenced):
             cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
                           sem="release", scope="gpu")
-        elif cutlass.const_expr(self.num_ranks == 1):
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
-                          sem="relaxed", scope="gpu")
         else:
-            cute.arch.fence_acq_rel_sys()
+            fence_acq_rel(self.scope)
             cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
-                          sem="relaxed", scope="sys")
+                          sem="relaxed", scope=self.scope)
 
     @cute.jit
     def pull_rows(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,

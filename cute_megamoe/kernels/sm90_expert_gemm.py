@@ -384,6 +384,9 @@ class Sm90ExpertGemmKernel:
         # with a slot: every L1 tile signals that one counter and L2 waits once, for all of them
         self.ready_slot: int | None = None
         self.timeout_ns = spin_timeout_ns()
+        # the scope of the fused kernel's cross-rank flags this phase waits on (the dispatch's
+        # row arrivals: `sync.group_scope`, set by the fused kernel)
+        self.sync_scope = "sys"
 
     # ------------------------------------------------------------------------------ host side
     def tile_signals(self) -> int:
@@ -753,11 +756,11 @@ class Sm90ExpertGemmKernel:
                     state.advance()
             if cutlass.const_expr(rows_arrived is not None):
                 if valid_m > 0:
-                    # senders on every rank release their rows' counts at system scope; the
-                    # rows came through generic stores, the TMA loads read through the async
-                    # proxy
+                    # senders on every rank release their rows' counts at the group's scope;
+                    # the rows came through generic stores, the TMA loads read through the
+                    # async proxy
                     wait_reached(barrier_slots, rows_arrived + pool_block,
-                                 valid_m * arrivals_per_row, "sys",
+                                 valid_m * arrivals_per_row, self.sync_scope,
                                  "rows of a pool block (pool_block_arrivals)", self.timeout_ns)
                     cute.arch.fence_proxy("async.global")
             if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is None):

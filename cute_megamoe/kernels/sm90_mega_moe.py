@@ -23,7 +23,9 @@ warpgroups, 512 in all), launched cooperatively.
      writes add 1 per row to the row's pool block in this rank's `pool_block_arrivals`), then
      every warp pushes this rank's rows into the destinations' pools in each pool's order
      (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool block's counter in
-     the destination's `pool_block_arrivals` (a fence per batch of 32 rows, system scope).
+     the destination's `pool_block_arrivals` (a fence per batch of 32 rows, system scope; GPU
+     scope in a one-rank group that opts in, as every flag of the kernel:
+     `common.sync.group_scope`).
      No barrier: each CTA goes on to its GEMM tiles, an L1 tile starting once its pool block
      is complete.
    * "with_gemm": as "counted", but the rows move while the GEMMs run: the producer
@@ -247,6 +249,7 @@ class Sm90MegaMoEKernel:
         assert 128 * (self.l1.producer_regs + decode_wgs * self.l1.decode_regs
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
+        self.l1.sync_scope = self.l2.sync_scope = self.dispatch.scope
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
         # `weights_first`: tiles whose pool block is not ready load their first stages'
         # weights before they wait (`Sm90ExpertGemmKernel.produce`). Loading them first for
@@ -498,7 +501,7 @@ class Sm90MegaMoEKernel:
             row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                        expert_recv_tokens, stats, smem,
                                                        self.dispatch_stamp(stamps, tidx))
-            grid_barrier(barrier, grid, self.timeout_ns)
+            grid_barrier(barrier, grid, self.timeout_ns, self.dispatch.scope)
             self.stamp(stamps, "prefix_ready", tidx == 0)
 
         # 2. L1 tiles then L2 tiles, one walk, one ring

@@ -6,6 +6,10 @@ Memory-model rules (design.md section 5):
 * data other ranks must see is published with a system-scope release;
 * every barrier starts with `fence.acq_rel.sys` and a proxy fence, so that ordinary stores and
   bulk-async (TMA) stores issued before it are ordered before the release, also across GPUs.
+  A one-rank group may use GPU scope instead (`group_scope`, `CUTE_MEGAMOE_ONE_RANK_SCOPE=gpu`):
+  its buffer, its flags and every reader of them within a call are on one GPU (the host reads
+  results after the kernel, and the stall reports in pinned host memory keep their own
+  system-scope fences).
 
 Barrier state lives in the `barrier` workspace region (int32 slots, `layout.BarrierSlots`) and
 is never reset. Every counter only grows and wraps modulo 2**32; every comparison of two counter
@@ -53,11 +57,11 @@ from cutlass import Int32, Int64
 
 from ...layout.mega_moe import BarrierSlots
 from ...reports import REPORT_FIELDS, REPORT_NAMES, ReportKind
-from ...runtime import spin_timeout_ns
+from ...runtime import one_rank_scope, spin_timeout_ns
 
 __all__ = [
-    "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "finish_call", "grid_arrive",
-    "grid_barrier",
+    "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "fence_acq_rel", "finish_call",
+    "grid_arrive", "grid_barrier", "group_scope",
     "report", "report_disagreement", "spin_timeout_ns", "split_barrier_arrive",
     "split_barrier_finish", "split_barrier_target", "split_barrier_wait", "wait_call_tag",
     "wait_reached",
@@ -119,6 +123,21 @@ def report_disagreement(barrier_slots: cute.Pointer, what, value: Int32, expecte
     report(barrier_slots, ReportKind.DISAGREE, what, value, expected)
 
 
+def group_scope(num_ranks: int) -> str:
+    """The memory scope of a group's synchronization: "sys" for several ranks (peers' memory
+    over NVLink), `runtime.one_rank_scope` ("sys" by default, "gpu" opt-in) for one."""
+    return "sys" if num_ranks > 1 else one_rank_scope()
+
+
+@cute.jit
+def fence_acq_rel(scope: cutlass.Constexpr):
+    """`fence.acq_rel` at ``scope`` ("gpu" or "sys")."""
+    if cutlass.const_expr(scope == "gpu"):
+        cute.arch.fence_acq_rel_gpu()
+    else:
+        cute.arch.fence_acq_rel_sys()
+
+
 @cute.jit
 def wait_eq(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
             scope: cutlass.Constexpr, what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
@@ -161,19 +180,19 @@ def call_tags(barrier_slots: cute.Pointer):
 @cute.jit
 def wait_call_tag(barrier_slots: cute.Pointer, ptr: cute.Pointer, tag: Int32, done: Int32,
                   what: cutlass.Constexpr, source: Int32, expert: Int32,
-                  timeout_ns: cutlass.Constexpr):
+                  timeout_ns: cutlass.Constexpr, scope: cutlass.Constexpr = "sys"):
     """Spin until the int64 word at `ptr` (written by rank `source` for global `expert`) holds
-    `tag` in its high half (acquire at system scope); returns its low half. A word still at
+    `tag` in its high half (acquire at ``scope``); returns its low half. A word still at
     `done` is last call's: wait. Any other tag: the ranks are out of step (a rank skipped or
     added a call): report and trap."""
-    value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
+    value = cute.arch.load(ptr, Int64, sem="acquire", scope=scope)
     seen = Int32(value >> 32)
     if seen != tag:
         start = cute.arch.globaltimer()
         while seen != tag:
             if seen != done:
                 report(barrier_slots, ReportKind.OUT_OF_STEP, what, seen, tag, source, expert)
-            value = cute.arch.load(ptr, Int64, sem="acquire", scope="sys")
+            value = cute.arch.load(ptr, Int64, sem="acquire", scope=scope)
             seen = Int32(value >> 32)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
@@ -190,15 +209,17 @@ def finish_call(barrier_slots: cute.Pointer, tag: Int32):
 
 
 @cute.jit
-def grid_barrier(barrier_slots: cute.Pointer, num_ctas: Int32, timeout_ns: cutlass.Constexpr):
-    """All CTAs of the grid (all resident: cooperative launch) meet here; every thread calls it."""
+def grid_barrier(barrier_slots: cute.Pointer, num_ctas: Int32, timeout_ns: cutlass.Constexpr,
+                 scope: cutlass.Constexpr = "sys"):
+    """All CTAs of the grid (all resident: cooperative launch) meet here; every thread calls it.
+    ``scope``: of the fences around it (`group_scope`)."""
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     if tidx == 0:
         counter = barrier_slots + BarrierSlots.GRID
         cute.arch.fence_proxy("async.global")
-        cute.arch.fence_acq_rel_sys()
+        fence_acq_rel(scope)
         add = Int32(1)
         if bidx == 0:
             add = Int32(TOP_BIT - 1) - (num_ctas - 2)  # 2**31 - (num_ctas - 1), wrapping
@@ -211,24 +232,26 @@ def grid_barrier(barrier_slots: cute.Pointer, num_ctas: Int32, timeout_ns: cutla
                 if cutlass.const_expr(timeout_ns > 0):
                     if cute.arch.globaltimer() - start > Int64(timeout_ns):
                         _report_stall(barrier_slots, "grid barrier", current, old)
-        cute.arch.fence_acq_rel_sys()
+        fence_acq_rel(scope)
     cute.arch.sync_threads()
 
 
 @cute.jit
-def grid_arrive(barrier_slots: cute.Pointer, num_ctas: Int32, flag: cute.Pointer):
+def grid_arrive(barrier_slots: cute.Pointer, num_ctas: Int32, flag: cute.Pointer,
+                scope: cutlass.Constexpr = "sys"):
     """Every CTA of the grid arrives at one phase of `grid_barrier`'s counter and goes on
     without waiting; returns, in every thread, whether this CTA arrived last (the add that
     flips the top bit), which has then acquired what every CTA wrote before it arrived (the
     others' writes reach it, not them). ``flag``: one Int32 of shared memory for the answer.
     No CTA may reach another grid barrier before every CTA has arrived: each must first wait
-    for something the last one does after its arrival (the dispatch: the published counts)."""
+    for something the last one does after its arrival (the dispatch: the published counts).
+    ``scope``: of its fences (`group_scope`)."""
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     if tidx == 0:
         cute.arch.fence_proxy("async.global")
-        cute.arch.fence_acq_rel_sys()
+        fence_acq_rel(scope)
         add = Int32(1)
         if bidx == 0:
             add = Int32(TOP_BIT - 1) - (num_ctas - 2)  # as in grid_barrier
@@ -236,7 +259,7 @@ def grid_arrive(barrier_slots: cute.Pointer, num_ctas: Int32, flag: cute.Pointer
                                    scope="gpu")
         last = Int32(0)
         if ((old + add) ^ old) < 0:  # this add flipped the top bit: every CTA has arrived
-            cute.arch.fence_acq_rel_sys()
+            fence_acq_rel(scope)
             last = Int32(1)
         cute.arch.store(flag, last)
     cute.arch.sync_threads()
@@ -246,10 +269,10 @@ def grid_arrive(barrier_slots: cute.Pointer, num_ctas: Int32, flag: cute.Pointer
 @cute.jit
 def cross_rank_barrier(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
                        barrier_offset: cutlass.Constexpr, num_ranks: Int32,
-                       timeout_ns: cutlass.Constexpr):
+                       timeout_ns: cutlass.Constexpr, scope: cutlass.Constexpr = "sys"):
     """All ranks meet here. Called by every thread of ONE CTA per rank (the others wait at a
     grid barrier around it). `barrier_slots` is this rank's `barrier` region; a peer's copy is at
-    `peer_bases[r] + barrier_offset`."""
+    `peer_bases[r] + barrier_offset`. ``scope``: `group_scope`."""
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
     passed = cute.arch.load(barrier_slots + BarrierSlots.RANK_BARRIER_COUNT, Int32)
@@ -257,21 +280,21 @@ def cross_rank_barrier(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
     delta = Int32(1) - (passed & 2)
     if tidx == 0:
         cute.arch.fence_proxy("async.global")
-        cute.arch.fence_acq_rel_sys()
+        fence_acq_rel(scope)
     cute.arch.sync_threads()
     signal_offset = barrier_offset + 4 * BarrierSlots.RANK_BARRIER_SIGNAL
     r = tidx
     while r < num_ranks:
         peer = cute.make_ptr(Int32, Int64(peer_bases[r]) + signal_offset,
                              cute.AddressSpace.gmem, assumed_align=4)
-        cute.arch.red(peer + phase, delta, op="add", dtype="s32", sem="release", scope="sys")
+        cute.arch.red(peer + phase, delta, op="add", dtype="s32", sem="release", scope=scope)
         r += cute.arch.block_dim()[0]
     if tidx == 0:
         target = num_ranks if delta > 0 else Int32(0)
         wait_eq(barrier_slots, barrier_slots + BarrierSlots.RANK_BARRIER_SIGNAL + phase, target,
-                "sys", "cross-rank barrier signal", timeout_ns)
+                scope, "cross-rank barrier signal", timeout_ns)
         cute.arch.store(barrier_slots + BarrierSlots.RANK_BARRIER_COUNT, passed + 1)
-        cute.arch.fence_acq_rel_sys()
+        fence_acq_rel(scope)
     cute.arch.sync_threads()
 
 
@@ -285,10 +308,11 @@ def split_barrier_target(barrier_slots: cute.Pointer, num_ranks: cutlass.Constex
 @cute.jit
 def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
                          barrier_offset: cutlass.Constexpr, first: Int32,
-                         count: cutlass.Constexpr, num_ranks: cutlass.Constexpr, num_ctas: Int32):
+                         count: cutlass.Constexpr, num_ranks: cutlass.Constexpr, num_ctas: Int32,
+                         scope: cutlass.Constexpr = "sys"):
     """Every thread of every CTA: this CTA's stores so far are published at split barriers
     first .. first + count - 1 (the rank's last CTA to arrive signals every rank); returns
-    without waiting. Every CTA of a rank arrives at the same runs."""
+    without waiting. Every CTA of a rank arrives at the same runs. ``scope``: `group_scope`."""
     cute.arch.sync_threads()
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < 32:
@@ -296,11 +320,11 @@ def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
         arrivals = barrier_slots + BarrierSlots.SPLIT_ARRIVAL + first
         if tidx == 0:
             cute.arch.fence_proxy("async.global")
-            cute.arch.fence_acq_rel_sys()
+            fence_acq_rel(scope)
             old = cute.arch.atomic_add(arrivals, Int32(1), sem="acq_rel", scope="gpu")
             if old == num_ctas - 1:
                 cute.arch.store(arrivals, Int32(0))  # every CTA has arrived; next: next call
-                cute.arch.fence_acq_rel_sys()
+                fence_acq_rel(scope)
         # the shuffle below carries no memory ordering: the warp sync orders lane 0's fences
         # (and what they made visible) before the other lanes' releases
         cute.arch.sync_warp()
@@ -311,20 +335,22 @@ def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
                 peer = cute.make_ptr(Int32, Int64(peer_bases[signal // count]) + barrier_offset
                                      + 4 * (BarrierSlots.SPLIT_SIGNAL + first + signal % count),
                                      cute.AddressSpace.gmem, assumed_align=4)
-                cute.arch.red(peer, Int32(1), op="add", dtype="s32", sem="release", scope="sys")
+                cute.arch.red(peer, Int32(1), op="add", dtype="s32", sem="release", scope=scope)
                 signal += 32
 
 
 @cute.jit
 def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass.Constexpr,
-                       target: Int32, timeout_ns: cutlass.Constexpr):
+                       target: Int32, timeout_ns: cutlass.Constexpr,
+                       scope: cutlass.Constexpr = "sys"):
     """Every thread of a CTA: wait until every rank has arrived at split barriers
-    first .. first + count - 1 (`target` from `split_barrier_target`)."""
+    first .. first + count - 1 (`target` from `split_barrier_target`; ``scope``:
+    `group_scope`)."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < count:
         wait_reached(barrier_slots, barrier_slots + BarrierSlots.SPLIT_SIGNAL + first + tidx,
-                     target, "sys", "split barrier signal", timeout_ns)
-        cute.arch.fence_acq_rel_sys()
+                     target, scope, "split barrier signal", timeout_ns)
+        fence_acq_rel(scope)
     cute.arch.sync_threads()
 
 
