@@ -157,9 +157,9 @@ def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
 
 @pytest.mark.compile
 def test_one_rank_group_synchronizes_at_gpu_scope(monkeypatch):
-    """With ``CUTE_MEGAMOE_ONE_RANK_SCOPE=gpu`` a one-rank group's barriers, flags and count
-    words use GPU scope (`sync.group_scope`): no system-scope acquire or release is left, and
-    system-scope fences only in the trap reports (pinned host memory); unset or "sys" builds
+    """A one-rank group's barriers, flags and count words use GPU scope (`sync.group_scope`;
+    the default, or ``CUTE_MEGAMOE_ONE_RANK_SCOPE=gpu``): no system-scope acquire or release is
+    left, and system-scope fences only in the trap reports (pinned host memory); "sys" builds
     the system-scope kernel, as for groups of several ranks, which keep it either way."""
     import re
 
@@ -178,7 +178,7 @@ def test_one_rank_group_synchronizes_at_gpu_scope(monkeypatch):
     two_scope, two = counts(2, "gpu")
     monkeypatch.delenv("CUTE_MEGAMOE_ONE_RANK_SCOPE")
     assert _compile("fp8xfp8", 64, layout=MegaMoELayout(1, 64, 512, 8, 7168, 2048,
-                                                        "fp8xfp8"))[0].dispatch.scope == "sys"
+                                                        "fp8xfp8"))[0].dispatch.scope == "gpu"
     assert (one_scope, forced_scope, two_scope) == ("gpu", "sys", "sys")
     assert one[r"\.acquire\.sys"] == one[r"\.release\.sys"] == 0
     assert 0 < one[r"fence\.acq_rel\.sys"] < forced[r"fence\.acq_rel\.sys"]
