@@ -192,6 +192,10 @@ def main() -> None:
                    help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
                         "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
                         "bit-exact; prefetch_over_default: against the default build)")
+    p.add_argument("--tiled-ab", action="store_true",
+                   help="fp8xfp8 / bf16xbf16: also time both BLOCK_Ms on the weights stored in "
+                        "contiguous [128 rows, k-block] boxes (`ExpertWeights.tiled`; checked "
+                        "bit-exact; tiled_over_default: against the default build)")
     p.add_argument("--transposed-ab", action="store_true",
                    help="FP8 recipes: also time BLOCK_M 64 transposed, the weight tile as the "
                         "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
@@ -248,8 +252,15 @@ def main() -> None:
             if args.prefetch_ab:
                 variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
                                  for bm in (64, 128)})
+            tiled = args.tiled_ab and recipe in ("fp8xfp8", "bf16xbf16")
+            variant_weights = {}
+            if tiled:
+                w_tiled = w.tiled_copy()
+                for bm in (64, 128):
+                    variants[f"tiled_{bm}"] = (bm, None)
+                    variant_weights[f"tiled_{bm}"] = w_tiled
             for key, (block_m, env) in variants.items():
-                runs[key] = _ours(recipe, w, m, block_m, env)
+                runs[key] = _ours(recipe, variant_weights.get(key, w), m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
                     fn()
                 torch.cuda.synchronize()
@@ -290,6 +301,9 @@ def main() -> None:
                                 transposed_over_default=times["transposed_64"] / t)
                     if fp4:
                         base["transposed_ratio_to_fp8"] = times["transposed_64"] / t_fp8
+                if tiled:
+                    base.update(tiled_us=times[f"tiled_{block_m}"] * 1e6,
+                                tiled_over_default=times[f"tiled_{block_m}"] / t)
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
@@ -324,7 +338,8 @@ def main() -> None:
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
-                     "prefetch_us", "prefetch_over_default", "transposed_us",
+                     "prefetch_us", "prefetch_over_default", "tiled_us", "tiled_over_default",
+                     "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",
                      "quarter_over_chunk", "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))

@@ -18,7 +18,7 @@ run: no Blackwell GPU was available). The launches themselves are built in `laun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -182,10 +182,22 @@ class ExpertWeights:
     arch: str | None = None
     w1_block_sf: torch.Tensor | None = None
     w2_block_sf: torch.Tensor | None = None
+    tiled: bool = False
 
     def __post_init__(self) -> None:
         check_recipe(self.recipe)
         self.arch = _resolve_arch(self.arch, self.recipe, self.w1)
+        if self.tiled and (self.arch != "sm_90a"
+                           or self.recipe not in ("fp8xfp8", "bf16xbf16")):
+            raise ValueError(f"tiled: sm_90a fp8xfp8 / bf16xbf16 weights only, not "
+                             f"{self.recipe} on {self.arch}")
+
+    def tiled_copy(self) -> ExpertWeights:
+        """These weights with ``w1`` / ``w2`` in the tiled storage order (``tiled``)."""
+        if self.tiled:
+            return self
+        return replace(self, w1=tile_weight_rows(self.w1),
+                                   w2=tile_weight_rows(self.w2), tiled=True)
 
     @property
     def num_experts(self) -> int:
@@ -278,6 +290,20 @@ class ExpertWeights:
         l2 = quant.fp4_weights_to_fp8_blocks((quant.fp4_words_from_sm90_decode(self.w2),
                                               self.w2_sf.transpose(1, 2)))
         return ExpertWeights.from_quantized(l1, l2, "fp8xfp8", arch=self.arch)
+
+
+def tile_weight_rows(w: torch.Tensor, rows: int = 128, box_bytes: int = 128) -> torch.Tensor:
+    """``w`` ``[E, N, K]`` with each block of ``rows`` rows stored k-block by k-block (``box_bytes``
+    of each row per k-block), every ``[rows, k-block]`` box contiguous; the shape is kept (the
+    same bytes, in the order the sm_90a TMA weight boxes read them). ``N`` and ``K`` must be
+    multiples of ``rows`` and of a k-block."""
+    e, n, k = w.shape
+    bk = box_bytes // w.element_size()
+    if n % rows or k % bk:
+        raise ValueError(f"tile_weight_rows: [{e}, {n}, {k}] is not a whole number of "
+                         f"[{rows}, {bk}] boxes")
+    return (w.reshape(e * n // rows, rows, k // bk, bk).permute(0, 2, 1, 3).contiguous()
+            .view(e, n, k))
 
 
 def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, int, int]:
@@ -433,4 +459,5 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
 
 
 __all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "check_pool_capacity", "expert_ffn",
+           "tile_weight_rows",
            "gemm_kernel", "weights_recipe"]

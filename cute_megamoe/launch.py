@@ -281,13 +281,14 @@ def combine_call(sym_buffer: SymmBuffer, num_tokens: int, block_m: int,
 
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
-                fast_math: bool = True, combine_layout=None):
+                fast_math: bool = True, combine_layout=None, tiled_weights: bool = False):
     """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
     pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
     peer_bases, src_metadata)``, on sm_90a then ``b_group_sf`` (the per-32 scales of FP4
     weights; ``b_sf`` their block scales) (what `expert_gemm_calls` passes; the compile tests
     use the same plan). ``combine_layout``: L2 sends its rows to the source ranks' combine
-    buffers of a symmetric buffer with this `MegaMoELayout`."""
+    buffers of a symmetric buffer with this `MegaMoELayout`. ``tiled_weights``: the weights are
+    stored as `expert_gemm.tile_weight_rows` makes them (sm_90a FP8 / BF16, the staged kernel)."""
     from cutlass import (
         BFloat16,
         Float4E2M1FN,
@@ -300,6 +301,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     )
 
     clamp = activation_clamp if phase == "l1" else None
+    if tiled_weights and (sm90_transposed() or sm90_swap_ab()):
+        raise ValueError("tiled weights: not with CUTE_MEGAMOE_SM90_TRANSPOSED / _SWAP_AB")
     if arch == "sm_90a":
         from .kernels.sm90_expert_gemm import MAX_OVERLAP_K_BLOCKS
         from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
@@ -350,6 +353,10 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                 and (block_m == 128 or extra.get("split_n"))):
             extra["ordered_mma"] = True
         extra["weight_prefetch"] = sm90_weight_prefetch()
+        if tiled_weights:
+            extra["tiled_weights"] = True
+    elif tiled_weights:
+        raise ValueError(f"tiled_weights: sm_90a only, not {arch}")
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                     activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
@@ -395,13 +402,14 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
                 sm90_transposed())
-               if arch == "sm_90a" else None)
+               if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):
             plan["kernel"], plan["dtypes"] = gemm_kernel(
                 arch, recipe, phase, e_l, pool_rows, n, k, block_m, activation_clamp, fast_math,
-                combine_layout=combine_layout if to_combine else None)
+                combine_layout=combine_layout if to_combine else None,
+                tiled_weights=weights.tiled)
             return plan
 
         entry = compiled_kernel(key + ("plan",), build)
@@ -441,6 +449,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     else the kernel's default, on with counted rows): tiles that find their pool block not
     ready load their first stages' weights before they wait (with counted rows, the first L1
     tile's right after the counts)."""
+    if getattr(weights, "tiled", False):
+        raise ValueError("weights: tiled weights (`ExpertWeights.tiled`) run in the staged "
+                         "grouped GEMMs only, not in the fused kernel")
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None

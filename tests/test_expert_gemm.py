@@ -635,6 +635,90 @@ def test_expert_ffn_narrow_tiles(recipe):
     check_expert_ffn(problem, activation_clamp=None, num_sms=11)
 
 
+def test_tile_weight_rows_stores_contiguous_boxes():
+    """`tile_weight_rows`: the same shape, each [128 rows, 128 bytes] box contiguous, row
+    blocks one after the other, a row block's k-blocks in order; `ExpertWeights.tiled` only
+    for the sm_90a FP8 / BF16 weights, and `tiled_copy` keeps the scales."""
+    from cute_megamoe.expert_gemm import tile_weight_rows
+
+    for dtype, bk in ((torch.float8_e4m3fn, 128), (torch.bfloat16, 64)):
+        e, n, k = 2, 256, 3 * bk
+        w = torch.randn(e, n, k).to(dtype)
+        t = tile_weight_rows(w)
+        assert t.shape == w.shape and t.dtype == w.dtype and t.is_contiguous()
+        flat = t.reshape(-1).view(torch.uint8 if dtype != torch.bfloat16 else torch.int16)
+        src = w.view(flat.dtype)
+        for ei, ni, ki in ((0, 0, 0), (1, 255, 3 * bk - 1), (0, 129, bk + 5), (1, 7, 2 * bk)):
+            r = ei * n + ni
+            index = ((r // 128) * (k // bk) + ki // bk) * 128 * bk + (r % 128) * bk + ki % bk
+            assert flat[index] == src[ei, ni, ki]
+        assert torch.equal(torch.sort(flat).values, torch.sort(src.reshape(-1)).values)
+    with pytest.raises(ValueError, match="boxes"):
+        tile_weight_rows(torch.zeros(1, 192, 128, dtype=torch.bfloat16))
+    q = quant.quantize_weights_for_recipe
+    w1, w2 = torch.randn(2, 512, 256), torch.randn(2, 256, 256)
+    weights = ExpertWeights.from_quantized(q(w1, "fp8xfp8"), q(w2, "fp8xfp8"), "fp8xfp8",
+                                           arch="sm_90a")
+    tiled = weights.tiled_copy()
+    assert tiled.tiled and not weights.tiled and tiled.tiled_copy() is tiled
+    assert tiled.w1_sf is weights.w1_sf and torch.equal(tiled.w2, tile_weight_rows(weights.w2))
+    with pytest.raises(ValueError, match="tiled"):
+        ExpertWeights("fp8xfp4", weights.w1, weights.w2, tiled=True, arch="sm_100a")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+@pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048)])
+def test_sm90_tiled_weights_load_4d_boxes(recipe, phase, n, k, monkeypatch):
+    """Tiled weights (`ExpertWeights.tiled`): the weight loads are 4-D TMA boxes (each one
+    contiguous run of HBM), the pool rows stay 2-D; no spills."""
+    from cutlass import Int32
+
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    for block_m in (64, 128):
+        kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 8, 2048, n, k, block_m,
+                                     activation_clamp=10.0, tiled_weights=True)
+        art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                         for i, d in enumerate(dtypes)),
+                               Int32(132), fake_stream(), arch="sm_90a")
+        assert "cp.async.bulk.tensor.4d" in art.ptx and "cp.async.bulk.tensor.2d" in art.ptx
+        if art.sass is not None:
+            assert art.count("UTMALDG.4D") > 0 and art.count("UTMALDG.2D") > 0
+            assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    with pytest.raises(ValueError, match="tiled_weights"):
+        gemm_kernel("sm_90a", "fp8xfp4_sm90", phase, 8, 2048, n, k, 64, tiled_weights=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_tiled_weights_are_bit_identical(block_m):
+    """The grouped GEMMs on tiled weights (`ExpertWeights.tiled_copy`) equal them on the
+    plain weights bit for bit (fp8xfp8: L2 inputs, scales and outputs, pad rows untouched) and
+    pass the reference checks (bf16xbf16)."""
+    import dataclasses
+
+    from cute_megamoe.testing.gemm_checks import (
+        COUNT_PATTERNS,
+        assert_same_valid_rows,
+        check_expert_ffn,
+        make_pool_problem,
+        run_fp8_ffn_poisoned,
+    )
+
+    device = _gpu()
+    problem = make_pool_problem("fp8xfp8", COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
+                                seed=31 + block_m)
+    tiled = dataclasses.replace(problem, weights=problem.weights.tiled_copy())
+    assert_same_valid_rows(problem, [run_fp8_ffn_poisoned(problem), run_fp8_ffn_poisoned(tiled)])
+    bf16 = make_pool_problem("bf16xbf16", COUNT_PATTERNS["random"], block_m, 1024, 512, device,
+                             seed=37 + block_m)
+    check_expert_ffn(dataclasses.replace(bf16, weights=bf16.weights.tiled_copy()),
+                     activation_clamp=10.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"), (64, "split_n"),

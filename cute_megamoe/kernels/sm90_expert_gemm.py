@@ -165,7 +165,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None, split_n: bool = False,
                  block_n: int | None = None, ordered_mma: bool = False,
-                 weight_prefetch: int = 0):
+                 weight_prefetch: int = 0, tiled_weights: bool = False):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -189,6 +189,12 @@ class Sm90ExpertGemmKernel:
              ("num_pool_rows", num_pool_rows, block_m), ("num_experts", num_experts, 1)),
             activation_clamp)
         self.num_n_blocks = n // self.block_n
+        # `tiled_weights`: the weights are stored as contiguous [128 rows, k-block] boxes
+        # (`expert_gemm.tile_weights`), so that each TMA box of a weight load reads one
+        # contiguous 16 KB run of HBM instead of 128 rows of 128 bytes (an A/B option)
+        if tiled_weights and self.fp4_weights:
+            raise ValueError("tiled_weights: FP8 and BF16 weights only")
+        self.tiled_weights = bool(tiled_weights)
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
@@ -448,9 +454,7 @@ class Sm90ExpertGemmKernel:
         function): ``(tma_a, m_a, tma_b, m_b)``."""
         m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
                                                    stride=(self.k, 1)))
-        k_b = self.k // 2 if self.fp4_weights else self.k
-        m_b = cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, k_b),
-                                                   stride=(k_b, 1)))
+        m_b = self.weight_tensor(b)
         tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_layout, (None, None, 0)),
             (self.block_m, self.block_k))
@@ -464,11 +468,21 @@ class Sm90ExpertGemmKernel:
         """The TMA atom that multicasts a weight tile chunk to both CTAs of a cluster (host
         side of a `cute.jit` function)."""
         atom, _ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp(),
-            cute.make_tensor(b, cute.make_layout((self.num_experts * self.n, self.k),
-                                                 stride=(self.k, 1))),
+            cpasync.CopyBulkTensorTileG2SMulticastOp(), self.weight_tensor(b),
             cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
         return atom
+
+    def weight_tensor(self, b: cute.Pointer) -> cute.Tensor:
+        """The weights ``[E * N, K]`` (FP4: their packed bytes ``[E * N, K / 2]``) as a tensor
+        of (row, k) coordinates: rows of K elements, or with `tiled_weights` contiguous
+        ``[128 rows, k-block]`` boxes, a row block's k-blocks one after the other."""
+        rows, k_b = self.num_experts * self.n, self.k // 2 if self.fp4_weights else self.k
+        if self.tiled_weights:
+            bk = self.block_k
+            return cute.make_tensor(b, cute.make_layout(
+                ((WG_N, rows // WG_N), (bk, k_b // bk)),
+                stride=((bk, WG_N * k_b), (1, WG_N * bk))))
+        return cute.make_tensor(b, cute.make_layout((rows, k_b), stride=(k_b, 1)))
 
     @cute.jit
     def __call__(
