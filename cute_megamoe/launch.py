@@ -449,9 +449,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     else the kernel's default, on with counted rows): tiles that find their pool block not
     ready load their first stages' weights before they wait (with counted rows, the first L1
     tile's right after the counts)."""
-    if getattr(weights, "tiled", False):
-        raise ValueError("weights: tiled weights (`ExpertWeights.tiled`) run in the staged "
-                         "grouped GEMMs only, not in the fused kernel")
+    tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
@@ -468,16 +466,16 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         weights_first = fused_weights_first()
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early)
+           weights_first, ordered, prefetch, early, tiled)
 
     def make_kernel():
         if state.arch == "sm_100a":
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
             if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
-                    or row_transfer is not None or weights_first is not None):
+                    or row_transfer is not None or weights_first is not None or tiled):
                 raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
-                                 "warpgroups and row transfer are sm_90a only")
+                                 "warpgroups, row transfer and tiled weights are sm_90a only")
             return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
                                       fast_math=fast_math, has_stats=has_stats)
         from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -488,7 +486,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  ordered_mma=ordered, weight_prefetch=prefetch,
-                                 early_prefetch=early)
+                                 early_prefetch=early, tiled_weights=tiled)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

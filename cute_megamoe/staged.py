@@ -628,9 +628,10 @@ def _weight_tensors(weights: ExpertWeights) -> tuple:
 
 
 def _weight_addresses(weights: ExpertWeights) -> tuple:
-    """The addresses of the weights' tensors (None for an absent one): a plan's kept launches
-    hold them, so they are part of its configuration."""
-    return tuple(None if t is None else t.data_ptr() for t in _weight_tensors(weights))
+    """The addresses of the weights' tensors (None for an absent one) and their storage order
+    (``tiled``): a plan's kept launches hold them, so they are part of its configuration."""
+    return (*(None if t is None else t.data_ptr() for t in _weight_tensors(weights)),
+            getattr(weights, "tiled", False))
 
 
 def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, activation_clamp,

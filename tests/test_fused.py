@@ -190,6 +190,18 @@ def test_one_rank_group_synchronizes_at_gpu_scope(monkeypatch):
 
 
 @pytest.mark.compile
+def test_compiles_with_tiled_weights(monkeypatch):
+    """Weights in TMA-box order (`ExpertWeights.tiled`): both GEMM stages load them as 4-D
+    boxes, the pool rows stay 2-D; no spills."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile("fp8xfp8", 64, tiled_weights=True)
+    assert kernel.l1.tiled_weights and kernel.l2.tiled_weights
+    assert "cp.async.bulk.tensor.4d" in art.ptx and "cp.async.bulk.tensor.2d" in art.ptx
+    if art.sass is not None:
+        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+
+
+@pytest.mark.compile
 def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, cluster_m=2)
@@ -326,6 +338,22 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
     for i, (n, routing) in enumerate(cases):
         for block_m in (64, 128):
             layer.check_call((n,), routing, {0: block_m}, seed=i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+def test_fused_on_tiled_weights_matches_staged(recipe, monkeypatch):
+    """The fused kernel on the weights in TMA-box order (`ExpertWeights.tiled`) against the
+    staged layer on the plain weights: bit-exact, both BLOCK_Ms, 0 / 1 tokens, masked."""
+    _gpu(recipe, monkeypatch)
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256), fused_tiled=True)
+    layer.warm_up((64, 128))
+    for i, (n, routing) in enumerate([(300, "random"), (129, "masked"), (0, "random"),
+                                      (1, "random"), (300, "one_expert")]):
+        for block_m in (64, 128):
+            layer.check_call((n,), routing, {0: block_m}, seed=50 + i)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ class FusedLayer:
     """Per-rank weights (random BF16 masters, quantized per recipe) and the two layers."""
 
     def __init__(self, ranks: Ranks, seed: int = 0, activation_clamp: float = 10.0,
-                 row_transfers: dict | None = None):
+                 row_transfers: dict | None = None, fused_tiled: bool = False):
         from ..expert_gemm import ExpertWeights
 
         self.ranks = ranks
@@ -44,6 +44,10 @@ class FusedLayer:
         self.weights = {buf.rank: ExpertWeights.from_bf16(self.w1s[buf.rank],
                                                           self.w2s[buf.rank], layout.recipe)
                         for buf in ranks.buffers}
+        # `fused_tiled`: the fused layer reads the weights in TMA-box order
+        # (`ExpertWeights.tiled_copy`), the staged oracle the plain ones
+        self.fused_weights = {r: w.tiled_copy() if fused_tiled else w
+                              for r, w in self.weights.items()}
         self.stats = {buf.rank: {kind: torch.zeros(e_l, dtype=torch.int32, device=device)
                                  for kind in ("fused", "staged")} for buf in ranks.buffers}
 
@@ -62,7 +66,7 @@ class FusedLayer:
                           block_m=block_ms[buf.rank], validate_routing=False,
                           cumulative_local_expert_recv_stats=self.stats[buf.rank][kind])
             if kind == "fused":
-                fused.fused_mega_moe(buf, x, idx, w, self.weights[buf.rank],
+                fused.fused_mega_moe(buf, x, idx, w, self.fused_weights[buf.rank],
                                      row_transfer=self.row_transfers.get(buf.rank), **kwargs)
             else:
                 staged.staged_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
