@@ -40,7 +40,7 @@ import statistics
 import torch
 
 from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graph
-from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
+from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn, tiles_weights
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.kernels.common.gemm_config import weight_sf_row_len
 from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
@@ -78,20 +78,24 @@ def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeigh
             w1_block_sf=block_sf(e, hidden // 128, weight_sf_row_len(2 * inter)),
             w2_block_sf=block_sf(e, inter // 128, weight_sf_row_len(hidden)))
     if recipe == "bf16xbf16":
-        return ExpertWeights(recipe, torch.randn(e, 2 * inter, hidden, device="cuda",
-                                                 dtype=torch.bfloat16) * 0.02,
-                             torch.randn(e, hidden, inter, device="cuda",
-                                         dtype=torch.bfloat16) * 0.02)
+        return _library_storage(ExpertWeights(
+            recipe, torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
+            torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02))
     fp8 = torch.float8_e4m3fn
 
     def sf(*shape):
         return torch.rand(*shape, device="cuda") * 1e-3 + 1e-3
 
-    return ExpertWeights(
+    return _library_storage(ExpertWeights(
         recipe, torch.randn(e, 2 * inter, hidden, device="cuda").to(fp8),
         torch.randn(e, hidden, inter, device="cuda").to(fp8),
         sf(e, hidden // 128, weight_sf_row_len(2 * inter)),
-        sf(e, inter // 128, weight_sf_row_len(hidden)))
+        sf(e, inter // 128, weight_sf_row_len(hidden))))
+
+
+def _library_storage(w: ExpertWeights) -> ExpertWeights:
+    """``w`` stored as the library's constructors store it (`ExpertWeights.tiled`)."""
+    return w.tiled_copy() if tiles_weights(w.recipe, w.arch, w.w1, w.w2) else w
 
 
 def _ours(recipe, w: ExpertWeights, m: int, block_m: int, env: dict | None = None):
@@ -131,6 +135,7 @@ def _ours(recipe, w: ExpertWeights, m: int, block_m: int, env: dict | None = Non
 
 
 def _torch(recipe, w: ExpertWeights, m: int):
+    w = w.untiled_copy()  # (torch reads the weights in row order)
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     rows = e * m
     offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
@@ -192,10 +197,10 @@ def main() -> None:
                    help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
                         "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
                         "bit-exact; prefetch_over_default: against the default build)")
-    p.add_argument("--tiled-ab", action="store_true",
-                   help="fp8xfp8 / bf16xbf16: also time both BLOCK_Ms on the weights stored in "
-                        "contiguous [128 rows, k-block] boxes (`ExpertWeights.tiled`; checked "
-                        "bit-exact; tiled_over_default: against the default build)")
+    p.add_argument("--row-order-ab", action="store_true",
+                   help="fp8xfp8 / bf16xbf16: also time both BLOCK_Ms on the weights in row "
+                        "order (the default stores them in [128 rows, k-block] boxes, "
+                        "`ExpertWeights.tiled`; checked bit-exact; row_order_over_default)")
     p.add_argument("--transposed-ab", action="store_true",
                    help="FP8 recipes: also time BLOCK_M 64 transposed, the weight tile as the "
                         "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
@@ -252,13 +257,13 @@ def main() -> None:
             if args.prefetch_ab:
                 variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
                                  for bm in (64, 128)})
-            tiled = args.tiled_ab and recipe in ("fp8xfp8", "bf16xbf16")
+            row_order = args.row_order_ab and w.tiled
             variant_weights = {}
-            if tiled:
-                w_tiled = w.tiled_copy()
+            if row_order:  # the same weights in row order (the storage before 2026-12-02)
+                w_rows = w.untiled_copy()
                 for bm in (64, 128):
-                    variants[f"tiled_{bm}"] = (bm, None)
-                    variant_weights[f"tiled_{bm}"] = w_tiled
+                    variants[f"rows_{bm}"] = (bm, None)
+                    variant_weights[f"rows_{bm}"] = w_rows
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, variant_weights.get(key, w), m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -301,9 +306,9 @@ def main() -> None:
                                 transposed_over_default=times["transposed_64"] / t)
                     if fp4:
                         base["transposed_ratio_to_fp8"] = times["transposed_64"] / t_fp8
-                if tiled:
-                    base.update(tiled_us=times[f"tiled_{block_m}"] * 1e6,
-                                tiled_over_default=times[f"tiled_{block_m}"] / t)
+                if row_order:
+                    base.update(row_order_us=times[f"rows_{block_m}"] * 1e6,
+                                row_order_over_default=times[f"rows_{block_m}"] / t)
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
@@ -338,7 +343,8 @@ def main() -> None:
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
-                     "prefetch_us", "prefetch_over_default", "tiled_us", "tiled_over_default",
+                     "prefetch_us", "prefetch_over_default", "row_order_us",
+                     "row_order_over_default",
                      "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",
                      "quarter_over_chunk", "ours_tflops",

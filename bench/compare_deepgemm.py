@@ -66,6 +66,7 @@ def _import_deep_gemm():
 
 def _deepgemm(dg, recipe: str, w: ExpertWeights, m: int, layout: str):
     """DeepGEMM's L1 and L2 grouped GEMMs over ``m`` pairs per expert, on ``w``'s weights."""
+    w = w.untiled_copy()  # (DeepGEMM reads them in row order)
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     fp8 = recipe == "fp8xfp8"
     dt = torch.float8_e4m3fn if fp8 else torch.bfloat16

@@ -196,8 +196,22 @@ class ExpertWeights:
         """These weights with ``w1`` / ``w2`` in the tiled storage order (``tiled``)."""
         if self.tiled:
             return self
-        return replace(self, w1=tile_weight_rows(self.w1),
-                                   w2=tile_weight_rows(self.w2), tiled=True)
+        return replace(self, w1=tile_weight_rows(self.w1), w2=tile_weight_rows(self.w2),
+                       tiled=True)
+
+    def untiled_copy(self) -> ExpertWeights:
+        """These weights with ``w1`` / ``w2`` in plain row order (``tiled`` False)."""
+        if not self.tiled:
+            return self
+        return replace(self, w1=untile_weight_rows(self.w1), w2=untile_weight_rows(self.w2),
+                       tiled=False)
+
+    def _stored(self, tiled: bool | None) -> ExpertWeights:
+        """The constructors' storage order: ``tiled`` True / False, None the default (tiled
+        where the sm_90a kernels read tiles and the shapes are whole tiles: `tiles_weights`)."""
+        if tiled is None:
+            tiled = tiles_weights(self.recipe, self.arch, self.w1, self.w2)
+        return self.tiled_copy() if tiled else self
 
     @property
     def num_experts(self) -> int:
@@ -217,7 +231,7 @@ class ExpertWeights:
 
     @classmethod
     def from_transformed(cls, l1_weights, l2_weights, recipe: str | None = None,
-                         arch: str | None = None) -> ExpertWeights:
+                         arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
         """From what `quant.transform_weights_for_mega_moe` returned for ``arch`` (DeepGEMM's
         layout: for fp8xfp4 its default, the sm_100a one; fp8xfp4_sm90 the sm_90a one).
         ``recipe`` defaults to the weights' own (`weights_recipe` for ``arch``: MXFP4 weights
@@ -235,7 +249,8 @@ class ExpertWeights:
         if recipe == "bf16xbf16":
             if not isinstance(l2_weights, torch.Tensor) or l2_weights.dtype != torch.bfloat16:
                 raise TypeError("l2_weights: bf16xbf16 weights must be a BF16 tensor")
-            return cls(recipe, l1_weights.contiguous(), l2_weights.contiguous(), arch=arch)
+            return cls(recipe, l1_weights.contiguous(), l2_weights.contiguous(),
+                       arch=arch)._stored(tiled)
         if not (isinstance(l2_weights, tuple) and len(l2_weights) == 2
                 and isinstance(l2_weights[0], torch.Tensor)
                 and l2_weights[0].dtype == l1_weights[0].dtype):
@@ -256,26 +271,27 @@ class ExpertWeights:
             return cls(recipe, w1, w2, rows1.transpose(1, 2).contiguous(),
                        rows2.transpose(1, 2).contiguous(), arch=arch,
                        w1_block_sf=_fp4_block_weight_sf(rows1, gate_up=True),
-                       w2_block_sf=_fp4_block_weight_sf(rows2, gate_up=False))
-        return cls(recipe, w1, w2, sf1, sf2, arch=arch)
+                       w2_block_sf=_fp4_block_weight_sf(rows2, gate_up=False))._stored(tiled)
+        return cls(recipe, w1, w2, sf1, sf2, arch=arch)._stored(tiled)
 
     @classmethod
     def from_quantized(cls, l1_weights, l2_weights, recipe: str,
-                       arch: str | None = None) -> ExpertWeights:
+                       arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
         """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved)."""
         check_recipe(recipe)
         arch = _resolve_arch(arch, recipe, l1_weights)
         l1, l2 = quant.transform_weights_for_mega_moe(l1_weights, l2_weights, arch=arch)
-        return cls.from_transformed(l1, l2, recipe, arch)
+        return cls.from_transformed(l1, l2, recipe, arch, tiled)
 
     @classmethod
     def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str,
-                  arch: str | None = None) -> ExpertWeights:
+                  arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
         """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does."""
         check_recipe(recipe)
         arch = _resolve_arch(arch, recipe, w1)
         return cls.from_quantized(quant.quantize_weights_for_recipe(w1, recipe),
-                                  quant.quantize_weights_for_recipe(w2, recipe), recipe, arch)
+                                  quant.quantize_weights_for_recipe(w2, recipe), recipe, arch,
+                                  tiled)
 
     def decoded_fp8(self) -> ExpertWeights:
         """fp8xfp4_sm90 only: the fp8xfp8 weights (same arch and device) that the kernels'
@@ -289,7 +305,7 @@ class ExpertWeights:
         l1 = quant.fp4_weights_to_fp8_blocks((quant.deinterleave_gate_up(w1), sf1))
         l2 = quant.fp4_weights_to_fp8_blocks((quant.fp4_words_from_sm90_decode(self.w2),
                                               self.w2_sf.transpose(1, 2)))
-        return ExpertWeights.from_quantized(l1, l2, "fp8xfp8", arch=self.arch)
+        return ExpertWeights.from_quantized(l1, l2, "fp8xfp8", arch=self.arch, tiled=False)
 
 
 def tile_weight_rows(w: torch.Tensor, rows: int = 128, box_bytes: int = 128) -> torch.Tensor:
@@ -304,6 +320,31 @@ def tile_weight_rows(w: torch.Tensor, rows: int = 128, box_bytes: int = 128) -> 
                          f"[{rows}, {bk}] boxes")
     return (w.reshape(e * n // rows, rows, k // bk, bk).permute(0, 2, 1, 3).contiguous()
             .view(e, n, k))
+
+
+def untile_weight_rows(w: torch.Tensor, rows: int = 128, box_bytes: int = 128) -> torch.Tensor:
+    """The inverse of `tile_weight_rows`: ``w`` ``[E, N, K]`` back in row order."""
+    e, n, k = w.shape
+    bk = box_bytes // w.element_size()
+    if n % rows or k % bk:
+        raise ValueError(f"untile_weight_rows: [{e}, {n}, {k}] is not a whole number of "
+                         f"[{rows}, {bk}] boxes")
+    return (w.reshape(e * n // rows, k // bk, rows, bk).permute(0, 2, 1, 3).contiguous()
+            .view(e, n, k))
+
+
+#: recipes whose sm_90a grouped GEMMs read the weights as 128-row boxes (`ExpertWeights.tiled`)
+TILED_RECIPES = ("fp8xfp8", "bf16xbf16")
+
+
+def tiles_weights(recipe: str, arch: str, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the constructors store these weights tiled by default: sm_90a, a recipe of
+    `TILED_RECIPES`, and both tensors whole ``[128 rows, 128 bytes]`` boxes."""
+    def whole(w):
+        return (w.dim() == 3 and w.shape[1] % 128 == 0
+                and w.shape[2] % (128 // w.element_size()) == 0)
+
+    return arch == "sm_90a" and recipe in TILED_RECIPES and whole(w1) and whole(w2)
 
 
 def _check_weights(weights: ExpertWeights, device: torch.device) -> tuple[int, int, int]:
@@ -459,5 +500,5 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
 
 
 __all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "check_pool_capacity", "expert_ffn",
-           "tile_weight_rows",
+           "tile_weight_rows", "untile_weight_rows", "tiles_weights", "TILED_RECIPES",
            "gemm_kernel", "weights_recipe"]

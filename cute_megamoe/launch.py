@@ -301,8 +301,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     )
 
     clamp = activation_clamp if phase == "l1" else None
-    if tiled_weights and (sm90_transposed() or sm90_swap_ab()):
-        raise ValueError("tiled weights: not with CUTE_MEGAMOE_SM90_TRANSPOSED / _SWAP_AB")
     if arch == "sm_90a":
         from .kernels.sm90_expert_gemm import MAX_OVERLAP_K_BLOCKS
         from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
@@ -336,7 +334,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
-                                                weight_prefetch=sm90_weight_prefetch(), **extra)
+                                                weight_prefetch=sm90_weight_prefetch(),
+                                                tiled_weights=tiled_weights, **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: clusters only as an A/B variant)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90" and not sm90_fp4_cluster()

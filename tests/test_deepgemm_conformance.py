@@ -614,7 +614,7 @@ class _Pool:
         w1 = (torch.randn(e_l, 2 * inter, hidden, generator=gen) / hidden**0.5)
         w2 = (torch.randn(e_l, hidden, inter, generator=gen) / inter**0.5)
         w1, w2 = w1.to(torch.bfloat16).to(dev), w2.to(torch.bfloat16).to(dev)
-        self.weights = ExpertWeights.from_bf16(w1, w2, recipe, arch=arch)
+        self.weights = ExpertWeights.from_bf16(w1, w2, recipe, arch=arch, tiled=False)
         q1 = quant.quantize_weights_for_recipe(w1, recipe)
         q2 = quant.quantize_weights_for_recipe(w2, recipe)
         self.w1_deq = quant.dequantize_weights_for_recipe(q1, recipe).float()  # gate | up

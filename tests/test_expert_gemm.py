@@ -46,8 +46,14 @@ def test_weights_fp8_block_scales_k_major_gate_up_order():
     assert k90.GATE_UP_GROUP == quant.INTERLEAVE_GRAN
     assert k90.SF_BLOCK == expert_gemm.SF_BLOCK == 128
     u8 = torch.uint8
-    assert torch.equal(w.w1.view(u8), quant.interleave_gate_up(q1[0]).view(u8))
-    assert torch.equal(w.w2.view(u8), q2[0].view(u8))
+    # (stored in TMA-box order by default: `ExpertWeights.tiled`)
+    from cute_megamoe.expert_gemm import tile_weight_rows
+
+    assert w.tiled and not ExpertWeights.from_quantized(q1, q2, "fp8xfp8", tiled=False).tiled
+    plain = w.untiled_copy()
+    assert torch.equal(plain.w1.view(u8), quant.interleave_gate_up(q1[0]).view(u8))
+    assert torch.equal(plain.w2.view(u8), q2[0].view(u8))
+    assert torch.equal(w.w1.view(u8), tile_weight_rows(plain.w1).view(u8))
 
 
 def test_weights_reject_per_row_scales_and_other_recipes():
@@ -659,8 +665,11 @@ def test_tile_weight_rows_stores_contiguous_boxes():
     w1, w2 = torch.randn(2, 512, 256), torch.randn(2, 256, 256)
     weights = ExpertWeights.from_quantized(q(w1, "fp8xfp8"), q(w2, "fp8xfp8"), "fp8xfp8",
                                            arch="sm_90a")
+    assert weights.tiled  # (the constructors' default on sm_90a)
+    weights = weights.untiled_copy()
     tiled = weights.tiled_copy()
     assert tiled.tiled and not weights.tiled and tiled.tiled_copy() is tiled
+    assert torch.equal(tiled.untiled_copy().w1.view(torch.uint8), weights.w1.view(torch.uint8))
     assert tiled.w1_sf is weights.w1_sf and torch.equal(tiled.w2, tile_weight_rows(weights.w2))
     with pytest.raises(ValueError, match="tiled"):
         ExpertWeights("fp8xfp4", weights.w1, weights.w2, tiled=True, arch="sm_100a")
