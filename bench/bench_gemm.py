@@ -26,7 +26,8 @@ WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ord
 `--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
 (`prefetch_us`, `prefetch_over_default`); `--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
 weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
-`transposed_ratio_to_fp8`).
+`transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage
+order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -40,7 +41,12 @@ import statistics
 import torch
 
 from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graph
-from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn, tiles_weights
+from cute_megamoe.expert_gemm import (
+    TILEABLE_RECIPES,
+    ExpertWeights,
+    expert_ffn,
+    tiles_weights,
+)
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.kernels.common.gemm_config import weight_sf_row_len
 from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
@@ -197,10 +203,11 @@ def main() -> None:
                    help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
                         "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
                         "bit-exact; prefetch_over_default: against the default build)")
-    p.add_argument("--row-order-ab", action="store_true",
-                   help="fp8xfp8 / bf16xbf16: also time both BLOCK_Ms on the weights in row "
-                        "order (the default stores them in [128 rows, k-block] boxes, "
-                        "`ExpertWeights.tiled`; checked bit-exact; row_order_over_default)")
+    p.add_argument("--storage-ab", action="store_true",
+                   help="also time both BLOCK_Ms on the weights in the other storage order "
+                        "(`ExpertWeights.tiled`: fp8xfp8 / bf16xbf16 default to [128 rows, "
+                        "k-block] boxes, so rows; fp8xfp4_sm90 to rows, so boxes; checked "
+                        "bit-exact; other_storage, storage_over_default)")
     p.add_argument("--transposed-ab", action="store_true",
                    help="FP8 recipes: also time BLOCK_M 64 transposed, the weight tile as the "
                         "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
@@ -257,13 +264,13 @@ def main() -> None:
             if args.prefetch_ab:
                 variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
                                  for bm in (64, 128)})
-            row_order = args.row_order_ab and w.tiled
+            storage = args.storage_ab and recipe in TILEABLE_RECIPES
             variant_weights = {}
-            if row_order:  # the same weights in row order (the storage before 2026-12-02)
-                w_rows = w.untiled_copy()
+            if storage:  # the same weights in the other storage order (`ExpertWeights.tiled`)
+                w_other = w.untiled_copy() if w.tiled else w.tiled_copy()
                 for bm in (64, 128):
-                    variants[f"rows_{bm}"] = (bm, None)
-                    variant_weights[f"rows_{bm}"] = w_rows
+                    variants[f"storage_{bm}"] = (bm, None)
+                    variant_weights[f"storage_{bm}"] = w_other
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, variant_weights.get(key, w), m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -306,9 +313,12 @@ def main() -> None:
                                 transposed_over_default=times["transposed_64"] / t)
                     if fp4:
                         base["transposed_ratio_to_fp8"] = times["transposed_64"] / t_fp8
-                if row_order:
-                    base.update(row_order_us=times[f"rows_{block_m}"] * 1e6,
-                                row_order_over_default=times[f"rows_{block_m}"] / t)
+                if storage:
+                    base.update(other_storage="rows" if w.tiled else "boxes",
+                                storage_us=times[f"storage_{block_m}"] * 1e6,
+                                storage_over_default=times[f"storage_{block_m}"] / t)
+                    if fp4:
+                        base["storage_ratio_to_fp8"] = times[f"storage_{block_m}"] / t_fp8
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
@@ -343,8 +353,8 @@ def main() -> None:
                      "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
-                     "prefetch_us", "prefetch_over_default", "row_order_us",
-                     "row_order_over_default",
+                     "prefetch_us", "prefetch_over_default", "other_storage",
+                     "storage_us", "storage_over_default", "storage_ratio_to_fp8",
                      "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",
                      "quarter_over_chunk", "ours_tflops",

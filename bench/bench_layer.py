@@ -45,7 +45,7 @@ def _env_column(setting: str) -> str:
 
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
-            quick=False, fused_rows=(), staged_env=(), fused_env=(), row_order=False):
+            quick=False, fused_rows=(), staged_env=(), fused_env=(), storage_ab=False):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -67,9 +67,12 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
           / inter**0.5).to(torch.bfloat16)
     weights = staged.TorchExpertWeights.from_bf16(w1, w2, recipe)
     kernel_weights = ExpertWeights.from_bf16(w1, w2, recipe)
-    # `--row-order-ab`: the same weights in row order (the default stores them in TMA-box
-    # order, `ExpertWeights.tiled`), for the layers' A/B
-    row_weights = kernel_weights.untiled_copy() if row_order and kernel_weights.tiled else None
+    # `--storage-ab`: the same weights in the other storage order (`ExpertWeights.tiled`), for
+    # the layers' A/B
+    other_weights = None
+    if storage_ab:
+        other_weights = (kernel_weights.untiled_copy() if kernel_weights.tiled
+                         else kernel_weights.tiled_copy())
     del w1, w2
     buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, experts, max(tokens), topk, hidden,
                                        inter, mma_type=recipe)
@@ -137,15 +140,16 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         rows_graphs = {rows: [] for rows in fused_rows if fused_ok}
         env_graphs = {("ours", setting): [] for setting in staged_env}
         env_graphs.update({("fused", setting): [] for setting in fused_env if fused_ok})
-        row_graphs = {}  # the layers on the weights in row order
-        if row_weights is not None:
-            row_graphs["ours"] = (partial(ours, wts=row_weights), [])
+        storage_graphs = {}  # the layers on the weights in the other storage order
+        if other_weights is not None:
+            storage_graphs["ours"] = (partial(ours, wts=other_weights), [])
             if fused_ok:
-                row_graphs["fused"] = (partial(fused_layer, wts=row_weights), [])
-            for tiled, (fn, _) in zip((ours, fused_layer), row_graphs.values(), strict=False):
-                y_tiled = tiled().clone()  # (the same outputs on either storage)
-                if not torch.equal(y_tiled.view(torch.int16), fn().view(torch.int16)):
-                    raise SystemExit(f"{n} tokens: the layer on row-order weights differs")
+                storage_graphs["fused"] = (partial(fused_layer, wts=other_weights), [])
+            for default, (fn, _) in zip((ours, fused_layer), storage_graphs.values(),
+                                        strict=False):
+                y_default = default().clone()  # (the same outputs on either storage)
+                if not torch.equal(y_default.view(torch.int16), fn().view(torch.int16)):
+                    raise SystemExit(f"{n} tokens: the layer on the other storage differs")
         for _ in range(3):  # alternate: the GPU's clocks drift at its power limit
             graphs["sends"].append(_time_graph(ours, 5, repeats=3))
             if fused_ok:
@@ -156,7 +160,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 fn = ours if layer == "ours" else fused_layer
                 times.append(_time_graph(partial(with_env, fn, *setting.split("=", 1)), 5,
                                          repeats=3))
-            for fn, times in row_graphs.values():
+            for fn, times in storage_graphs.values():
                 times.append(_time_graph(fn, 5, repeats=3))
             if not quick:
                 graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
@@ -171,11 +175,11 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 name = f"{layer}_{_env_column(setting)}"
                 fused_cols[f"{name}_graph_us"] = statistics.median(times) * 1e6
                 fused_cols[f"{name}_over_fp8_floor"] = statistics.median(times) / fp8_floor
-        for layer, (_fn, times) in row_graphs.items():
+        for layer, (_fn, times) in storage_graphs.items():
             if None not in times:
-                t_rows = statistics.median(times)
-                fused_cols[f"{layer}_row_order_graph_us"] = t_rows * 1e6
-                fused_cols[f"{layer}_row_order_over_fp8_floor"] = t_rows / fp8_floor
+                t_other = statistics.median(times)
+                fused_cols[f"{layer}_other_storage_graph_us"] = t_other * 1e6
+                fused_cols[f"{layer}_other_storage_over_fp8_floor"] = t_other / fp8_floor
         fused_best = ours_best  # (the speedup over the torch baseline takes the better one)
         if fused_ok:
             fused_best = min(t_fused, t_fused_graph or t_fused)
@@ -231,9 +235,9 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             for setting in settings:
                 cols += [f"{layer}_{_env_column(setting)}_graph_us",
                          f"{layer}_{_env_column(setting)}_over_fp8_floor"]
-        if row_order:
-            cols += ["ours_row_order_graph_us", "ours_row_order_over_fp8_floor",
-                     "fused_row_order_graph_us", "fused_row_order_over_fp8_floor"]
+        if storage_ab:
+            cols += ["ours_other_storage_graph_us", "ours_other_storage_over_fp8_floor",
+                     "fused_other_storage_graph_us", "fused_other_storage_over_fp8_floor"]
         if not quick:
             cols += ["ours_pool_order_graph_us", "dispatch_graph_us", "experts_graph_us",
                      "combine_graph_us", "staged_torch_us", "torch_baseline_us",
@@ -268,19 +272,19 @@ def main() -> None:
     p.add_argument("--fused-env", default="",
                    help="NAME=VALUE[,...]: the fused layer also with each of these variables set "
                         "(columns fused_<name>_<value>_graph_us, ..._over_fp8_floor)")
-    p.add_argument("--row-order-ab", action="store_true",
-                   help="fp8xfp8 / bf16xbf16: the staged and fused layers also on the weights "
-                        "in row order (the default stores them in TMA-box order, "
-                        "`ExpertWeights.tiled`), alternating in the graph rounds, outputs "
-                        "checked equal (columns ours_row_order_graph_us, "
-                        "fused_row_order_graph_us)")
+    p.add_argument("--storage-ab", action="store_true",
+                   help="the staged and fused layers also on the weights in the other storage "
+                        "order (`ExpertWeights.tiled`: fp8xfp8 / bf16xbf16 default to TMA "
+                        "boxes, fp8xfp4_sm90 to rows), alternating in the graph rounds, "
+                        "outputs checked equal (columns ours_other_storage_graph_us, "
+                        "fused_other_storage_graph_us)")
     a = p.parse_args()
     mp.spawn(_worker, args=(a.ranks, a.port, [int(t) for t in a.tokens.split(",")], a.recipe,
                             a.experts, a.topk, a.hidden, a.intermediate,
                             os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick,
                             tuple(r for r in a.fused_rows.split(",") if r),
                             tuple(e for e in a.staged_env.split(",") if e),
-                            tuple(e for e in a.fused_env.split(",") if e), a.row_order_ab),
+                            tuple(e for e in a.fused_env.split(",") if e), a.storage_ab),
              nprocs=a.ranks, join=True)
 
 

@@ -676,11 +676,11 @@ def test_tile_weight_rows_stores_contiguous_boxes():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048)])
 def test_sm90_tiled_weights_load_4d_boxes(recipe, phase, n, k, monkeypatch):
-    """Tiled weights (`ExpertWeights.tiled`): the weight loads are 4-D TMA boxes (each one
-    contiguous run of HBM), the pool rows stay 2-D; no spills."""
+    """Tiled weights (`ExpertWeights.tiled`): the weight loads (MXFP4: of the packed codes)
+    are 4-D TMA boxes (each one contiguous run of HBM), the pool rows stay 2-D; no spills."""
     from cutlass import Int32
 
     from cute_megamoe.launch import gemm_kernel
@@ -698,15 +698,15 @@ def test_sm90_tiled_weights_load_4d_boxes(recipe, phase, n, k, monkeypatch):
             assert art.count("UTMALDG.4D") > 0 and art.count("UTMALDG.2D") > 0
             assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     with pytest.raises(ValueError, match="tiled_weights"):
-        gemm_kernel("sm_90a", "fp8xfp4_sm90", phase, 8, 2048, n, k, 64, tiled_weights=True)
+        gemm_kernel("sm_100a", "bf16xbf16", phase, 8, 2048, n, k, 64, tiled_weights=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_tiled_weights_are_bit_identical(block_m):
-    """The grouped GEMMs on tiled weights (`ExpertWeights.tiled_copy`) equal them on the
-    plain weights bit for bit (fp8xfp8: L2 inputs, scales and outputs, pad rows untouched) and
-    pass the reference checks (bf16xbf16)."""
+    """The grouped GEMMs on weights in TMA-box order (`ExpertWeights.tiled`) equal them on
+    row-order weights bit for bit (fp8xfp8 and MXFP4 weights: L2 inputs, scales and outputs,
+    pad rows untouched) and pass the reference checks (bf16xbf16)."""
     import dataclasses
 
     from cute_megamoe.testing.gemm_checks import (
@@ -718,10 +718,14 @@ def test_tiled_weights_are_bit_identical(block_m):
     )
 
     device = _gpu()
-    problem = make_pool_problem("fp8xfp8", COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
-                                seed=31 + block_m)
-    tiled = dataclasses.replace(problem, weights=problem.weights.tiled_copy())
-    assert_same_valid_rows(problem, [run_fp8_ffn_poisoned(problem), run_fp8_ffn_poisoned(tiled)])
+    for recipe in ("fp8xfp8", "fp8xfp4_sm90"):  # (MXFP4 in boxes: an A/B option)
+        problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512,
+                                    device, seed=31 + block_m)
+        weights = problem.weights
+        other = weights.untiled_copy() if weights.tiled else weights.tiled_copy()
+        assert_same_valid_rows(problem, [
+            run_fp8_ffn_poisoned(problem),
+            run_fp8_ffn_poisoned(dataclasses.replace(problem, weights=other))])
     bf16 = make_pool_problem("bf16xbf16", COUNT_PATTERNS["random"], block_m, 1024, 512, device,
                              seed=37 + block_m)
     check_expert_ffn(dataclasses.replace(bf16, weights=bf16.weights.tiled_copy()),

@@ -214,6 +214,27 @@ def test_expert_weights_from_bf16():
         assert ExpertWeights.from_bf16(w1, w2, other, arch="sm_90a").w1_block_sf is None
 
 
+def test_tiled_mxfp4_weights_keep_their_codes():
+    """MXFP4 weights in TMA-box order (`ExpertWeights.tiled_copy`, an A/B option: row order
+    stays the default): [128 rows, 64 bytes] boxes of packed codes, the scales untouched, the
+    same codes back (`untiled_copy`) and the same host decode (`decoded_fp8`)."""
+    from cute_megamoe.expert_gemm import tile_weight_rows
+
+    q1, q2 = _quantized()
+    w = ExpertWeights.from_quantized(q1, q2, RECIPE)
+    assert not w.tiled  # (MXFP4: not tiled by default)
+    t = w.tiled_copy()
+    assert t.tiled and t.w1.shape == w.w1.shape and t.w1_sf is w.w1_sf
+    assert torch.equal(t.w1, tile_weight_rows(w.w1, box_bytes=64))
+    assert torch.equal(t.w2, tile_weight_rows(w.w2, box_bytes=64))
+    assert not torch.equal(t.w1, w.w1)
+    back = t.untiled_copy()
+    assert torch.equal(back.w1, w.w1) and torch.equal(back.w2, w.w2)
+    d, dt = w.decoded_fp8(), t.decoded_fp8()
+    assert not dt.tiled and torch.equal(d.w1.view(torch.uint8), dt.w1.view(torch.uint8))
+    assert torch.equal(d.w2.view(torch.uint8), dt.w2.view(torch.uint8))
+
+
 def test_decoded_fp8_is_the_host_decode():
     q1, q2 = _quantized()
     w = ExpertWeights.from_quantized(q1, q2, RECIPE)

@@ -190,11 +190,12 @@ def test_one_rank_group_synchronizes_at_gpu_scope(monkeypatch):
 
 
 @pytest.mark.compile
-def test_compiles_with_tiled_weights(monkeypatch):
-    """Weights in TMA-box order (`ExpertWeights.tiled`): both GEMM stages load them as 4-D
-    boxes, the pool rows stay 2-D; no spills."""
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
+def test_compiles_with_tiled_weights(recipe, monkeypatch):
+    """Weights in TMA-box order (`ExpertWeights.tiled`; MXFP4: an A/B option): both GEMM
+    stages load them as 4-D boxes, the pool rows stay 2-D; no spills."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile("fp8xfp8", 64, tiled_weights=True)
+    kernel, art = _compile(recipe, 64, tiled_weights=True)
     assert kernel.l1.tiled_weights and kernel.l2.tiled_weights
     assert "cp.async.bulk.tensor.4d" in art.ptx and "cp.async.bulk.tensor.2d" in art.ptx
     if art.sass is not None:
@@ -341,10 +342,11 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_on_tiled_weights_matches_staged(recipe, monkeypatch):
-    """The fused kernel on the weights in TMA-box order (`ExpertWeights.tiled`) against the
-    staged layer on the plain weights: bit-exact, both BLOCK_Ms, 0 / 1 tokens, masked."""
+    """The fused kernel on the weights in TMA-box order (`ExpertWeights.tiled_copy`: the
+    default for fp8xfp8 / bf16xbf16, an A/B option for MXFP4) against the staged layer on
+    the constructors' weights: bit-exact, both BLOCK_Ms, 0 / 1 tokens, masked."""
     _gpu(recipe, monkeypatch)
     from cute_megamoe.testing.fused_checks import FusedLayer
 

@@ -190,10 +190,9 @@ class Sm90ExpertGemmKernel:
             activation_clamp)
         self.num_n_blocks = n // self.block_n
         # `tiled_weights`: the weights are stored as contiguous [128 rows, k-block] boxes
-        # (`expert_gemm.tile_weights`), so that each TMA box of a weight load reads one
-        # contiguous 16 KB run of HBM instead of 128 rows of 128 bytes (an A/B option)
-        if tiled_weights and self.fp4_weights:
-            raise ValueError("tiled_weights: FP8 and BF16 weights only")
+        # (`expert_gemm.tile_weight_rows`), so that each TMA box of a weight load reads one
+        # contiguous run of HBM (16 KB; FP4: 8 KB of packed codes) instead of 128 rows of 128
+        # (FP4: 64) bytes
         self.tiled_weights = bool(tiled_weights)
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
@@ -478,7 +477,7 @@ class Sm90ExpertGemmKernel:
         ``[128 rows, k-block]`` boxes, a row block's k-blocks one after the other."""
         rows, k_b = self.num_experts * self.n, self.k // 2 if self.fp4_weights else self.k
         if self.tiled_weights:
-            bk = self.block_k
+            bk = self.b_load_k()
             return cute.make_tensor(b, cute.make_layout(
                 ((WG_N, rows // WG_N), (bk, k_b // bk)),
                 stride=((bk, WG_N * k_b), (1, WG_N * bk))))
