@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from .buffer import SymmBuffer
-from .checks import check_layer_output, check_routing, check_sym_buffer
+from .checks import check_cuda_buffer, check_layer_output, check_routing, check_sym_buffer
 from .expert_gemm import ExpertWeights
+from .fused import choose as choose_fused
 from .fused import fused_mega_moe
 from .staged import gives_up_call_on_error, stage_inputs, staged_mega_moe
 
@@ -29,7 +30,7 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
              activation_clamp: float | None = None, fast_math: bool = True,
              block_m: int | None = None, num_sms: int | None = None, transfer: str = "push",
-             l2_sends: bool = True, fused: bool = False) -> torch.Tensor:
+             l2_sends: bool = True, fused: bool | None = None) -> torch.Tensor:
     """One MoE layer on every rank of the buffer's group (collective), any recipe.
 
     The inputs are what `stage_inputs` (or the caller, DeepGEMM style) put into `sym_buffer`
@@ -45,7 +46,9 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
     (`SymmBuffer.skip_call`), so that it cannot pair its next call with the peers' current
     one (the kernels trap naming the call numbers instead). ``fused``: the whole layer as one
     persistent kernel (`fused.fused_mega_moe`; sm_90a, fp8xfp8 / bf16xbf16, push and L2
-    sends, bit-identical to the staged kernels; other recipes raise before any launch).
+    sends, bit-identical to the staged kernels): True raises before any launch where it cannot
+    run, False runs the staged kernels, None (default) `fused.choose`: the fused kernel for
+    one-rank groups on sm_90a, else the staged kernels (``CUTE_MEGAMOE_FUSED``).
     """
     return _mega_moe(None, "mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
@@ -57,7 +60,7 @@ def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer
                  activation_clamp: float | None = None, fast_math: bool = True,
                  block_m: int | None = None, num_sms: int | None = None,
                  transfer: str = "push", l2_sends: bool = True,
-                 fused: bool = False) -> torch.Tensor:
+                 fused: bool | None = None) -> torch.Tensor:
     """`mega_moe` for the FP8-activation recipes (``fp8xfp8``, ``fp8xfp4``, ``fp8xfp4_sm90``)
     only."""
     return _mega_moe(_FP8_RECIPES, "fp8_mega_moe", y, weights, sym_buffer,
@@ -67,15 +70,12 @@ def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer
 
 def _mega_moe(recipes: tuple[str, ...] | None, name: str, y, weights, sym_buffer,
               cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m, num_sms,
-              transfer, l2_sends, fused=False) -> torch.Tensor:
+              transfer, l2_sends, fused=None) -> torch.Tensor:
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         n = _check_layer_call(recipes, name, y, weights, sym_buffer)
-        if not isinstance(fused, bool):
-            raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
-        if fused and (transfer != "push" or l2_sends is not True):
-            raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
-                             "the L2 epilogue (transfer='push', l2_sends=True)")
+        check_cuda_buffer(sym_buffer)  # (before `choose_fused` asks the GPU)
+        fused = choose_fused(fused, sym_buffer, weights, transfer, l2_sends)
     if fused:
         return fused_mega_moe(
             sym_buffer, None, None, None, weights, num_tokens=n, y=y,

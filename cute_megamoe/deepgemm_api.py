@@ -11,7 +11,9 @@ Code written against ``deep_gemm``'s Mega MoE API runs on ours by changing the i
 (``docs/reference-deepgemm-megamoe.md`` sections 1.1-1.4.) ``n`` is ``y``'s row count. The
 weights are exactly what `quant.transform_weights_for_mega_moe` returns with its default arch
 (DeepGEMM's layout: L1 rows gate/up interleaved by 8, FP4 scales in UTCCP row order), with
-scales of any strides (DeepGEMM's MN-major ones or our contiguous ones).
+scales of any strides (DeepGEMM's MN-major ones or our contiguous ones). Where our grouped
+GEMMs run the recipe, the layer is our fused kernel where `fused.choose` picks it by default
+(one-rank groups on sm_90a; ``CUTE_MEGAMOE_FUSED``), else the staged kernels.
 
 Where the GPU has no grouped-GEMM kernels for the recipe (`tables.GEMM_RECIPES`: fp8xfp4 on
 Hopper; fp8xfp8 on Blackwell), the call runs our dispatch and combine kernels with the expert
@@ -41,6 +43,8 @@ from .checks import (
     check_sym_buffer,
 )
 from .expert_gemm import ExpertWeights, _block_weight_sf, weights_recipe
+from .fused import choose as choose_fused
+from .fused import fused_mega_moe
 from .quant import transform_weights_for_mega_moe, weight_sf_for_sm100
 from .runtime import get_arch
 from .staged import TorchExpertWeights, gives_up_call_on_error, staged_mega_moe
@@ -123,10 +127,12 @@ def _layer(name: str, recipes: tuple[str, ...], y, l1_weights, l2_weights, sym_b
         device = check_cuda_buffer(sym_buffer)
         n = check_layer_output(y, sym_buffer)
         weights = _weights_for(l1_weights, l2_weights, buffer_recipe, get_arch(device))
-    # (staged_mega_moe checks the rest inside its own give-up block, before its first launch)
-    return staged_mega_moe(sym_buffer, None, None, None, weights, num_tokens=n, y=y,
-                           activation_clamp=activation_clamp, fast_math=fast_math,
-                           cumulative_local_expert_recv_stats=stats)
+        fused = choose_fused(None, sym_buffer, weights)
+    # (the layers check the rest inside their own give-up blocks, before their first launch)
+    layer = fused_mega_moe if fused else staged_mega_moe
+    return layer(sym_buffer, None, None, None, weights, num_tokens=n, y=y,
+                 activation_clamp=activation_clamp, fast_math=fast_math,
+                 cumulative_local_expert_recv_stats=stats)
 
 
 # ----------------------------------------------------------------------------- weight cache

@@ -8,7 +8,9 @@ the caller filled the buffer, as DeepGEMM's users do) and the fused kernel of th
 bit-identical to `staged.staged_mega_moe(..., l2_sends=True)` on the same inputs) or
 `kernels/sm100_mega_moe.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked, never run: no
 Blackwell GPU here). The push transfer; `supports` says whether a buffer and weights can run
-it. Opt-in in the entry points (`MegaMoE(fused=True)`, `api.mega_moe(..., fused=True)`).
+it. The entry points (`MegaMoE`, `api.mega_moe` / `fp8_mega_moe`, DeepGEMM's
+`fp8_fp4_mega_moe` / `bf16_mega_moe`) run it by default where it ran on the GPU as the group
+runs (`choose`: sm_90a, fp8xfp8 / bf16xbf16, one rank); ``fused=False`` keeps the staged kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .launch import (
     existing_buffer_state,
     fused_call,
 )
-from .runtime import env_flag, kernel_variant_env, launch_path
+from .runtime import env_choice, env_flag, kernel_variant_env, launch_path
 from .staged import (
     _MAX_PLANS,
     _LayerPlan,
@@ -47,7 +49,7 @@ from .staged import (
 )
 from .tables import EXPERIMENTAL_FUSED_RECIPES, FUSED_RECIPES
 
-__all__ = ["fused_mega_moe", "supports"]
+__all__ = ["choose", "fused_mega_moe", "supports"]
 
 # sm_90a runs its L1 and L2 tiles through one ring of 256-column tiles
 _SM90_TILE_N = 256
@@ -76,6 +78,46 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
         return (f"the sm_90a fused kernel needs hidden ({layout.hidden}) and 2 * intermediate "
                 f"({2 * layout.intermediate_hidden}) to be multiples of {_SM90_TILE_N}")
     return None
+
+
+#: ``CUTE_MEGAMOE_FUSED``: what ``fused=None`` (the entry points' default) picks. "auto": the
+#: fused kernel for one-rank groups on sm_90a (fp8xfp8, bf16xbf16: GPU-tested, bit-identical
+#: to the staged kernels and as fast or faster at 1-8192 tokens, docs/performance.md), the
+#: staged kernels for larger groups (the fused kernel has run them only as loopback groups on
+#: one GPU, never across GPUs) and on sm_100a (compiled, never run); "1": the fused kernel
+#: wherever `supports` allows it (also groups of several GPUs); "0": the staged kernels. Every
+#: rank of a group must see the same value (the two layers use different row protocols).
+FUSED_DEFAULTS = ("auto", "1", "0")
+
+
+def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
+           transfer: str = "push", l2_sends: bool = True) -> bool:
+    """Whether an entry point runs the fused kernel. ``fused`` True: it must (raises
+    `ValueError` naming why it cannot: push, L2 sends, `supports`); False: the staged kernels;
+    None: `FUSED_DEFAULTS` (``CUTE_MEGAMOE_FUSED``), quietly staged where the fused kernel
+    cannot run these arguments."""
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"fused: expected None or a bool, got {type(fused).__name__}")
+    pushes = transfer == "push" and l2_sends is True
+    if fused:
+        if not pushes:
+            raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
+                             "the L2 epilogue (transfer='push', l2_sends=True)")
+        reason = supports(sym_buffer, weights)
+        if reason is not None:
+            raise ValueError(f"fused: {reason}")
+        return True
+    if fused is False or not pushes:
+        return False
+    mode = env_choice("CUTE_MEGAMOE_FUSED", FUSED_DEFAULTS)
+    if mode == "0" or not isinstance(weights, ExpertWeights):
+        return False
+    if mode == "auto":
+        layout = sym_buffer.layout
+        if (layout.num_ranks != 1 or weights.arch != "sm_90a"
+                or layout.recipe in EXPERIMENTAL_FUSED_RECIPES["sm_90a"]):
+            return False
+    return supports(sym_buffer, weights) is None
 
 
 def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,

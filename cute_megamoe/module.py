@@ -53,8 +53,8 @@ from .checks import (
 )
 from .deepgemm_api import get_symm_buffer_for_mega_moe
 from .expert_gemm import ExpertWeights
+from .fused import choose as choose_fused
 from .fused import fused_mega_moe
-from .fused import supports as fused_support
 from .layout import BLOCK_M_MAX, MegaMoELayout
 from .runtime import get_arch
 from .staged import TRANSFERS, TorchExpertWeights, staged_mega_moe
@@ -80,7 +80,7 @@ class MegaMoEConfig:
     validate_routing: bool  # check the routing on the host (synchronizes)
     block_m: int | None  # None: the heuristics per call
     num_sms: int | None  # None: the buffer's default
-    fused: bool = False  # one persistent kernel for the layer (`fused`; sm_90a kernels path)
+    fused: bool = False  # one persistent kernel for the layer (`fused.choose` decided)
 
 
 _LAYERS: dict[int, weakref.ref] = {}
@@ -117,8 +117,10 @@ class MegaMoE(torch.nn.Module):
             kernels implement) and SM count; None: per call by the heuristics / all SMs.
         fused: run the layer as one persistent kernel (`fused.fused_mega_moe`: the kernels
             path, push, L2 sends; sm_90a GPU-tested and bit-identical to the staged kernels,
-            sm_100a compiled only). Off by default while it is slower at prefill sizes
-            (docs/performance.md).
+            sm_100a compiled only); True raises where it cannot run, False keeps the staged
+            kernels. None (default): `fused.choose` (``CUTE_MEGAMOE_FUSED``): the fused kernel
+            for one-rank groups on sm_90a with fp8xfp8 / bf16xbf16 weights, else the staged
+            kernels. `config.fused` says which runs.
     """
 
     def __init__(self, group: torch.distributed.ProcessGroup | None, num_experts: int,
@@ -130,7 +132,7 @@ class MegaMoE(torch.nn.Module):
                  activation_clamp: float | None = None, fast_math: bool = True,
                  transfer: str = "push", l2_sends: bool = True,
                  validate_routing: bool | None = None, block_m: int | None = None,
-                 num_sms: int | None = None, fused: bool = False) -> None:
+                 num_sms: int | None = None, fused: bool | None = None) -> None:
         super().__init__()
         check_recipe(recipe)
         activation_clamp = check_activation_clamp(activation_clamp)
@@ -140,8 +142,8 @@ class MegaMoE(torch.nn.Module):
             raise TypeError(f"l2_sends: expected a bool, got {type(l2_sends).__name__}")
         if experts is not None:
             check_choice("experts", experts, ("kernels", "torch"))
-        if not isinstance(fused, bool):
-            raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused: expected None or a bool, got {type(fused).__name__}")
         if fused and (transfer != "push" or not l2_sends):
             raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
                              "the L2 epilogue (transfer='push', l2_sends=True)")
@@ -179,6 +181,7 @@ class MegaMoE(torch.nn.Module):
                                  "the reference on the CPU)")
             self.sym_buffer: SymmBuffer | None = None
             self.weights = (w1.to(device), w2.to(device))
+            fused = False
         else:
             arch = get_arch(device)
             path = _choose_path(arch, recipe, experts, weights)
@@ -195,11 +198,13 @@ class MegaMoE(torch.nn.Module):
                     group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                     intermediate_hidden, mma_type=recipe, device=device)
             self.weights = weights
-            if fused:
-                reason = "it runs on the kernels path" if path != "kernels" else \
-                    fused_support(self.sym_buffer, weights)
-                if reason is not None:
-                    raise ValueError(f"fused: {reason}")
+            if path == "kernels":
+                fused = choose_fused(fused, self.sym_buffer, weights, transfer, l2_sends)
+            elif fused:
+                raise ValueError(f"fused: it runs on the kernels path, this layer on the "
+                                 f"{path} path")
+            else:
+                fused = False
         self.group = group
         self.layout = layout
         self.config = MegaMoEConfig(

@@ -286,6 +286,15 @@ def env_flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """A `CUTE_MEGAMOE_*` environment setting that takes one of ``choices`` (the first one when
+    unset or empty); anything else raises `ValueError` naming the variable."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}: one of {choices}, got {value!r}")
+    return value
+
+
 # ----------------------------------------------------------------------------- launch paths
 
 class LaunchPath:

@@ -462,31 +462,119 @@ def test_module_refuses_fused_where_it_cannot_run():
         cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu", fused=1)
 
 
+def _choose_case(monkeypatch, num_ranks=1, recipe="fp8xfp8", arch="sm_90a", reason=None,
+                 env=None):
+    """A stand-in buffer and weights for `fused.choose`, with `supports` answering
+    ``reason``."""
+    from types import SimpleNamespace
+
+    from cute_megamoe import fused
+    from cute_megamoe.expert_gemm import ExpertWeights
+
+    weights = object.__new__(ExpertWeights)
+    object.__setattr__(weights, "arch", arch)
+    buf = SimpleNamespace(layout=SimpleNamespace(num_ranks=num_ranks, recipe=recipe))
+    monkeypatch.setattr(fused, "supports", lambda b, w: reason)
+    if env is None:
+        monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("CUTE_MEGAMOE_FUSED", env)
+    return buf, weights
+
+
+def test_choose_runs_the_fused_kernel_by_default_where_it_ran(monkeypatch):
+    """``fused=None``: the fused kernel for one-rank groups on sm_90a with fp8xfp8 / bf16xbf16
+    weights (where it was GPU-tested), the staged kernels for larger groups, on sm_100a, for
+    the FP4 experiment, for the pull transfer or without L2 sends, or where `supports` says no;
+    ``CUTE_MEGAMOE_FUSED`` 1 / 0 widens / turns off the default; True raises where it cannot
+    run; anything else than None / bool is a TypeError."""
+    from cute_megamoe import fused
+    from cute_megamoe.staged import TorchExpertWeights
+
+    for recipe in ("fp8xfp8", "bf16xbf16"):
+        assert fused.choose(None, *_choose_case(monkeypatch, recipe=recipe)) is True
+    staged_by_default = [dict(num_ranks=2), dict(num_ranks=8), dict(arch="sm_100a"),
+                         dict(recipe="fp8xfp4_sm90"), dict(reason="no"), dict(env="0")]
+    for case in staged_by_default:
+        assert fused.choose(None, *_choose_case(monkeypatch, **case)) is False, case
+        assert fused.choose(False, *_choose_case(monkeypatch, **case)) is False, case
+    for case in (dict(num_ranks=2), dict(arch="sm_100a"), dict(recipe="fp8xfp4_sm90")):
+        buf, w = _choose_case(monkeypatch, env="1", **case)
+        assert fused.choose(None, buf, w) is True, case  # where `supports` allows it
+        assert fused.choose(None, buf, w, transfer="pull") is False
+        assert fused.choose(None, buf, w, l2_sends=False) is False
+    buf, w = _choose_case(monkeypatch)
+    assert fused.choose(True, buf, w) is True
+    assert fused.choose(None, buf, object.__new__(TorchExpertWeights)) is False
+    assert fused.choose(None, buf, w, transfer="pull") is False
+    for kwargs in (dict(transfer="pull"), dict(l2_sends=False)):
+        with pytest.raises(ValueError, match="transfer='push', l2_sends=True"):
+            fused.choose(True, buf, w, **kwargs)
+    with pytest.raises(ValueError, match="fused: the reason"):
+        fused.choose(True, *_choose_case(monkeypatch, reason="the reason"))
+    for bad in (1, "yes"):
+        with pytest.raises(TypeError, match="fused: expected None or a bool"):
+            fused.choose(bad, buf, w)
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_FUSED: one of"):
+        fused.choose(None, *_choose_case(monkeypatch, env="sometimes"))
+
+
+def test_module_on_the_cpu_runs_the_reference_by_default():
+    """The CPU layer is the reference: ``fused`` None or False is that, not an error."""
+    import cute_megamoe as cm
+
+    w1 = torch.randn(8, 512, 512).to(torch.bfloat16)
+    w2 = torch.randn(8, 512, 256).to(torch.bfloat16)
+    for fused in (None, False):
+        layer = cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu",
+                           fused=fused)
+        assert layer.config.path == "reference" and layer.config.fused is False
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_module_and_api_run_the_fused_kernel(recipe):
-    """`MegaMoE(fused=True)` and `api.mega_moe(..., fused=True)` give the staged kernels' y."""
+    """`MegaMoE(fused=True)` and `api.mega_moe(..., fused=True)` give the staged kernels' y;
+    so do the defaults (``fused=None``: the fused kernel at R = 1 for the GPU-tested recipes,
+    `fused.choose`), and DeepGEMM's entry point on an fp8xfp8 buffer."""
     _gpu()
     import cute_megamoe as cm
-    from cute_megamoe import api
+    from cute_megamoe import api, quant
 
     gen = torch.Generator().manual_seed(3)
     w1 = (torch.randn(16, 512, 512, generator=gen) / 512**0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(16, 512, 256, generator=gen) / 256**0.5).to(torch.bfloat16).cuda()
+    deepgemm_weights = cm.transform_weights_for_mega_moe(
+        *(quant.quantize_weights_for_recipe(t, recipe) for t in (w1, w2))) \
+        if recipe in STABLE_RECIPES else None
     layers = {f: cm.MegaMoE(None, 16, 256, 4, 512, 256, recipe, w1, w2, fused=f,
-                            activation_clamp=10.0) for f in (False, True)}
+                            activation_clamp=10.0) for f in (False, True, None)}
+    assert layers[True].config.fused and not layers[False].config.fused
+    assert layers[None].config.fused == (recipe in STABLE_RECIPES)
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     for n in (1, 100, 256):
         idx, w = make_routing(n, 16, 4, "masked", gen)
         x = torch.randn(n, 512, generator=gen).to(torch.bfloat16).cuda()
         ys = {f: layer(x, idx.cuda(), w.cuda()) for f, layer in layers.items()}
-        assert torch.equal(ys[True].view(torch.int16), ys[False].view(torch.int16)), n
-        layer = layers[True]
-        api.stage_inputs(layer.sym_buffer, x, idx.cuda(), w.cuda())
-        y = torch.full_like(x, float("nan"))
-        api.mega_moe(y, layer.weights, layer.sym_buffer, activation_clamp=10.0, fused=True)
-        assert torch.equal(y.view(torch.int16), ys[False].view(torch.int16)), n
+        for f in (True, None):
+            assert torch.equal(ys[f].view(torch.int16), ys[False].view(torch.int16)), (n, f)
+        for f in (True, None):
+            layer = layers[True]
+            api.stage_inputs(layer.sym_buffer, x, idx.cuda(), w.cuda())
+            y = torch.full_like(x, float("nan"))
+            api.mega_moe(y, layer.weights, layer.sym_buffer, activation_clamp=10.0, fused=f)
+            assert torch.equal(y.view(torch.int16), ys[False].view(torch.int16)), (n, f)
+        if recipe in STABLE_RECIPES:  # DeepGEMM's entry points, on its weight tuples
+            buf = layers[True].sym_buffer
+            api.stage_inputs(buf, x, idx.cuda(), w.cuda())
+            y = torch.full_like(x, float("nan"))
+            if recipe == "fp8xfp8":
+                cm.fp8_fp4_mega_moe(y, *deepgemm_weights, buf, recipe=(1, 128, 128),
+                                    activation_clamp=10.0)
+            else:
+                cm.bf16_mega_moe(y, *deepgemm_weights, buf, activation_clamp=10.0)
+            assert torch.equal(y.view(torch.int16), ys[False].view(torch.int16)), n
 
 
 @pytest.mark.multigpu

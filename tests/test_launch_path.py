@@ -421,7 +421,8 @@ def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypat
     from cute_megamoe import api, fused
 
     counts, log = fake_cuda
-    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    for module in (fused, api):
+        monkeypatch.setattr(module, "check_cuda_buffer", lambda buf: buf.device)
     buf, weights, _ = _buffer_and_weights("fp8xfp4_sm90")
     x, idx, w = _layer_inputs(5, 0)
     for _ in range(2):
