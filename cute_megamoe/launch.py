@@ -29,6 +29,7 @@ from .runtime import (
     LaunchPath,
     as_ptr,
     compiled_kernel,
+    fused_dependent_launch,
     fused_early_prefetch,
     fused_rows,
     fused_weights_first,
@@ -463,9 +464,10 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     early = fused_early_prefetch() if state.arch == "sm_90a" else 0
     if weights_first is None and state.arch == "sm_90a":
         weights_first = fused_weights_first()
+    dependent = state.arch == "sm_90a" and fused_dependent_launch()
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early, tiled)
+           weights_first, ordered, prefetch, early, tiled, dependent)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -485,7 +487,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  ordered_mma=ordered, weight_prefetch=prefetch,
-                                 early_prefetch=early, tiled_weights=tiled)
+                                 early_prefetch=early, tiled_weights=tiled,
+                                 dependent_launch=dependent)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

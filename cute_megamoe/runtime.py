@@ -245,6 +245,14 @@ def fused_early_prefetch() -> int:
     return int(value)
 
 
+def fused_dependent_launch() -> bool:
+    """``CUTE_MEGAMOE_FUSED_PDL``: the sm_90a fused kernel launched as a programmatic dependent
+    of the input staging before it (``1``, the default: its setup runs beside the staging;
+    `sm90_mega_moe`'s ``dependent_launch``) or after it as an ordinary launch (``0``, for A/B
+    runs). Part of the fused kernel's cache key."""
+    return env_choice("CUTE_MEGAMOE_FUSED_PDL", ("1", "0")) == "1"
+
+
 FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
 
 
@@ -270,7 +278,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
-                      "CUTE_MEGAMOE_ONE_RANK_SCOPE")
+                      "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

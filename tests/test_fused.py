@@ -84,6 +84,42 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+def test_dependent_launch_waits_once_for_the_staging(recipe, monkeypatch):
+    """``dependent_launch`` (the default through `launch.fused_call`): every thread waits once
+    for the earlier grid (`griddepcontrol.wait`, SASS ``ACQBULK``) and nothing else changes:
+    no spills, WGMMAs asynchronous."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, 64, dependent_launch=True)
+    assert kernel.dependent_launch
+    assert art.ptx.count("griddepcontrol.wait;") == 1
+    assert "griddepcontrol.wait" not in _compile(recipe, 64)[1].ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.count("ACQBULK") == 1
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    from cute_megamoe.testing.compile import find_cuda_tool
+
+    if find_cuda_tool("ptxas") is not None:
+        assert art.ptxas_performance_notes() == []
+
+
+def test_dependent_launch_is_the_default_and_an_env_switch(monkeypatch):
+    """``CUTE_MEGAMOE_FUSED_PDL``: 1 (default) or 0, anything else raises; part of the layer
+    plans' keys."""
+    from cute_megamoe import runtime
+
+    monkeypatch.delenv("CUTE_MEGAMOE_FUSED_PDL", raising=False)
+    assert runtime.fused_dependent_launch() is True
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "0")
+    assert runtime.fused_dependent_launch() is False
+    assert "CUTE_MEGAMOE_FUSED_PDL" in runtime.KERNEL_VARIANT_ENV
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "maybe")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_FUSED_PDL"):
+        runtime.fused_dependent_launch()
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 def test_ordered_mma_compiles_in_both_gemm_stages(recipe, monkeypatch):
     """``ordered_mma`` (BLOCK_M 128): both GEMM stages' consumer warpgroups take turns

@@ -161,7 +161,7 @@ class Sm90MegaMoEKernel:
                  promotion: str | None = None, row_transfer: str | None = None,
                  weights_first: bool | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, early_prefetch: int = 0,
-                 tiled_weights: bool = False):
+                 tiled_weights: bool = False, dependent_launch: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -298,6 +298,12 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
                              f"memory, more than a CTA may have ({SM_SMEM_CAPACITY})")
         self.timeout_ns = spin_timeout_ns()
+        # `dependent_launch`: launched as a programmatic dependent of the kernel before it on
+        # the stream (the input staging, which lets its dependents launch as it starts), so
+        # this kernel's setup (barriers, counters, descriptors) runs beside the staging; every
+        # thread waits for the earlier grids (`griddepcontrol.wait`: complete, memory
+        # flushed) before the dispatch reads the staged inputs
+        self.dependent_launch = bool(dependent_launch)
 
     def pointer_args(self) -> tuple[tuple[str, object], ...]:
         """``(name, CuTe dtype)`` of the pointer arguments of ``__call__``, in order (the
@@ -393,7 +399,7 @@ class Sm90MegaMoEKernel:
                     tile_log, y, w1_group_sf, w2_group_sf).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
-            cooperative=True)
+            cooperative=True, use_pdl=self.dependent_launch)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a1: cute.CopyAtom, m_a1: cute.Tensor,
@@ -464,6 +470,9 @@ class Sm90MegaMoEKernel:
             cute.arch.store(pool_block_ready + i, Int32(0))
             cute.arch.store(rows_arrived + i, Int32(0))
             i += grid * self.num_threads
+
+        if cutlass.const_expr(self.dependent_launch):
+            cute.arch.griddepcontrol_wait()  # the staged inputs are in place from here on
 
         # 1. dispatch: counts, prefix sums, scatter, metadata, and the rows: "barrier": all
         # of it, then a grid barrier (the pool is complete); counted: every CTA has the pool's
