@@ -247,10 +247,11 @@ def fused_early_prefetch() -> int:
 
 def fused_dependent_launch() -> bool:
     """``CUTE_MEGAMOE_FUSED_PDL``: the sm_90a fused kernel launched as a programmatic dependent
-    of the input staging before it (``1``, the default: its setup runs beside the staging;
-    `sm90_mega_moe`'s ``dependent_launch``) or after it as an ordinary launch (``0``, for A/B
-    runs). Part of the fused kernel's cache key."""
-    return env_choice("CUTE_MEGAMOE_FUSED_PDL", ("1", "0")) == "1"
+    of the input staging before it (``1``: its setup runs beside the staging; `sm90_mega_moe`'s
+    ``dependent_launch``; an A/B option: bit-identical, and no faster at 1 or 128 tokens on an
+    H200, docs/performance.md) or as an ordinary launch (``0``, the default). Part of the fused
+    kernel's cache key."""
+    return env_choice("CUTE_MEGAMOE_FUSED_PDL", ("0", "1")) == "1"
 
 
 FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")

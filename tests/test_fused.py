@@ -86,7 +86,7 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
 def test_dependent_launch_waits_once_for_the_staging(recipe, monkeypatch):
-    """``dependent_launch`` (the default through `launch.fused_call`): every thread waits once
+    """``dependent_launch`` (``CUTE_MEGAMOE_FUSED_PDL=1``): every thread waits once
     for the earlier grid (`griddepcontrol.wait`, SASS ``ACQBULK``) and nothing else changes:
     no spills, WGMMAs asynchronous."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
@@ -104,15 +104,15 @@ def test_dependent_launch_waits_once_for_the_staging(recipe, monkeypatch):
         assert art.ptxas_performance_notes() == []
 
 
-def test_dependent_launch_is_the_default_and_an_env_switch(monkeypatch):
-    """``CUTE_MEGAMOE_FUSED_PDL``: 1 (default) or 0, anything else raises; part of the layer
+def test_dependent_launch_is_an_env_switch(monkeypatch):
+    """``CUTE_MEGAMOE_FUSED_PDL``: 0 (default) or 1, anything else raises; part of the layer
     plans' keys."""
     from cute_megamoe import runtime
 
     monkeypatch.delenv("CUTE_MEGAMOE_FUSED_PDL", raising=False)
-    assert runtime.fused_dependent_launch() is True
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "0")
     assert runtime.fused_dependent_launch() is False
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "1")
+    assert runtime.fused_dependent_launch() is True
     assert "CUTE_MEGAMOE_FUSED_PDL" in runtime.KERNEL_VARIANT_ENV
     monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "maybe")
     with pytest.raises(ValueError, match="CUTE_MEGAMOE_FUSED_PDL"):
