@@ -813,6 +813,30 @@ def test_fused_two_ranks_mixing_the_counted_row_transfers(recipe, monkeypatch):
     check_fused_calls(layer, 20, 200, seed=13)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_fused_and_staged_ranks_mix_with_barrier_rows(recipe):
+    """A fused rank moving its rows before its GEMMs ("barrier") and a staged rank run one row
+    protocol (the staged dispatch's rows, its closing cross-rank barrier, L2 sending the rows,
+    the combine's split barriers): the group gives the all-staged bits, whichever rank runs
+    the fused kernel (different BLOCK_Ms, 0 tokens on a rank). With counted rows the two
+    protocols differ and the kernels trap naming it (`test_protocol`, "fused_and_staged")."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe),
+                       row_transfers={0: "barrier", 1: "barrier"})
+    layer.warm_up((64, 128))
+    for fused_rank, seed in ((0, 21), (1, 22)):
+        layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=seed,
+                         fused_ranks={fused_rank})
+        layer.check_call((1, 130), "skewed", {0: 64, 1: 128}, seed=seed + 10,
+                         fused_ranks={fused_rank})
+        layer.check_call((77, 200), "masked", {0: 64, 1: 64}, seed=seed + 20,
+                         fused_ranks={fused_rank})
+
+
 def test_stall_probe_needs_a_gpu(monkeypatch):
     """`testing.stall_probe` (the fused FP4 stall diagnostic) says what it needs without one."""
     from cute_megamoe.testing import stall_probe

@@ -167,7 +167,8 @@ def test_layer_with_different_block_m_per_rank_loopback(recipe):
     ("transfer", "ranks disagree on the dispatch transfer"),
     ("recipe", "ranks disagree on the recipe"),
     ("skipped_call", "ranks are out of step"),
-    ("row_protocol", "ranks disagree on the row protocol")])
+    ("row_protocol", "ranks disagree on the row protocol"),
+    ("fused_and_staged", "ranks disagree on the row protocol")])
 def test_disagreeing_ranks_trap_loopback(scenario, message):
     """Each ends in a kernel trap with one message naming what differs (not a silent wrong
     result, not a hang until the timeout)."""

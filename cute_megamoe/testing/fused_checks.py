@@ -56,15 +56,21 @@ class FusedLayer:
         return xs, idxs, ws, {buf.rank: tuple(t[buf.rank].to(self.device) for t in (xs, idxs, ws))
                               for buf in self.ranks.buffers}
 
-    def run(self, kind: str, inputs: dict, block_ms: dict, ys: dict) -> None:
-        """Every local rank's layer call (`kind` "fused" or "staged") into ``ys[rank]``."""
+    def run(self, kind: str | dict, inputs: dict, block_ms: dict, ys: dict,
+            stats: str | None = None) -> None:
+        """Every local rank's layer call (`kind` "fused" or "staged", or per rank a dict of
+        them) into ``ys[rank]``, counting into the ranks' ``stats`` statistics ("fused" or
+        "staged"; default: `kind`'s)."""
         from .. import fused, staged
+
+        kinds = kind if isinstance(kind, dict) else {b.rank: kind for b in self.ranks.buffers}
 
         def step(buf):
             x, idx, w = inputs[buf.rank]
+            kind = kinds[buf.rank]
             kwargs = dict(y=ys[buf.rank], activation_clamp=self.clamp,
                           block_m=block_ms[buf.rank], validate_routing=False,
-                          cumulative_local_expert_recv_stats=self.stats[buf.rank][kind])
+                          cumulative_local_expert_recv_stats=self.stats[buf.rank][stats or kind])
             if kind == "fused":
                 fused.fused_mega_moe(buf, x, idx, w, self.fused_weights[buf.rank],
                                      row_transfer=self.row_transfers.get(buf.rank), **kwargs)
@@ -102,16 +108,19 @@ class FusedLayer:
                 t.zero_()
 
     def check_call(self, tokens: tuple[int, ...], routing: str, block_ms: dict, seed: int,
-                   against_reference: bool = True) -> None:
+                   against_reference: bool = True, fused_ranks: set | None = None) -> None:
         """One call of both layers on the same inputs: `y`, counts and stats equal, every row
-        written, `y` near the reference."""
+        written, `y` near the reference. ``fused_ranks``: the ranks that run the fused layer
+        in the "fused" call (default all; the others run the staged one there too)."""
         layout = self.ranks.layout
         xs, idxs, ws, inputs = self.inputs(tokens, routing, seed)
         ys = {kind: {b.rank: torch.full((tokens[b.rank], layout.hidden), float("nan"),
                                         dtype=torch.bfloat16, device=self.device)
                      for b in self.ranks.buffers} for kind in ("fused", "staged")}
-        for kind in ("staged", "fused"):
-            self.run(kind, inputs, block_ms, ys[kind])
+        mixed = {b.rank: "fused" if fused_ranks is None or b.rank in fused_ranks else "staged"
+                 for b in self.ranks.buffers}
+        self.run("staged", inputs, block_ms, ys["staged"])
+        self.run(mixed, inputs, block_ms, ys["fused"], stats="fused")
         torch.cuda.synchronize(self.device)
         what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
         for buf in self.ranks.buffers:

@@ -339,6 +339,8 @@ def _run_trap_scenario(scenario: str, ranks) -> None:
                                               validate_routing=False))
     elif scenario == "row_protocol":
         _run_with_row_transfers(ranks, inputs)
+    elif scenario == "fused_and_staged":
+        _run_fused_against_staged(ranks, inputs)
     elif scenario == "lost_rank":
         # rank 1 never launches its call: rank 0 waits for its counts until the timeout
         staged.dispatch(ranks.buffers[0], *inputs[0], block_m=64, validate_routing=False)
@@ -372,6 +374,22 @@ def _run_with_row_transfers(ranks: Ranks, inputs) -> None:
         if transfers != ("barrier", "counted"):
             torch.cuda.synchronize(ranks.buffers[0].device)
             print(f"{transfers}: ok", flush=True)
+
+
+def _run_fused_against_staged(ranks: Ranks, inputs) -> None:
+    """Rank 0 runs the fused layer with counted rows (the default of this buffer's capacity),
+    rank 1 the staged layer, as ranks whose ``CUTE_MEGAMOE_FUSED`` differ in a group of several
+    GPUs would: two row protocols, which must trap (after agreeing calls that load every
+    kernel)."""
+    from .fused_checks import FusedLayer
+
+    layer = FusedLayer(ranks, row_transfers={0: "counted", 1: "counted"})
+    layer.warm_up((64,))
+    print("agreeing calls: ok", flush=True)
+    ys = {b.rank: torch.empty(inputs[b.rank][0].shape[0], ranks.layout.hidden,
+                              dtype=torch.bfloat16, device=b.device) for b in ranks.buffers}
+    layer.run({0: "fused", 1: "staged"}, dict(enumerate(inputs)), {0: 64, 1: 64}, ys,
+              stats="fused")
 
 
 def _run_with_foreign_recipe(ranks: Ranks, inputs) -> None:
