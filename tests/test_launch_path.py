@@ -387,6 +387,54 @@ def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
         assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1, what
 
 
+def test_entry_points_run_the_fused_kernel_by_default_at_one_rank(fake_cuda, monkeypatch):
+    """On a (stubbed) sm_90a GPU, a one-rank buffer: `mega_moe` / `fp8_mega_moe` and DeepGEMM's
+    `fp8_fp4_mega_moe` (the caller staged the inputs) launch the fused kernel by default,
+    ``fused=False`` and ``CUTE_MEGAMOE_FUSED=0`` the staged kernels (a pull transfer too), and
+    sm_100a (compiled, never run) the staged ones unless asked."""
+    import cute_megamoe as cm
+    from cute_megamoe import api, deepgemm_api, fused, quant
+
+    counts, log = fake_cuda
+    for module in (fused, api, deepgemm_api):
+        monkeypatch.setattr(module, "check_cuda_buffer", lambda buf: buf.device)
+    monkeypatch.setattr(deepgemm_api, "get_arch", lambda *args: "sm_90a")
+    monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
+    buf, weights, (w1, w2) = _buffer_and_weights()
+    l1, l2 = cm.transform_weights_for_mega_moe(
+        *(quant.quantize_weights_for_recipe(t, "fp8xfp8") for t in (w1, w2)))
+    y = torch.empty(5, H, dtype=torch.bfloat16)
+    staged_kernels = ["DispatchKernel", "l1", "l2", "CombineKernel"]
+    calls = {
+        "mega_moe": lambda **kw: api.mega_moe(y, weights, buf, **kw),
+        "fp8_mega_moe": lambda **kw: api.fp8_mega_moe(y, weights, buf, **kw),
+        "fp8_fp4_mega_moe": lambda **kw: cm.fp8_fp4_mega_moe(y, l1, l2, buf,
+                                                             recipe=(1, 128, 128)),
+    }
+    for name, call in calls.items():
+        for kwargs, env, want in (({}, None, ["Sm90MegaMoEKernel"]),
+                                  ({}, "0", staged_kernels),
+                                  ({"fused": False}, None, staged_kernels),
+                                  ({"transfer": "pull"}, None, staged_kernels)):
+            if name == "fp8_fp4_mega_moe" and kwargs:
+                continue  # (DeepGEMM's signature: the environment decides)
+            if env is None:
+                monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
+            else:
+                monkeypatch.setenv("CUTE_MEGAMOE_FUSED", env)
+            before = len(log)
+            call(**kwargs)
+            assert [n for n, _ in log[before:]] == want, (name, kwargs, env)
+    monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
+    assert fused.choose(None, buf, weights) is True
+    monkeypatch.setattr(launch, "get_arch", lambda *args: "sm_100a")
+    sm100 = ExpertWeights.from_bf16(w1, w2, "bf16xbf16", arch="sm_100a")
+    bf16_buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="bf16xbf16",
+                                            device="cpu")
+    assert fused.choose(None, bf16_buf, sm100) is False
+    assert fused.choose(True, bf16_buf, sm100) is True
+
+
 def test_fused_layer_picks_the_sm100_kernel_on_blackwell(fake_cuda, monkeypatch):
     """On an sm_100a GPU (stubbed) `fused.fused_mega_moe` launches the Blackwell fused kernel
     for fp8xfp4 weights, keeps a plan whose slots are the same as on sm_90a, and refuses
