@@ -86,7 +86,8 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
 #: staged kernels for larger groups (the fused kernel has run them only as loopback groups on
 #: one GPU, never across GPUs) and on sm_100a (compiled, never run); "1": the fused kernel
 #: wherever `supports` allows it (also groups of several GPUs); "0": the staged kernels. Every
-#: rank of a group must see the same value (the two layers use different row protocols).
+#: rank of a group should see the same value: a staged rank and a fused rank that counts its
+#: rows (buffers of at most 1024 tokens per rank) run different row protocols, and trap.
 FUSED_DEFAULTS = ("auto", "1", "0")
 
 
