@@ -31,6 +31,7 @@ from .checks import (
 from .expert_gemm import ExpertWeights
 from .heuristics import block_m_for_call
 from .launch import (
+    FUSED_INPUT_SLOTS,
     FUSED_SLOTS,
     STAGING_SLOTS,
     KernelCall,
@@ -38,7 +39,7 @@ from .launch import (
     existing_buffer_state,
     fused_call,
 )
-from .runtime import env_choice, env_flag, kernel_variant_env, launch_path
+from .runtime import env_choice, env_flag, fused_staging, kernel_variant_env, launch_path
 from .staged import (
     _MAX_PLANS,
     _LayerPlan,
@@ -163,43 +164,52 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         _check_weights_fit(sym_buffer, weights)
         activation_clamp = check_activation_clamp(activation_clamp)
         check_fast_math(fast_math)
+        arch = buffer_state(sym_buffer).arch
+        # sm_90a with CUTE_MEGAMOE_FUSED_STAGING=kernel: the fused kernel stages x itself
+        in_kernel = x is not None and arch == "sm_90a" and fused_staging() == "kernel"
         launches, n, block_m = prepare_layer_call(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m,
-            cumulative_local_expert_recv_stats, validate_routing)
-        check_gemm_block_m(block_m, buffer_state(sym_buffer).arch)
+            cumulative_local_expert_recv_stats, validate_routing, stage=not in_kernel)
+        check_gemm_block_m(block_m, arch)
         grid = grid_size(sym_buffer, num_sms)
         stats = cumulative_local_expert_recv_stats
         if y is None:
             y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
         check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
         launches.append(fused_call(sym_buffer, weights, n, block_m, y, grid, stats,
-                                   activation_clamp, fast_math, row_transfer=row_transfer))
+                                   activation_clamp, fast_math, row_transfer=row_transfer,
+                                   inputs=(x, topk_idx, topk_weights) if in_kernel else None))
     if key is not None and n > 0:
         plans = buffer_state(sym_buffer).plans
         if len(plans) >= _MAX_PLANS:
             plans.clear()
-        plans[key] = _FusedPlan(sym_buffer, weights, x is not None, launches)
+        plans[key] = _FusedPlan(sym_buffer, weights, x is not None, launches, in_kernel)
     for launch in launches:
         launch()
     return y
 
 
 class _FusedPlan(_LayerPlan):
-    """The two launches of one fused-layer configuration on one buffer (staging, the fused
-    kernel), kept from the call that made them; checks as `staged._LayerPlan`."""
+    """The launches of one fused-layer configuration on one buffer (the staging when ``x`` is
+    given and the kernel does not stage it itself, then the fused kernel), kept from the call
+    that made them; checks as `staged._LayerPlan`."""
 
     def __init__(self, sym_buffer: SymmBuffer, weights: ExpertWeights, staged: bool,
-                 launches: list[KernelCall]):
+                 launches: list[KernelCall], stages_in_kernel: bool = False):
         fused = launches[-1]
         self.keep_checks(sym_buffer, weights, fused.path)
-        self.staging = launches[0].prepare(STAGING_SLOTS) if staged else None
-        self.fused = fused.prepare(FUSED_SLOTS)
+        self.staged = staged
+        self.inputs_in_kernel = stages_in_kernel
+        self.staging = launches[0].prepare(STAGING_SLOTS) if staged and not stages_in_kernel \
+            else None
+        self.fused = fused.prepare(FUSED_SLOTS + (FUSED_INPUT_SLOTS if stages_in_kernel
+                                                  else ()))
         self.no_stats = fused.args[FUSED_SLOTS[1]]  # the counts stand in
 
     def launch(self, sym_buffer: SymmBuffer, x, topk_idx, topk_weights, n: int,
                y: torch.Tensor | None, stats: torch.Tensor | None,
                validate_routing: bool | None) -> torch.Tensor:
-        if self.staging is not None and routing_checks_on(validate_routing):
+        if self.staged and routing_checks_on(validate_routing):
             with gives_up_call_on_error(sym_buffer):
                 check_routing(topk_idx, self.num_experts)
         path = self.path
@@ -210,7 +220,9 @@ class _FusedPlan(_LayerPlan):
         count = path.int32(n)
         if self.staging is not None:
             self.staging(ptr(x), ptr(topk_idx), ptr(topk_weights), count, stream)
-        self.fused(count, self.no_stats if stats is None else ptr(stats, 4), ptr(y), stream)
+        inputs = (ptr(x), ptr(topk_idx), ptr(topk_weights)) if self.inputs_in_kernel else ()
+        self.fused(count, self.no_stats if stats is None else ptr(stats, 4), ptr(y), stream,
+                   *inputs)
         return y
 
 

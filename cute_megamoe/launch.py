@@ -60,6 +60,7 @@ __all__ = [
     "dispatch_call",
     "existing_buffer_state",
     "expert_gemm_calls",
+    "FUSED_INPUT_SLOTS",
     "FUSED_SLOTS",
     "fused_call",
     "gemm_kernel",
@@ -110,8 +111,10 @@ STAGING_SLOTS = (0, 1, 2, 7, 8)
 DISPATCH_SLOTS = (2, 4, 6)
 GEMM_SLOTS = (-1,)
 COMBINE_SLOTS = (2, 5, 7)
-# the fused layer kernel: (num_tokens, stats, y, stream: the last argument on every arch)
+# the fused layer kernel: (num_tokens, stats, y, stream: the last argument on every arch);
+# sm_90a's staging its inputs itself also (x, topk_idx, topk_weights)
 FUSED_SLOTS = (2, 4, 18, -1)
+FUSED_INPUT_SLOTS = (21, 22, 23)
 
 
 @dataclass(frozen=True)
@@ -433,7 +436,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                phase_clock: torch.Tensor | None = None,
                tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
                extra_warpgroups: int = 0, row_transfer: str | None = None,
-               weights_first: bool | None = None) -> KernelCall:
+               weights_first: bool | None = None,
+               inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -448,7 +453,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     of the same row protocol); ``weights_first`` (None: ``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``,
     else the kernel's default, on with counted rows): tiles that find their pool block not
     ready load their first stages' weights before they wait (with counted rows, the first L1
-    tile's right after the counts)."""
+    tile's right after the counts). ``inputs`` (sm_90a): the caller's ``(x, topk_idx,
+    topk_weights)``, which the kernel stages into the buffer itself (`sm90_mega_moe`'s
+    ``stages_inputs``) instead of a staging launch before it."""
     tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
@@ -465,18 +472,21 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     if weights_first is None and state.arch == "sm_90a":
         weights_first = fused_weights_first()
     dependent = state.arch == "sm_90a" and fused_dependent_launch()
+    stages = inputs is not None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early, tiled, dependent)
+           weights_first, ordered, prefetch, early, tiled, dependent, stages)
 
     def make_kernel():
         if state.arch == "sm_100a":
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
             if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
-                    or row_transfer is not None or weights_first is not None or tiled):
+                    or row_transfer is not None or weights_first is not None or tiled
+                    or stages):
                 raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
-                                 "warpgroups, row transfer and tiled weights are sm_90a only")
+                                 "warpgroups, row transfer, tiled weights and in-kernel "
+                                 "staging are sm_90a only")
             return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
                                       fast_math=fast_math, has_stats=has_stats)
         from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -488,7 +498,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  ordered_mma=ordered, weight_prefetch=prefetch,
                                  early_prefetch=early, tiled_weights=tiled,
-                                 dependent_launch=dependent)
+                                 dependent_launch=dependent, stages_inputs=stages)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf
@@ -507,6 +517,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         "y": y if num_tokens > 0 else spare,
         "w1_group_sf": spare, "w2_group_sf": spare,  # (unused without FP4 weights)
     }
+    # the caller's inputs (read only by a kernel that stages them itself)
+    tensors.update(zip(("x", "topk_idx", "topk_weights"), inputs or (spare,) * 3, strict=True))
     if weights.recipe == "fp8xfp4_sm90":  # block scales where FP8's go, the per-32 ones apart
         tensors.update(w1_sf=weights.w1_block_sf, w2_sf=weights.w2_block_sf,
                        w1_group_sf=weights.w1_sf, w2_group_sf=weights.w2_sf)

@@ -254,6 +254,15 @@ def fused_dependent_launch() -> bool:
     return env_choice("CUTE_MEGAMOE_FUSED_PDL", ("0", "1")) == "1"
 
 
+def fused_staging() -> str:
+    """``CUTE_MEGAMOE_FUSED_STAGING``: where the sm_90a fused layer stages a call's BF16
+    inputs: ``launch`` (the default: the input staging kernel, then the fused kernel) or
+    ``kernel`` (the fused kernel itself, step 0 of `sm90_mega_moe`: one launch per call; an
+    A/B option, compiled and SASS-checked, not yet run on a GPU). Part of the fused kernel's
+    cache key and the layer plans' keys."""
+    return env_choice("CUTE_MEGAMOE_FUSED_STAGING", ("launch", "kernel"))
+
+
 FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
 
 
@@ -279,7 +288,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
-                      "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL")
+                      "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL",
+                      "CUTE_MEGAMOE_FUSED_STAGING")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -141,8 +141,9 @@ def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
 
 
 def _prepare_staging(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
-                     validate_routing: bool | None) -> KernelCall | None:
-    """The checks of `stage_inputs` and its launch (None for 0 tokens)."""
+                     validate_routing: bool | None, launch: bool = True) -> KernelCall | None:
+    """The checks of `stage_inputs` and its launch (None for 0 tokens, or with ``launch``
+    False: the checks only)."""
     layout = sym_buffer.layout
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -160,7 +161,7 @@ def _prepare_staging(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
         raise ValueError(f"x: num_tokens * hidden = {n * layout.hidden} exceeds 2**31 - 1")
     if routing_checks_on(validate_routing):
         check_routing(topk_idx, layout.num_experts)
-    if n == 0:
+    if n == 0 or not launch:
         return None
     return staging_call(sym_buffer, x, topk_idx, topk_weights)
 
@@ -208,12 +209,13 @@ def grid_size(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
 
 def prepare_layer_call(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
                        num_tokens: int | None, block_m: int | None,
-                       stats: torch.Tensor | None, validate_routing: bool | None
-                       ) -> tuple[list[KernelCall], int, int]:
+                       stats: torch.Tensor | None, validate_routing: bool | None,
+                       stage: bool = True) -> tuple[list[KernelCall], int, int]:
     """What every layer call checks and prepares before its dispatch (the staged dispatch and
     the fused kernel alike): the cumulative stats, the staging launch when ``x`` is given (else
-    ``num_tokens`` staged rows), and BLOCK_M (default: the heuristics). Returns (the staging
-    launch or nothing, the token count, BLOCK_M)."""
+    ``num_tokens`` staged rows; ``stage`` False: the inputs' checks only, for a kernel that
+    stages them itself), and BLOCK_M (default: the heuristics). Returns (the staging launch or
+    nothing, the token count, BLOCK_M)."""
     layout = sym_buffer.layout
     device = check_cuda_buffer(sym_buffer)
     if stats is not None:
@@ -221,7 +223,8 @@ def prepare_layer_call(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
                      (layout.num_local_experts,), device)
     launches = []
     if x is not None:
-        staging = _prepare_staging(sym_buffer, x, topk_idx, topk_weights, validate_routing)
+        staging = _prepare_staging(sym_buffer, x, topk_idx, topk_weights, validate_routing,
+                                   stage)
         launches += [staging] if staging is not None else []
         num_tokens = x.shape[0]
     elif num_tokens is None:

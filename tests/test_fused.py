@@ -104,6 +104,28 @@ def test_dependent_launch_waits_once_for_the_staging(recipe, monkeypatch):
         assert art.ptxas_performance_notes() == []
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+def test_in_kernel_staging_compiles_as_the_staging_kernel(recipe, monkeypatch):
+    """``stages_inputs``: step 0 adds the staging kernel's loads, conversions and stores (16-byte
+    accesses, the e4m3 packs of FP8) to the kernel, no spills, WGMMAs asynchronous."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, 64, stages_inputs=True)
+    assert kernel.stages_inputs and kernel.staging.num_threads == kernel.num_threads
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    plain = _compile(recipe, 64)[1]
+    assert art.count("LDG.E.128") - plain.count("LDG.E.128") == 8  # two per vector, 4 vectors
+    if recipe == "fp8xfp8":
+        pack = "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"
+        assert art.count(pack) - plain.count(pack) == 32
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    from cute_megamoe.testing.compile import find_cuda_tool
+
+    if find_cuda_tool("ptxas") is not None:
+        assert art.ptxas_performance_notes() == []
+
+
 def test_dependent_launch_is_an_env_switch(monkeypatch):
     """``CUTE_MEGAMOE_FUSED_PDL``: 0 (default) or 1, anything else raises; part of the layer
     plans' keys."""
@@ -421,6 +443,49 @@ def test_fused_two_ranks_on_one_gpu(recipe):
     layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=1)
     layer.check_call((1, 130), "one_expert", {0: 64, 1: 128}, seed=2)
     check_fused_calls(layer, 40, 200, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_fused_kernel_stages_its_inputs_itself(recipe, monkeypatch):
+    """``CUTE_MEGAMOE_FUSED_STAGING=kernel`` (one launch per call): the buffer holds what the
+    staging kernel writes (activations, scales, routing, bit for bit) and `y` equals the
+    staged layer's, at R = 1 (0, 1, uneven and full token counts, both BLOCK_Ms, both row
+    protocols), on a two-rank loopback group (back-to-back calls) and in CUDA-graph
+    replays."""
+    _gpu()
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "kernel")
+    from cute_megamoe import fused, staged
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls, check_fused_graph
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
+    (buf,) = layer.ranks.buffers
+    regions = ("x", "x_sf", "topk_idx", "topk_weights") if recipe == "fp8xfp8" else \
+        ("x", "topk_idx", "topk_weights")
+    for n, block_m, rows in ((300, 128, None), (77, 64, None), (1, 64, None), (0, 64, None),
+                             (300, 64, "barrier"), (129, 128, "counted")):
+        _, _, _, inputs = layer.inputs((n,), "skewed", seed=n + block_m)
+        x, idx, w = inputs[0]
+        want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0], activation_clamp=10.0,
+                                      block_m=block_m, validate_routing=False)
+        staged_bytes = {r: getattr(buf, r)[:n].clone() for r in regions}
+        for r in regions:  # poison what the fused kernel must write
+            getattr(buf, r)[:n].view(torch.uint8).fill_(0xFF)
+        y = torch.full_like(want, float("nan"))
+        fused.fused_mega_moe(buf, x, idx, w, layer.weights[0], y=y, activation_clamp=10.0,
+                             block_m=block_m, validate_routing=False, row_transfer=rows)
+        torch.cuda.synchronize()
+        for r in regions:
+            got = getattr(buf, r)[:n]
+            assert torch.equal(got.view(torch.uint8), staged_bytes[r].view(torch.uint8)), \
+                (r, n, block_m)
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m, rows)
+    check_fused_graph(layer, 100, 50, seed=7)
+    two = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
+    two.warm_up((64, 128))
+    two.check_call((200, 0), "random", {0: 128, 1: 64}, seed=31)
+    check_fused_calls(two, 20, 200, seed=32)
 
 
 # (None: the default row transfer at this capacity, counted rows with the early weights;

@@ -363,6 +363,58 @@ def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypa
         assert [_value(v) for v in a] == [_value(v) for v in b], name
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, monkeypatch):
+    """``CUTE_MEGAMOE_FUSED_STAGING=kernel``: a call with ``x`` is one launch, the fused kernel
+    with the caller's inputs at `FUSED_INPUT_SLOTS`; the plan fills in new inputs' addresses
+    as the full path does; the routing is still checked on the host before any launch; with
+    ``x=None`` (inputs staged by the caller) nothing changes."""
+    from cute_megamoe import fused
+
+    counts, log = fake_cuda
+    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "kernel")
+    runtime.set_launch_path(path)
+    buf, weights, _ = _buffer_and_weights()
+
+    def layer(n, seed, **kwargs):
+        x, idx, w = _layer_inputs(n, seed)
+        y = torch.empty(n, H, dtype=torch.bfloat16)
+        before = len(log)
+        fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0, **kwargs)
+        return (x, idx, w, y), log[before:]
+
+    for n, seed in ((5, 1), (9, 2)):  # the full path, then the plan
+        (x, idx, w, y), launched = layer(n, seed, validate_routing=False)
+        assert [name for name, _ in launched] == ["Sm90MegaMoEKernel"], n
+        args = launched[0][1]
+        assert [_address(args[s]) for s in launch.FUSED_INPUT_SLOTS] == \
+            [t.data_ptr() for t in (x, idx, w)]
+        assert int(args[launch.FUSED_SLOTS[0]]) == n
+    fast = launched
+    launch.buffer_state(buf).plans.clear()
+    before = len(log)
+    fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
+                         validate_routing=False)
+    for (name, a), (_, b) in zip(fast, log[before:], strict=True):
+        assert [_value(v) for v in a] == [_value(v) for v in b], name
+    # (a plan exists for this configuration: its routing check still runs before a launch)
+    bad = idx.clone()
+    bad[0, 0] = E
+    before = len(log)
+    with pytest.raises(ValueError, match="topk_idx"):
+        fused.fused_mega_moe(buf, x, bad, w, weights, y=y, activation_clamp=10.0,
+                             validate_routing=True)
+    assert len(log) == before
+    # the caller staged the inputs: the kernel without step 0, the inputs' slots unused
+    before = len(log)
+    fused.fused_mega_moe(buf, None, None, None, weights, num_tokens=5, y=y[:5],
+                         activation_clamp=10.0)
+    (name, args), = log[before:]
+    assert name == "Sm90MegaMoEKernel"
+    assert _address(args[launch.FUSED_INPUT_SLOTS[0]]) != x.data_ptr()
+
+
 def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
     """A wrong input to `fused.fused_mega_moe` raises naming it, gives the call up once and
     launches nothing, with or without a plan."""

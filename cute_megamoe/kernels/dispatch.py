@@ -271,6 +271,15 @@ class DispatchKernel:
         return (expert_slot, recv_count, expert_count, row_start, block_start, dest_block_m,
                 send_start)
 
+    def pair_share(self, num_tokens: Int32, cta: Int32, num_ctas: Int32) -> tuple:
+        """``[begin, end)``: the contiguous share of this rank's (token, slot) pairs that CTA
+        ``cta`` counts and scatters (steps 1 and 3; the fused kernel's in-kernel staging copies
+        the same share of the routing, so the CTA reads only what it wrote itself)."""
+        num_pairs = num_tokens * self.num_topk
+        share = (num_pairs + num_ctas - 1) // num_ctas
+        begin = cutlass.min(cta * share, num_pairs)
+        return begin, cutlass.min(begin + share, num_pairs)
+
     @cute.jit
     def exchange_counts(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
                         expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays,
@@ -286,7 +295,7 @@ class DispatchKernel:
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        E, E_l, R, K = self.num_experts, self.num_local_experts, self.num_ranks, self.num_topk
+        E, E_l, R = self.num_experts, self.num_local_experts, self.num_ranks
         D = self.num_dests
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
@@ -301,10 +310,7 @@ class DispatchKernel:
 
         # 1. count this CTA's contiguous share of the (token, slot) pairs
         topk_idx = self.regions.ptr(my_base, "topk_idx")
-        num_pairs = num_tokens * K
-        share = (num_pairs + num_ctas - 1) // num_ctas
-        pair_begin = cutlass.min(bidx * share, num_pairs)
-        pair_end = cutlass.min(pair_begin + share, num_pairs)
+        pair_begin, pair_end = self.pair_share(num_tokens, bidx, num_ctas)
         p = pair_begin + tidx
         while p < pair_end:
             expert = Int32(cute.arch.load(topk_idx + p, Int64))

@@ -1,7 +1,8 @@
 """The whole Mega MoE layer on Hopper (sm_90a) in one persistent launch per rank.
 
 What it computes, on every rank of an R-rank group (all ranks launch it once per call, with
-this rank's staged inputs in the symmetric buffer, `kernels/staging.py`):
+this rank's staged inputs in the symmetric buffer, `kernels/staging.py`, or, with
+`stages_inputs`, the caller's BF16 inputs, which step 0 stages into the buffer itself):
 
     y = combine(L2(SwiGLU(L1(dispatch(x, topk_idx)))))
 
@@ -11,6 +12,10 @@ one kernel), for `fp8xfp8`, `bf16xbf16` and `fp8xfp4_sm90` (MXFP4 weights decode
 
 How: one CTA per SM, `128 * (1 + BLOCK_M / 64)` threads (FP4 weights: plus the decode
 warpgroups, 512 in all), launched cooperatively.
+0. With `stages_inputs`: every CTA quantizes its grid-stride share of the activations into
+   the buffer (`InputStagingKernel.stage_vectors`) and copies the routing of the pairs it
+   counts in step 1 (`DispatchKernel.pair_share`); other CTAs read those rows only after the
+   count publication, which every CTA's arrival (after its staging) precedes.
 1. Dispatch: count, prefix, scatter, publish the counts (tagged with the call number,
    `layout.CountWord`), write the pool's metadata and push the rows into the destinations'
    pools; it leaves this rank's pool prefix sums in shared memory. How the rows move is the
@@ -86,7 +91,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import cpasync
 
 from ..layout.device import BufferRegions
@@ -102,6 +107,7 @@ from .sm90_expert_gemm import (
     Sm90ExpertGemmKernel,
     share_ring,
 )
+from .staging import ELEMENTS_PER_THREAD, InputStagingKernel
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
@@ -161,7 +167,8 @@ class Sm90MegaMoEKernel:
                  promotion: str | None = None, row_transfer: str | None = None,
                  weights_first: bool | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, early_prefetch: int = 0,
-                 tiled_weights: bool = False, dependent_launch: bool = False):
+                 tiled_weights: bool = False, dependent_launch: bool = False,
+                 stages_inputs: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -305,12 +312,22 @@ class Sm90MegaMoEKernel:
         # flushed) before the dispatch reads the staged inputs. An A/B option: bit-identical,
         # and no faster at 1 or 128 tokens on an H200 (a graph's next launch is already ready)
         self.dependent_launch = bool(dependent_launch)
+        # `stages_inputs`: this kernel quantizes the caller's activations into the buffer and
+        # copies the routing itself (step 0), instead of a staging launch before it: one launch
+        # per layer call. Each CTA copies the routing of the (token, slot) pairs it counts next
+        # (`DispatchKernel.pair_share`) and quantizes its grid-stride share of the activation
+        # vectors (`InputStagingKernel.stage_vectors`, the same numerics); the rows are read by
+        # other CTAs only after the count publication, which every CTA's staging precedes
+        self.stages_inputs = bool(stages_inputs)
+        self.staging = InputStagingKernel(layout.recipe, layout.hidden, layout.num_topk,
+                                          num_threads=self.num_threads)
 
     def pointer_args(self) -> tuple[tuple[str, object], ...]:
         """``(name, CuTe dtype)`` of the pointer arguments of ``__call__``, in order (the
         launcher and the compile tests build them from this). The scale pointers of
-        ``bf16xbf16`` are never dereferenced."""
-        from cutlass import BFloat16, Float32
+        ``bf16xbf16`` are never dereferenced, the caller's inputs (``x``, ``topk_idx``,
+        ``topk_weights``) only with `stages_inputs`."""
+        from cutlass import BFloat16
 
         ab = self.l1.ab_dtype
         w = Uint8 if self.fp4_weights else ab  # (FP4: packed codes; w*_sf their block scales)
@@ -319,7 +336,8 @@ class Sm90MegaMoEKernel:
                 ("l2_acts", ab), ("l2_acts_sf", Float32), ("token_src_metadata", Int32),
                 ("w1", w), ("w1_sf", Float32), ("w2", w), ("w2_sf", Float32),
                 ("pool_block_ready", Int32), ("phase_clock", Int64), ("tile_log", Int32),
-                ("y", BFloat16), ("w1_group_sf", Int32), ("w2_group_sf", Int32))
+                ("y", BFloat16), ("w1_group_sf", Int32), ("w2_group_sf", Int32),
+                ("x", BFloat16), ("topk_idx", Int64), ("topk_weights", Float32))
 
     def smem_bytes(self, num_stages: int | None = None, packed_stages: int | None = None) -> int:
         """Shared memory of one CTA with ``num_stages`` ring stages and ``packed_stages``
@@ -360,6 +378,9 @@ class Sm90MegaMoEKernel:
         y: cute.Pointer,  # BF16 [num_tokens, H]
         w1_group_sf: cute.Pointer,  # FP4 weights: UE8M0 per 32 (`ExpertWeights.w1_sf`)
         w2_group_sf: cute.Pointer,
+        x: cute.Pointer,  # with stages_inputs: the caller's BF16 [num_tokens, H]
+        topk_idx: cute.Pointer,  # Int64 [num_tokens, K]
+        topk_weights: cute.Pointer,  # Float32 [num_tokens, K]
         num_ctas: Int32,
         stream,
     ):
@@ -397,7 +418,7 @@ class Sm90MegaMoEKernel:
                     cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert), l1_acts_sf, l1_topk_weights, l2_acts,
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
-                    tile_log, y, w1_group_sf, w2_group_sf).launch(
+                    tile_log, y, w1_group_sf, w2_group_sf, x, topk_idx, topk_weights).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True, use_pdl=self.dependent_launch)
@@ -414,7 +435,8 @@ class Sm90MegaMoEKernel:
                token_src_metadata: cute.Pointer, w1_sf: cute.Pointer, w2_sf: cute.Pointer,
                pool_block_ready: cute.Pointer, phase_clock: cute.Pointer,
                tile_log: cute.Pointer, y: cute.Pointer, w1_group_sf: cute.Pointer,
-               w2_group_sf: cute.Pointer):
+               w2_group_sf: cute.Pointer, x: cute.Pointer, topk_idx: cute.Pointer,
+               topk_weights: cute.Pointer):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -474,6 +496,9 @@ class Sm90MegaMoEKernel:
 
         if cutlass.const_expr(self.dependent_launch):
             cute.arch.griddepcontrol_wait()  # the staged inputs are in place from here on
+        if cutlass.const_expr(self.stages_inputs):
+            self.stage_inputs(x, topk_idx, topk_weights, my_base, num_tokens, tidx, bidx, grid,
+                              lane)
 
         # 1. dispatch: counts, prefix sums, scatter, metadata, and the rows: "barrier": all
         # of it, then a grid barrier (the pool is complete); counted: every CTA has the pool's
@@ -613,6 +638,32 @@ class Sm90MegaMoEKernel:
         if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
+
+    @cute.jit
+    def stage_inputs(self, x: cute.Pointer, topk_idx: cute.Pointer, topk_weights: cute.Pointer,
+                     my_base: Int64, num_tokens: Int32, tidx: Int32, bidx: Int32, grid: Int32,
+                     lane: Int32):
+        """Step 0 with `stages_inputs`, every thread: this CTA's share of the routing (the pairs
+        it counts in step 1) and of the activations into the buffer, as the staging kernel
+        writes them; a CTA barrier then orders the routing before this CTA's count."""
+        num_vectors = num_tokens * (self.layout.hidden // ELEMENTS_PER_THREAD)
+        out_sf = self.regions.ptr(my_base, "x_sf") if cutlass.const_expr(
+            self.layout.has_sf) else self.regions.ptr(my_base, "topk_weights")  # (unused)
+        g_x, g_out, g_sf = self.staging.vector_tensors(x, self.regions.ptr(my_base, "x"),
+                                                       out_sf, num_vectors)
+        first = bidx * self.staging.vectors_per_cta
+        while first < num_vectors:
+            self.staging.stage_vectors(g_x, g_out, g_sf, first, num_vectors, tidx, lane)
+            first += grid * self.staging.vectors_per_cta
+        begin, end = self.dispatch.pair_share(num_tokens, bidx, grid)
+        out_idx = self.regions.ptr(my_base, "topk_idx")
+        out_weights = self.regions.ptr(my_base, "topk_weights")
+        p = begin + tidx
+        while p < end:
+            cute.arch.store(out_idx + p, cute.arch.load(topk_idx + p, Int64))
+            cute.arch.store(out_weights + p, cute.arch.load(topk_weights + p, Float32))
+            p += self.num_threads
+        cute.arch.sync_threads()
 
     @cute.jit
     def decode(self, ring, packed_pipe, storage, decoded: cute.Pointer, block_start, row_start,

@@ -79,6 +79,15 @@ class InputStagingKernel:
         num_vectors = num_tokens * self.hidden // ELEMENTS_PER_THREAD
         return max(1, -(-num_vectors // self.vectors_per_cta))
 
+    def vector_tensors(self, x: cute.Pointer, out_x: cute.Pointer, out_sf: cute.Pointer,
+                       num_vectors: Int32) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
+        """The flat activations as ``[16, vectors]`` views (input, output) and the chunks'
+        scales (traced inside a jit function)."""
+        vec_layout = cute.make_layout((ELEMENTS_PER_THREAD, num_vectors),
+                                      stride=(1, ELEMENTS_PER_THREAD))
+        return (cute.make_tensor(x, vec_layout), cute.make_tensor(out_x, vec_layout),
+                cute.make_tensor(out_sf, cute.make_layout(num_vectors // LANES_PER_CHUNK)))
+
     @cute.jit
     def __call__(
         self,
@@ -94,11 +103,7 @@ class InputStagingKernel:
     ):
         num_vectors = num_tokens * (self.hidden // ELEMENTS_PER_THREAD)
         num_routes = num_tokens * self.num_topk
-        vec_layout = cute.make_layout((ELEMENTS_PER_THREAD, num_vectors),
-                                      stride=(1, ELEMENTS_PER_THREAD))
-        g_x = cute.make_tensor(x, vec_layout)
-        g_out = cute.make_tensor(out_x, vec_layout)
-        g_sf = cute.make_tensor(out_sf, cute.make_layout(num_vectors // LANES_PER_CHUNK))
+        g_x, g_out, g_sf = self.vector_tensors(x, out_x, out_sf, num_vectors)
         route_layout = cute.make_layout(num_routes)
         g_idx = cute.make_tensor(topk_idx, route_layout)
         g_w = cute.make_tensor(topk_weights, route_layout)
@@ -128,13 +133,30 @@ class InputStagingKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
-        lane = cute.arch.lane_idx()
+        self.stage_vectors(g_x, g_out, g_sf, bidx * self.vectors_per_cta, num_vectors, tidx,
+                           cute.arch.lane_idx())
 
+        # 3. routing copy (small: num_tokens * num_topk elements)
+        i = bidx * self.num_threads + tidx
+        while i < num_routes:
+            g_out_idx[i] = Int64(g_idx[i])
+            g_out_w[i] = Float32(g_w[i])
+            i += nctas * self.num_threads
+
+    @cute.jit
+    def stage_vectors(self, g_x: cute.Tensor, g_out: cute.Tensor, g_sf: cute.Tensor,
+                      first: Int32, num_vectors: Int32, tidx: Int32, lane: Int32):
+        """Steps 1-2 for the vectors ``first + u * num_threads + tidx`` (``u`` <
+        `vectors_per_thread`) of the flat activations (`vectors_per_cta` from ``first``): every
+        load issued first, then each vector quantized (or copied) and stored with its chunk's
+        scale. Every thread of the CTA calls it (the amax shuffles take whole warps; vectors
+        past ``num_vectors`` load the last one again and store nothing). The fused layer
+        kernel calls it too (`sm90_mega_moe`'s in-kernel staging)."""
         # 1. issue every load first (indices clamped so all lanes take part in the shuffles)
         regs = []
         vec_ids = []
         for u in cutlass.range_constexpr(self.vectors_per_thread):
-            vec = bidx * self.vectors_per_cta + u * self.num_threads + tidx
+            vec = first + u * self.num_threads + tidx
             r = cute.make_rmem_tensor((ELEMENTS_PER_THREAD,), BFloat16)
             cute.autovec_copy(g_x[None, cutlass.min(vec, num_vectors - 1)], r)
             regs.append(r)
@@ -168,10 +190,3 @@ class InputStagingKernel:
                 out.store(regs[u].load())
             if vec < num_vectors:
                 cute.autovec_copy(out, g_out[None, vec])
-
-        # 3. routing copy (small: num_tokens * num_topk elements)
-        i = bidx * self.num_threads + tidx
-        while i < num_routes:
-            g_out_idx[i] = Int64(g_idx[i])
-            g_out_w[i] = Float32(g_w[i])
-            i += nctas * self.num_threads
