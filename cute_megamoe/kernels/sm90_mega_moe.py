@@ -645,7 +645,17 @@ class Sm90MegaMoEKernel:
                      lane: Int32):
         """Step 0 with `stages_inputs`, every thread: this CTA's share of the routing (the pairs
         it counts in step 1) and of the activations into the buffer, as the staging kernel
-        writes them; a CTA barrier then orders the routing before this CTA's count."""
+        writes them; a CTA barrier then orders the routing before this CTA's count. A thread's
+        first routing pair is loaded before the activations, so both loads are in flight
+        together (at decode sizes a CTA has one pair per thread at most)."""
+        begin, end = self.dispatch.pair_share(num_tokens, bidx, grid)
+        out_idx = self.regions.ptr(my_base, "topk_idx")
+        out_weights = self.regions.ptr(my_base, "topk_weights")
+        p = begin + tidx
+        first_idx, first_weight = Int64(0), Float32(0.0)
+        if p < end:
+            first_idx = cute.arch.load(topk_idx + p, Int64)
+            first_weight = cute.arch.load(topk_weights + p, Float32)
         num_vectors = num_tokens * (self.layout.hidden // ELEMENTS_PER_THREAD)
         out_sf = self.regions.ptr(my_base, "x_sf") if cutlass.const_expr(
             self.layout.has_sf) else self.regions.ptr(my_base, "topk_weights")  # (unused)
@@ -655,10 +665,10 @@ class Sm90MegaMoEKernel:
         while first < num_vectors:
             self.staging.stage_vectors(g_x, g_out, g_sf, first, num_vectors, tidx, lane)
             first += grid * self.staging.vectors_per_cta
-        begin, end = self.dispatch.pair_share(num_tokens, bidx, grid)
-        out_idx = self.regions.ptr(my_base, "topk_idx")
-        out_weights = self.regions.ptr(my_base, "topk_weights")
-        p = begin + tidx
+        if p < end:
+            cute.arch.store(out_idx + p, first_idx)
+            cute.arch.store(out_weights + p, first_weight)
+        p += self.num_threads
         while p < end:
             cute.arch.store(out_idx + p, cute.arch.load(topk_idx + p, Int64))
             cute.arch.store(out_weights + p, cute.arch.load(topk_weights + p, Float32))
