@@ -240,7 +240,8 @@ class MegaMoE(torch.nn.Module):
                 f"num_max_tokens_per_rank={lay.num_max_tokens_per_rank}, "
                 f"num_topk={lay.num_topk}, hidden={lay.hidden}, "
                 f"intermediate_hidden={lay.intermediate_hidden}, recipe={cfg.recipe!r}, "
-                f"path={cfg.path!r}, arch={cfg.arch!r}, device={self.device}")
+                f"path={cfg.path!r}, arch={cfg.arch!r}, fused={cfg.fused}, "
+                f"device={self.device}")
 
     # ------------------------------------------------------------------ forward
 

@@ -628,6 +628,7 @@ def test_module_on_the_cpu_runs_the_reference_by_default():
         layer = cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu",
                            fused=fused)
         assert layer.config.path == "reference" and layer.config.fused is False
+        assert "fused=False" in repr(layer)
 
 
 @pytest.mark.gpu
