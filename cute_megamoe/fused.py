@@ -2,10 +2,12 @@
 
     y = fused.fused_mega_moe(buf, x, topk_idx, topk_weights, weights)   # collective
 
-Two launches per call: the input staging (`kernels/staging.py`, skipped with ``x=None`` when
-the caller filled the buffer, as DeepGEMM's users do) and the fused kernel of the GPU's arch
-(`launch.fused_call`): `kernels/sm90_mega_moe.py` (fp8xfp8, bf16xbf16; GPU-tested,
-bit-identical to `staged.staged_mega_moe(..., l2_sends=True)` on the same inputs) or
+One launch per call on sm_90a: the fused kernel quantizes the caller's activations itself
+(`runtime.fused_staging`; the FP4 experiment and sm_100a launch the input staging,
+`kernels/staging.py`, first; with ``x=None`` the caller filled the buffer, as DeepGEMM's users
+do). The fused kernel of the GPU's arch (`launch.fused_call`): `kernels/sm90_mega_moe.py`
+(fp8xfp8, bf16xbf16; GPU-tested, bit-identical to `staged.staged_mega_moe(...,
+l2_sends=True)` on the same inputs) or
 `kernels/sm100_mega_moe.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked, never run: no
 Blackwell GPU here). The push transfer; `supports` says whether a buffer and weights can run
 it. The entry points (`MegaMoE`, `api.mega_moe` / `fp8_mega_moe`, DeepGEMM's
@@ -131,7 +133,7 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                    validate_routing: bool | None = None,
                    row_transfer: str | None = None) -> torch.Tensor:
-    """One whole layer in one persistent kernel (after the input staging). Collective: every
+    """One whole layer in one persistent kernel (see the module doc). Collective: every
     rank of the buffer's group calls it once per call, also with 0 tokens. Arguments as
     `staged.staged_mega_moe` (``x=None``: ``num_tokens`` rows were staged into the buffer
     already); ``block_m`` 64 or 128 (default: the heuristics; ranks may differ).
@@ -165,8 +167,11 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         activation_clamp = check_activation_clamp(activation_clamp)
         check_fast_math(fast_math)
         arch = buffer_state(sym_buffer).arch
-        # sm_90a with CUTE_MEGAMOE_FUSED_STAGING=kernel: the fused kernel stages x itself
-        in_kernel = x is not None and arch == "sm_90a" and fused_staging() == "kernel"
+        # sm_90a: the fused kernel stages x itself (`runtime.fused_staging`)
+        staging = fused_staging()
+        if staging == "auto":
+            staging = "launch" if layout.recipe == "fp8xfp4_sm90" else "kernel"
+        in_kernel = x is not None and arch == "sm_90a" and staging == "kernel"
         launches, n, block_m = prepare_layer_call(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m,
             cumulative_local_expert_recv_stats, validate_routing, stage=not in_kernel)

@@ -31,6 +31,7 @@ from .runtime import (
     compiled_kernel,
     fused_dependent_launch,
     fused_early_prefetch,
+    fused_local_dispatch,
     fused_rows,
     fused_weights_first,
     get_arch,
@@ -473,9 +474,12 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         weights_first = fused_weights_first()
     dependent = state.arch == "sm_90a" and fused_dependent_launch()
     stages = inputs is not None
+    local = fused_local_dispatch() if state.arch == "sm_90a" else None
+    if local and not (stages and layout.num_ranks == 1):
+        local = None  # (forced on: where the kernel can run it)
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early, tiled, dependent, stages)
+           weights_first, ordered, prefetch, early, tiled, dependent, stages, local)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -498,7 +502,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  ordered_mma=ordered, weight_prefetch=prefetch,
                                  early_prefetch=early, tiled_weights=tiled,
-                                 dependent_launch=dependent, stages_inputs=stages)
+                                 dependent_launch=dependent, stages_inputs=stages,
+                                 local_dispatch=local)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

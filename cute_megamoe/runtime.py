@@ -256,11 +256,23 @@ def fused_dependent_launch() -> bool:
 
 def fused_staging() -> str:
     """``CUTE_MEGAMOE_FUSED_STAGING``: where the sm_90a fused layer stages a call's BF16
-    inputs: ``launch`` (the default: the input staging kernel, then the fused kernel) or
-    ``kernel`` (the fused kernel itself, step 0 of `sm90_mega_moe`: one launch per call; an
-    A/B option, compiled and SASS-checked, not yet run on a GPU). Part of the fused kernel's
-    cache key and the layer plans' keys."""
-    return env_choice("CUTE_MEGAMOE_FUSED_STAGING", ("launch", "kernel"))
+    inputs: ``auto`` (the default: ``kernel``, but ``launch`` for the FP4 experiment, whose
+    fused kernel never ran staging its inputs), ``launch`` (the input staging kernel, then
+    the fused kernel) or ``kernel`` (the fused kernel itself, step 0 of `sm90_mega_moe`: one
+    launch per call; 1 token 101 us against 103 in a CUDA graph on an H200, 128 tokens and
+    up unchanged, docs/performance.md). Part of the fused kernel's cache key and the layer
+    plans' keys."""
+    return env_choice("CUTE_MEGAMOE_FUSED_STAGING", ("auto", "launch", "kernel"))
+
+
+def fused_local_dispatch() -> bool | None:
+    """``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH``: ``1`` / ``0`` force the sm_90a fused kernel's
+    one-rank dispatch (`sm90_mega_moe`'s ``local_dispatch``: every CTA counts all pairs itself
+    and quantizes its own pairs' rows straight into the pool) on or off, for A/B runs; unset
+    (``auto``): None, the kernel's default (on for one-rank groups with counted rows that
+    stage their own inputs). Part of the fused kernel's cache key."""
+    return {"auto": None, "0": False, "1": True}[
+        env_choice("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", ("auto", "0", "1"))]
 
 
 FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
@@ -289,7 +301,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL",
-                      "CUTE_MEGAMOE_FUSED_STAGING")
+                      "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -553,6 +553,7 @@ class _LayerPlan:
                  launches: list[KernelCall], expert_launches: list[KernelCall],
                  combine_launch: KernelCall):
         self.keep_checks(sym_buffer, weights, combine_launch.path)
+        self.staged = staged  # the calls pass x (checked as the staging's inputs)
         staging = launches[0] if staged else None
         dispatch = launches[-1]
         self.staging = None if staging is None else staging.prepare(STAGING_SLOTS)
@@ -584,7 +585,7 @@ class _LayerPlan:
         """Whether every check of the call passes (else the full checks run and raise)."""
         if not 0 < n <= self.num_tokens:
             return False
-        if self.staging is not None:
+        if self.staged:  # (x staged by a launch or by the fused kernel itself)
             k = self.topk_shape_k
             if not (self._fits(x, torch.bfloat16, (n, self.hidden))
                     and self._fits(topk_idx, torch.int64, (n, k))

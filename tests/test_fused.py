@@ -128,6 +128,43 @@ def test_in_kernel_staging_compiles_as_the_staging_kernel(recipe, monkeypatch):
     _assert_no_spills_and_async_wgmma(art)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
+    """``local_dispatch`` (the default for one-rank groups with counted rows that stage their
+    own inputs): compiled for sm_90a, no spills, WGMMAs asynchronous, as many ring stages as
+    the exchanged dispatch; the count exchange is gone (no 64-bit global atomics, half the
+    16-byte loads: no staged row is read back), the quantization stays (FP8: the e4m3
+    packs). Where it cannot run (two ranks, barrier rows, no in-kernel staging, FP4 weights)
+    it is off by default and refused when forced."""
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    one = MegaMoELayout(1, 64, 512, 8, 7168, 2048, recipe)
+    kernel, art = _compile(recipe, block_m, layout=one, stages_inputs=True)
+    exchanged, plain = _compile(recipe, block_m, layout=one, stages_inputs=True,
+                                local_dispatch=False)
+    assert kernel.local_dispatch and not exchanged.local_dispatch
+    assert kernel.num_stages == exchanged.num_stages
+    two = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
+    for layout, options in ((two, {}), (one, {"row_transfer": "barrier"}), (one, {}),
+                            (MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90"), {})):
+        stages = options == {} and layout is not one
+        args = dict(stages_inputs=stages or layout.recipe == "fp8xfp4_sm90", **options)
+        assert not Sm90MegaMoEKernel(layout, block_m, **args).local_dispatch, (layout, options)
+        with pytest.raises(ValueError, match="local_dispatch"):
+            Sm90MegaMoEKernel(layout, block_m, local_dispatch=True, **args)
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.count("ATOMG.E.ADD.64") == 0 < plain.count("ATOMG.E.ADD.64")
+    assert art.count("LDG.E.128") < plain.count("LDG.E.128")
+    if recipe == "fp8xfp8":
+        pack = "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"
+        assert art.count(pack) == plain.count(pack)
+    _assert_no_spills_and_async_wgmma(art)
+
+
 def test_dependent_launch_is_an_env_switch(monkeypatch):
     """``CUTE_MEGAMOE_FUSED_PDL``: 0 (default) or 1, anything else raises; part of the layer
     plans' keys."""
@@ -398,6 +435,55 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
+    """The one-rank local dispatch (the default at R = 1 with counted rows and in-kernel
+    staging: every CTA counts all pairs itself and quantizes its own pairs' rows into the
+    pool) against the staged layer, bit for bit, with the same stats: CTA shares of more pairs
+    than threads (grids of 1-3 CTAs: several batches per CTA), 0 / 1 tokens, masked slots,
+    one expert taking every token, both BLOCK_Ms; calls alternating with the exchanged
+    dispatch (``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``), which every call must find with its
+    readiness and arrival counters at 0 (checked after each call). Which path ran shows in
+    the buffer's ``x``: the local one leaves it as it was (poisoned here)."""
+    _gpu()
+    from cute_megamoe import fused, staged
+    from cute_megamoe.launch import buffer_state
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
+    (buf,) = layer.ranks.buffers
+    e_l = buf.layout.num_local_experts
+    stats = {k: torch.zeros(e_l, dtype=torch.int32, device=buf.device) for k in "fs"}
+    cases = [(300, "one_expert", 64, 1, "1"), (300, "random", 128, 3, "0"),
+             (77, "masked", 64, None, "1"), (1, "random", 128, 2, "1"),
+             (0, "random", 64, None, "1"), (300, "skewed", 64, 2, "1"),
+             (129, "masked", 128, None, "0"), (300, "random", 128, None, "1"),
+             (5, "one_expert", 64, 3, "1"), (1, "masked", 64, None, "0")]
+    for i, (n, routing, block_m, num_sms, local) in enumerate(cases):
+        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", local)
+        _, _, _, inputs = layer.inputs((n,), routing, seed=200 + i)
+        x, idx, w = inputs[0]
+        want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0], activation_clamp=10.0,
+                                      block_m=block_m, validate_routing=False,
+                                      cumulative_local_expert_recv_stats=stats["s"])
+        buf.x[:n].view(torch.uint8).fill_(0xFF)
+        y = torch.full_like(want, float("nan"))
+        fused.fused_mega_moe(buf, x, idx, w, layer.fused_weights[0], y=y,
+                             activation_clamp=10.0, block_m=block_m, num_sms=num_sms,
+                             validate_routing=False,
+                             cumulative_local_expert_recv_stats=stats["f"])
+        torch.cuda.synchronize()
+        what = (n, routing, block_m, num_sms, local)
+        assert not bool(y.isnan().any()), what
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), what
+        assert torch.equal(stats["f"], stats["s"]), what
+        untouched = bool((buf.x[:n].view(torch.uint8) == 0xFF).all())
+        assert untouched == (local == "1" or n == 0), what
+        assert int(buf.pool_block_arrivals.count_nonzero()) == 0, what
+        assert int(buffer_state(buf).pool_block_ready.count_nonzero()) == 0, what
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_on_tiled_weights_matches_staged(recipe, monkeypatch):
     """The fused kernel on the weights in TMA-box order (`ExpertWeights.tiled_copy`: the
@@ -461,6 +547,8 @@ def test_fused_kernel_stages_its_inputs_itself(recipe, monkeypatch):
     (buf,) = layer.ranks.buffers
     regions = ("x", "x_sf", "topk_idx", "topk_weights") if recipe == "fp8xfp8" else \
         ("x", "topk_idx", "topk_weights")
+    # (rows None / "counted" at R = 1: the local dispatch, which quantizes the rows straight
+    # into the pool and leaves the buffer's x alone; "barrier": the staged rows)
     for n, block_m, rows in ((300, 128, None), (77, 64, None), (1, 64, None), (0, 64, None),
                              (300, 64, "barrier"), (129, 128, "counted")):
         _, _, _, inputs = layer.inputs((n,), "skewed", seed=n + block_m)
@@ -474,10 +562,13 @@ def test_fused_kernel_stages_its_inputs_itself(recipe, monkeypatch):
         fused.fused_mega_moe(buf, x, idx, w, layer.weights[0], y=y, activation_clamp=10.0,
                              block_m=block_m, validate_routing=False, row_transfer=rows)
         torch.cuda.synchronize()
+        local = rows != "barrier"
         for r in regions:
-            got = getattr(buf, r)[:n]
-            assert torch.equal(got.view(torch.uint8), staged_bytes[r].view(torch.uint8)), \
-                (r, n, block_m)
+            got = getattr(buf, r)[:n].view(torch.uint8)
+            if local and r in ("x", "x_sf"):
+                assert bool((got == 0xFF).all()), (r, n, block_m, "written by the local path")
+            else:
+                assert torch.equal(got, staged_bytes[r].view(torch.uint8)), (r, n, block_m)
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m, rows)
     check_fused_graph(layer, 100, 50, seed=7)
     two = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))

@@ -324,13 +324,15 @@ def test_module_eager_call_skips_the_custom_op_dispatcher_only_when_it_may(monke
 
 @pytest.mark.parametrize("path", PATHS)
 def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypatch):
-    """`fused.fused_mega_moe` keeps its two launches (staging, the fused kernel) as a plan;
-    a later call's launches are exactly what the full path builds for it (`FUSED_SLOTS`:
-    the token count, the stats, y and the stream)."""
+    """`fused.fused_mega_moe` with ``CUTE_MEGAMOE_FUSED_STAGING=launch`` keeps its two
+    launches (staging, the fused kernel) as a plan; a later call's launches are exactly what
+    the full path builds for it (`FUSED_SLOTS`: the token count, the stats, y and the
+    stream)."""
     from cute_megamoe import fused
 
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "launch")
     runtime.set_launch_path(path)
     buf, weights, _ = _buffer_and_weights()
     stats = torch.zeros(E, dtype=torch.int32)
@@ -363,17 +365,19 @@ def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypa
         assert [_value(v) for v in a] == [_value(v) for v in b], name
 
 
+@pytest.mark.parametrize("staging", ["kernel", ""])
 @pytest.mark.parametrize("path", PATHS)
-def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, monkeypatch):
-    """``CUTE_MEGAMOE_FUSED_STAGING=kernel``: a call with ``x`` is one launch, the fused kernel
-    with the caller's inputs at `FUSED_INPUT_SLOTS`; the plan fills in new inputs' addresses
-    as the full path does; the routing is still checked on the host before any launch; with
-    ``x=None`` (inputs staged by the caller) nothing changes."""
+def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, staging, monkeypatch):
+    """``CUTE_MEGAMOE_FUSED_STAGING=kernel`` (and unset: the default for FP8 / BF16 weights):
+    a call with ``x`` is one launch, the fused kernel with the caller's inputs at
+    `FUSED_INPUT_SLOTS`; the plan fills in new inputs' addresses as the full path does; the
+    routing is still checked on the host before any launch; with ``x=None`` (inputs staged by
+    the caller) nothing changes."""
     from cute_megamoe import fused
 
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "kernel")
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", staging)
     runtime.set_launch_path(path)
     buf, weights, _ = _buffer_and_weights()
 

@@ -114,6 +114,10 @@ TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
 SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
 
 
+# `count_locally`: routing loads in flight per thread
+LOCAL_UNROLL = 4
+
+
 def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
     """`length` elements of the 1-D shared-memory tensor `t` from `start`."""
     return cute.make_tensor(t.iterator + start, cute.make_layout(length))
@@ -123,7 +127,8 @@ class DispatchKernel:
     """Count, prefix, scatter and row transfer for one rank (see the module docstring)."""
 
     def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
-                 has_stats: bool = False, transfer: str = "push", pool_order: bool = False):
+                 has_stats: bool = False, transfer: str = "push", pool_order: bool = False,
+                 local: bool = False):
         if block_m % 16 != 0 or not 16 <= block_m <= layout.block_m_max:
             raise ValueError(f"block_m: expected a multiple of 16 in [16, "
                              f"{layout.block_m_max}], got {block_m}")
@@ -148,6 +153,11 @@ class DispatchKernel:
         if pool_order and not self.push:
             raise ValueError("pool_order: the rows are pushed in pool order; transfer='push'")
         self.pool_order = pool_order
+        # `local` (the fused kernel, one-rank groups): every CTA counts all pairs itself and
+        # places its own share (`count_locally`, `place_pairs`), with no other CTA in between
+        if local and (layout.num_ranks != 1 or not pool_order):
+            raise ValueError("local: one-rank groups with pool_order only")
+        self.local = local
         # `pool_order`: a pool block's rows are ready once its counter in
         # `pool_block_arrivals` reaches this many per valid row (the row from its source, and
         # its metadata, weight and scales from this rank's step 6)
@@ -180,7 +190,9 @@ class DispatchKernel:
         room for each array's alignment."""
         D, R, E_l = self.num_dests, self.num_ranks, self.num_local_experts
         words = self.num_experts + D * R * E_l + D * E_l + (2 + self.pool_order) * D * (E_l + 1) + D
-        return 4 * words + 7 * 16
+        if self.local:  # `allocate_batch`
+            words += 2 * self.num_threads + 1
+        return 4 * words + 10 * 16
 
     @cute.jit
     def __call__(
@@ -270,6 +282,15 @@ class DispatchKernel:
             send_start = smem.allocate_tensor(Int32, cute.make_layout(D * (E_l + 1)))
         return (expert_slot, recv_count, expert_count, row_start, block_start, dest_block_m,
                 send_start)
+
+    @cute.jit
+    def allocate_batch(self, smem):
+        """`local`: per pair of a batch (one per thread) its pool row and token, and how many
+        of the batch are placed (`place_pairs`)."""
+        rows = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads))
+        tokens = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads))
+        placed = smem.allocate_tensor(Int32, cute.make_layout(1))
+        return rows, tokens, placed
 
     def pair_share(self, num_tokens: Int32, cta: Int32, num_ctas: Int32) -> tuple:
         """``[begin, end)``: the contiguous share of this rank's (token, slot) pairs that CTA
@@ -428,6 +449,121 @@ class DispatchKernel:
         if cutlass.const_expr(metadata):
             self.write_metadata(peer_bases, my_base, own_count, own_row_start, own_block_start)
         return own_count, own_row_start, own_block_start
+
+    @cute.jit
+    def count_locally(self, topk_idx: cute.Pointer, num_tokens: Int32,
+                      expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays):
+        """`local`, every thread of every CTA, alone: steps 1-5 of a one-rank group without
+        the other CTAs. The CTA counts all of this rank's pairs (``topk_idx``: int64
+        ``[num_tokens * K]``), per expert in all and before its own share (`pair_share`), and
+        builds the pool prefix sums from the counts (at most ``T`` per expert, as the scatter
+        keeps); CTA 0 reports the counts. Every CTA gets the same pool layout, so no counts are
+        exchanged. Returns ``(row_start, block_start)`` in shared memory; ``expert_slot[e]`` is
+        left at this CTA's first slot of expert ``e`` (slots in `place_pairs`)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        E = self.num_experts
+        expert_slot, _, expert_count, row_start, block_start, _, _ = arrays
+        e = tidx
+        while e < E:
+            expert_slot[e] = 0
+            expert_count[e] = 0
+            e += self.num_threads
+        cute.arch.sync_threads()
+        begin, _ = self.pair_share(num_tokens, bidx, num_ctas)
+        num_pairs = num_tokens * self.num_topk
+        first = Int32(0)
+        while first < num_pairs:  # (LOCAL_UNROLL loads in flight per thread)
+            experts = []
+            for u in cutlass.range_constexpr(LOCAL_UNROLL):
+                p = cutlass.min(first + u * self.num_threads + tidx, num_pairs - 1)
+                experts.append(Int32(cute.arch.load(topk_idx + p, Int64)))
+            for u in cutlass.range_constexpr(LOCAL_UNROLL):
+                p = first + u * self.num_threads + tidx
+                expert = experts[u]
+                if p < num_pairs and expert >= 0 and expert < E:
+                    cute.arch.atomic_add(expert_count.iterator + expert, Int32(1), scope="cta")
+                    if p < begin:
+                        cute.arch.atomic_add(expert_slot.iterator + expert, Int32(1),
+                                             scope="cta")
+            first += LOCAL_UNROLL * self.num_threads
+        cute.arch.sync_threads()
+        e = tidx
+        while e < E:
+            expert_count[e] = cutlass.min(expert_count[e], Int32(self.num_slots))
+            e += self.num_threads
+        cute.arch.sync_threads()
+        if warp == 0:
+            build_pool_prefix(_part(expert_count, 0, E), _part(row_start, 0, E + 1),
+                              _part(block_start, 0, E + 1), E, Int32(self.block_m))
+        cute.arch.sync_threads()
+        if bidx == 0:
+            e = tidx
+            while e < E:
+                expert_recv_tokens[e] = expert_count[e]
+                if cutlass.const_expr(self.has_stats):
+                    stats[e] = stats[e] + expert_count[e]
+                e += self.num_threads
+        return _part(row_start, 0, E + 1), _part(block_start, 0, E + 1)
+
+    @cute.jit
+    def place_pairs(self, my_base: Int64, topk_idx: cute.Pointer, topk_weights: cute.Pointer,
+                    first: Int32, end: Int32, arrays, batch):
+        """`local`, every thread of the CTA, after `count_locally`: the pairs ``first + tidx``
+        (< ``end``, one per thread) of this CTA's share: the routing into the buffer (for the
+        combine), and for each kept pair a slot of its expert (shared atomics from this CTA's
+        first), its pool row's metadata and routing weight, and its pool row and token into
+        ``batch`` (`allocate_batch`, in any order; ``placed`` counts them). The rows and
+        their arrivals follow (`InputStagingKernel.stage_rows`, `count_placed`)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        K = self.num_topk
+        expert_slot, _, _, _, block_start, _, _ = arrays
+        rows, tokens, placed = batch
+        if tidx == 0:
+            placed[0] = 0
+        cute.arch.sync_threads()
+        p = first + tidx
+        if p < end:
+            expert = cute.arch.load(topk_idx + p, Int64)
+            weight = cute.arch.load(topk_weights + p, Float32)
+            cute.arch.store(self.regions.ptr(my_base, "topk_idx") + p, expert)
+            cute.arch.store(self.regions.ptr(my_base, "topk_weights") + p, weight)
+            e = Int32(expert)
+            if expert >= 0 and expert < self.num_experts:
+                slot = cute.arch.atomic_add(expert_slot.iterator + e, Int32(1), scope="cta")
+                if slot < self.num_slots:
+                    pool_row = block_start[e] * self.block_m + slot
+                    meta = cute.make_rmem_tensor((4,), Int32)  # (source rank, token, k, 0)
+                    meta[0] = Int32(0)
+                    meta[1] = p // K
+                    meta[2] = p % K
+                    meta[3] = Int32(0)
+                    cute.autovec_copy(meta, gmem_vector(
+                        my_base + self.regions.offset("token_src_metadata")
+                        + Int64(pool_row) * 16, Int32, 4))
+                    cute.arch.store(self.regions.ptr(my_base, "l1_topk_weights") + pool_row,
+                                    weight)
+                    j = cute.arch.atomic_add(placed.iterator, Int32(1), scope="cta")
+                    rows[j] = pool_row
+                    tokens[j] = p // K
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def count_placed(self, my_base: Int64, batch):
+        """`local`, every thread of the CTA, once the batch's rows are stored: each thread's
+        stores fenced, then +`arrivals_per_row` per placed row on its pool block (the row and
+        its metadata are in, as a sender and step 6 count them in the exchanged dispatch)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        rows, _, placed = batch
+        fence_acq_rel(self.scope)
+        cute.arch.sync_threads()
+        if tidx < placed[0]:
+            arrivals = self.regions.ptr(my_base, "pool_block_arrivals")
+            cute.arch.red(arrivals + rows[tidx] // self.block_m, Int32(self.arrivals_per_row),
+                          op="add", dtype="s32", sem="release", scope=self.scope)
+        cute.arch.sync_threads()
 
     @cute.jit
     def check_settings(self, barrier: cute.Pointer, seen: Int32):

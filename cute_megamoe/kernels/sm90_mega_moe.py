@@ -35,6 +35,14 @@ warpgroups, 512 in all), launched cooperatively.
      is complete.
    * "with_gemm": as "counted", but the rows move while the GEMMs run: the producer
      warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push them.
+   * one-rank groups with "counted" rows that stage their own inputs (`local_dispatch`): no
+     CTA waits for another. Every CTA counts all of the call's pairs from the caller's routing
+     (`DispatchKernel.count_locally`: in all and before its own share, so each has the pool's
+     layout and its first slot per expert), then places its share of the pairs in batches of
+     one per thread (`place_pairs`: routing copy, slot, metadata, weight), quantizes their
+     rows from the caller's activations straight into their pool rows
+     (`InputStagingKernel.stage_rows`, the staging kernel's numerics; the buffer's `x` is not
+     written) and counts each row into its pool block (`count_placed`, 2 per row as above).
    "barrier" and the counted transfers are different row protocols, which every rank of a call
    must share (checked through the count words); "counted" and "with_gemm" are one protocol.
 2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
@@ -59,8 +67,13 @@ warpgroups, 512 in all), launched cooperatively.
    reduction in ascending k writes `y`; with the counted row transfers, CTA 0 then records the
    call as finished (`common.sync.finish_call`; the dispatch's closing barrier does otherwise).
 
-Readiness and arrival counters are per call: every CTA zeroes its share at the start, and
-step 1's arrival at the grid counter after the scatter orders that before any use (the last CTA
+4. Every CTA zeroes its share of the readiness and arrival counters once the combine's
+   barriers are past (every rank is done with them).
+
+Readiness and arrival counters are per call: every call leaves them at 0 (step 4; a fresh
+buffer is zeroed), which is all the local dispatch relies on; the exchanged one also zeroes its
+share at the start, and step 1's arrival at the grid counter after the scatter orders that
+before any use (the last CTA
 to arrive publishes the counts; a sender adds to a destination's arrivals only once it holds
 the destination's counts of the call, published after the zeroing); nothing else is reset
 (the barriers and call tags of `common/sync.py` only grow, wrap-safe), so back-to-back calls
@@ -168,7 +181,7 @@ class Sm90MegaMoEKernel:
                  weights_first: bool | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, early_prefetch: int = 0,
                  tiled_weights: bool = False, dependent_launch: bool = False,
-                 stages_inputs: bool = False):
+                 stages_inputs: bool = False, local_dispatch: bool | None = None):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -216,9 +229,30 @@ class Sm90MegaMoEKernel:
         self.row_transfer = row_transfer
         self.rows_counted = row_transfer != "barrier"
         self.rows_with_gemm = row_transfer == "with_gemm"
+        # `stages_inputs`: this kernel quantizes the caller's activations into the buffer and
+        # copies the routing itself (step 0), instead of a staging launch before it: one launch
+        # per layer call. Each CTA copies the routing of the (token, slot) pairs it counts next
+        # (`DispatchKernel.pair_share`) and quantizes its grid-stride share of the activation
+        # vectors (`InputStagingKernel.stage_vectors`, the same numerics); the rows are read by
+        # other CTAs only after the count publication, which every CTA's staging precedes
+        self.stages_inputs = bool(stages_inputs)
+        self.staging = InputStagingKernel(layout.recipe, layout.hidden, layout.num_topk,
+                                          num_threads=self.num_threads)
+        # `local_dispatch` (one-rank groups with counted rows staging their own inputs; None:
+        # on there): every CTA counts all of the call's pairs itself, so each knows the pool's
+        # layout without any other CTA, and quantizes its own pairs' rows straight into their
+        # pool rows (step 1's "local" form); no count exchange, no staged rows in between
+        local_ok = (self.num_ranks == 1 and row_transfer == "counted" and self.stages_inputs
+                    and not self.fp4_weights)
+        if local_dispatch is None:
+            local_dispatch = local_ok
+        if local_dispatch and not local_ok:
+            raise ValueError("local_dispatch: one-rank groups with counted rows that stage "
+                             "their own inputs, FP8 / BF16 weights")
+        self.local_dispatch = bool(local_dispatch)
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",
-                                       pool_order=self.rows_counted)
+                                       pool_order=self.rows_counted, local=self.local_dispatch)
         # the producer warpgroup's warps that load nothing send this rank's rows (step 1)
         self.first_sender_warp = 2 if self.fp4_weights else 1
         self.sender_warps = 4 - self.first_sender_warp
@@ -312,15 +346,6 @@ class Sm90MegaMoEKernel:
         # flushed) before the dispatch reads the staged inputs. An A/B option: bit-identical,
         # and no faster at 1 or 128 tokens on an H200 (a graph's next launch is already ready)
         self.dependent_launch = bool(dependent_launch)
-        # `stages_inputs`: this kernel quantizes the caller's activations into the buffer and
-        # copies the routing itself (step 0), instead of a staging launch before it: one launch
-        # per layer call. Each CTA copies the routing of the (token, slot) pairs it counts next
-        # (`DispatchKernel.pair_share`) and quantizes its grid-stride share of the activation
-        # vectors (`InputStagingKernel.stage_vectors`, the same numerics); the rows are read by
-        # other CTAs only after the count publication, which every CTA's staging precedes
-        self.stages_inputs = bool(stages_inputs)
-        self.staging = InputStagingKernel(layout.recipe, layout.hidden, layout.num_topk,
-                                          num_threads=self.num_threads)
 
     def pointer_args(self) -> tuple[tuple[str, object], ...]:
         """``(name, CuTe dtype)`` of the pointer arguments of ``__call__``, in order (the
@@ -482,21 +507,18 @@ class Sm90MegaMoEKernel:
             cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
             cute.arch.cluster_wait()
 
-        # this call's readiness and arrival counters start at 0 (ordered before any use by the
-        # grid barriers of the dispatch; senders add to the arrivals only once they have this
-        # rank's counts of the call, which it publishes after them)
-        # (a cluster's dummy block past the pool's last has a counter too, or the one counter
-        # of every L1 tile takes that place)
+        # this call's readiness and arrival counters start at 0: every call leaves them so
+        # (step 4), and the exchanged dispatch zeroes them here too (ordered before any use by
+        # its grid arrival; senders add to the arrivals only once they have this rank's counts
+        # of the call, which it publishes after them). The local dispatch has no such order:
+        # it relies on the previous call's step 4 (a fresh buffer is zeroed)
         rows_arrived = self.regions.ptr(my_base, "pool_block_arrivals")
-        i = bidx * self.num_threads + tidx
-        while i < self.num_pool_blocks + 1:
-            cute.arch.store(pool_block_ready + i, Int32(0))
-            cute.arch.store(rows_arrived + i, Int32(0))
-            i += grid * self.num_threads
+        if cutlass.const_expr(not self.local_dispatch):
+            self.zero_counters(pool_block_ready, rows_arrived, tidx, bidx, grid)
 
         if cutlass.const_expr(self.dependent_launch):
             cute.arch.griddepcontrol_wait()  # the staged inputs are in place from here on
-        if cutlass.const_expr(self.stages_inputs):
+        if cutlass.const_expr(self.stages_inputs and not self.local_dispatch):
             self.stage_inputs(x, topk_idx, topk_weights, my_base, num_tokens, tidx, bidx, grid,
                               lane)
 
@@ -506,7 +528,27 @@ class Sm90MegaMoEKernel:
         # moving now ("counted", every warp) or while the GEMMs run ("with_gemm")
         dispatch = None
         preloaded = None  # (the early weights: stages of the first L1 tile loaded)
-        if cutlass.const_expr(self.rows_counted):
+        if cutlass.const_expr(self.local_dispatch):
+            dispatch = self.dispatch.allocate_arrays(smem)
+            batch = self.dispatch.allocate_batch(smem)
+            row_start, block_start = self.dispatch.count_locally(
+                topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
+            self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
+            if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
+                preloaded = Int32(0)
+                if warp == 0:
+                    preloaded = self.l1.load_first_weights(
+                        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
+                        self.l1.scheduler.num_tiles(block_start), cluster,
+                        Int32(self.l1.raster_group), lane,
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages), self.early_prefetch)
+            self.stamp(stamps, "prefix_ready", tidx == 0)
+            self.place_locally(x, topk_idx, topk_weights, my_base, num_tokens, dispatch, batch,
+                               tidx, bidx, grid, lane)
+            self.stamp(stamps, "rows_sent", tidx == 0)
+            cute.arch.sync_threads()  # (as below: every warp before the setmaxnreg)
+        elif cutlass.const_expr(self.rows_counted):
             dispatch = self.dispatch.allocate_arrays(smem)
             counts, row_start, block_start = self.dispatch.exchange_counts(
                 peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch,
@@ -633,11 +675,53 @@ class Sm90MegaMoEKernel:
         barrier = self.regions.ptr(my_base, "barrier")
         self.combine.send_and_reduce(peer_bases, my_base, barrier, warp, lane, num_tokens,
                                      l1_topk_weights, row_start, block_start, y, None)
+        # 4. the counters back to 0 for the next call: past the combine's barriers every CTA
+        # of every rank is done with this call's (every row arrived, every L1 tile read them,
+        # every L2 tile its gate), and no rank adds to them for its next call before this rank
+        # publishes that call's counts (the local dispatch: before this rank's next launch)
+        self.zero_counters(pool_block_ready, self.regions.ptr(my_base, "pool_block_arrivals"),
+                           tidx, bidx, grid)
         # every rank has read this rank's counts of the call (the combine's barriers needed
         # every CTA of every rank, all past their dispatch)
         if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
+
+    @cute.jit
+    def zero_counters(self, pool_block_ready: cute.Pointer, rows_arrived: cute.Pointer,
+                      tidx: Int32, bidx: Int32, grid: Int32):
+        """The grid's share of this call's readiness and arrival counters set to 0 (a
+        cluster's dummy block past the pool's last has a counter too, or the one counter of
+        every L1 tile takes that place)."""
+        i = bidx * self.num_threads + tidx
+        while i < self.num_pool_blocks + 1:
+            cute.arch.store(pool_block_ready + i, Int32(0))
+            cute.arch.store(rows_arrived + i, Int32(0))
+            i += grid * self.num_threads
+
+    @cute.jit
+    def place_locally(self, x: cute.Pointer, topk_idx: cute.Pointer,
+                      topk_weights: cute.Pointer, my_base: Int64, num_tokens: Int32, dispatch,
+                      batch, tidx: Int32, bidx: Int32, grid: Int32, lane: Int32):
+        """Step 1 of the local dispatch after `DispatchKernel.count_locally`, every thread:
+        this CTA's share of the pairs in batches of one per thread: their routing into the
+        buffer, their slots, metadata and weights (`DispatchKernel.place_pairs`), their rows
+        quantized from the caller's activations straight into the pool
+        (`InputStagingKernel.stage_rows`: each token's row once per pair, the staging kernel's
+        numerics), then counted into their pool blocks (`DispatchKernel.count_placed`)."""
+        begin, end = self.dispatch.pair_share(num_tokens, bidx, grid)
+        rows, tokens, placed = batch
+        pool_sf = my_base + self.regions.offset("l1_acts_sf") if cutlass.const_expr(
+            self.layout.has_sf) else my_base
+        first = begin
+        while first < end:
+            self.dispatch.place_pairs(my_base, topk_idx, topk_weights, first, end, dispatch,
+                                      batch)
+            self.staging.stage_rows(Int64(x.toint()), tokens,
+                                    my_base + self.regions.offset("l1_acts"), rows, pool_sf,
+                                    self.layout.num_pool_rows, placed[0], tidx, lane)
+            self.dispatch.count_placed(my_base, batch)
+            first += self.num_threads
 
     @cute.jit
     def stage_inputs(self, x: cute.Pointer, topk_idx: cute.Pointer, topk_weights: cute.Pointer,

@@ -47,10 +47,49 @@ from ..tables import RECIPES, activation_recipe
 from .common.quant_math import ceil_ue8m0_biased_exponent, float_from_biased_exponent
 
 ELEMENTS_PER_THREAD = 16  # two 16-byte loads of BF16
+VECTOR_ALIGN = 16  # bytes: rows are 16-byte aligned (`checks`), a vector at least that
 CHUNK = 128  # elements per scale word (packed per-32) or per scale (per-128)
 LANES_PER_CHUNK = CHUNK // ELEMENTS_PER_THREAD
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+
+
+def _set(t, index, value) -> None:
+    """``t[index] = value`` as a call (a tensor or `_MNMajorScales`: the DSL carries assigned
+    names through a dynamic ``if``, which it cannot do for a Python object)."""
+    t[index] = value
+
+
+class _RowVectors:
+    """``[None, v]``: the 16 elements of vector ``v % per_row`` of row ``rows[v // per_row]``
+    (``rows``: shared memory) of a row-major array of ``row_bytes`` rows at global ``base``;
+    ``stage_vectors`` indexes it as the flat arrays of the staging kernel."""
+
+    def __init__(self, base: Int64, rows: cute.Tensor, per_row: int, row_bytes: int, dtype):
+        self.base, self.rows, self.per_row = base, rows, per_row
+        self.row_bytes, self.dtype = row_bytes, dtype
+
+    def __getitem__(self, index):
+        _, vec = index
+        address = (self.base + Int64(self.rows[vec // self.per_row]) * self.row_bytes
+                   + Int64(vec % self.per_row) * (ELEMENTS_PER_THREAD * self.dtype.width // 8))
+        return cute.make_tensor(cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem,
+                                              assumed_align=VECTOR_ALIGN),
+                                cute.make_layout(ELEMENTS_PER_THREAD))
+
+
+class _MNMajorScales:
+    """``[c] = value``: the scale of 128-element chunk ``c % per_row`` of row
+    ``rows[c // per_row]`` into MN-major float32 scales at global ``base`` (chunk j of row r at
+    ``j * stride + r``, the pool's `l1_acts_sf`)."""
+
+    def __init__(self, base: Int64, rows: cute.Tensor, per_row: int, stride: int):
+        self.base, self.rows, self.per_row, self.stride = base, rows, per_row, stride
+
+    def __setitem__(self, chunk, value):
+        word = Int64(chunk % self.per_row) * self.stride + Int64(self.rows[chunk // self.per_row])
+        cute.arch.store(cute.make_ptr(Float32, self.base + word * 4, cute.AddressSpace.gmem,
+                                      assumed_align=4), Float32(value))
 
 
 class InputStagingKernel:
@@ -144,6 +183,27 @@ class InputStagingKernel:
             i += nctas * self.num_threads
 
     @cute.jit
+    def stage_rows(self, x: Int64, tokens: cute.Tensor, out: Int64, rows: cute.Tensor,
+                   out_sf: Int64, sf_stride: cutlass.Constexpr, num_rows: Int32, tidx: Int32,
+                   lane: Int32):
+        """Rows ``x[tokens[j]]`` (BF16, global ``x``) quantized as `stage_vectors` into rows
+        ``rows[j]`` of ``out`` and their per-128 scales into the MN-major ``out_sf`` (row r's
+        chunk c at ``c * sf_stride + r``), for ``j < num_rows`` (``tokens``, ``rows``: shared
+        memory), by every thread of the CTA: the fused kernel's one-rank dispatch writes its
+        pairs' rows straight into the pool this way. Per-128 scales (fp8xfp8 activations) or
+        none (bf16xbf16)."""
+        per_row = self.hidden // ELEMENTS_PER_THREAD
+        elt = self.out_dtype.width // 8
+        g_x = _RowVectors(x, tokens, per_row, self.hidden * 2, BFloat16)
+        g_out = _RowVectors(out, rows, per_row, self.hidden * elt, self.out_dtype)
+        g_sf = _MNMajorScales(out_sf, rows, self.hidden // CHUNK, sf_stride)
+        num_vectors = num_rows * per_row
+        first = Int32(0)
+        while first < num_vectors:
+            self.stage_vectors(g_x, g_out, g_sf, first, num_vectors, tidx, lane)
+            first += self.vectors_per_cta
+
+    @cute.jit
     def stage_vectors(self, g_x: cute.Tensor, g_out: cute.Tensor, g_sf: cute.Tensor,
                       first: Int32, num_vectors: Int32, tidx: Int32, lane: Int32):
         """Steps 1-2 for the vectors ``first + u * num_threads + tidx`` (``u`` <
@@ -182,10 +242,10 @@ class InputStagingKernel:
                     word = word | cute.arch.shuffle_sync_bfly(word, 2)
                     word = word | cute.arch.shuffle_sync_bfly(word, 4)
                     if lane % LANES_PER_CHUNK == 0 and vec < num_vectors:
-                        g_sf[vec // LANES_PER_CHUNK] = word
+                        _set(g_sf, vec // LANES_PER_CHUNK, word)
                 else:
                     if lane % LANES_PER_CHUNK == 0 and vec < num_vectors:
-                        g_sf[vec // LANES_PER_CHUNK] = float_from_biased_exponent(exponent)
+                        _set(g_sf, vec // LANES_PER_CHUNK, float_from_biased_exponent(exponent))
             else:
                 out.store(regs[u].load())
             if vec < num_vectors:
