@@ -451,14 +451,15 @@ class DispatchKernel:
         return own_count, own_row_start, own_block_start
 
     @cute.jit
-    def count_locally(self, topk_idx: cute.Pointer, num_tokens: Int32,
+    def count_locally(self, my_base: Int64, topk_idx: cute.Pointer, num_tokens: Int32,
                       expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays):
         """`local`, every thread of every CTA, alone: steps 1-5 of a one-rank group without
         the other CTAs. The CTA counts all of this rank's pairs (``topk_idx``: int64
         ``[num_tokens * K]``), per expert in all and before its own share (`pair_share`), and
         builds the pool prefix sums from the counts (at most ``T`` per expert, as the scatter
         keeps); CTA 0 reports the counts. Every CTA gets the same pool layout, so no counts are
-        exchanged. Returns ``(row_start, block_start)`` in shared memory; ``expert_slot[e]`` is
+        exchanged (CTA 0 still writes this rank's count words, tagged with the call, as step 4
+        would). Returns ``(row_start, block_start)`` in shared memory; ``expert_slot[e]`` is
         left at this CTA's first slot of expert ``e`` (slots in `place_pairs`)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -500,11 +501,19 @@ class DispatchKernel:
                               _part(block_start, 0, E + 1), E, Int32(self.block_m))
         cute.arch.sync_threads()
         if bidx == 0:
+            # (the count words too, tagged with this call as step 4 does: nobody waits for
+            # them in this call, but the next call's readers take an older tag for a skipped
+            # call)
+            barrier = self.regions.ptr(my_base, "barrier")
+            tag = call_tags(barrier)[0]
+            recv = self.regions.ptr(my_base, "expert_recv_count")
             e = tidx
             while e < E:
                 expert_recv_tokens[e] = expert_count[e]
                 if cutlass.const_expr(self.has_stats):
                     stats[e] = stats[e] + expert_count[e]
+                cute.arch.store(recv + e, Int64(expert_count[e]) | (Int64(tag) << 32)
+                                | Int64(self.settings << CountWord.COUNT_BITS))
                 e += self.num_threads
         return _part(row_start, 0, E + 1), _part(block_start, 0, E + 1)
 

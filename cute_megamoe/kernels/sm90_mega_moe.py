@@ -532,7 +532,7 @@ class Sm90MegaMoEKernel:
             dispatch = self.dispatch.allocate_arrays(smem)
             batch = self.dispatch.allocate_batch(smem)
             row_start, block_start = self.dispatch.count_locally(
-                topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
+                my_base, topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
             self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
             if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
                 preloaded = Int32(0)
