@@ -517,13 +517,6 @@ class DispatchKernel:
                 e += self.num_threads
         return _part(row_start, 0, E + 1), _part(block_start, 0, E + 1)
 
-    def one_rank_prefix(self, arrays) -> tuple:
-        """The pool prefix sums ``(row_start, block_start)`` of a one-rank group in the
-        shared-memory ``arrays``, as `count_locally` and `exchange_counts` leave them."""
-        _, _, _, row_start, block_start, _, _ = arrays
-        E = self.num_experts
-        return _part(row_start, 0, E + 1), _part(block_start, 0, E + 1)
-
     @cute.jit
     def place_pairs(self, my_base: Int64, topk_idx: cute.Pointer, topk_weights: cute.Pointer,
                     first: Int32, end: Int32, arrays, batch):

@@ -35,10 +35,8 @@ warpgroups, 512 in all), launched cooperatively.
      is complete.
    * "with_gemm": as "counted", but the rows move while the GEMMs run: the producer
      warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push them.
-   * one-rank groups with "counted" rows that stage their own inputs (`local_dispatch`), for
-     calls of at most `LOCAL_MAX_PAIRS_PER_CTA` pairs per CTA (larger calls take the
-     exchanged "counted" dispatch, in the same kernel): no CTA waits for another. Every CTA
-     counts all of the call's pairs from the caller's routing
+   * one-rank groups with "counted" rows that stage their own inputs (`local_dispatch`): no
+     CTA waits for another. Every CTA counts all of the call's pairs from the caller's routing
      (`DispatchKernel.count_locally`: in all and before its own share, so each has the pool's
      layout and its first slot per expert), then places its share of the pairs in batches of
      one per thread (`place_pairs`: routing copy, slot, metadata, weight), quantizes their
@@ -161,11 +159,6 @@ REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet befor
 # keeps "barrier" (its two-rank loopback test with counted rows failed on 2026-12-02)
 ROW_TRANSFERS = ("barrier", "counted", "with_gemm")
 COUNTED_ROWS_MAX_TOKENS = 1024
-# The local dispatch (one rank) runs for calls of at most this many (token, slot) pairs per
-# CTA, the exchanged one above: on an H200 (128 experts, top-8, H 7168, 132 CTAs) local /
-# exchanged took 0.95x at 1 token, 0.99x at 8, 1.00x at 128 (8 pairs per CTA), 1.01x at 512
-# (31) and 1.02x at 1024 (62): each CTA quantizes its pairs' rows, a token's once per pair
-LOCAL_MAX_PAIRS_PER_CTA = 16
 
 
 def default_row_transfer(layout: MegaMoELayout) -> str:
@@ -535,33 +528,51 @@ class Sm90MegaMoEKernel:
         # moving now ("counted", every warp) or while the GEMMs run ("with_gemm")
         dispatch = None
         preloaded = None  # (the early weights: stages of the first L1 tile loaded)
-        if cutlass.const_expr(self.rows_counted):
+        if cutlass.const_expr(self.local_dispatch):
             dispatch = self.dispatch.allocate_arrays(smem)
-
-            # (what warp 0 loads the early weights with: `load_early_weights`)
-            early = (tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cluster, warp, lane)
-            exchanged = (peer_bases, rank, my_base, num_tokens, expert_recv_tokens, stats,
-                         dispatch, stamps, tidx, bidx, grid, warp, lane, early)
-            loaded = Int32(0)
-            if cutlass.const_expr(self.local_dispatch):
-                batch = self.dispatch.allocate_batch(smem)
-                # (at most LOCAL_MAX_PAIRS_PER_CTA pairs per CTA: each CTA quantizes its pairs'
-                # rows, a token's once per pair, which costs more than it saves beyond)
-                if num_tokens * self.layout.num_topk <= grid * LOCAL_MAX_PAIRS_PER_CTA:
-                    loaded = self.dispatch_locally(x, topk_idx, topk_weights, my_base,
-                                                   num_tokens, expert_recv_tokens, stats,
-                                                   dispatch, batch, stamps, tidx, bidx, grid,
-                                                   lane, early)
-                else:
-                    if cutlass.const_expr(self.stages_inputs):
-                        self.stage_inputs(x, topk_idx, topk_weights, my_base, num_tokens, tidx,
-                                          bidx, grid, lane)
-                    loaded = self.dispatch_exchanged(*exchanged)[0]
-                row_start, block_start = self.dispatch.one_rank_prefix(dispatch)
-            else:
-                loaded, row_start, block_start = self.dispatch_exchanged(*exchanged)
+            batch = self.dispatch.allocate_batch(smem)
+            row_start, block_start = self.dispatch.count_locally(
+                my_base, topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
+            self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
+            if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
+                preloaded = Int32(0)
+                if warp == 0:
+                    preloaded = self.l1.load_first_weights(
+                        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
+                        self.l1.scheduler.num_tiles(block_start), cluster,
+                        Int32(self.l1.raster_group), lane,
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages), self.early_prefetch)
+            self.stamp(stamps, "prefix_ready", tidx == 0)
+            self.place_locally(x, topk_idx, topk_weights, my_base, num_tokens, dispatch, batch,
+                               tidx, bidx, grid, lane)
+            self.stamp(stamps, "rows_sent", tidx == 0)
+            cute.arch.sync_threads()  # (as below: every warp before the setmaxnreg)
+        elif cutlass.const_expr(self.rows_counted):
+            dispatch = self.dispatch.allocate_arrays(smem)
+            counts, row_start, block_start = self.dispatch.exchange_counts(
+                peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch,
+                self.dispatch_stamp(stamps, tidx), metadata=not self.early_weights)
             if cutlass.const_expr(self.early_weights):
-                preloaded = loaded
+                # the first L1 tile's weights stream in while this CTA writes metadata and
+                # pushes rows (its rows follow in `produce`)
+                preloaded = Int32(0)
+                if warp == 0:
+                    preloaded = self.l1.load_first_weights(
+                        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
+                        self.l1.scheduler.num_tiles(block_start), cluster,
+                        Int32(self.l1.raster_group), lane,
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.num_stages), self.early_prefetch)
+                self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
+                                             block_start)
+            self.stamp(stamps, "prefix_ready", tidx == 0)
+            if cutlass.const_expr(not self.rows_with_gemm):
+                num_warps = self.num_threads // 32
+                self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
+                                                 grid * num_warps, lane, dispatch,
+                                                 ROW_COPY_UNROLL)
+                self.stamp(stamps, "rows_sent", tidx == 0)
             # every warp of a warpgroup must reach its setmaxnreg below together (the warps
             # finish their metadata rows, and rows, at different times; without this a
             # two-rank call with counted rows hung)
@@ -675,69 +686,6 @@ class Sm90MegaMoEKernel:
         if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
-
-    @cute.jit
-    def load_early_weights(self, early, block_start: cute.Tensor,
-                           row_start: cute.Tensor) -> Int32:
-        """With the early weights, warp 0 once the pool's prefix sums are in: its first L1
-        tile's first stages' weights (`Sm90ExpertGemmKernel.load_first_weights`). Returns how
-        many stages (0: none, or another warp)."""
-        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cluster, warp, lane = early
-        loaded = Int32(0)
-        if cutlass.const_expr(self.early_weights):
-            if warp == 0:
-                loaded = self.l1.load_first_weights(
-                    tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
-                    self.l1.scheduler.num_tiles(block_start), cluster,
-                    Int32(self.l1.raster_group), lane,
-                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                 self.num_stages), self.early_prefetch)
-        return loaded
-
-    @cute.jit
-    def dispatch_locally(self, x: cute.Pointer, topk_idx: cute.Pointer,
-                         topk_weights: cute.Pointer, my_base: Int64, num_tokens: Int32,
-                         expert_recv_tokens: cute.Tensor, stats: cute.Tensor, dispatch, batch,
-                         stamps: cute.Pointer, tidx: Int32, bidx: Int32, grid: Int32,
-                         lane: Int32, early) -> Int32:
-        """Step 1, local form (`local_dispatch`, every thread): the counts and pool layout
-        from all pairs (`DispatchKernel.count_locally`), the early weights (``early``), then
-        this CTA's pairs into the pool (`place_locally`). Returns the early weights' stages."""
-        row_start, block_start = self.dispatch.count_locally(
-            my_base, topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
-        self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
-        loaded = self.load_early_weights(early, block_start, row_start)
-        self.stamp(stamps, "prefix_ready", tidx == 0)
-        self.place_locally(x, topk_idx, topk_weights, my_base, num_tokens, dispatch, batch,
-                           tidx, bidx, grid, lane)
-        self.stamp(stamps, "rows_sent", tidx == 0)
-        return loaded
-
-    @cute.jit
-    def dispatch_exchanged(self, peer_bases: cute.Tensor, rank: Int32, my_base: Int64,
-                           num_tokens: Int32, expert_recv_tokens: cute.Tensor,
-                           stats: cute.Tensor, dispatch, stamps: cute.Pointer, tidx: Int32,
-                           bidx: Int32, grid: Int32, warp: Int32, lane: Int32, early):
-        """Step 1 with the counts exchanged (counted rows, every thread): counts, prefix sums,
-        scatter (`DispatchKernel.exchange_counts`), with the early weights (``early``) before
-        the metadata, then ("counted") the rows pushed in pool order. Returns (the early
-        weights' stages, this rank's pool prefix sums)."""
-        counts, row_start, block_start = self.dispatch.exchange_counts(
-            peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch,
-            self.dispatch_stamp(stamps, tidx), metadata=not self.early_weights)
-        loaded = Int32(0)
-        if cutlass.const_expr(self.early_weights):
-            # the first L1 tile's weights stream in while this CTA writes metadata and pushes
-            # rows (its rows follow in `produce`)
-            loaded = self.load_early_weights(early, block_start, row_start)
-            self.dispatch.write_metadata(peer_bases, my_base, counts, row_start, block_start)
-        self.stamp(stamps, "prefix_ready", tidx == 0)
-        if cutlass.const_expr(not self.rows_with_gemm):
-            num_warps = self.num_threads // 32
-            self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
-                                             grid * num_warps, lane, dispatch, ROW_COPY_UNROLL)
-            self.stamp(stamps, "rows_sent", tidx == 0)
-        return loaded, row_start, block_start
 
     @cute.jit
     def zero_counters(self, pool_block_ready: cute.Pointer, rows_arrived: cute.Pointer,
