@@ -475,8 +475,13 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     dependent = state.arch == "sm_90a" and fused_dependent_launch()
     stages = inputs is not None
     local = fused_local_dispatch() if state.arch == "sm_90a" else None
-    if local and not (stages and layout.num_ranks == 1):
-        local = None  # (forced on: where the kernel can run it)
+    if local:  # (forced on: only where the kernel can run it)
+        from .kernels.sm90_mega_moe import default_row_transfer
+
+        rows = row_transfer or default_row_transfer(layout)
+        if not (stages and layout.num_ranks == 1 and rows == "counted"
+                and layout.recipe != "fp8xfp4_sm90"):
+            local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
            weights_first, ordered, prefetch, early, tiled, dependent, stages, local)

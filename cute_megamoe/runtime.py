@@ -270,7 +270,9 @@ def fused_local_dispatch() -> bool | None:
     one-rank dispatch (`sm90_mega_moe`'s ``local_dispatch``: every CTA counts all pairs itself
     and quantizes its own pairs' rows straight into the pool) on or off, for A/B runs; unset
     (``auto``): None, the kernel's default (on for one-rank groups with counted rows that
-    stage their own inputs). Part of the fused kernel's cache key."""
+    stage their own inputs, in buffers of at most `sm90_mega_moe.LOCAL_MAX_TOKENS` tokens);
+    ``1`` where it cannot run (several ranks, barrier rows, FP4 weights, ``x=None``): the
+    default. Part of the fused kernel's cache key."""
     return {"auto": None, "0": False, "1": True}[
         env_choice("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", ("auto", "0", "1"))]
 

@@ -133,7 +133,8 @@ def test_in_kernel_staging_compiles_as_the_staging_kernel(recipe, monkeypatch):
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
     """``local_dispatch`` (the default for one-rank groups with counted rows that stage their
-    own inputs): compiled for sm_90a, no spills, WGMMAs asynchronous, as many ring stages as
+    own inputs, in buffers of at most `LOCAL_MAX_TOKENS` tokens): compiled for sm_90a, no
+    spills, WGMMAs asynchronous, as many ring stages as
     the exchanged dispatch; the count exchange is gone (no 64-bit global atomics, half the
     16-byte loads: no staged row is read back), the quantization stays (FP8: the e4m3
     packs). Where it cannot run (two ranks, barrier rows, no in-kernel staging, FP4 weights)
@@ -141,8 +142,12 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    one = MegaMoELayout(1, 64, 512, 8, 7168, 2048, recipe)
+    one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
     kernel, art = _compile(recipe, block_m, layout=one, stages_inputs=True)
+    # (larger buffers: off by default, on when asked)
+    big = MegaMoELayout(1, 64, 257, 8, 7168, 2048, recipe)
+    assert not Sm90MegaMoEKernel(big, block_m, stages_inputs=True).local_dispatch
+    assert Sm90MegaMoEKernel(big, block_m, stages_inputs=True, local_dispatch=True).local_dispatch
     exchanged, plain = _compile(recipe, block_m, layout=one, stages_inputs=True,
                                 local_dispatch=False)
     assert kernel.local_dispatch and not exchanged.local_dispatch
@@ -539,6 +544,9 @@ def test_fused_kernel_stages_its_inputs_itself(recipe, monkeypatch):
     replays."""
     _gpu()
     monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "kernel")
+    # (the local dispatch at R = 1 with counted rows: forced, since the buffer holds more than
+    # LOCAL_MAX_TOKENS tokens; the two-rank group and barrier rows cannot run it)
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "1")
     from cute_megamoe import fused, staged
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls, check_fused_graph
     from cute_megamoe.testing.protocol_checks import Ranks

@@ -35,8 +35,9 @@ warpgroups, 512 in all), launched cooperatively.
      is complete.
    * "with_gemm": as "counted", but the rows move while the GEMMs run: the producer
      warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push them.
-   * one-rank groups with "counted" rows that stage their own inputs (`local_dispatch`): no
-     CTA waits for another. Every CTA counts all of the call's pairs from the caller's routing
+   * one-rank groups with "counted" rows that stage their own inputs (`local_dispatch`; the
+     default for buffers of at most `LOCAL_MAX_TOKENS` tokens): no CTA waits for another.
+     Every CTA counts all of the call's pairs from the caller's routing
      (`DispatchKernel.count_locally`: in all and before its own share, so each has the pool's
      layout and its first slot per expert), then places its share of the pairs in batches of
      one per thread (`place_pairs`: routing copy, slot, metadata, weight), quantizes their
@@ -159,6 +160,12 @@ REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet befor
 # keeps "barrier" (its two-rank loopback test with counted rows failed on 2026-12-02)
 ROW_TRANSFERS = ("barrier", "counted", "with_gemm")
 COUNTED_ROWS_MAX_TOKENS = 1024
+# The local dispatch (one rank, `local_dispatch`) is the default for buffers of at most this
+# many tokens: each CTA quantizes its pairs' rows itself (a token's once per pair), which pays
+# at decode sizes and costs beyond. On an H200 (128 experts, top-8, H 7168; graph, against
+# the exchanged dispatch in the same run): 0.95x at 1 token, 0.99x at 8, 1.00x at 128, 1.01x
+# at 512, 1.02x at 1024 (docs/performance.md)
+LOCAL_MAX_TOKENS = 256
 
 
 def default_row_transfer(layout: MegaMoELayout) -> str:
@@ -239,13 +246,14 @@ class Sm90MegaMoEKernel:
         self.staging = InputStagingKernel(layout.recipe, layout.hidden, layout.num_topk,
                                           num_threads=self.num_threads)
         # `local_dispatch` (one-rank groups with counted rows staging their own inputs; None:
-        # on there): every CTA counts all of the call's pairs itself, so each knows the pool's
+        # on there for buffers of at most LOCAL_MAX_TOKENS tokens): every CTA counts all of
+        # the call's pairs itself, so each knows the pool's
         # layout without any other CTA, and quantizes its own pairs' rows straight into their
         # pool rows (step 1's "local" form); no count exchange, no staged rows in between
         local_ok = (self.num_ranks == 1 and row_transfer == "counted" and self.stages_inputs
                     and not self.fp4_weights)
         if local_dispatch is None:
-            local_dispatch = local_ok
+            local_dispatch = local_ok and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS
         if local_dispatch and not local_ok:
             raise ValueError("local_dispatch: one-rank groups with counted rows that stage "
                              "their own inputs, FP8 / BF16 weights")
