@@ -536,6 +536,7 @@ class Sm90MegaMoEKernel:
         # moving now ("counted", every warp) or while the GEMMs run ("with_gemm")
         dispatch = None
         preloaded = None  # (the early weights: stages of the first L1 tile loaded)
+        early = (tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cluster, warp, lane)
         if cutlass.const_expr(self.local_dispatch):
             dispatch = self.dispatch.allocate_arrays(smem)
             batch = self.dispatch.allocate_batch(smem)
@@ -543,14 +544,7 @@ class Sm90MegaMoEKernel:
                 my_base, topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
             self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
             if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
-                preloaded = Int32(0)
-                if warp == 0:
-                    preloaded = self.l1.load_first_weights(
-                        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
-                        self.l1.scheduler.num_tiles(block_start), cluster,
-                        Int32(self.l1.raster_group), lane,
-                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     self.num_stages), self.early_prefetch)
+                preloaded = self.load_early_weights(early, block_start, row_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
             self.place_locally(x, topk_idx, topk_weights, my_base, num_tokens, dispatch, batch,
                                tidx, bidx, grid, lane)
@@ -564,14 +558,7 @@ class Sm90MegaMoEKernel:
             if cutlass.const_expr(self.early_weights):
                 # the first L1 tile's weights stream in while this CTA writes metadata and
                 # pushes rows (its rows follow in `produce`)
-                preloaded = Int32(0)
-                if warp == 0:
-                    preloaded = self.l1.load_first_weights(
-                        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
-                        self.l1.scheduler.num_tiles(block_start), cluster,
-                        Int32(self.l1.raster_group), lane,
-                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     self.num_stages), self.early_prefetch)
+                preloaded = self.load_early_weights(early, block_start, row_start)
                 self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
                                              block_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
@@ -694,6 +681,22 @@ class Sm90MegaMoEKernel:
         if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
+
+    @cute.jit
+    def load_early_weights(self, early, block_start: cute.Tensor,
+                           row_start: cute.Tensor) -> Int32:
+        """With the early weights, warp 0 once the pool's prefix sums are in: its first L1
+        tile's first stages' weights (`Sm90ExpertGemmKernel.load_first_weights`; ``early``:
+        what it loads them with). Returns how many stages (0 in the other warps)."""
+        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cluster, warp, lane = early
+        loaded = Int32(0)
+        if warp == 0:
+            loaded = self.l1.load_first_weights(
+                tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
+                self.l1.scheduler.num_tiles(block_start), cluster, Int32(self.l1.raster_group),
+                lane, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                   self.num_stages), self.early_prefetch)
+        return loaded
 
     @cute.jit
     def zero_counters(self, pool_block_ready: cute.Pointer, rows_arrived: cute.Pointer,
