@@ -79,6 +79,17 @@ class FusedLayer:
 
         self.ranks.run(step)
 
+    def synchronize(self, what: str) -> None:
+        """Wait for the calls; a failed kernel raises naming the call (``what``) and every
+        rank's stall or disagreement report (`SymmBuffer.report`), which torch's error alone
+        does not show."""
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as error:  # (torch.AcceleratorError is one)
+            reports = [f"rank {b.rank}: {b.report()}" for b in self.ranks.buffers]
+            raise AssertionError(f"{what}: the calls failed ({error}); reports: "
+                                 f"{'; '.join(reports)}") from error
+
     def warm_up(self, block_ms: tuple[int, ...]) -> None:
         """Load every kernel a later call uses with every rank using it (see `Ranks`: a
         kernel's first launch waits for the running ones, so the staged layer warms up in
@@ -102,7 +113,7 @@ class FusedLayer:
             ys = {b.rank: torch.empty(1, self.ranks.layout.hidden, dtype=torch.bfloat16,
                                       device=self.device) for b in self.ranks.buffers}
             self.run("fused", inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
-        torch.cuda.synchronize(self.device)
+            self.synchronize(f"warm-up, one-token calls, block_m {block_m}")
         for per_rank in self.stats.values():
             for t in per_rank.values():
                 t.zero_()
@@ -119,10 +130,10 @@ class FusedLayer:
                      for b in self.ranks.buffers} for kind in ("fused", "staged")}
         mixed = {b.rank: "fused" if fused_ranks is None or b.rank in fused_ranks else "staged"
                  for b in self.ranks.buffers}
+        what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
         self.run("staged", inputs, block_ms, ys["staged"])
         self.run(mixed, inputs, block_ms, ys["fused"], stats="fused")
-        torch.cuda.synchronize(self.device)
-        what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
+        self.synchronize(what)
         for buf in self.ranks.buffers:
             got, want = ys["fused"][buf.rank], ys["staged"][buf.rank]
             assert not bool(got.isnan().any()), f"{what}: rank {buf.rank}: rows not written"
@@ -195,7 +206,7 @@ def check_fused_graph(layer: FusedLayer, tokens: int, num_replays: int, seed: in
         graph.replay()
         want = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=layer.clamp,
                                       validate_routing=False)
-        torch.cuda.synchronize(layer.device)
+        layer.synchronize(f"replay {replay}")
         assert not bool(y.isnan().any()), f"replay {replay}: rows not written"
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \
             f"replay {replay}: graph replay differs from the staged layer"
