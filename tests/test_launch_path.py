@@ -419,6 +419,52 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
     assert _address(args[launch.FUSED_INPUT_SLOTS[0]]) != x.data_ptr()
 
 
+def test_fused_layer_picks_the_local_dispatch_where_it_runs(fake_cuda, monkeypatch):
+    """The one-rank fused kernel's local dispatch: on for a call with ``x`` (the kernel
+    stages it) in a buffer of at most `LOCAL_MAX_TOKENS` tokens with counted rows; off with
+    ``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``, with barrier rows, and with ``x=None`` (nothing
+    to quantize: the staged rows are pushed); ``1`` where it cannot run builds the default
+    kernel instead of failing."""
+    from cute_megamoe import fused
+    from cute_megamoe.kernels.sm90_mega_moe import LOCAL_MAX_TOKENS
+
+    counts, log = fake_cuda
+    built = []
+    real = launch._compile
+
+    def recording_compile(kernel, specs, arch, path):
+        built.append(kernel)
+        return real(kernel, specs, arch, path)
+
+    monkeypatch.setattr(launch, "_compile", recording_compile)
+    monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
+    buf, weights, _ = _buffer_and_weights()
+    assert buf.layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS
+    x, idx, w = _layer_inputs(5, 0)
+
+    def fused_kernel(**kwargs):
+        before = len(built)
+        fused.fused_mega_moe(buf, x if "x" not in kwargs else kwargs.pop("x"), idx, w, weights,
+                             validate_routing=False, **kwargs)
+        kernels = [k for k in built[before:] if type(k).__name__ == "Sm90MegaMoEKernel"]
+        return kernels[-1] if kernels else None
+
+    assert fused_kernel().local_dispatch
+    for setting, kwargs, local in (("0", {}, False), ("1", {"row_transfer": "barrier"}, False),
+                                   ("1", {"row_transfer": "counted"}, True)):
+        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", setting)
+        kernel = fused_kernel(**kwargs)
+        assert kernel is not None and kernel.local_dispatch == local, (setting, kwargs)
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "1")
+    from cute_megamoe.staged import stage_inputs
+
+    stage_inputs(buf, x, idx, w, validate_routing=False)
+    before = len(built)
+    fused.fused_mega_moe(buf, None, None, None, weights, num_tokens=5)
+    kernels = [k for k in built[before:] if type(k).__name__ == "Sm90MegaMoEKernel"]
+    assert kernels and not kernels[-1].local_dispatch and not kernels[-1].stages_inputs
+
+
 def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
     """A wrong input to `fused.fused_mega_moe` raises naming it, gives the call up once and
     launches nothing, with or without a plan."""
