@@ -44,6 +44,7 @@ from .runtime import (
     sm90_swap_ab,
     sm90_transposed,
     sm90_weight_prefetch,
+    tile_owner_search,
 )
 
 __all__ = [
@@ -357,6 +358,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                 and (block_m == 128 or extra.get("split_n"))):
             extra["ordered_mma"] = True
         extra["weight_prefetch"] = sm90_weight_prefetch()
+        extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
     elif tiled_weights:
@@ -405,7 +407,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
-                sm90_transposed())
+                sm90_transposed(), tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 
@@ -474,6 +476,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         weights_first = fused_weights_first()
     dependent = state.arch == "sm_90a" and fused_dependent_launch()
     stages = inputs is not None
+    search = tile_owner_search() if state.arch == "sm_90a" else "linear"
     local = fused_local_dispatch() if state.arch == "sm_90a" else None
     if local:  # (forced on: only where the kernel can run it)
         from .kernels.sm90_mega_moe import default_row_transfer
@@ -484,7 +487,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early, tiled, dependent, stages, local)
+           weights_first, ordered, prefetch, early, tiled, dependent, stages, local, search)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -508,7 +511,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  ordered_mma=ordered, weight_prefetch=prefetch,
                                  early_prefetch=early, tiled_weights=tiled,
                                  dependent_launch=dependent, stages_inputs=stages,
-                                 local_dispatch=local)
+                                 local_dispatch=local, owner_search=search)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

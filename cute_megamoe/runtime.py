@@ -198,6 +198,16 @@ def sm90_weight_prefetch() -> int:
     return int(value)
 
 
+def tile_owner_search() -> str:
+    """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
+    finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``linear`` (the
+    default: one expert at a time from the previous tile's) or ``gallop`` (steps doubling,
+    then halving: O(log E) instead of O(E) shared-memory loads for a CTA's first tile at
+    decode sizes; an A/B option, compiled only, not yet run on a GPU). Part of their cache
+    keys."""
+    return env_choice("CUTE_MEGAMOE_TILE_SEARCH", ("linear", "gallop"))
+
+
 def sm90_transposed() -> bool:
     """``CUTE_MEGAMOE_SM90_TRANSPOSED=1``: the sm_90a FP8 grouped GEMMs (fp8xfp8, fp8xfp4_sm90)
     at BLOCK_M 64 run transposed, the weight tile as the WGMMA's A and the pool rows in 16-token
@@ -303,7 +313,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL",
-                      "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH")
+                      "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
+                      "CUTE_MEGAMOE_TILE_SEARCH")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -170,6 +170,61 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
     _assert_no_spills_and_async_wgmma(art)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
+def test_gallop_owner_search_compiles(recipe, monkeypatch):
+    """``CUTE_MEGAMOE_TILE_SEARCH=gallop`` (an A/B option of the tile walk, not yet run on a
+    GPU; `ExpertTileScheduler.owner_of`): the one-rank fused kernel and the staged L1 / L2
+    GEMMs compile with it, no spills, WGMMAs asynchronous, and differ from the linear walk's
+    build (the linear default's SASS did not change with the option's introduction: compared
+    by hand for the 16 fused builds of `tests/test_fused.py`'s shapes)."""
+    from cutlass import Int32
+
+    from cute_megamoe.expert_gemm import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
+    kernel, art = _compile(recipe, 64, layout=one, stages_inputs=True, owner_search="gallop")
+    assert kernel.l1.scheduler.owner_search == kernel.l2.scheduler.owner_search == "gallop"
+    linear = _compile(recipe, 64, layout=one, stages_inputs=True)[1]
+    monkeypatch.setenv("CUTE_MEGAMOE_TILE_SEARCH", "gallop")
+    staged = []
+    for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
+        gemm, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
+                                   activation_clamp=10.0)
+        assert gemm.scheduler.owner_search == "gallop"
+        staged.append(compile_for_arch(gemm, *(fake_ptr(d, 4 if i == 4 else 16)
+                                               for i, d in enumerate(dtypes)),
+                                       Int32(132), fake_stream(), arch="sm_90a"))
+    if art.sass is None:
+        pytest.skip("nvdisasm not available")
+    assert art.sass != linear.sass
+    for a in (art, *staged):
+        _assert_no_spills_and_async_wgmma(a)
+
+
+@pytest.mark.parametrize("name,getter,values", [
+    ("CUTE_MEGAMOE_TILE_SEARCH", "tile_owner_search",
+     {"": "linear", "linear": "linear", "gallop": "gallop"}),
+    ("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "fused_local_dispatch",
+     {"": None, "auto": None, "0": False, "1": True}),
+    ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
+     {"": "auto", "launch": "launch", "kernel": "kernel"})])
+def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
+    """The fused kernel's A/B switches of 2026-12-02: their values, anything else raises
+    naming the variable, and each is part of the layer plans' keys."""
+    from cute_megamoe import runtime
+
+    for value, want in values.items():
+        monkeypatch.setenv(name, value)
+        assert getattr(runtime, getter)() == want, value
+    assert name in runtime.KERNEL_VARIANT_ENV
+    monkeypatch.setenv(name, "sometimes")
+    with pytest.raises(ValueError, match=name):
+        getattr(runtime, getter)()
+
+
 def test_dependent_launch_is_an_env_switch(monkeypatch):
     """``CUTE_MEGAMOE_FUSED_PDL``: 0 (default) or 1, anything else raises; part of the layer
     plans' keys."""

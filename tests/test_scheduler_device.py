@@ -3,8 +3,9 @@
 A small kernel lets every CTA walk its tiles exactly as the grouped GEMMs do (pool prefix built
 in shared memory from the per-expert counts, then `tile()` for indices cta, cta + S, ...) and
 record (expert, m-block, n-block, pool block, valid rows) per tile. CPU: it compiles for both
-arches. GPU: the record equals `HostTileScheduler` for every CTA, on uneven, empty and skewed
-counts, grids smaller and larger than the tile count, with and without raster bands.
+arches. GPU: the record equals `HostTileScheduler` for every CTA, on uneven, empty, skewed and
+decode-sized counts (a few experts of 128), grids smaller and larger than the tile count, with
+and without raster bands, with either search for a tile's owner (``owner_search``).
 """
 
 import pytest
@@ -14,7 +15,7 @@ FIELDS = 5  # expert, m_block, n_block, pool_block, valid_m
 
 
 def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
-                 cluster_m: int = 1):
+                 cluster_m: int = 1, owner_search: str = "linear"):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -24,7 +25,8 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
 
     class WalkKernel:
         def __init__(self):
-            self.scheduler = ExpertTileScheduler(num_experts, block_m, num_n, cluster_m)
+            self.scheduler = ExpertTileScheduler(num_experts, block_m, num_n, cluster_m,
+                                                 owner_search)
 
         @cute.jit
         def __call__(self, counts: cute.Pointer, out: cute.Pointer, num_ctas: Int32,
@@ -72,12 +74,14 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ("sm_90a", "sm_100a"))
 @pytest.mark.parametrize("cluster_m", (1, 2))
-def test_walk_kernel_compiles(arch, cluster_m):
+@pytest.mark.parametrize("owner_search", ("linear", "gallop"))
+def test_walk_kernel_compiles(arch, cluster_m, owner_search):
     from cutlass import Int32
 
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
-    art = compile_for_arch(_walk_kernel(8, 64, 3, 16, cluster_m), fake_ptr(Int32, 4),
+    art = compile_for_arch(_walk_kernel(8, 64, 3, 16, cluster_m, owner_search),
+                           fake_ptr(Int32, 4),
                            fake_ptr(Int32, 4),
                            Int32(4), Int32(2), fake_stream(), arch=arch, keep_sass=False)
     assert "st.global" in art.ptx
@@ -93,6 +97,8 @@ def test_device_scheduler_rejects_zero_sizes(arg, value):
     sizes = {"num_experts": 8, "block_m": 64, "num_n_blocks": 3, "cluster_m": 1, arg: value}
     with pytest.raises(ValueError, match=f"{arg} must be >= 1"):
         ExpertTileScheduler(**sizes)
+    with pytest.raises(ValueError, match="owner_search"):
+        ExpertTileScheduler(8, 64, 3, owner_search="binary")
 
 
 CASES = [  # counts, block_m, n-blocks, CTAs, CTAs per cluster along M, raster band
@@ -113,6 +119,10 @@ CASES = [  # counts, block_m, n-blocks, CTAs, CTAs per cluster along M, raster b
     ([300, 41, 129, 1, 77, 256, 5, 200], 64, 2, 132, 2, 2),
     ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 3, 16, 2, 3),
     ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 4, 2, 5),
+    # decode: a few experts of many hold a row each (a CTA's first owner lies far along)
+    ([1 if e in (3, 40, 41, 77, 100, 126, 127) else 0 for e in range(128)], 64, 16, 132, 1, 1),
+    ([1 if e % 17 == 5 else 0 for e in range(128)], 64, 28, 132, 1, 1),
+    ([0] * 127 + [2], 64, 4, 5, 1, 1),
 ]
 
 
@@ -147,8 +157,10 @@ def test_host_cluster_walk_covers_every_block_once():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("owner_search", ("linear", "gallop"))
 @pytest.mark.parametrize("counts,block_m,num_n,num_ctas,cluster_m,raster", CASES)
-def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluster_m, raster):
+def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluster_m, raster,
+                                        owner_search):
     import cutlass.cute as cute
 
     from cute_megamoe.runtime import as_ptr, current_stream
@@ -159,7 +171,7 @@ def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluste
     from cutlass import Int32
 
     max_tiles = 64
-    kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles, cluster_m)
+    kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles, cluster_m, owner_search)
     dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
     out = torch.full((num_ctas, max_tiles, FIELDS), -1, dtype=torch.int32, device="cuda")
     args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas), Int32(raster),

@@ -165,7 +165,8 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None, split_n: bool = False,
                  block_n: int | None = None, ordered_mma: bool = False,
-                 weight_prefetch: int = 0, tiled_weights: bool = False):
+                 weight_prefetch: int = 0, tiled_weights: bool = False,
+                 owner_search: str = "linear"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -352,7 +353,9 @@ class Sm90ExpertGemmKernel:
         if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
             raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
         self.cluster_m = cluster_m
-        self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m)
+        # (`owner_search`: how the walk finds a tile's expert, `ExpertTileScheduler.owner_of`)
+        self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m,
+                                             owner_search)
         # Tiles walk in raster bands of `raster_group` cluster groups of pool blocks (see
         # scheduler.device): the tiles of one n-block of a band are neighbours, so a weight
         # tile comes from DRAM once per band, and a band's activation rows (read once per

@@ -188,7 +188,8 @@ class Sm90MegaMoEKernel:
                  weights_first: bool | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, early_prefetch: int = 0,
                  tiled_weights: bool = False, dependent_launch: bool = False,
-                 stages_inputs: bool = False, local_dispatch: bool | None = None):
+                 stages_inputs: bool = False, local_dispatch: bool | None = None,
+                 owner_search: str = "linear"):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -274,14 +275,14 @@ class Sm90MegaMoEKernel:
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
                                        promotion=promotion, ordered_mma=ordered_mma,
                                        weight_prefetch=weight_prefetch,
-                                       tiled_weights=tiled_weights)
+                                       tiled_weights=tiled_weights, owner_search=owner_search)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
                                        ordered_mma=ordered_mma,
                                        weight_prefetch=weight_prefetch,
-                                       tiled_weights=tiled_weights)
+                                       tiled_weights=tiled_weights, owner_search=owner_search)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):

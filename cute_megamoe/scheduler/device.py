@@ -26,16 +26,26 @@ from cutlass import Int32
 
 from .host_model import _positive
 
+OWNER_SEARCHES = ("linear", "gallop")
+
 
 class ExpertTileScheduler:
     """Maps a linear tile index to (expert, m-block, n-block, pool block, valid rows)."""
 
-    def __init__(self, num_experts: int, block_m: int, num_n_blocks: int, cluster_m: int = 1):
+    def __init__(self, num_experts: int, block_m: int, num_n_blocks: int, cluster_m: int = 1,
+                 owner_search: str = "linear"):
         # Checked here, on the host: a zero would make the device walk divide by zero or spin.
         self.num_experts = _positive("num_experts", num_experts)
         self.block_m = _positive("block_m", block_m)
         self.num_n_blocks = _positive("num_n_blocks", num_n_blocks)
         self.cluster_m = _positive("cluster_m", cluster_m)
+        # how a tile's owner is found from the previous one (`owner_of`): "linear", one expert
+        # at a time, or "gallop", steps doubling from the previous owner, then halving (the
+        # same owner; a CTA's first tile at decode sizes, past up to E empty experts, in
+        # O(log E) shared-memory loads instead of O(E))
+        if owner_search not in OWNER_SEARCHES:
+            raise ValueError(f"owner_search: one of {OWNER_SEARCHES}, got {owner_search!r}")
+        self.owner_search = owner_search
 
     @cute.jit
     def group_start(self, block_start: cute.Tensor, expert: Int32) -> Int32:
@@ -52,6 +62,34 @@ class ExpertTileScheduler:
         return self.group_start(block_start, Int32(self.num_experts)) * self.num_n_blocks
 
     @cute.jit
+    def owner_of(self, tile: Int32, owner: Int32, block_start: cute.Tensor) -> Int32:
+        """The expert that owns ``tile`` (< ``num_tiles``), given an expert at or before it
+        (``owner``: the previous tile's, 0 at first): the last expert ``e >= owner`` whose
+        first tile ``group_start(e) * num_n_blocks`` is at most ``tile`` (empty experts
+        before the owner start where it does, so the last one is the owner)."""
+        num_n = self.num_n_blocks
+        if cutlass.const_expr(self.owner_search == "linear"):
+            while tile >= self.group_start(block_start, owner + 1) * num_n:
+                owner += 1
+        else:
+            # gallop: probes owner + 1, + 2, + 4, ... until one starts past the tile (expert E
+            # does: its start is num_tiles), keeping the last that does not in `owner`
+            step = Int32(1)
+            hi = owner + 1
+            while tile >= self.group_start(block_start, hi) * num_n:
+                owner = hi
+                hi = cutlass.min(hi + step, Int32(self.num_experts))
+                step = step * 2
+            # then halve [owner, hi): owner's start <= tile < hi's start
+            while hi - owner > 1:
+                mid = (owner + hi) // 2
+                if tile >= self.group_start(block_start, mid) * num_n:
+                    owner = mid
+                else:
+                    hi = mid
+        return owner
+
+    @cute.jit
     def tile(self, tile: Int32, owner: Int32, block_start: cute.Tensor, row_start: cute.Tensor,
              raster_group: Int32, rank: Int32 = 0):
         """Tile ``tile`` (< ``num_tiles``) of CTA ``rank`` of the cluster, given the owner of
@@ -59,8 +97,7 @@ class ExpertTileScheduler:
         ``(owner, expert, m_block, n_block, pool_block, valid_m)``: ``expert`` is the pool
         block's; ``valid_m`` is 0 for a dummy."""
         num_n = self.num_n_blocks
-        while tile >= self.group_start(block_start, owner + 1) * num_n:
-            owner += 1
+        owner = self.owner_of(tile, owner, block_start)
         first = self.group_start(block_start, owner)
         groups = self.group_start(block_start, owner + 1) - first
         local = tile - first * num_n
