@@ -152,6 +152,12 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
                                 local_dispatch=False)
     assert kernel.local_dispatch and not exchanged.local_dispatch
     assert kernel.num_stages == exchanged.num_stages
+    # (the rows by token, `local_rows` "token": an A/B option)
+    by_token, by_token_art = _compile(recipe, block_m, layout=one, stages_inputs=True,
+                                      local_rows="token")
+    assert by_token.local_rows == "token" and by_token.num_stages == kernel.num_stages
+    with pytest.raises(ValueError, match="local_rows"):
+        Sm90MegaMoEKernel(one, block_m, stages_inputs=True, local_rows="row")
     two = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     for layout, options in ((two, {}), (one, {"row_transfer": "barrier"}), (one, {}),
                             (MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90"), {})):
@@ -166,8 +172,9 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
     assert art.count("LDG.E.128") < plain.count("LDG.E.128")
     if recipe == "fp8xfp8":
         pack = "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"
-        assert art.count(pack) == plain.count(pack)
+        assert art.count(pack) == plain.count(pack) == by_token_art.count(pack)
     _assert_no_spills_and_async_wgmma(art)
+    _assert_no_spills_and_async_wgmma(by_token_art)
 
 
 @pytest.mark.compile
@@ -210,7 +217,9 @@ def test_gallop_owner_search_compiles(recipe, monkeypatch):
     ("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "fused_local_dispatch",
      {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
-     {"": "auto", "launch": "launch", "kernel": "kernel"})])
+     {"": "auto", "launch": "launch", "kernel": "kernel"}),
+    ("CUTE_MEGAMOE_FUSED_LOCAL_ROWS", "fused_local_rows",
+     {"": "pair", "pair": "pair", "token": "token"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The fused kernel's A/B switches of 2026-12-02: their values, anything else raises
     naming the variable, and each is part of the layer plans' keys."""
@@ -495,17 +504,21 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("local_rows", ("pair", "token"))
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
-def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
+def test_one_rank_local_dispatch_matches_staged(recipe, local_rows, monkeypatch):
     """The one-rank local dispatch (the default at R = 1 with counted rows and in-kernel
     staging: every CTA counts all pairs itself and quantizes its own pairs' rows into the
     pool) against the staged layer, bit for bit, with the same stats: CTA shares of more pairs
-    than threads (grids of 1-3 CTAs: several batches per CTA), 0 / 1 tokens, masked slots,
+    than threads (grids of 1-3 CTAs: several batches per CTA; 9: a token split between CTAs), 0 / 1 tokens, masked slots,
     one expert taking every token, both BLOCK_Ms; calls alternating with the exchanged
     dispatch (``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``), which every call must find with its
     readiness and arrival counters at 0 (checked after each call). Which path ran shows in
-    the buffer's ``x``: the local one leaves it as it was (poisoned here)."""
+    the buffer's ``x``: the local one leaves it as it was (poisoned here). ``local_rows``
+    "token" (``CUTE_MEGAMOE_FUSED_LOCAL_ROWS``, an A/B option): each token of a batch
+    quantized once for all its pairs."""
     _gpu()
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_ROWS", local_rows)
     from cute_megamoe import fused, staged
     from cute_megamoe.launch import buffer_state
     from cute_megamoe.testing.fused_checks import FusedLayer
@@ -518,7 +531,9 @@ def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
              (77, "masked", 64, None, "1"), (1, "random", 128, 2, "1"),
              (0, "random", 64, None, "1"), (300, "skewed", 64, 2, "1"),
              (129, "masked", 128, None, "0"), (300, "random", 128, None, "1"),
-             (5, "one_expert", 64, 3, "1"), (1, "masked", 64, None, "0")]
+             (5, "one_expert", 64, 3, "1"), (1, "masked", 64, None, "0"),
+             # 134 pairs per CTA: a token's pairs split between two CTAs
+             (300, "skewed", 128, 9, "1")]
     for i, (n, routing, block_m, num_sms, local) in enumerate(cases):
         monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", local)
         _, _, _, inputs = layer.inputs((n,), routing, seed=200 + i)
