@@ -510,8 +510,9 @@ def test_one_rank_local_dispatch_matches_staged(recipe, local_rows, monkeypatch)
     """The one-rank local dispatch (the default at R = 1 with counted rows and in-kernel
     staging: every CTA counts all pairs itself and quantizes its own pairs' rows into the
     pool) against the staged layer, bit for bit, with the same stats: CTA shares of more pairs
-    than threads (grids of 1-3 CTAs: several batches per CTA; 9: a token split between CTAs), 0 / 1 tokens, masked slots,
-    one expert taking every token, both BLOCK_Ms; calls alternating with the exchanged
+    than threads (grids of 1-3 CTAs: several batches per CTA; 9: a token split between CTAs),
+    0 / 1 tokens, masked slots, one expert taking every token, both BLOCK_Ms; calls
+    alternating with the exchanged
     dispatch (``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``), which every call must find with its
     readiness and arrival counters at 0 (checked after each call). Which path ran shows in
     the buffer's ``x``: the local one leaves it as it was (poisoned here). ``local_rows``
