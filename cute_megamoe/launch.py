@@ -32,7 +32,6 @@ from .runtime import (
     fused_dependent_launch,
     fused_early_prefetch,
     fused_local_dispatch,
-    fused_local_rows,
     fused_rows,
     fused_weights_first,
     get_arch,
@@ -478,7 +477,6 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     dependent = state.arch == "sm_90a" and fused_dependent_launch()
     stages = inputs is not None
     search = tile_owner_search() if state.arch == "sm_90a" else "linear"
-    local_rows = fused_local_rows() if state.arch == "sm_90a" else "pair"
     local = fused_local_dispatch() if state.arch == "sm_90a" else None
     if local:  # (forced on: only where the kernel can run it)
         from .kernels.sm90_mega_moe import default_row_transfer
@@ -489,8 +487,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early, tiled, dependent, stages, local, search,
-           local_rows)
+           weights_first, ordered, prefetch, early, tiled, dependent, stages, local, search)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -514,8 +511,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  ordered_mma=ordered, weight_prefetch=prefetch,
                                  early_prefetch=early, tiled_weights=tiled,
                                  dependent_launch=dependent, stages_inputs=stages,
-                                 local_dispatch=local, owner_search=search,
-                                 local_rows=local_rows)
+                                 local_dispatch=local, owner_search=search)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -200,12 +200,12 @@ def sm90_weight_prefetch() -> int:
 
 def tile_owner_search() -> str:
     """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
-    finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``linear`` (the
-    default: one expert at a time from the previous tile's) or ``gallop`` (steps doubling,
-    then halving: O(log E) instead of O(E) shared-memory loads for a CTA's first tile at
-    decode sizes; an A/B option, compiled only, not yet run on a GPU). Part of their cache
-    keys."""
-    return env_choice("CUTE_MEGAMOE_TILE_SEARCH", ("linear", "gallop"))
+    finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``gallop`` (the
+    default: steps doubling, then halving: O(log E) instead of O(E) shared-memory loads for a
+    CTA's first tile at decode sizes; the staged layer 111 against 115 us at 1 token on an
+    H200, docs/performance.md) or ``linear`` (one expert at a time from the previous tile's;
+    for A/Bs). Part of their cache keys."""
+    return env_choice("CUTE_MEGAMOE_TILE_SEARCH", ("gallop", "linear"))
 
 
 def sm90_transposed() -> bool:
@@ -287,15 +287,6 @@ def fused_local_dispatch() -> bool | None:
         env_choice("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", ("auto", "0", "1"))]
 
 
-def fused_local_rows() -> str:
-    """``CUTE_MEGAMOE_FUSED_LOCAL_ROWS``: how the sm_90a fused kernel's local dispatch writes
-    its rows (`sm90_mega_moe.LOCAL_ROWS`): ``pair`` (the default: each pair's row quantized by
-    itself) or ``token`` (each token of a batch quantized once, stored to every one of its
-    placed pairs' rows; an A/B option, compiled only, not yet run on a GPU). Part of the fused
-    kernel's cache key."""
-    return env_choice("CUTE_MEGAMOE_FUSED_LOCAL_ROWS", ("pair", "token"))
-
-
 FUSED_ROWS = ("auto", "barrier", "counted", "with_gemm")
 
 
@@ -323,7 +314,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
-                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_FUSED_LOCAL_ROWS")
+                      "CUTE_MEGAMOE_TILE_SEARCH")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

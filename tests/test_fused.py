@@ -152,12 +152,6 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
                                 local_dispatch=False)
     assert kernel.local_dispatch and not exchanged.local_dispatch
     assert kernel.num_stages == exchanged.num_stages
-    # (the rows by token, `local_rows` "token": an A/B option)
-    by_token, by_token_art = _compile(recipe, block_m, layout=one, stages_inputs=True,
-                                      local_rows="token")
-    assert by_token.local_rows == "token" and by_token.num_stages == kernel.num_stages
-    with pytest.raises(ValueError, match="local_rows"):
-        Sm90MegaMoEKernel(one, block_m, stages_inputs=True, local_rows="row")
     two = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     for layout, options in ((two, {}), (one, {"row_transfer": "barrier"}), (one, {}),
                             (MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90"), {})):
@@ -172,19 +166,18 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
     assert art.count("LDG.E.128") < plain.count("LDG.E.128")
     if recipe == "fp8xfp8":
         pack = "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"
-        assert art.count(pack) == plain.count(pack) == by_token_art.count(pack)
+        assert art.count(pack) == plain.count(pack)
     _assert_no_spills_and_async_wgmma(art)
-    _assert_no_spills_and_async_wgmma(by_token_art)
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
-def test_gallop_owner_search_compiles(recipe, monkeypatch):
-    """``CUTE_MEGAMOE_TILE_SEARCH=gallop`` (an A/B option of the tile walk, not yet run on a
-    GPU; `ExpertTileScheduler.owner_of`): the one-rank fused kernel and the staged L1 / L2
-    GEMMs compile with it, no spills, WGMMAs asynchronous, and differ from the linear walk's
-    build (the linear default's SASS did not change with the option's introduction: compared
-    by hand for the 16 fused builds of `tests/test_fused.py`'s shapes)."""
+def test_owner_searches_compile(recipe, monkeypatch):
+    """The tile walk's owner search (`ExpertTileScheduler.owner_of`): ``gallop``, the default
+    since 2026-12-02 (run on the H200: the device walk against the host model, the fused
+    kernel's bits, the layer A/B), and ``linear`` (``CUTE_MEGAMOE_TILE_SEARCH=linear``, for
+    A/Bs): the one-rank fused kernel and the staged L1 / L2 GEMMs compile with either, no
+    spills, WGMMAs asynchronous, and the two builds differ."""
     from cutlass import Int32
 
     from cute_megamoe.expert_gemm import gemm_kernel
@@ -192,34 +185,33 @@ def test_gallop_owner_search_compiles(recipe, monkeypatch):
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
-    kernel, art = _compile(recipe, 64, layout=one, stages_inputs=True, owner_search="gallop")
+    kernel, art = _compile(recipe, 64, layout=one, stages_inputs=True)
     assert kernel.l1.scheduler.owner_search == kernel.l2.scheduler.owner_search == "gallop"
-    linear = _compile(recipe, 64, layout=one, stages_inputs=True)[1]
-    monkeypatch.setenv("CUTE_MEGAMOE_TILE_SEARCH", "gallop")
+    linear = _compile(recipe, 64, layout=one, stages_inputs=True, owner_search="linear")[1]
     staged = []
-    for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
-        gemm, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                   activation_clamp=10.0)
-        assert gemm.scheduler.owner_search == "gallop"
-        staged.append(compile_for_arch(gemm, *(fake_ptr(d, 4 if i == 4 else 16)
-                                               for i, d in enumerate(dtypes)),
-                                       Int32(132), fake_stream(), arch="sm_90a"))
+    for search in ("gallop", "linear"):
+        monkeypatch.setenv("CUTE_MEGAMOE_TILE_SEARCH", search)
+        for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
+            gemm, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
+                                       activation_clamp=10.0)
+            assert gemm.scheduler.owner_search == search
+            staged.append(compile_for_arch(gemm, *(fake_ptr(d, 4 if i == 4 else 16)
+                                                   for i, d in enumerate(dtypes)),
+                                           Int32(132), fake_stream(), arch="sm_90a"))
     if art.sass is None:
         pytest.skip("nvdisasm not available")
-    assert art.sass != linear.sass
-    for a in (art, *staged):
+    assert art.sass != linear.sass and staged[0].sass != staged[2].sass
+    for a in (art, linear, *staged):
         _assert_no_spills_and_async_wgmma(a)
 
 
 @pytest.mark.parametrize("name,getter,values", [
     ("CUTE_MEGAMOE_TILE_SEARCH", "tile_owner_search",
-     {"": "linear", "linear": "linear", "gallop": "gallop"}),
+     {"": "gallop", "linear": "linear", "gallop": "gallop"}),
     ("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "fused_local_dispatch",
      {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
-     {"": "auto", "launch": "launch", "kernel": "kernel"}),
-    ("CUTE_MEGAMOE_FUSED_LOCAL_ROWS", "fused_local_rows",
-     {"": "pair", "pair": "pair", "token": "token"})])
+     {"": "auto", "launch": "launch", "kernel": "kernel"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The fused kernel's A/B switches of 2026-12-02: their values, anything else raises
     naming the variable, and each is part of the layer plans' keys."""
@@ -504,22 +496,18 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("local_rows", ("pair", "token"))
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
-def test_one_rank_local_dispatch_matches_staged(recipe, local_rows, monkeypatch):
+def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
     """The one-rank local dispatch (the default at R = 1 with counted rows and in-kernel
     staging: every CTA counts all pairs itself and quantizes its own pairs' rows into the
     pool) against the staged layer, bit for bit, with the same stats: CTA shares of more pairs
-    than threads (grids of 1-3 CTAs: several batches per CTA; 9: a token split between CTAs),
-    0 / 1 tokens, masked slots, one expert taking every token, both BLOCK_Ms; calls
+    than threads (grids of 1-3 CTAs: several batches per CTA; 9: a token's pairs split between
+    CTAs), 0 / 1 tokens, masked slots, one expert taking every token, both BLOCK_Ms; calls
     alternating with the exchanged
     dispatch (``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``), which every call must find with its
     readiness and arrival counters at 0 (checked after each call). Which path ran shows in
-    the buffer's ``x``: the local one leaves it as it was (poisoned here). ``local_rows``
-    "token" (``CUTE_MEGAMOE_FUSED_LOCAL_ROWS``, an A/B option): each token of a batch
-    quantized once for all its pairs."""
+    the buffer's ``x``: the local one leaves it as it was (poisoned here)."""
     _gpu()
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_ROWS", local_rows)
     from cute_megamoe import fused, staged
     from cute_megamoe.launch import buffer_state
     from cute_megamoe.testing.fused_checks import FusedLayer

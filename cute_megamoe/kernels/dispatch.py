@@ -519,25 +519,19 @@ class DispatchKernel:
 
     @cute.jit
     def place_pairs(self, my_base: Int64, topk_idx: cute.Pointer, topk_weights: cute.Pointer,
-                    first: Int32, end: Int32, arrays, batch,
-                    compact: cutlass.Constexpr = True):
+                    first: Int32, end: Int32, arrays, batch):
         """`local`, every thread of the CTA, after `count_locally`: the pairs ``first + tidx``
         (< ``end``, one per thread) of this CTA's share: the routing into the buffer (for the
         combine), and for each kept pair a slot of its expert (shared atomics from this CTA's
         first), its pool row's metadata and routing weight, and its pool row and token into
-        ``batch`` (`allocate_batch`, in any order; ``placed`` counts them; ``compact`` False:
-        pair ``first + i``'s pool row at ``rows[i]``, -1 where not placed). The rows and their
-        arrivals follow (`InputStagingKernel.stage_rows` / `stage_pair_rows`,
-        `count_placed`)."""
+        ``batch`` (`allocate_batch`, in any order; ``placed`` counts them). The rows and
+        their arrivals follow (`InputStagingKernel.stage_rows`, `count_placed`)."""
         tidx, _, _ = cute.arch.thread_idx()
         K = self.num_topk
         expert_slot, _, _, _, block_start, _, _ = arrays
         rows, tokens, placed = batch
-        if cutlass.const_expr(compact):
-            if tidx == 0:
-                placed[0] = 0
-        else:
-            rows[tidx] = -1
+        if tidx == 0:
+            placed[0] = 0
         cute.arch.sync_threads()
         p = first + tidx
         if p < end:
@@ -560,26 +554,21 @@ class DispatchKernel:
                         + Int64(pool_row) * 16, Int32, 4))
                     cute.arch.store(self.regions.ptr(my_base, "l1_topk_weights") + pool_row,
                                     weight)
-                    if cutlass.const_expr(compact):
-                        j = cute.arch.atomic_add(placed.iterator, Int32(1), scope="cta")
-                        rows[j] = pool_row
-                        tokens[j] = p // K
-                    else:
-                        rows[tidx] = pool_row
+                    j = cute.arch.atomic_add(placed.iterator, Int32(1), scope="cta")
+                    rows[j] = pool_row
+                    tokens[j] = p // K
         cute.arch.sync_threads()
 
     @cute.jit
-    def count_placed(self, my_base: Int64, batch, compact: cutlass.Constexpr = True):
+    def count_placed(self, my_base: Int64, batch):
         """`local`, every thread of the CTA, once the batch's rows are stored: each thread's
         stores fenced, then +`arrivals_per_row` per placed row on its pool block (the row and
-        its metadata are in, as a sender and step 6 count them in the exchanged dispatch);
-        ``compact`` as `place_pairs`."""
+        its metadata are in, as a sender and step 6 count them in the exchanged dispatch)."""
         tidx, _, _ = cute.arch.thread_idx()
         rows, _, placed = batch
         fence_acq_rel(self.scope)
         cute.arch.sync_threads()
-        mine = tidx < placed[0] if cutlass.const_expr(compact) else rows[tidx] >= 0
-        if mine:
+        if tidx < placed[0]:
             arrivals = self.regions.ptr(my_base, "pool_block_arrivals")
             cute.arch.red(arrivals + rows[tidx] // self.block_m, Int32(self.arrivals_per_row),
                           op="add", dtype="s32", sem="release", scope=self.scope)

@@ -166,7 +166,7 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None, split_n: bool = False,
                  block_n: int | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, tiled_weights: bool = False,
-                 owner_search: str = "linear"):
+                 owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"

@@ -166,7 +166,6 @@ COUNTED_ROWS_MAX_TOKENS = 1024
 # the exchanged dispatch in the same run): 0.95x at 1 token, 0.99x at 8, 1.00x at 128, 1.01x
 # at 512, 1.02x at 1024 (docs/performance.md)
 LOCAL_MAX_TOKENS = 256
-LOCAL_ROWS = ("pair", "token")
 
 
 def default_row_transfer(layout: MegaMoELayout) -> str:
@@ -190,7 +189,7 @@ class Sm90MegaMoEKernel:
                  weight_prefetch: int = 0, early_prefetch: int = 0,
                  tiled_weights: bool = False, dependent_launch: bool = False,
                  stages_inputs: bool = False, local_dispatch: bool | None = None,
-                 owner_search: str = "linear", local_rows: str = "pair"):
+                 owner_search: str = "gallop"):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -260,13 +259,6 @@ class Sm90MegaMoEKernel:
             raise ValueError("local_dispatch: one-rank groups with counted rows that stage "
                              "their own inputs, FP8 / BF16 weights")
         self.local_dispatch = bool(local_dispatch)
-        # how the local dispatch writes its rows (`LOCAL_ROWS`): "pair", each pair's row
-        # quantized by itself (`InputStagingKernel.stage_rows`), or "token", each token of a
-        # batch quantized once and stored to its placed pairs' rows (`stage_pair_rows`: 1/K of
-        # the quantization and of the activation reads; an A/B option, compiled only)
-        if local_rows not in LOCAL_ROWS:
-            raise ValueError(f"local_rows: one of {LOCAL_ROWS}, got {local_rows!r}")
-        self.local_rows = local_rows
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",
                                        pool_order=self.rows_counted, local=self.local_dispatch)
@@ -726,31 +718,21 @@ class Sm90MegaMoEKernel:
         """Step 1 of the local dispatch after `DispatchKernel.count_locally`, every thread:
         this CTA's share of the pairs in batches of one per thread: their routing into the
         buffer, their slots, metadata and weights (`DispatchKernel.place_pairs`), their rows
-        quantized from the caller's activations straight into the pool (the staging kernel's
-        numerics; `local_rows` "pair": `InputStagingKernel.stage_rows`, a token's row once per
-        pair; "token": `stage_pair_rows`, once per batch), then counted into their pool blocks
-        (`DispatchKernel.count_placed`)."""
+        quantized from the caller's activations straight into the pool
+        (`InputStagingKernel.stage_rows`: each token's row once per pair, the staging kernel's
+        numerics), then counted into their pool blocks (`DispatchKernel.count_placed`)."""
         begin, end = self.dispatch.pair_share(num_tokens, bidx, grid)
         rows, tokens, placed = batch
         pool_sf = my_base + self.regions.offset("l1_acts_sf") if cutlass.const_expr(
             self.layout.has_sf) else my_base
-        pool = my_base + self.regions.offset("l1_acts")
         first = begin
         while first < end:
-            if cutlass.const_expr(self.local_rows == "pair"):
-                self.dispatch.place_pairs(my_base, topk_idx, topk_weights, first, end,
-                                          dispatch, batch)
-                self.staging.stage_rows(Int64(x.toint()), tokens, pool, rows, pool_sf,
-                                        self.layout.num_pool_rows, placed[0], tidx, lane)
-                self.dispatch.count_placed(my_base, batch)
-            else:
-                self.dispatch.place_pairs(my_base, topk_idx, topk_weights, first, end,
-                                          dispatch, batch, compact=False)
-                self.staging.stage_pair_rows(Int64(x.toint()), first,
-                                             cutlass.min(end - first, self.num_threads), rows,
-                                             pool, pool_sf, self.layout.num_pool_rows, tidx,
-                                             lane)
-                self.dispatch.count_placed(my_base, batch, compact=False)
+            self.dispatch.place_pairs(my_base, topk_idx, topk_weights, first, end, dispatch,
+                                      batch)
+            self.staging.stage_rows(Int64(x.toint()), tokens,
+                                    my_base + self.regions.offset("l1_acts"), rows, pool_sf,
+                                    self.layout.num_pool_rows, placed[0], tidx, lane)
+            self.dispatch.count_placed(my_base, batch)
             first += self.num_threads
 
     @cute.jit

@@ -55,86 +55,27 @@ AMAX_FLOOR = 1e-4
 
 
 def _set(t, index, value) -> None:
-    """``t[index] = value`` as a call (a tensor, `_MNMajorScales` or `_PairRows`: the DSL
-    carries assigned names through a dynamic ``if``, which it cannot do for a Python
-    object)."""
-    if isinstance(t, _PairRows):
-        t.set_scale(index, value)
-    else:
-        t[index] = value
-
-
-def _put(t, vec, regs) -> None:
-    """``regs`` into vector ``vec`` of ``t`` (a flat array as ``[16, vectors]``, or
-    `_PairRows`)."""
-    if isinstance(t, _PairRows):
-        t.put(vec, regs)
-    else:
-        cute.autovec_copy(regs, t[None, vec])
-
-
-def _vector(dtype, address: Int64) -> cute.Tensor:
-    """The 16 elements at global ``address`` (16-byte aligned)."""
-    return cute.make_tensor(cute.make_ptr(dtype, address, cute.AddressSpace.gmem,
-                                          assumed_align=VECTOR_ALIGN),
-                            cute.make_layout(ELEMENTS_PER_THREAD))
+    """``t[index] = value`` as a call (a tensor or `_MNMajorScales`: the DSL carries assigned
+    names through a dynamic ``if``, which it cannot do for a Python object)."""
+    t[index] = value
 
 
 class _RowVectors:
-    """``[None, v]``: the 16 elements of vector ``v % per_row`` of row ``row_of(v // per_row)``
-    of a row-major array of ``row_bytes`` rows at global ``base``; ``stage_vectors`` indexes it
-    as the flat arrays of the staging kernel."""
+    """``[None, v]``: the 16 elements of vector ``v % per_row`` of row ``rows[v // per_row]``
+    (``rows``: shared memory) of a row-major array of ``row_bytes`` rows at global ``base``;
+    ``stage_vectors`` indexes it as the flat arrays of the staging kernel."""
 
-    def __init__(self, base: Int64, row_of, per_row: int, row_bytes: int, dtype):
-        self.base, self.row_of, self.per_row = base, row_of, per_row
+    def __init__(self, base: Int64, rows: cute.Tensor, per_row: int, row_bytes: int, dtype):
+        self.base, self.rows, self.per_row = base, rows, per_row
         self.row_bytes, self.dtype = row_bytes, dtype
 
     def __getitem__(self, index):
         _, vec = index
-        return _vector(self.dtype, self.base + Int64(self.row_of(vec // self.per_row))
-                       * self.row_bytes
-                       + Int64(vec % self.per_row) * (ELEMENTS_PER_THREAD * self.dtype.width // 8))
-
-
-class _PairRows:
-    """The pool rows of a batch of (token, slot) pairs, written per token: vector ``v`` of
-    token ``first_token + v // per_row``, and its chunk's scale, go to the row of every placed
-    pair of that token in the batch (pairs ``first_pair`` .. ``first_pair + num_pairs - 1``;
-    ``rows[i]``, shared memory: pair ``first_pair + i``'s pool row, -1 where not placed)."""
-
-    def __init__(self, out: Int64, out_sf: Int64, sf_stride: int, rows: cute.Tensor,
-                 first_pair: Int32, num_pairs: Int32, num_topk: int, first_token: Int32,
-                 per_row: int, dtype):
-        self.out, self.out_sf, self.sf_stride, self.rows = out, out_sf, sf_stride, rows
-        self.first_pair, self.num_pairs, self.num_topk = first_pair, num_pairs, num_topk
-        self.first_token, self.per_row, self.dtype = first_token, per_row, dtype
-        self.elt = dtype.width // 8
-
-    @cute.jit
-    def put(self, vec: Int32, regs: cute.Tensor):
-        col = Int64(vec % self.per_row) * (ELEMENTS_PER_THREAD * self.elt)
-        self.each_row(vec // self.per_row, lambda row: cute.autovec_copy(
-            regs, _vector(self.dtype, self.out + Int64(row) * (self.per_row * ELEMENTS_PER_THREAD
-                                                                * self.elt) + col)))
-
-    @cute.jit
-    def set_scale(self, chunk: Int32, value):
-        chunks = self.per_row // LANES_PER_CHUNK
-        word = Int64(chunk % chunks) * self.sf_stride
-        self.each_row(chunk // chunks, lambda row: cute.arch.store(
-            cute.make_ptr(Float32, self.out_sf + (word + Int64(row)) * 4,
-                          cute.AddressSpace.gmem, assumed_align=4), Float32(value)))
-
-    @cute.jit
-    def each_row(self, token: Int32, store):
-        """``store(row)`` for the pool row of every placed pair of the batch's ``token``-th
-        token."""
-        for k in cutlass.range_constexpr(self.num_topk):
-            i = (self.first_token + token) * self.num_topk + k - self.first_pair
-            if i >= 0 and i < self.num_pairs:
-                row = self.rows[i]
-                if row >= 0:
-                    store(row)
+        address = (self.base + Int64(self.rows[vec // self.per_row]) * self.row_bytes
+                   + Int64(vec % self.per_row) * (ELEMENTS_PER_THREAD * self.dtype.width // 8))
+        return cute.make_tensor(cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem,
+                                              assumed_align=VECTOR_ALIGN),
+                                cute.make_layout(ELEMENTS_PER_THREAD))
 
 
 class _MNMajorScales:
@@ -253,36 +194,13 @@ class InputStagingKernel:
         none (bf16xbf16)."""
         per_row = self.hidden // ELEMENTS_PER_THREAD
         elt = self.out_dtype.width // 8
-        g_x = _RowVectors(x, lambda j: tokens[j], per_row, self.hidden * 2, BFloat16)
-        g_out = _RowVectors(out, lambda j: rows[j], per_row, self.hidden * elt, self.out_dtype)
+        g_x = _RowVectors(x, tokens, per_row, self.hidden * 2, BFloat16)
+        g_out = _RowVectors(out, rows, per_row, self.hidden * elt, self.out_dtype)
         g_sf = _MNMajorScales(out_sf, rows, self.hidden // CHUNK, sf_stride)
         num_vectors = num_rows * per_row
         first = Int32(0)
         while first < num_vectors:
             self.stage_vectors(g_x, g_out, g_sf, first, num_vectors, tidx, lane)
-            first += self.vectors_per_cta
-
-    @cute.jit
-    def stage_pair_rows(self, x: Int64, first_pair: Int32, num_pairs: Int32, rows: cute.Tensor,
-                        out: Int64, out_sf: Int64, sf_stride: cutlass.Constexpr, tidx: Int32,
-                        lane: Int32):
-        """`stage_rows` by token: the pairs ``first_pair`` .. ``first_pair + num_pairs - 1``
-        (``rows[i]``: pair ``first_pair + i``'s pool row in ``out``, -1 where not placed; pair
-        p is slot ``p % K`` of token ``p // K`` of the BF16 rows at ``x``): each of their tokens'
-        rows is quantized once and stored to every placed pair's row (`_PairRows`), by every
-        thread of the CTA. Per-128 scales (fp8xfp8 activations) or none (bf16xbf16)."""
-        per_row = self.hidden // ELEMENTS_PER_THREAD
-        K = self.num_topk
-        first_token = first_pair // K
-        num_vectors = Int32(0)
-        if num_pairs > 0:
-            num_vectors = ((first_pair + num_pairs - 1) // K - first_token + 1) * per_row
-        g_x = _RowVectors(x, lambda j: first_token + j, per_row, self.hidden * 2, BFloat16)
-        g_out = _PairRows(out, out_sf, sf_stride, rows, first_pair, num_pairs, K, first_token,
-                          per_row, self.out_dtype)
-        first = Int32(0)
-        while first < num_vectors:
-            self.stage_vectors(g_x, g_out, g_out, first, num_vectors, tidx, lane)
             first += self.vectors_per_cta
 
     @cute.jit
@@ -331,4 +249,4 @@ class InputStagingKernel:
             else:
                 out.store(regs[u].load())
             if vec < num_vectors:
-                _put(g_out, vec, out)
+                cute.autovec_copy(out, g_out[None, vec])
