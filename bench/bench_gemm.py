@@ -27,7 +27,9 @@ WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ord
 (`prefetch_us`, `prefetch_over_default`); `--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
 weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
 `transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage
-order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`).
+order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`); `--env-ab
+VAR=VALUE[,VAR=VALUE...]` (repeatable) BLOCK_M 64 with those settings, the i-th as `env<i>_us`,
+`env<i>_over_default` (and `env<i>_ratio_to_fp8`), the settings in the JSON's meta.
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -169,6 +171,18 @@ def _torch(recipe, w: ExpertWeights, m: int):
     return run
 
 
+def _parse_env(spec: str) -> dict[str, str]:
+    """``VAR=VALUE[,VAR=VALUE...]`` (`--env-ab`) as a dict; CUTE_MEGAMOE_* variables only."""
+    env = {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("CUTE_MEGAMOE_"):
+            raise SystemExit(f"--env-ab: VAR=VALUE pairs of CUTE_MEGAMOE_* variables, got "
+                             f"{spec!r}")
+        env[name] = value
+    return env
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=7168)
@@ -212,11 +226,15 @@ def main() -> None:
                    help="FP8 recipes: also time BLOCK_M 64 transposed, the weight tile as the "
                         "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
                         "checked bit-exact; transposed_over_default: against the default build)")
+    p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="also time BLOCK_M 64 with these settings (repeatable; outputs checked "
+                        "bit-exact; env<i>_us, env<i>_over_default)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
+    env_abs = [_parse_env(spec) for spec in args.env_ab]
     peaks = Peaks()
     res = Results("gemm", meta={"hidden": hidden, "intermediate": inter,
-                                "clocks_before": gpu_clocks(),
+                                "clocks_before": gpu_clocks(), "env_ab": args.env_ab,
                                 "note": "torch runs only the two GEMMs (no SwiGLU/requant)"})
     for recipe in args.recipes.split(","):
         fp8 = recipe != "bf16xbf16"
@@ -261,6 +279,8 @@ def main() -> None:
             transposed = args.transposed_ab and fp8
             if transposed:
                 variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
+            for i, env in enumerate(env_abs):
+                variants[f"env{i}_64"] = (64, env)
             if args.prefetch_ab:
                 variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
                                  for bm in (64, 128)})
@@ -319,6 +339,11 @@ def main() -> None:
                                 storage_over_default=times[f"storage_{block_m}"] / t)
                     if fp4:
                         base["storage_ratio_to_fp8"] = times[f"storage_{block_m}"] / t_fp8
+                for i in range(len(env_abs) if block_m == 64 else 0):
+                    t_env = times[f"env{i}_64"]
+                    base.update({f"env{i}_us": t_env * 1e6, f"env{i}_over_default": t_env / t})
+                    if fp4:
+                        base[f"env{i}_ratio_to_fp8"] = t_env / t_fp8
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
@@ -357,7 +382,9 @@ def main() -> None:
                      "storage_us", "storage_over_default", "storage_ratio_to_fp8",
                      "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",
-                     "quarter_over_chunk", "ours_tflops",
+                     "quarter_over_chunk",
+                     *(f"env{i}_{c}" for i in range(len(env_abs))
+                       for c in ("us", "over_default", "ratio_to_fp8")), "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 
 

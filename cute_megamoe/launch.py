@@ -37,6 +37,7 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_cluster,
+    sm90_fp4_decode_warpgroups,
     sm90_l2_overlap,
     sm90_ordered_mma,
     sm90_promotion,
@@ -327,6 +328,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
     extra = {"combine_layout": combine_layout}
+    wide_decode = (arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64
+                   and sm90_fp4_decode_warpgroups() != 2)
     if arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64 and sm90_swap_ab():
         from .kernels.sm90_expert_gemm_swapab import Sm90SwapABExpertGemmKernel
 
@@ -337,6 +340,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a" and recipe != "bf16xbf16" and block_m == 64 and sm90_transposed():
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
+        if wide_decode:
+            extra["decode_warpgroups"] = sm90_fp4_decode_warpgroups()
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
@@ -407,7 +412,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
-                sm90_transposed(), tile_owner_search())
+                sm90_transposed(), tile_owner_search(), sm90_fp4_decode_warpgroups())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -216,6 +216,15 @@ def sm90_transposed() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_TRANSPOSED")
 
 
+def sm90_fp4_decode_warpgroups() -> int:
+    """``CUTE_MEGAMOE_SM90_FP4_DECODE_WGS``: the decode warpgroups of the transposed sm_90a
+    grouped GEMMs with MXFP4 weights (``CUTE_MEGAMOE_SM90_TRANSPOSED=1``, BLOCK_M 64;
+    `Sm90ExpertGemmKernel`'s ``decode_warpgroups``): ``2`` (the default) or ``4`` (twice the
+    decode warps, two items per thread; an A/B option). Part of the grouped GEMMs' cache
+    keys."""
+    return int(env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", ("2", "4")))
+
+
 def sm90_swap_ab() -> bool:
     """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
     64 run transposed, the decoded weights in the WGMMA's register operand
@@ -309,6 +318,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
+                      "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",

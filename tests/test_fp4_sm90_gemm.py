@@ -62,6 +62,40 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_wide_decode_compiles_with_four_decode_warpgroups(phase, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=4` (an A/B option of the transposed kernel, BLOCK_M
+    64): four decode warpgroups, two items per thread, 768 threads whose registers fit what
+    the launch gives (80 each), no spills; the staged kernel (whose m64n128 WGMMAs do not
+    compile within 80 registers), BLOCK_M 128 and FP8 weights refuse it."""
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.kernels.sm90_expert_gemm_transposed import (
+        Sm90TransposedExpertGemmKernel,
+    )
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "4")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
+    kernel, art = _compile(phase, 64)
+    assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
+    assert (kernel.decode_wgs, kernel.num_threads, kernel.decode_batch) == (4, 768, 2)
+    assert 128 * (kernel.producer_regs + 4 * kernel.decode_regs + kernel.consumer_regs) \
+        <= 768 * 80
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "0")
+    assert _compile(phase, 64)[0].decode_wgs == 2  # (the staged kernel keeps its two)
+    for kind, recipe, block_m in ((Sm90ExpertGemmKernel, RECIPE, 64),
+                                  (Sm90ExpertGemmKernel, RECIPE, 128),
+                                  (Sm90TransposedExpertGemmKernel, "fp8xfp8", 64)):
+        with pytest.raises(ValueError, match="decode_warpgroups"):
+            kind("l1", recipe, 8, 4096, 4096, 7168, block_m, decode_warpgroups=4)
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA") > 0 and art.count("LDS.128") >= 1
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("phase,hidden", [("l1", 7168), ("l2", 7168), ("l2", 1152)])
 def test_swap_ab_compiles_sm90_with_register_operands_and_no_spills(phase, hidden, monkeypatch):
     """`CUTE_MEGAMOE_SM90_SWAP_AB`: the transposed kernels (BLOCK_M 64) issue m64n64k32 WGMMAs

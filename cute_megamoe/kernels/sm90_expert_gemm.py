@@ -131,6 +131,13 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # still two decode warpgroups, 640 threads: 128 x (24 + 2 x 56 + 2 x 168) = 59K of the 60K
 # registers 640 threads launch with (96 each)
 FP4_SPLIT_WARPGROUPS = (2, 24, 56, 168, 4)
+# `decode_warpgroups` 4 at BLOCK_M 64 (an A/B option of the transposed kernel): twice the
+# decode warps to hide the decode's load -> permute -> store latency (ncu: the decode-size FP4
+# kernels are latency-bound, about half the issue slots used with 3 warps per scheduler), two
+# items per thread: 768 threads launch with 80 registers each, 128 x (24 + 4 x 56 + 232) =
+# 60K. Only where the consumer's WGMMAs are small (m64n16): ptxas compiles every warp's code
+# within the launch's 80 registers, which an m64n128 WGMMA with its promotion exceeds (C7602)
+FP4_WIDE_DECODE = (4, 24, 56, 232, 2)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -151,6 +158,9 @@ def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
 class Sm90ExpertGemmKernel:
     """One grouped GEMM of the expert FFN over the pool (see module doc)."""
 
+    # whether ``decode_warpgroups`` may take FP4_WIDE_DECODE (small consumer WGMMAs only)
+    wide_decode_ok = False
+
     @staticmethod
     def can_split_n(phase: str, recipe: str, n: int, block_m: int) -> bool:
         """Whether ``split_n`` applies: FP8, BLOCK_M 64, 256-column tiles."""
@@ -166,7 +176,7 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None, split_n: bool = False,
                  block_n: int | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, tiled_weights: bool = False,
-                 owner_search: str = "gallop"):
+                 owner_search: str = "gallop", decode_warpgroups: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -268,11 +278,22 @@ class Sm90ExpertGemmKernel:
         self.producer_regs, self.decode_regs, self.consumer_regs = \
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
+            config = FP4_SPLIT_WARPGROUPS if self.split_n else FP4_WARPGROUPS[self.num_mma_wgs]
+            if decode_warpgroups not in (None, config[0]):
+                if (decode_warpgroups != FP4_WIDE_DECODE[0] or block_m != 64 or self.split_n
+                        or not self.wide_decode_ok):
+                    raise ValueError(f"decode_warpgroups: {config[0]}, or "
+                                     f"{FP4_WIDE_DECODE[0]} in the transposed kernel (BLOCK_M "
+                                     f"64); got {decode_warpgroups}")
+                config = FP4_WIDE_DECODE
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
-             batch) = FP4_SPLIT_WARPGROUPS if self.split_n else FP4_WARPGROUPS[self.num_mma_wgs]
+             batch) = config
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
+        elif decode_warpgroups is not None:
+            raise ValueError(f"decode_warpgroups: FP4 weights only, got {decode_warpgroups} "
+                             f"for {recipe}")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
