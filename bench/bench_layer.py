@@ -21,7 +21,8 @@ they cannot be graph-captured), median of repeats, max over ranks.
 `--quick`: only `ours` and `fused` (no steps, no torch paths). `--fused-rows barrier,counted`:
 the fused layer with each of those row transfers forced too (graph, alternating with the rest);
 `--staged-env CUTE_MEGAMOE_SM90_TRANSPOSED=1` / `--fused-env ...`: the staged / fused layer with
-that variable set too.
+that variable set too (`A=1+B=4`: both in one variant; outputs checked equal to the default's
+before timing).
 """
 
 from __future__ import annotations
@@ -38,10 +39,23 @@ from bench.bench_dispatch import _time, _time_graph
 from bench.common import Results, copy_ceiling, gpu_clocks
 
 
+def _env_pairs(setting: str) -> list[tuple[str, str]]:
+    """``A=1+B=4`` (one variant of `--staged-env` / `--fused-env`) -> ``[(A, 1), (B, 4)]``."""
+    pairs = []
+    for item in setting.split("+"):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("CUTE_MEGAMOE_"):
+            raise SystemExit(f"--staged-env / --fused-env: NAME=VALUE[+NAME=VALUE] of "
+                             f"CUTE_MEGAMOE_* variables, got {setting!r}")
+        pairs.append((name, value))
+    return pairs
+
+
 def _env_column(setting: str) -> str:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED=1`` -> ``sm90_transposed_1`` (a column name part)."""
-    name, value = setting.split("=", 1)
-    return f"{name.removeprefix('CUTE_MEGAMOE_').lower()}_{value.lower()}"
+    """``CUTE_MEGAMOE_SM90_TRANSPOSED=1`` -> ``sm90_transposed_1`` (a column name part; several
+    variables joined by ``__``)."""
+    return "__".join(f"{name.removeprefix('CUTE_MEGAMOE_').lower()}_{value.lower()}"
+                     for name, value in _env_pairs(setting))
 
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
@@ -110,18 +124,20 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             fused.fused_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
                                  block_m=block_m, validate_routing=False, row_transfer=rows)
 
-        def with_env(layer, name, value):
-            # (the variable is part of the layer plans' keys: the call builds that variant's
+        def with_env(layer, setting):
+            # (the variables are part of the layer plans' keys: the call builds that variant's
             # kernels, and a graph captures them)
-            old = os.environ.get(name)
-            os.environ[name] = value
+            pairs = _env_pairs(setting)
+            old = {name: os.environ.get(name) for name, _ in pairs}
+            os.environ.update(pairs)
             try:
-                layer()
+                return layer()
             finally:
-                if old is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = old
+                for name, value in old.items():
+                    if value is None:
+                        del os.environ[name]
+                    else:
+                        os.environ[name] = value
 
         def ours_pool_order(x=x, idx=idx, w=w, block_m=block_m):
             ours(x, idx, w, block_m, l2_sends=False)
@@ -150,6 +166,12 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 y_default = default().clone()  # (the same outputs on either storage)
                 if not torch.equal(y_default.view(torch.int16), fn().view(torch.int16)):
                     raise SystemExit(f"{n} tokens: the layer on the other storage differs")
+        for layer, setting in env_graphs:  # a kernel variant gives the default's bits
+            fn = ours if layer == "ours" else fused_layer
+            y_default = fn().clone()
+            if not torch.equal(y_default.view(torch.int16),
+                               with_env(fn, setting).view(torch.int16)):
+                raise SystemExit(f"{n} tokens: the {layer} layer with {setting} differs")
         for _ in range(3):  # alternate: the GPU's clocks drift at its power limit
             graphs["sends"].append(_time_graph(ours, 5, repeats=3))
             if fused_ok:
@@ -158,8 +180,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 times.append(_time_graph(partial(fused_rows_layer, rows), 5, repeats=3))
             for (layer, setting), times in env_graphs.items():
                 fn = ours if layer == "ours" else fused_layer
-                times.append(_time_graph(partial(with_env, fn, *setting.split("=", 1)), 5,
-                                         repeats=3))
+                times.append(_time_graph(partial(with_env, fn, setting), 5, repeats=3))
             for fn, times in storage_graphs.values():
                 times.append(_time_graph(fn, 5, repeats=3))
             if not quick:
@@ -267,7 +288,8 @@ def main() -> None:
                         "fused_<rows>_graph_us)")
     p.add_argument("--staged-env", default="",
                    help="NAME=VALUE[,NAME=VALUE]: the staged layer also with each of these "
-                        "variables set (kernel variants), graph, alternating in the rounds "
+                        "variables set (kernel variants; NAME=VALUE+NAME=VALUE: several in one "
+                        "variant), outputs checked equal, graph, alternating in the rounds "
                         "(columns ours_<name>_<value>_graph_us, ..._over_fp8_floor)")
     p.add_argument("--fused-env", default="",
                    help="NAME=VALUE[,...]: the fused layer also with each of these variables set "
