@@ -17,18 +17,19 @@ docs/performance.md, FP4 section). Transposed, a k-block of a 256-row tile with 
 of 128. Unlike `sm90_expert_gemm_swapab` the weights stay in shared memory, where the staged
 kernel's producer (FP8: TMA) or decode warpgroups (FP4) put them, so the consumer decodes nothing.
 
-How: the staged kernel's warps, rings, decode and tile walk unchanged; only the consumer
-warpgroup differs. The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile
-as 16-row sub-blocks: the same bytes, through views of the same swizzled layout with smaller
-tiles (8 and 2 swizzle atoms). Per k-block, for each sub-block ``s < ceil(valid_m / 16)``: the
-four m64 blocks' WGMMAs (four k32 each) into four 8-register scratch accumulators, one wait,
-the promotion. Value ``c + 2 r + 4 j`` of an m64n16 accumulator is weight row ``16 warp + lane /
-4 + 8 r`` of its block and token ``16 s + 8 j + 2 (lane % 4) + c``: in L1 the weight rows
-interleave gate and up by 8 (``quant.interleave_gate_up``), so ``r = 0`` is the gate and ``r =
-1`` the up row of one feature and SwiGLU is thread-local. The epilogue writes the tile transposed
-into shared-memory rows per token (L1: the token amax over the tile's 128 features meets over
-shared memory across the four warps) and the first 64 threads send the valid tokens' rows with
-one 1-D bulk copy each (`common.transposed_epilogue`, shared with the swap-AB kernel).
+How: the staged kernel's warps, rings, decode and tile walk unchanged; only the consumer warpgroup
+differs. The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile as 16-row
+sub-blocks: the same bytes, through views of the same swizzled layout with smaller tiles (8 and 2
+swizzle atoms). Per k-block, for each pair of sub-blocks ``s < ceil(valid_m / 16)``: the four m64
+blocks' WGMMAs (four k32 each) of both into 8-register scratch accumulators of their own, one wait,
+the promotions (so 17-32 tokens wait once per k-block). Value ``c + 2 r + 4 j`` of an m64n16
+accumulator is weight row ``16 warp + lane / 4 + 8 r`` of its block and token ``16 s + 8 j + 2 (lane
+% 4) + c``: in L1 the weight rows interleave gate and up by 8 (``quant.interleave_gate_up``), so ``r
+= 0`` is the gate and ``r = 1`` the up row of one feature and SwiGLU is thread-local. The epilogue
+writes the tile transposed into shared-memory rows per token (L1: the token amax over the tile's 128
+features meets over shared memory across the four warps) and the first 64 threads send the valid
+tokens' rows with one 1-D bulk copy each (`common.transposed_epilogue`, shared with the swap-AB
+kernel).
 
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.
@@ -47,6 +48,10 @@ from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
 TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
+# token sub-blocks whose WGMMAs go out together before one wait (17-32 tokens: one wait per
+# k-block instead of two; each sub-block its own scratch, so the sums and their promotion
+# order are unchanged)
+SUBS_IN_FLIGHT = 2
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -114,7 +119,9 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         acc_shape = thr_mma.partition_shape_C((WEIGHT_M, TOKEN_N))
         accs = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.token_blocks)]
                 for _ in range(self.weight_blocks)]
-        parts = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
+        # scratch of SUBS_IN_FLIGHT sub-blocks: their WGMMAs issued together, one wait
+        parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
+                 for _ in range(SUBS_IN_FLIGHT)]
         quad = lane % 4
         ctid = warp_in_wg * 32 + lane
         tile = first_tile
@@ -135,28 +142,36 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block, Int32(0))
-                for s in cutlass.range_constexpr(self.token_blocks):
-                    if s < num_sub:
+                for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
+                    if s0 < num_sub:
                         warpgroup.fence()
-                        for b in cutlass.range_constexpr(self.weight_blocks):
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                            for kk in cutlass.range_constexpr(num_k_phases):
-                                cute.gemm(tiled_mma, parts[b],
-                                          t_rw[(None, None, kk, stage * self.weight_blocks + b)],
-                                          t_rt[(None, None, kk, stage * self.token_blocks + s)],
-                                          parts[b])
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
+                            # (a sub-block past the tokens: nothing issued, nothing promoted)
+                            if s0 + h < num_sub:
+                                for b in cutlass.range_constexpr(self.weight_blocks):
+                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                                    for kk in cutlass.range_constexpr(num_k_phases):
+                                        cute.gemm(
+                                            tiled_mma, parts[h][b],
+                                            t_rw[(None, None, kk, stage * self.weight_blocks + b)],
+                                            t_rt[(None, None, kk,
+                                                  stage * self.token_blocks + s0 + h)],
+                                            parts[h][b])
+                                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
-                        # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
-                        for j in cutlass.range_constexpr(TOKEN_N // 8):
-                            for c in cutlass.range_constexpr(2):
-                                sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
-                                for b in cutlass.range_constexpr(self.weight_blocks):
-                                    for r in cutlass.range_constexpr(2):
-                                        i = c + 2 * r + 4 * j
-                                        accs[b][s][i] += parts[b][i] * (
-                                            sa_tok * row_sb[b // 2][r])
+                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
+                            if s0 + h < num_sub:
+                                s = s0 + h
+                                # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
+                                for j in cutlass.range_constexpr(TOKEN_N // 8):
+                                    for c in cutlass.range_constexpr(2):
+                                        sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
+                                        for b in cutlass.range_constexpr(self.weight_blocks):
+                                            for r in cutlass.range_constexpr(2):
+                                                i = c + 2 * r + 4 * j
+                                                accs[b][s][i] += parts[h][b][i] * (
+                                                    sa_tok * row_sb[b // 2][r])
                 ab_pipe.consumer_release(state)
                 state.advance()
             # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
