@@ -16,8 +16,7 @@ alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp
 `ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
 times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
 `--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`);
-`--swap-ab` (MXFP4 weights) BLOCK_M 64 transposed, the decoded weights in the WGMMA's register
-operand (`swap_us`, `swap_ratio_to_fp8`); `--cluster-ab` (MXFP4 weights) BLOCK_M 128 in 2-CTA
+`--cluster-ab` (MXFP4 weights) BLOCK_M 128 in 2-CTA
 clusters that share the decode of a weight tile (`cluster_us`, `cluster_ratio_to_fp8`);
 `--overlap-ab` (fp8xfp8) the L2 GEMM with 128-column tiles and the "overlap" promotion, each
 k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_default`);
@@ -56,7 +55,6 @@ from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
 SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
-SWAP_ENV = "CUTE_MEGAMOE_SM90_SWAP_AB"
 CLUSTER_ENV = "CUTE_MEGAMOE_SM90_FP4_CLUSTER"
 OVERLAP_ENV = "CUTE_MEGAMOE_SM90_L2_OVERLAP"
 ORDERED_ENV = "CUTE_MEGAMOE_SM90_ORDERED_MMA"
@@ -197,10 +195,6 @@ def main() -> None:
                    help="FP8 recipes: also time BLOCK_M 64 with the tile's chunks split between "
                         "two consumer warpgroups (CUTE_MEGAMOE_SM90_SPLIT_N; outputs checked "
                         "bit-exact; split_over_default: against the default build)")
-    p.add_argument("--swap-ab", action="store_true",
-                   help="MXFP4 weights: also time BLOCK_M 64 transposed, the decoded weights in "
-                        "the WGMMA's register operand (CUTE_MEGAMOE_SM90_SWAP_AB; outputs "
-                        "checked bit-exact; swap_over_default: against the default build)")
     p.add_argument("--cluster-ab", action="store_true",
                    help="MXFP4 weights: also time BLOCK_M 128 in 2-CTA clusters that share the "
                         "decode of a weight tile (CUTE_MEGAMOE_SM90_FP4_CLUSTER; outputs checked "
@@ -263,9 +257,6 @@ def main() -> None:
             split = args.split_ab and fp8
             if split:
                 variants["split_64"] = (64, {SPLIT_ENV: "1", PROMOTION_ENV: "chunk"})
-            swap = args.swap_ab and fp4
-            if swap:
-                variants["swap_64"] = (64, {SWAP_ENV: "1"})
             clustered = args.cluster_ab and fp4
             if clustered:
                 variants["cluster_128"] = (128, {CLUSTER_ENV: "1"})
@@ -352,10 +343,6 @@ def main() -> None:
                                 ordered_over_default=times["ordered_128"] / t,
                                 ordered_l1_us=times["ordered_l1_128"] * 1e6,
                                 ordered_l1_over_default=times["ordered_l1_128"] / t)
-                if swap and block_m == 64:
-                    base.update(swap_us=times["swap_64"] * 1e6,
-                                swap_over_default=times["swap_64"] / t,
-                                swap_ratio_to_fp8=times["swap_64"] / t_fp8)
                 if overlap:
                     base.update(overlap_us=times[f"overlap_{block_m}"] * 1e6,
                                 overlap_over_default=times[f"overlap_{block_m}"] / t)
@@ -374,8 +361,7 @@ def main() -> None:
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
-                     "split_us", "split_over_default", "swap_us", "swap_over_default",
-                     "swap_ratio_to_fp8", "cluster_us", "cluster_over_default",
+                     "split_us", "split_over_default", "cluster_us", "cluster_over_default",
                      "cluster_ratio_to_fp8", "overlap_us", "overlap_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
                      "prefetch_us", "prefetch_over_default", "other_storage",

@@ -42,7 +42,6 @@ from .runtime import (
     sm90_ordered_mma,
     sm90_promotion,
     sm90_split_n,
-    sm90_swap_ab,
     sm90_transposed,
     sm90_weight_prefetch,
     tile_owner_search,
@@ -330,13 +329,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     extra = {"combine_layout": combine_layout}
     wide_decode = (arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64
                    and sm90_fp4_decode_warpgroups() != 2)
-    if arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64 and sm90_swap_ab():
-        from .kernels.sm90_expert_gemm_swapab import Sm90SwapABExpertGemmKernel
-
-        kernel = Sm90SwapABExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
-                                            block_m, activation_clamp=clamp,
-                                            fast_math=fast_math, **extra)
-        return kernel, dtypes
     if arch == "sm_90a" and recipe != "bf16xbf16" and block_m == 64 and sm90_transposed():
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
@@ -410,7 +402,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n(), sm90_swap_ab(), sm90_fp4_cluster(),
+               (sm90_promotion(), sm90_split_n(), sm90_fp4_cluster(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
                 sm90_transposed(), tile_owner_search(), sm90_fp4_decode_warpgroups())
                if arch == "sm_90a" else None, weights.tiled)

@@ -390,8 +390,8 @@ def _check_fp4_groups(packed: torch.Tensor, name: str) -> torch.Tensor:
 
 # The sm_90a order of a 32-code group: word q (bytes 4q .. 4q + 3) holds codes 4q .. 4q + 3
 # and 16 + 4q .. 16 + 4q + 3, the k-columns lane q of a quad holds in a register A fragment of
-# an FP8 m64nNk32 WGMMA (`kernels/sm90_expert_gemm_swapab.py`; the staged decode of
-# `sm90_expert_gemm.py` writes the same codes to their columns)
+# an FP8 m64nNk32 WGMMA (chosen for a register-operand decode, since removed; the decode of
+# `kernels/sm90_expert_gemm.py` writes the same codes to their columns at no cost)
 SM90_GROUP_ORDER = [16 * h + 4 * q + i for q in range(4) for h in range(2) for i in range(4)]
 _SM90_GROUP_ORDER_INV = [SM90_GROUP_ORDER.index(c) for c in range(32)]
 

@@ -225,13 +225,6 @@ def sm90_fp4_decode_warpgroups() -> int:
     return int(env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", ("2", "4")))
 
 
-def sm90_swap_ab() -> bool:
-    """``CUTE_MEGAMOE_SM90_SWAP_AB=1``: the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M
-    64 run transposed, the decoded weights in the WGMMA's register operand
-    (`sm90_expert_gemm_swapab`), for A/B runs. Part of the grouped GEMMs' cache keys."""
-    return env_flag("CUTE_MEGAMOE_SM90_SWAP_AB")
-
-
 def sm90_fp4_cluster() -> bool:
     """``CUTE_MEGAMOE_SM90_FP4_CLUSTER=1``: the sm_90a grouped GEMMs with MXFP4 weights at
     BLOCK_M 128 in 2-CTA clusters where fp8xfp8 uses them (`heuristics.select_cluster_m`), each
@@ -315,7 +308,7 @@ def fused_rows() -> str | None:
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
-                      "CUTE_MEGAMOE_SM90_SPLIT_N", "CUTE_MEGAMOE_SM90_SWAP_AB",
+                      "CUTE_MEGAMOE_SM90_SPLIT_N",
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS",

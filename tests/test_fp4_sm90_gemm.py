@@ -96,41 +96,6 @@ def test_wide_decode_compiles_with_four_decode_warpgroups(phase, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("phase,hidden", [("l1", 7168), ("l2", 7168), ("l2", 1152)])
-def test_swap_ab_compiles_sm90_with_register_operands_and_no_spills(phase, hidden, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_SWAP_AB`: the transposed kernels (BLOCK_M 64) issue m64n64k32 WGMMAs
-    whose A (the decoded weights) comes from registers, 4 per k-block, decode in the consumer
-    warps (no decode warpgroups, no decoded tile in shared memory), one consumer warpgroup per
-    64 weight rows of the tile, the fast tables chosen once per warp and k-block, and spill
-    nothing."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_SWAP_AB", "1")
-    kernel, art = _compile(phase, 64, hidden=hidden)
-    assert type(kernel).__name__ == "Sm90SwapABExpertGemmKernel"
-    wgmma = [line for line in art.ptx.splitlines() if "wgmma.mma_async" in line]
-    assert wgmma and all("m64n64k32.f32.e4m3.e4m3" in line for line in wgmma)
-    # operands: {accumulators}, {four A registers}, the B descriptor, ...
-    assert all(line.split("}, {")[1].split("}")[0].count("%r") == 4 for line in wgmma)
-    wgs = kernel.block_n // 64
-    assert (kernel.decode_wgs, kernel.num_mma_wgs) == (0, wgs)
-    assert kernel.num_threads == 128 * (1 + wgs)
-    launch_regs = min(255, 65536 // kernel.num_threads) // 8 * 8
-    assert 128 * (kernel.producer_regs + wgs * kernel.consumer_regs) \
-        <= kernel.num_threads * launch_regs
-    assert kernel.num_stages == kernel.packed_stages >= 5
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("QGMMA.64x64x32.F32.E4M3.E4M3") == 4
-    assert art.count("VOTE.ANY") >= 1
-    assert art.count("UTMALDG.2D") >= 2
-    # the decode: 2 permutes per word of codes + 1 per scale byte, the upper half by mul.hi
-    assert art.count("PRMT") >= 24 and art.count("IMAD.HI") >= 8
-    assert art.count("USETMAXREG") == 2  # producer, consumers
-    assert art.count("STL") == 0 and art.count("LDL") == 0
-    usage = art.resource_usage()
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_cluster_variant_compiles_with_remote_stores_and_no_spills(phase, monkeypatch):
     """`CUTE_MEGAMOE_SM90_FP4_CLUSTER`: at BLOCK_M 128 the FP4 kernels run in 2-CTA clusters;
@@ -200,15 +165,16 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "swap_ab"),
-                                             (128, "fp4_cluster")])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
+                                             (64, "transposed_wide"), (128, "fp4_cluster")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
-    pad rows stay poisoned). ``variant``: the FP4 kernels transposed, the weights decoded into
-    the WGMMA's register operand (`CUTE_MEGAMOE_SM90_SWAP_AB`), or in 2-CTA clusters that share
-    the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`; the fp8xfp8 side runs in clusters too)."""
+    pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
+    both sides; FP4 also with four decode warpgroups, `CUTE_MEGAMOE_SM90_FP4_DECODE_WGS`), or in
+    2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`; the fp8xfp8 side runs
+    in clusters too)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -235,8 +201,8 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
                                        arch="sm_90a")
     count_t = torch.tensor(counts, dtype=torch.int32, device=device)
     results = []
-    if variant is not None:
-        monkeypatch.setenv(VARIANTS[variant][0], "1")
+    for name, value in (VARIANTS[variant][0] if variant else {}).items():
+        monkeypatch.setenv(name, value)
     for weights in (fp4, fp8):
         l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
         l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
@@ -257,8 +223,11 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
     assert torch.equal(out_a[valid], out_b[valid])
 
 
-VARIANTS = {"swap_ab": ("CUTE_MEGAMOE_SM90_SWAP_AB", 64),
-            "fp4_cluster": ("CUTE_MEGAMOE_SM90_FP4_CLUSTER", 128)}
+TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
+# variant: (its settings, BLOCK_M)
+VARIANTS = {"transposed": (TRANSPOSED, 64),
+            "transposed_wide": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "4"}, 64),
+            "fp4_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
 @pytest.mark.gpu
@@ -267,13 +236,13 @@ VARIANTS = {"swap_ab": ("CUTE_MEGAMOE_SM90_SWAP_AB", 64),
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_SWAP_AB`, BLOCK_M 64) and the 2-CTA clusters
-    that share the decode of a weight tile (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`, BLOCK_M 128)
-    against the staged decode on the same FP4 weights and pools: L2 inputs, their scales and
-    the outputs equal bit for bit on every valid row, pad rows stay poisoned; with routings
-    that leave experts empty, pair pool blocks of different experts in a cluster or give one
-    expert everything, and an L2 of 1152 columns (one 128-row weight chunk per tile: one
-    consumer warpgroup for swap-AB, no clusters)."""
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64, with two or four
+    decode warpgroups) and the 2-CTA clusters that share the decode of a weight tile
+    (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`, BLOCK_M 128) against the staged decode on the same FP4
+    weights and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid
+    row, pad rows stay poisoned; with routings that leave experts empty, pair pool blocks of
+    different experts in a cluster or give one expert everything, and an L2 of 1152 columns
+    (one 128-row weight chunk per tile: two m64 blocks transposed, no clusters)."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -282,12 +251,15 @@ def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden,
     )
 
     device = _gpu()
-    name, block_m = VARIANTS[variant]
+    settings, block_m = VARIANTS[variant]
     counts = [0, 0, 0, 389, 0, 0, 0, 0] if pattern == "one_expert" else COUNT_PATTERNS[pattern]
     problem = make_pool_problem(RECIPE, counts, block_m, hidden, inter, device,
                                 seed=5 + hidden)
     results = []
-    for value in ("0", "1"):
-        monkeypatch.setenv(name, value)
+    for env in ({}, settings):
+        for name in settings:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         results.append(run_fp8_ffn_poisoned(problem))
     assert_same_valid_rows(problem, results)

@@ -7,15 +7,17 @@ What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes 
 SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows into ``out``
 or the source ranks' combine buffers), bit for bit: the same FP32 partial sums per 128-deep
 k-block (a transposed WGMMA sums the same products), the same promotion ``acc += part * (sa[row]
-* sb[block])`` and the same epilogue arithmetic as `sm90_expert_gemm_swapab` (GPU-checked there).
+* sb[block])`` and the staged epilogue's arithmetic (`common.transposed_epilogue`), GPU-checked.
 
 Why: at decode sizes a pool block of 64 rows holds a handful of tokens. The staged kernel's
 m64n256 WGMMAs compute all 64 rows, and its single consumer warpgroup waits for them and promotes
 them in turn (with FP4 weights it took 0.74x the fp8xfp8 time even with the decode skipped:
 docs/performance.md, FP4 section). Transposed, a k-block of a 256-row tile with up to 16 tokens is
 4 x 4 m64n16k32 WGMMAs (a quarter of the tensor-core time) and 32 promotion FMAs per thread instead
-of 128. Unlike `sm90_expert_gemm_swapab` the weights stay in shared memory, where the staged
-kernel's producer (FP8: TMA) or decode warpgroups (FP4) put them, so the consumer decodes nothing.
+of 128. The weights stay in shared memory, where the staged kernel's producer (FP8: TMA) or
+decode warpgroups (FP4) put them, so the consumer decodes nothing (a swap-AB kernel that decoded
+MXFP4 weights into the WGMMA's register operand was issue-bound at 1.31-1.43x the staged time and
+is gone: docs/performance.md).
 
 How: the staged kernel's warps, rings, decode and tile walk unchanged; only the consumer warpgroup
 differs. The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile as 16-row
@@ -28,8 +30,7 @@ accumulator is weight row ``16 warp + lane / 4 + 8 r`` of its block and token ``
 = 0`` is the gate and ``r = 1`` the up row of one feature and SwiGLU is thread-local. The epilogue
 writes the tile transposed into shared-memory rows per token (L1: the token amax over the tile's 128
 features meets over shared memory across the four warps) and the first 64 threads send the valid
-tokens' rows with one 1-D bulk copy each (`common.transposed_epilogue`, shared with the swap-AB
-kernel).
+tokens' rows with one 1-D bulk copy each (`common.transposed_epilogue`).
 
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.

@@ -1,6 +1,5 @@
-"""The epilogue of the transposed Hopper grouped GEMMs (`sm90_expert_gemm_swapab`,
-`sm90_expert_gemm_transposed`), whose accumulators hold weight rows x tokens: a mixin for
-`Sm90ExpertGemmKernel` subclasses.
+"""The epilogue of the transposed Hopper grouped GEMMs (`sm90_expert_gemm_transposed`), whose
+accumulators hold weight rows x tokens: a mixin for `Sm90ExpertGemmKernel` subclasses.
 
 A consumer thread holds, for each of its m64 blocks ``b`` of the tile's weight rows, the values
 of weight rows ``64 b + 16 warp + lane / 4 + 8 r`` (r = 0, 1) and tokens ``8 j + 2 (lane % 4) +
