@@ -66,8 +66,8 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
 def test_wide_decode_compiles_with_four_decode_warpgroups(phase, monkeypatch):
     """`CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=4` (an A/B option of the transposed kernel, BLOCK_M
     64): four decode warpgroups, two items per thread, 768 threads whose registers fit what
-    the launch gives (80 each), no spills; the staged kernel (whose m64n128 WGMMAs do not
-    compile within 80 registers), BLOCK_M 128 and FP8 weights refuse it."""
+    the launch gives (80 each), no spills; the staged kernel (which ptxas rejects at 80
+    registers, C7602), BLOCK_M 128 and FP8 weights refuse it."""
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
     from cute_megamoe.kernels.sm90_expert_gemm_transposed import (
         Sm90TransposedExpertGemmKernel,

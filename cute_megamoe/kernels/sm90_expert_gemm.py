@@ -135,8 +135,8 @@ FP4_SPLIT_WARPGROUPS = (2, 24, 56, 168, 4)
 # decode warps to hide the decode's load -> permute -> store latency (ncu: the decode-size FP4
 # kernels are latency-bound, about half the issue slots used with 3 warps per scheduler), two
 # items per thread: 768 threads launch with 80 registers each, 128 x (24 + 4 x 56 + 232) =
-# 60K. Only where the consumer's WGMMAs are small (m64n16): ptxas compiles every warp's code
-# within the launch's 80 registers, which an m64n128 WGMMA with its promotion exceeds (C7602)
+# 60K. The transposed kernel's only (m64n16 WGMMAs): ptxas rejects the staged kernel at the
+# launch's 80 registers (C7602: one of its instructions needs 90)
 FP4_WIDE_DECODE = (4, 24, 56, 232, 2)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
