@@ -28,7 +28,8 @@ weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
 `transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage
 order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`); `--env-ab
 VAR=VALUE[,VAR=VALUE...]` (repeatable) BLOCK_M 64 with those settings, the i-th as `env<i>_us`,
-`env<i>_over_default` (and `env<i>_ratio_to_fp8`), the settings in the JSON's meta.
+`env<i>_over_default` (and `env<i>_ratio_to_fp8`; with `--storage-ab` also on the other storage
+order, `env<i>_storage_us`, `env<i>_storage_over_default`), the settings in the JSON's meta.
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -282,6 +283,9 @@ def main() -> None:
                 for bm in (64, 128):
                     variants[f"storage_{bm}"] = (bm, None)
                     variant_weights[f"storage_{bm}"] = w_other
+                for i, env in enumerate(env_abs):  # (each --env-ab variant on them too)
+                    variants[f"env{i}_storage_64"] = (64, env)
+                    variant_weights[f"env{i}_storage_64"] = w_other
             for key, (block_m, env) in variants.items():
                 runs[key] = _ours(recipe, variant_weights.get(key, w), m, block_m, env)
                 for fn in (runs[block_m], runs[key]):
@@ -335,6 +339,10 @@ def main() -> None:
                     base.update({f"env{i}_us": t_env * 1e6, f"env{i}_over_default": t_env / t})
                     if fp4:
                         base[f"env{i}_ratio_to_fp8"] = t_env / t_fp8
+                    if storage:
+                        t_env = times[f"env{i}_storage_64"]
+                        base.update({f"env{i}_storage_us": t_env * 1e6,
+                                     f"env{i}_storage_over_default": t_env / t})
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
@@ -370,7 +378,8 @@ def main() -> None:
                      "transposed_over_default", "transposed_ratio_to_fp8",
                      "quarter_over_chunk",
                      *(f"env{i}_{c}" for i in range(len(env_abs))
-                       for c in ("us", "over_default", "ratio_to_fp8")), "ours_tflops",
+                       for c in ("us", "over_default", "ratio_to_fp8", "storage_us",
+                                 "storage_over_default")), "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))
 
 
