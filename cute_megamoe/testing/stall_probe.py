@@ -1,7 +1,7 @@
 """Where a hung fused call stopped: the fused layer kernel's phase clock in pinned host memory.
 
     python -m cute_megamoe.testing.stall_probe [--recipe fp8xfp4_sm90] [--block-m 64]
-        [--ranks 1] [--rounds 3]
+        [--ranks 1] [--rounds 3] [--rows counted] [--max-tokens 300]
 
 Runs `fused_checks.FusedLayer` (a loopback group of ``--ranks`` on one GPU, the staged layer as
 the oracle) through its warm-up and ``--rounds`` rounds of checked calls, with every fused
@@ -12,7 +12,9 @@ prints, per rank of the failing call, how many CTAs reached each stamp and the f
 did not (a CTA with ``loads_done`` but no ``l2_done``: its consumers are stuck; no
 ``decode_done``: its decode warps). A diagnostic for the fused FP4 stalls (docs/performance.md);
 set ``CUTE_MEGAMOE_SPIN_TIMEOUT_S`` low (a few seconds) so that a stall traps quickly. The stamp
-stores make the kernel a little slower, which may hide a race.
+stores make the kernel a little slower, which may hide a race. ``--rows``: every rank's row
+transfer (default: the kernel's); ``--max-tokens``: the buffer's tokens per rank (the counted-row
+mixing test of `tests/test_fused.py`, which failed where this probe passed, uses 200).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, default=64, choices=(64, 128))
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", choices=("barrier", "counted", "with_gemm"), default=None)
+    parser.add_argument("--max-tokens", type=int, default=300)
     args = parser.parse_args()
+    if args.max_tokens < 1:
+        raise SystemExit("--max-tokens: at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("stall_probe needs a CUDA GPU")
     os.environ["CUTE_MEGAMOE_EXPERIMENTAL_FUSED"] = "1"  # (the probe is for the experiment)
@@ -53,9 +59,12 @@ def main() -> None:
                       phase_clock=stamps, **kwargs)
 
     fused.fused_call = clocked_call
-    layer = FusedLayer(Ranks.loopback(args.ranks, 16, 300, 4, 512, 256, args.recipe))
-    cases = [(100, "random"), (300, "one_expert"), (129, "masked"), (77, "skewed"),
-             (0, "random"), (1, "random")]
+    layer = FusedLayer(Ranks.loopback(args.ranks, 16, args.max_tokens, 4, 512, 256, args.recipe),
+                       row_transfers={r: args.rows for r in range(args.ranks)} if args.rows
+                       else None)
+    cases = [(min(n, args.max_tokens), routing) for n, routing in (
+        (100, "random"), (300, "one_expert"), (129, "masked"), (77, "skewed"), (0, "random"),
+        (1, "random"))]
     block_ms = {b.rank: args.block_m for b in layer.ranks.buffers}
     done = 0
     try:
