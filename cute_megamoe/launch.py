@@ -356,6 +356,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
             extra["ordered_mma"] = True
         extra["weight_prefetch"] = sm90_weight_prefetch()
         extra["owner_search"] = tile_owner_search()
+        if wide_decode and sm90_fp4_decode_warpgroups() == 3 and not extra.get("split_n"):
+            extra["decode_warpgroups"] = 3  # (4: the transposed kernel's only)
         if tiled_weights:
             extra["tiled_weights"] = True
     elif tiled_weights:

@@ -217,12 +217,13 @@ def sm90_transposed() -> bool:
 
 
 def sm90_fp4_decode_warpgroups() -> int:
-    """``CUTE_MEGAMOE_SM90_FP4_DECODE_WGS``: the decode warpgroups of the transposed sm_90a
-    grouped GEMMs with MXFP4 weights (``CUTE_MEGAMOE_SM90_TRANSPOSED=1``, BLOCK_M 64;
-    `Sm90ExpertGemmKernel`'s ``decode_warpgroups``): ``2`` (the default) or ``4`` (twice the
-    decode warps, two items per thread; an A/B option). Part of the grouped GEMMs' cache
-    keys."""
-    return int(env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", ("2", "4")))
+    """``CUTE_MEGAMOE_SM90_FP4_DECODE_WGS``: the decode warpgroups of the sm_90a grouped GEMMs
+    with MXFP4 weights at BLOCK_M 64 (`Sm90ExpertGemmKernel`'s ``decode_warpgroups``): ``2``
+    (the default), ``3`` (the staged and the transposed kernels: 2-3 items per decode thread
+    instead of 4) or ``4`` (the transposed kernel, ``CUTE_MEGAMOE_SM90_TRANSPOSED=1``; the
+    staged one keeps 2: ptxas refuses it at 768 threads). A/B options. Part of the grouped
+    GEMMs' cache keys."""
+    return int(env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", ("2", "3", "4")))
 
 
 def sm90_fp4_cluster() -> bool:

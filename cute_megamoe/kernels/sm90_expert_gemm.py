@@ -138,6 +138,13 @@ FP4_SPLIT_WARPGROUPS = (2, 24, 56, 168, 4)
 # 60K. The transposed kernel's only (m64n16 WGMMAs): ptxas rejects the staged kernel at the
 # launch's 80 registers (C7602: one of its instructions needs 90)
 FP4_WIDE_DECODE = (4, 24, 56, 232, 2)
+# `decode_warpgroups` 3 at BLOCK_M 64 (an A/B option of the staged and transposed kernels):
+# 640 threads launch with 96 registers, which ptxas accepts for the staged consumer;
+# 128 x (24 + 3 x 72 + 232) = 59K. 384 decode threads do not divide a chunk's 128 rows by
+# four groups evenly: the rows of both chunks are numbered 0 .. 255 and thread t takes rows
+# t / 4 + 96 j (j < 3; the third only below 256), so 256 threads decode 3 items per k-block
+# and 128 decode 2 (the two warpgroups' 4)
+FP4_DECODE3 = (3, 24, 72, 232, 4)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -280,12 +287,14 @@ class Sm90ExpertGemmKernel:
         if self.fp4_weights:
             config = FP4_SPLIT_WARPGROUPS if self.split_n else FP4_WARPGROUPS[self.num_mma_wgs]
             if decode_warpgroups not in (None, config[0]):
-                if (decode_warpgroups != FP4_WIDE_DECODE[0] or block_m != 64 or self.split_n
-                        or not self.wide_decode_ok):
-                    raise ValueError(f"decode_warpgroups: {config[0]}, or "
-                                     f"{FP4_WIDE_DECODE[0]} in the transposed kernel (BLOCK_M "
-                                     f"64); got {decode_warpgroups}")
-                config = FP4_WIDE_DECODE
+                wide = {FP4_DECODE3[0]: FP4_DECODE3}
+                if self.wide_decode_ok:
+                    wide[FP4_WIDE_DECODE[0]] = FP4_WIDE_DECODE
+                if decode_warpgroups not in wide or block_m != 64 or self.split_n:
+                    raise ValueError(f"decode_warpgroups: {config[0]}, or {sorted(wide)} at "
+                                     f"BLOCK_M 64 without split_n (4: the transposed kernel "
+                                     f"only); got {decode_warpgroups}")
+                config = wide[decode_warpgroups]
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
              batch) = config
             self.decode_batch = batch if decode_batch is None else decode_batch
@@ -1104,8 +1113,11 @@ class Sm90ExpertGemmKernel:
         alternate gate and up blocks, the same for all rows of a thread)."""
         threads = 128 * self.decode_wgs
         rows_per_pass = threads // 4
-        passes = WG_N // rows_per_pass
-        items = [(c, p) for c in chunks for p in range(passes)]
+        # "flat" (3 decode warpgroups): rows numbered across the chunks, see FP4_DECODE3
+        flat = WG_N % rows_per_pass != 0
+        total_rows = self.chunks * WG_N
+        items = ([(None, p) for p in range(-(-total_rows // rows_per_pass))] if flat
+                 else [(c, p) for c in chunks for p in range(WG_N // rows_per_pass)])
         batch = min(len(items), self.decode_batch)
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
@@ -1121,38 +1133,56 @@ class Sm90ExpertGemmKernel:
         block_scales = cute.make_tensor(sfb + packed.index * self.packed_sfb_stride,
                                         cute.make_layout(self.sfb_len))
         for first in cutlass.range_constexpr(0, len(items), batch):
-            codes, shifts = [], []
+            codes, shifts, rows = [], [], []
             for chunk, p in items[first:first + batch]:
-                row = row0 + rows_per_pass * p
+                # the item's row of the tile, chunk * 128 + row (flat: past the last row only
+                # in the third pass; that item loads the last row again and stores nothing)
+                if cutlass.const_expr(flat):
+                    tile_row = row0 + rows_per_pass * p
+                    if cutlass.const_expr(rows_per_pass * (p + 1) > total_rows):
+                        tile_row = cutlass.min(tile_row, Int32(total_rows - 1))
+                    chunk = tile_row >> 7  # (WG_N = 128 rows per chunk)
+                else:
+                    tile_row = chunk * WG_N + row0 + rows_per_pass * p
+                rows.append(tile_row)
                 c = cute.make_rmem_tensor(4, Int32)
-                slot = packed.index * self.chunks + chunk
-                cute.autovec_copy(smem_words(raw_b, (slot * WG_N + row) * row_bytes + group * 16),
-                                  c)
+                cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N
+                                                     + tile_row) * row_bytes + group * 16), c)
                 codes.append(c)
                 if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
                     block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
                 else:
                     block = self.chunks * n_block + chunk
                 base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
-                ue8m0 = prmt(words[chunk * WG_N + row], Int32(0), group_byte)
+                ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
                 shifts.append(ue8m0 - base)
-            for j, (chunk, p) in enumerate(items[first:first + batch]):
-                row = row0 + rows_per_pass * p
+            for j, (_, p) in enumerate(items[first:first + batch]):
                 lut_lo, lut_hi = e2m1_table(shifts[j])
-                slot = state.index * self.chunks + chunk
                 # word q of the group: columns 4q .. 4q + 3, 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
                 out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
                 for q in cutlass.range_constexpr(4):
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
-                for half in cutlass.range_constexpr(2):
-                    offset = slot * chunk_bytes + row * self.block_k + pieces[half] * 16
-                    cute.autovec_copy(out[half], smem_words(sb, offset))
-                    if cutlass.const_expr(peer is not None):
-                        cute.arch.store_async_dsmem(
-                            cute.make_ptr(Int32, sb.toint() + offset, cute.AddressSpace.smem,
-                                          assumed_align=16),
-                            (out[half][0], out[half][1], out[half][2], out[half][3]),
-                            decoded + state.index, peer)
+                stage_base = state.index * self.chunks * chunk_bytes + rows[j] * self.block_k
+                if cutlass.const_expr(flat and rows_per_pass * (p + 1) > total_rows):
+                    if row0 + rows_per_pass * p < total_rows:
+                        self.store_decoded(out, sb, stage_base, pieces, decoded, state, peer)
+                else:
+                    self.store_decoded(out, sb, stage_base, pieces, decoded, state, peer)
+
+    @cute.jit
+    def store_decoded(self, out: list, sb: cute.Pointer, row_offset, pieces: list,
+                      decoded: cute.Pointer, state, peer):
+        """An item's two 16-byte pieces of e4m3 into its row of the MMA stage (``row_offset``:
+        the row's byte offset in ``sb``), and with ``peer`` into the peer CTA's too."""
+        for half in cutlass.range_constexpr(2):
+            offset = row_offset + pieces[half] * 16
+            cute.autovec_copy(out[half], smem_words(sb, offset))
+            if cutlass.const_expr(peer is not None):
+                cute.arch.store_async_dsmem(
+                    cute.make_ptr(Int32, sb.toint() + offset, cute.AddressSpace.smem,
+                                  assumed_align=16),
+                    (out[half][0], out[half][1], out[half][2], out[half][3]),
+                    decoded + state.index, peer)
 
     @cute.jit
     def next_b_block(self, tile: Int32, owner: Int32, num_tiles: Int32, num_clusters: Int32,
