@@ -7,9 +7,10 @@ BF16; no SwiGLU or requantization, so torch does less work), and the weight-read
 weight bytes at the device-to-device copy bandwidth (bytes read + written per second of a
 copy moving min(weight bytes, 2 GiB) in 256 MiB pieces, measured in the same process; torch
 copies of 1 GiB or more run at 2.8 instead of 4.2 TB/s and would flatter us). All timed by
-CUDA-graph replay; torch and ours alternate over `--rounds` rounds (the GPU's clocks drift at its
-power limit, so back-to-back runs are not comparable), each time the median over rounds of the
-per-round median of replays.
+CUDA-graph replay, one graph per run, the graphs replayed in turn (`--rounds` x 5 replays,
+the order rotating; `bench.common.time_cuda_graphs_interleaved`): at its power limit the GPU
+lowers its clock within milliseconds, so back-to-back runs are not comparable); each time the
+median of its replays.
 
 `fp8xfp4_sm90` rows (MXFP4 weights decoded on chip, issue 19) have no torch baseline; they
 alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
@@ -38,11 +39,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 
-from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graph
+from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graphs_interleaved
 from cute_megamoe.expert_gemm import (
     TILEABLE_RECIPES,
     ExpertWeights,
@@ -67,23 +67,12 @@ DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
 def _random_weights(recipe: str, e: int, hidden: int, inter: int) -> ExpertWeights:
     if recipe == "fp8xfp4_sm90":
-        # random codes; per-32 scales 2^-5 .. 2^-1 (as trained weights: every group within 11
-        # binades of its block's largest, the decode's common path), block scales 2^(-1 - 6)
-        def codes(*shape):
-            return torch.randint(-128, 128, shape, device="cuda", dtype=torch.int8)
-
-        def group_sf(*shape):
-            return torch.randint(122, 127, (*shape, 4), device="cuda",
-                                 dtype=torch.uint8).view(torch.int32).view(*shape)
-
-        def block_sf(*shape):
-            return torch.full(shape, 2.0**-7, device="cuda")
-
-        return ExpertWeights(
-            recipe, codes(e, 2 * inter, hidden // 2), codes(e, hidden, inter // 2),
-            group_sf(e, hidden // 128, 2 * inter), group_sf(e, inter // 128, hidden),
-            w1_block_sf=block_sf(e, hidden // 128, weight_sf_row_len(2 * inter)),
-            w2_block_sf=block_sf(e, inter // 128, weight_sf_row_len(hidden)))
+        # MXFP4 quantized from Gaussian BF16 weights, as `bench_layer`'s and trained
+        # checkpoints' (uniformly random codes, which trained weights are not, draw more power)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w1, w2 = ((torch.randn(e, n, k, generator=gen, device="cuda") / k**0.5).to(torch.bfloat16)
+                  for n, k in ((2 * inter, hidden), (hidden, inter)))
+        return ExpertWeights.from_bf16(w1, w2, recipe)
     if recipe == "bf16xbf16":
         return _library_storage(ExpertWeights(
             recipe, torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
@@ -129,7 +118,8 @@ def _ours(recipe, w: ExpertWeights, m: int, block_m: int, env: dict | None = Non
         os.environ.update(env or {})
         try:
             expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
-                       l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False)
+                       l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False,
+                       expected_tokens_per_expert=m)
         finally:
             for name, value in before.items():
                 if value is None:
@@ -295,11 +285,9 @@ def main() -> None:
                     if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                         raise SystemExit(f"{recipe} {cfg} block_m {block_m}: {key}'s outputs "
                                          "differ")
-            samples = {key: [] for key in runs}
-            for _ in range(args.rounds):
-                for key, fn in runs.items():
-                    samples[key].append(time_cuda_graph(fn, calls_per_replay=5, replays=5))
-            times = {key: statistics.median(v) for key, v in samples.items()}
+            # (the runs' graphs replayed in turn: each run sees the same clocks and power)
+            times = time_cuda_graphs_interleaved(runs, calls_per_replay=5,
+                                                 replays=5 * args.rounds)
             picked = select_block_m(m, "sm90")
             for block_m in (64, 128):
                 t = times[block_m]

@@ -71,6 +71,45 @@ def time_cuda_graph(fn: Callable[[], None], calls_per_replay: int = 20, replays:
     return statistics.median(times)
 
 
+
+def time_cuda_graphs_interleaved(fns: dict, calls_per_replay: int = 5, replays: int = 15,
+                                 warmup: int = 3) -> dict:
+    """Median seconds per call of each of ``fns`` (key: callable), each captured
+    ``calls_per_replay`` times in a CUDA graph of its own, the graphs replayed in turn (one
+    replay of each, ``replays`` times, the order rotating): every variant sees the same mix of
+    clock and power states. A GPU at its power limit lowers its clock within milliseconds, so
+    a variant timed right after a power-hungry one (e.g. our FP8 kernels before the FP4 ones)
+    otherwise runs at a lower clock than the one timed first."""
+    graphs = {}
+    stream = torch.cuda.Stream()
+    for key, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            fn()  # one eager call on the capture stream (lazy init)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls_per_replay):
+                    fn()
+        torch.cuda.synchronize()
+        graph.replay()
+        graphs[key] = graph
+    torch.cuda.synchronize()
+    keys = list(graphs)
+    times = {key: [] for key in keys}
+    for r in range(replays):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[key].replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) / 1e3 / calls_per_replay)
+    return {key: statistics.median(v) for key, v in times.items()}
+
 def time_events(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float:
     """Median seconds per call of `fn` timed one call at a time with CUDA events."""
     for _ in range(warmup):

@@ -19,9 +19,10 @@ configurations, on one GPU, in one process:
   `torch._grouped_mm` for BF16; the two GEMMs only).
 
 Same weight tensors for ours, DeepGEMM and torch. Every variant is timed by CUDA-graph replay
-after a warmup (which also runs DeepGEMM's JIT compilation) and they alternate over `--rounds`
-rounds (the GPU's clocks drift at its power limit); each time is the median over rounds of the
-per-round median of replays (`bench.common.time_cuda_graph`), as in `bench_gemm`. TFLOPS count
+after a warmup (which also runs DeepGEMM's JIT compilation), their graphs replayed in turn
+(`--rounds` x 5 replays, the order rotating: the GPU's clocks drift at its power limit); each
+time is the median of its replays (`bench.common.time_cuda_graphs_interleaved`), as in
+`bench_gemm`. TFLOPS count
 the useful work, ``6 * E * m * H * I``, for all three. Writes `bench/results/deepgemm-*.json`
 (one row per (recipe, experts, pairs_per_expert)) and prints the table.
 
@@ -39,13 +40,12 @@ power limit sets the speed.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 from bench.bench_gemm import DEFAULT_CONFIGS, _ours, _random_weights, _torch
-from bench.common import Results, gpu_clocks, power_during, time_cuda_graph
+from bench.common import Results, gpu_clocks, power_during, time_cuda_graphs_interleaved
 from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.utils import align, ceil_div
@@ -165,11 +165,7 @@ def main() -> None:
                     "ours_other": _ours(recipe, w, m, other)}
             for layout in layouts:
                 runs[f"deepgemm_{layout}"] = _deepgemm(dg, recipe, w, m, layout)
-            samples = {key: [] for key in runs}
-            for _ in range(args.rounds):
-                for key, fn in runs.items():
-                    samples[key].append(time_cuda_graph(fn, calls_per_replay=5, replays=5))
-            t = {key: statistics.median(v) for key, v in samples.items()}
+            t = time_cuda_graphs_interleaved(runs, calls_per_replay=5, replays=5 * args.rounds)
             best = min(layouts, key=lambda x: t[f"deepgemm_{x}"])
             t_dg = t[f"deepgemm_{best}"]
             row = dict(recipe=recipe, experts=e, pairs_per_expert=m, ours_block_m=picked,

@@ -415,7 +415,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
                l2_acts: torch.Tensor | None = None, l2_acts_sf: torch.Tensor | None = None,
                out: torch.Tensor | None = None, num_sms: int | None = None,
                validate_counts: bool | None = None,
-               combine_buffer=None) -> torch.Tensor | None:
+               combine_buffer=None,
+               expected_tokens_per_expert: float | None = None) -> torch.Tensor | None:
     """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc),
     or None with ``combine_buffer``.
 
@@ -438,10 +439,15 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             buffer's ``token_src_metadata`` (filled by the dispatch) says; ``out`` is not used.
             Collective in effect: the source ranks' combine reads these rows after its
             cross-rank barrier (`staged.combine` with ``expert_out=None``).
+        expected_tokens_per_expert: the rows per expert the caller expects (e.g.
+            `heuristics.expected_tokens_per_expert`): picks the sm_90a mainloop at BLOCK_M 64
+            (`heuristics.select_sm90_transposed`); None: the staged one. Any value gives the
+            same outputs.
     """
     launches, out = _prepare_expert_ffn(
         acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m, activation_clamp,
-        fast_math, l2_acts, l2_acts_sf, out, num_sms, validate_counts, combine_buffer)
+        fast_math, l2_acts, l2_acts_sf, out, num_sms, validate_counts, combine_buffer,
+        expected_tokens_per_expert)
     for launch in launches:
         launch()
     return out  # None with combine_buffer
@@ -449,7 +455,7 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
 
 def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m,
                         activation_clamp, fast_math, l2_acts, l2_acts_sf, out, num_sms,
-                        validate_counts, combine_buffer):
+                        validate_counts, combine_buffer, expected_tokens_per_expert=None):
     """The checks of `expert_ffn` and its two launches (not made yet), and its result."""
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
@@ -511,9 +517,14 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
     grid = get_num_sms(device) if num_sms is None else num_sms
     if block_m == 256:
         grid -= grid % 2  # 2-CTA clusters
+    if expected_tokens_per_expert is not None and not (
+            isinstance(expected_tokens_per_expert, (int, float))
+            and expected_tokens_per_expert >= 0):
+        raise ValueError(f"expected_tokens_per_expert: a number >= 0 or None, got "
+                         f"{expected_tokens_per_expert!r}")
     calls = expert_gemm_calls(arch, recipe, block_m, grid, weights, acts, acts_sf, topk_weights,
                               expert_recv_tokens, l2_acts, l2_acts_sf, out, activation_clamp,
-                              fast_math, combine_buffer)
+                              fast_math, combine_buffer, expected_tokens_per_expert)
     return calls, out
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "normalize_arch",
     "select_block_m",
     "select_combine_rounds",
+    "select_sm90_transposed",
 ]
 
 #: SMs of an H100 / H200 SXM, the default when no GPU is visible.
@@ -119,6 +120,27 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
         return 2
     return 1
 
+
+
+#: Largest expected tokens per expert at which the sm_90a FP4 grouped GEMMs run transposed
+#: (`select_sm90_transposed`); +0.5 as in `_BLOCK_M_THRESHOLDS`.
+SM90_TRANSPOSED_MAX_TOKENS = 8.5
+
+
+def select_sm90_transposed(recipe: str, block_m: int,
+                           expected_tokens_per_expert: float | None) -> bool:
+    """Whether the sm_90a grouped GEMMs run transposed (`sm90_expert_gemm_transposed`: the
+    weight tile as the WGMMA's A, the pool rows in 16-token sub-blocks) rather than staged.
+
+    Only for MXFP4 weights (``fp8xfp4_sm90``) at BLOCK_M 64 with at most 8 expected tokens per
+    expert: the staged layer's expert GEMMs on an H200 took 0.90-0.91x the staged kernels'
+    time at 2, 4 and 8 expected tokens per expert (random routing), 1.04x at 16, where more
+    pool blocks need two sub-blocks (docs/performance.md); fp8xfp8 gained nothing. None (the
+    caller does not know its token count): staged. ``CUTE_MEGAMOE_SM90_TRANSPOSED`` overrides
+    this (`runtime.sm90_transposed`).
+    """
+    return (recipe == "fp8xfp4_sm90" and block_m == 64 and expected_tokens_per_expert is not None
+            and expected_tokens_per_expert <= SM90_TRANSPOSED_MAX_TOKENS)
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:
 #: (fewest tokens, rounds), last match wins. Interleaved A/Bs on 2 x H200

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .buffer import SymmBuffer
-from .heuristics import get_num_sms, select_cluster_m
+from .heuristics import get_num_sms, select_cluster_m, select_sm90_transposed
 from .runtime import (
     LAUNCH_PATHS,
     LaunchPath,
@@ -66,6 +66,7 @@ __all__ = [
     "FUSED_SLOTS",
     "fused_call",
     "gemm_kernel",
+    "sm90_runs_transposed",
     "staging_call",
 ]
 
@@ -285,16 +286,32 @@ def combine_call(sym_buffer: SymmBuffer, num_tokens: int, block_m: int,
 
 # ----------------------------------------------------------------------------- grouped GEMMs
 
+def sm90_runs_transposed(arch: str, recipe: str, block_m: int,
+                         expected_tokens_per_expert: float | None) -> bool:
+    """Whether a grouped GEMM runs on the transposed sm_90a kernel: FP8 weights (fp8xfp8,
+    fp8xfp4_sm90) at BLOCK_M 64, as ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces it or else as
+    `heuristics.select_sm90_transposed` chooses for the call's expected tokens per expert."""
+    if arch != "sm_90a" or recipe == "bf16xbf16" or block_m != 64:
+        return False
+    forced = sm90_transposed()
+    if forced is not None:
+        return forced
+    return select_sm90_transposed(recipe, block_m, expected_tokens_per_expert)
+
+
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
-                fast_math: bool = True, combine_layout=None, tiled_weights: bool = False):
+                fast_math: bool = True, combine_layout=None, tiled_weights: bool = False,
+                expected_tokens_per_expert: float | None = None):
     """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
     pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
     peer_bases, src_metadata)``, on sm_90a then ``b_group_sf`` (the per-32 scales of FP4
     weights; ``b_sf`` their block scales) (what `expert_gemm_calls` passes; the compile tests
     use the same plan). ``combine_layout``: L2 sends its rows to the source ranks' combine
     buffers of a symmetric buffer with this `MegaMoELayout`. ``tiled_weights``: the weights are
-    stored as `expert_gemm.tile_weight_rows` makes them (sm_90a FP8 / BF16, the staged kernel)."""
+    stored as `expert_gemm.tile_weight_rows` makes them (sm_90a FP8 / BF16, the staged kernel).
+    ``expected_tokens_per_expert``: the call's, for the choice of the sm_90a mainloop
+    (`sm90_runs_transposed`)."""
     from cutlass import (
         BFloat16,
         Float4E2M1FN,
@@ -329,7 +346,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     extra = {"combine_layout": combine_layout}
     wide_decode = (arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64
                    and sm90_fp4_decode_warpgroups() != 2)
-    if arch == "sm_90a" and recipe != "bf16xbf16" and block_m == 64 and sm90_transposed():
+    if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
         if wide_decode:
@@ -372,14 +389,17 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                       topk_weights: torch.Tensor, expert_recv_tokens: torch.Tensor,
                       l2_acts: torch.Tensor, l2_acts_sf: torch.Tensor | None,
                       out: torch.Tensor | None, activation_clamp: float | None,
-                      fast_math: bool, combine_buffer: SymmBuffer | None) -> list[KernelCall]:
+                      fast_math: bool, combine_buffer: SymmBuffer | None,
+                      expected_tokens_per_expert: float | None = None) -> list[KernelCall]:
     """The L1 (+ SwiGLU + requant into ``l2_acts``) and L2 launches of the expert FFN over a
     pool (`expert_gemm.expert_ffn` checks their inputs). ``combine_buffer``: L2 writes every
-    row into its source rank's combine buffer (``out`` unused)."""
+    row into its source rank's combine buffer (``out`` unused). ``expected_tokens_per_expert``:
+    the call's (the sm_90a mainloop, `sm90_runs_transposed`); None: not known."""
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     pool_rows = acts.shape[0]
     combine_layout = None if combine_buffer is None else combine_buffer.layout
     path = launch_path()
+    transposed = sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert)
     calls = []
     for phase in ("l1", "l2"):
         # FP4 weights on sm_90a: the block scales go where the FP8 ones do, the per-32 scales
@@ -406,7 +426,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_fp4_cluster(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
-                sm90_transposed(), tile_owner_search(), sm90_fp4_decode_warpgroups())
+                transposed, tile_owner_search(), sm90_fp4_decode_warpgroups())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 
@@ -414,7 +434,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
             plan["kernel"], plan["dtypes"] = gemm_kernel(
                 arch, recipe, phase, e_l, pool_rows, n, k, block_m, activation_clamp, fast_math,
                 combine_layout=combine_layout if to_combine else None,
-                tiled_weights=weights.tiled)
+                tiled_weights=weights.tiled, expected_tokens_per_expert=expected_tokens_per_expert)
             return plan
 
         entry = compiled_kernel(key + ("plan",), build)

@@ -208,12 +208,14 @@ def tile_owner_search() -> str:
     return env_choice("CUTE_MEGAMOE_TILE_SEARCH", ("gallop", "linear"))
 
 
-def sm90_transposed() -> bool:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED=1``: the sm_90a FP8 grouped GEMMs (fp8xfp8, fp8xfp4_sm90)
-    at BLOCK_M 64 run transposed, the weight tile as the WGMMA's A and the pool rows in 16-token
-    sub-blocks (`sm90_expert_gemm_transposed`), for A/B runs. Part of the grouped GEMMs' cache
-    keys."""
-    return env_flag("CUTE_MEGAMOE_SM90_TRANSPOSED")
+def sm90_transposed() -> bool | None:
+    """``CUTE_MEGAMOE_SM90_TRANSPOSED``: "1" / "0" force the sm_90a FP8 grouped GEMMs
+    (fp8xfp8, fp8xfp4_sm90) at BLOCK_M 64 to run transposed, the weight tile as the WGMMA's A
+    and the pool rows in 16-token sub-blocks (`sm90_expert_gemm_transposed`), or staged; unset
+    or "auto": None, `heuristics.select_sm90_transposed` chooses. Part of the grouped GEMMs'
+    cache keys."""
+    value = env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED", ("auto", "1", "0"))
+    return None if value == "auto" else value == "1"
 
 
 def sm90_fp4_decode_warpgroups() -> int:

@@ -40,7 +40,7 @@ from .checks import (
     routing_checks_on,
 )
 from .expert_gemm import ExpertWeights, _prepare_expert_ffn, weights_recipe
-from .heuristics import block_m_for_call, select_combine_rounds
+from .heuristics import block_m_for_call, expected_tokens_per_expert, select_combine_rounds
 from .launch import (
     COMBINE_SLOTS,
     DISPATCH_SLOTS,
@@ -51,6 +51,7 @@ from .launch import (
     combine_call,
     dispatch_call,
     existing_buffer_state,
+    sm90_runs_transposed,
     staging_call,
 )
 from .runtime import kernel_variant_env, launch_path
@@ -451,13 +452,15 @@ def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, f
     if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
                                        dtype=torch.bfloat16, device=sym_buffer.device)
-    fp8 = sym_buffer.layout.has_sf
+    layout = sym_buffer.layout
     return _prepare_expert_ffn(
         dispatched.l1_acts, dispatched.l1_acts_sf, dispatched.l1_topk_weights,
         dispatched.expert_recv_tokens, weights, dispatched.block_m, activation_clamp, fast_math,
-        sym_buffer.l2_acts, sym_buffer.l2_acts_sf if fp8 else None,
+        sym_buffer.l2_acts, sym_buffer.l2_acts_sf if layout.has_sf else None,
         None if send_to_combine else state.expert_out, state.num_sms, False,
-        sym_buffer if send_to_combine else None)
+        sym_buffer if send_to_combine else None,
+        expected_tokens_per_expert(dispatched.num_tokens, layout.num_ranks, layout.num_topk,
+                                   layout.num_experts))
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -672,6 +675,11 @@ def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, ac
                                 weights.arch) if block_m is None and n >= 0 else None,
                select_combine_rounds(n) if rounds is None and not epilogue and n >= 0
                and send_mode == "registers" else None,
+               # the expert GEMMs' mainloop (by the expected tokens per expert)
+               sm90_runs_transposed(weights.arch, weights.recipe, block_m or block_m_for_call(
+                   n, layout.num_ranks, layout.num_topk, layout.num_experts, weights.arch),
+                   expected_tokens_per_expert(n, layout.num_ranks, layout.num_topk,
+                                              layout.num_experts)) if n >= 0 else None,
                *kernel_variant_env(), launch_path().name)
         state = existing_buffer_state(sym_buffer)
         plan = None if state is None else state.plans.get(key)

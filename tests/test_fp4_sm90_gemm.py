@@ -315,3 +315,35 @@ def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden,
             monkeypatch.setenv(name, value)
         results.append(run_fp8_ffn_poisoned(problem))
     assert_same_valid_rows(problem, results)
+
+
+@pytest.mark.gpu
+def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
+    """The staged layer with MXFP4 weights at BLOCK_M 64 runs the transposed kernels at up to 8
+    expected tokens per expert and the staged ones above (`heuristics.select_sm90_transposed`),
+    and matches the reference either way."""
+    from cute_megamoe import runtime
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
+    from cute_megamoe.testing.dispatch_checks import Case, check_staged_layer
+
+    _gpu()
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
+    # 8 experts of top-4 (n / 2 expected per expert), a pool size no other test uses
+    buf = get_symm_buffer_for_mega_moe(None, 8, 100, 4, 512, 256, mma_type=RECIPE)
+    pool_rows = buf.layout.num_pool_rows
+
+    def gemm_kernels():  # this pool's expert-GEMM kernels compiled so far, by class name
+        return {type(plan["kernel"]).__name__ for (key, *_), plan in runtime._COMPILED.items()
+                if isinstance(key, tuple) and key[:4] == ("expert_gemm", "sm_90a", "l1", RECIPE)
+                and key[5] == pool_rows and key[-1] == "plan"}
+
+    assert not gemm_kernels()
+    check_staged_layer(buf, Case((16,), "random", 41), 256, 64, torch.device("cuda"),
+                       experts="kernels")
+    assert gemm_kernels() == {Sm90TransposedExpertGemmKernel.__name__}
+    check_staged_layer(buf, Case((100,), "random", 42), 256, 64, torch.device("cuda"),
+                       experts="kernels")
+    assert gemm_kernels() == {Sm90TransposedExpertGemmKernel.__name__,
+                              Sm90ExpertGemmKernel.__name__}

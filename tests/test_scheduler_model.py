@@ -250,6 +250,37 @@ def test_heuristics_cluster_m():
         assert get_num_sms() == 132 and get_num_sms(default=148) == 148
 
 
+
+def test_heuristics_sm90_transposed(monkeypatch):
+    """The transposed sm_90a mainloop: MXFP4 weights at BLOCK_M 64 with at most 8 expected
+    tokens per expert, unless ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces it on or off."""
+    from cute_megamoe.heuristics import select_sm90_transposed
+    from cute_megamoe.launch import sm90_runs_transposed
+
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
+    assert select_sm90_transposed("fp8xfp4_sm90", 64, 0.0)
+    assert select_sm90_transposed("fp8xfp4_sm90", 64, 8.0)
+    assert not select_sm90_transposed("fp8xfp4_sm90", 64, 9.0)
+    assert not select_sm90_transposed("fp8xfp4_sm90", 64, None)  # unknown: staged
+    assert not select_sm90_transposed("fp8xfp4_sm90", 128, 1.0)
+    assert not select_sm90_transposed("fp8xfp8", 64, 1.0)
+    # the 128-token staged layer at R = 1 with 128 experts of top-8: 8 per expert
+    assert select_sm90_transposed("fp8xfp4_sm90", select_block_m(8.0, "sm90"),
+                                  expected_tokens_per_expert(128, 1, 8, 128))
+    assert sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 64, 4.0)
+    assert not sm90_runs_transposed("sm_100a", "fp8xfp4", 64, 4.0)
+    for value, forced in (("1", True), ("0", False)):
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", value)
+        for recipe, expected in (("fp8xfp4_sm90", 4.0), ("fp8xfp4_sm90", 100.0),
+                                 ("fp8xfp8", None)):
+            assert sm90_runs_transposed("sm_90a", recipe, 64, expected) is forced
+        # where no transposed kernel exists, forcing it does nothing
+        assert not sm90_runs_transposed("sm_90a", "bf16xbf16", 64, 4.0)
+        assert not sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 128, 4.0)
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "yes")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED"):
+        sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 64, 4.0)
+
 def test_heuristics_experts_per_wave_matches_reference_table():
     # docs/reference-deepgemm-megamoe.md 7.5: V4-Pro EP8 (E_l=48, K=6, I=3072), S=148.
     def ew(n, bm):
