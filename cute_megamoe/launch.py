@@ -37,7 +37,6 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_cluster,
-    sm90_fp4_decode_warpgroups,
     sm90_l2_overlap,
     sm90_ordered_mma,
     sm90_promotion,
@@ -344,13 +343,9 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
     extra = {"combine_layout": combine_layout}
-    wide_decode = (arch == "sm_90a" and recipe == "fp8xfp4_sm90" and block_m == 64
-                   and sm90_fp4_decode_warpgroups() != 2)
     if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
-        if wide_decode:
-            extra["decode_warpgroups"] = sm90_fp4_decode_warpgroups()
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
@@ -373,8 +368,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
             extra["ordered_mma"] = True
         extra["weight_prefetch"] = sm90_weight_prefetch()
         extra["owner_search"] = tile_owner_search()
-        if wide_decode and sm90_fp4_decode_warpgroups() == 3 and not extra.get("split_n"):
-            extra["decode_warpgroups"] = 3  # (4: the transposed kernel's only)
         if tiled_weights:
             extra["tiled_weights"] = True
     elif tiled_weights:
@@ -426,7 +419,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(), sm90_fp4_cluster(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
-                transposed, tile_owner_search(), sm90_fp4_decode_warpgroups())
+                transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

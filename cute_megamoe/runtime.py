@@ -218,16 +218,6 @@ def sm90_transposed() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_fp4_decode_warpgroups() -> int:
-    """``CUTE_MEGAMOE_SM90_FP4_DECODE_WGS``: the decode warpgroups of the sm_90a grouped GEMMs
-    with MXFP4 weights at BLOCK_M 64 (`Sm90ExpertGemmKernel`'s ``decode_warpgroups``): ``2``
-    (the default), ``3`` (the staged and the transposed kernels: 2-3 items per decode thread
-    instead of 4) or ``4`` (the transposed kernel, ``CUTE_MEGAMOE_SM90_TRANSPOSED=1``; the
-    staged one keeps 2: ptxas refuses it at 768 threads). A/B options. Part of the grouped
-    GEMMs' cache keys."""
-    return int(env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", ("2", "3", "4")))
-
-
 def sm90_fp4_cluster() -> bool:
     """``CUTE_MEGAMOE_SM90_FP4_CLUSTER=1``: the sm_90a grouped GEMMs with MXFP4 weights at
     BLOCK_M 128 in 2-CTA clusters where fp8xfp8 uses them (`heuristics.select_cluster_m`), each
@@ -314,7 +304,6 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_SPLIT_N",
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                      "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS",
                       "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",

@@ -9,10 +9,10 @@ import pytest
 def test_layer_env_variants_parse_and_name_their_columns():
     from bench.bench_layer import _env_column, _env_pairs
 
-    both = "CUTE_MEGAMOE_SM90_TRANSPOSED=1+CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=4"
+    both = "CUTE_MEGAMOE_SM90_TRANSPOSED=1+CUTE_MEGAMOE_SM90_PROMOTION=chunk"
     assert _env_pairs(both) == [("CUTE_MEGAMOE_SM90_TRANSPOSED", "1"),
-                                ("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "4")]
-    assert _env_column(both) == "sm90_transposed_1__sm90_fp4_decode_wgs_4"
+                                ("CUTE_MEGAMOE_SM90_PROMOTION", "chunk")]
+    assert _env_column(both) == "sm90_transposed_1__sm90_promotion_chunk"
     assert _env_column("CUTE_MEGAMOE_TILE_SEARCH=Linear") == "tile_search_linear"
     for bad in ("CUTE_MEGAMOE_TILE_SEARCH", "PATH=/tmp", "CUTE_MEGAMOE_A=1+B=2"):
         with pytest.raises(SystemExit, match="CUTE_MEGAMOE_"):
@@ -22,8 +22,8 @@ def test_layer_env_variants_parse_and_name_their_columns():
 def test_gemm_env_variants_parse():
     from bench.bench_gemm import _parse_env
 
-    assert _parse_env("CUTE_MEGAMOE_SM90_TRANSPOSED=1,CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=4") == {
-        "CUTE_MEGAMOE_SM90_TRANSPOSED": "1", "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "4"}
+    assert _parse_env("CUTE_MEGAMOE_SM90_TRANSPOSED=1,CUTE_MEGAMOE_SM90_PROMOTION=chunk") == {
+        "CUTE_MEGAMOE_SM90_TRANSPOSED": "1", "CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}
     for bad in ("CUTE_MEGAMOE_SM90_TRANSPOSED", "OMP_NUM_THREADS=2"):
         with pytest.raises(SystemExit, match="--env-ab"):
             _parse_env(bad)

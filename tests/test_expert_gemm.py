@@ -738,16 +738,14 @@ def test_tiled_weights_are_bit_identical(block_m):
                                              (64, "l2_overlap"), (128, "l2_overlap"),
                                              (128, "ordered_mma"), (64, "split_ordered"),
                                              (64, "weight_prefetch"),
-                                             (128, "weight_prefetch"), (64, "transposed"),
-                                             (64, "transposed_wide")])
+                                             (128, "weight_prefetch"), (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the chunks split between
     two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the fp8xfp8 L2 with 128-column tiles and
     the "overlap" promotion (`CUTE_MEGAMOE_SM90_L2_OVERLAP`) and the consumer warpgroups
     taking turns (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n), the weights
     prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
-    (`CUTE_MEGAMOE_SM90_TRANSPOSED`; with MXFP4 weights also with four decode warpgroups,
-    `CUTE_MEGAMOE_SM90_FP4_DECODE_WGS`) compute the same products and promote them in the same
+    (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and promote them in the same
     order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
     untouched."""
     from cute_megamoe.testing.gemm_checks import (
@@ -760,8 +758,6 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     device = _gpu()
     if variant == "l2_overlap" and recipe != "fp8xfp8":
         pytest.skip("the overlap promotion is fp8xfp8 only")
-    if variant == "transposed_wide" and recipe != "fp8xfp4_sm90":
-        pytest.skip("decode warpgroups: MXFP4 weights only")
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
@@ -777,16 +773,12 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                    "weight_prefetch": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                        "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"},
-                   "transposed_wide": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                       "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                       "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "4"}}[variant]
+                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_SPLIT_N",
                      "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
-                     "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS"):
+                     "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

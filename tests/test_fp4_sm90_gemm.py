@@ -62,88 +62,6 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("transposed", ("0", "1"))
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_three_decode_warpgroups_compile(phase, transposed, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=3` (an A/B option at BLOCK_M 64, staged and
-    transposed): 640 threads, registers within what the launch gives (96 each), no spills;
-    the rows of both chunks numbered across them, so the third item of a thread is stored only
-    below row 256 (a guarded store beside the unguarded ones)."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "3")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
-    kernel, art = _compile(phase, 64)
-    assert (kernel.decode_wgs, kernel.num_threads) == (3, 640)
-    assert 128 * (kernel.producer_regs + 3 * kernel.decode_regs + kernel.consumer_regs) \
-        <= 640 * 96
-    assert _compile(phase, 128)[0].decode_wgs == 1  # (BLOCK_M 128 keeps its one)
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("QGMMA") > 0 and art.count("LDS.128") >= 3
-    # two items of every thread and the guarded third: 3 x 2 16-byte stores
-    assert art.count("STS.128") >= 6
-    assert art.count("STL") == 0 and art.count("LDL") == 0
-    usage = art.resource_usage()
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-
-
-def test_decode_rows_cover_the_tile_once():
-    """The decode threads' items (`decode_chunks`) for 2, 3 and 4 decode warpgroups: every
-    (row of the 256-row tile, 32-group) decoded exactly once per k-block; with 3 the flat
-    numbering gives 256 threads 3 items and 128 threads 2."""
-    for wgs in (2, 3, 4):
-        threads = 128 * wgs
-        per_pass = threads // 4
-        seen, per_thread = [], []
-        for tid in range(threads):
-            row0, group = tid // 4, tid % 4
-            if 128 % per_pass == 0:
-                mine = [c * 128 + row0 + per_pass * p for c in range(2)
-                        for p in range(128 // per_pass)]
-            else:
-                mine = [r for p in range(-(-256 // per_pass))
-                        if (r := row0 + per_pass * p) < 256]
-            seen += [(r, group) for r in mine]
-            per_thread.append(len(mine))
-        assert sorted(seen) == [(r, g) for r in range(256) for g in range(4)], wgs
-        if wgs == 3:
-            assert per_thread.count(3) == 256 and per_thread.count(2) == 128
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_wide_decode_compiles_with_four_decode_warpgroups(phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=4` (an A/B option of the transposed kernel, BLOCK_M
-    64): four decode warpgroups, two items per thread, 768 threads whose registers fit what
-    the launch gives (80 each), no spills; the staged kernel (which ptxas rejects at 80
-    registers, C7602), BLOCK_M 128 and FP8 weights refuse it."""
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.kernels.sm90_expert_gemm_transposed import (
-        Sm90TransposedExpertGemmKernel,
-    )
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "4")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    kernel, art = _compile(phase, 64)
-    assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
-    assert (kernel.decode_wgs, kernel.num_threads, kernel.decode_batch) == (4, 768, 2)
-    assert 128 * (kernel.producer_regs + 4 * kernel.decode_regs + kernel.consumer_regs) \
-        <= 768 * 80
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "0")
-    assert _compile(phase, 64)[0].decode_wgs == 2  # (the staged kernel keeps its two)
-    for kind, recipe, block_m in ((Sm90ExpertGemmKernel, RECIPE, 64),
-                                  (Sm90ExpertGemmKernel, RECIPE, 128),
-                                  (Sm90TransposedExpertGemmKernel, "fp8xfp8", 64)):
-        with pytest.raises(ValueError, match="decode_warpgroups"):
-            kind("l1", recipe, 8, 4096, 4096, 7168, block_m, decode_warpgroups=4)
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("QGMMA") > 0 and art.count("LDS.128") >= 1
-    assert art.count("STL") == 0 and art.count("LDL") == 0
-    usage = art.resource_usage()
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_cluster_variant_compiles_with_remote_stores_and_no_spills(phase, monkeypatch):
     """`CUTE_MEGAMOE_SM90_FP4_CLUSTER`: at BLOCK_M 128 the FP4 kernels run in 2-CTA clusters;
@@ -214,17 +132,14 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
-                                             (64, "transposed_wide"), (64, "decode3"),
                                              (128, "fp4_cluster")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
     pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
-    both sides; FP4 also with four decode warpgroups, `CUTE_MEGAMOE_SM90_FP4_DECODE_WGS`), the
-    staged FP4 kernel with three decode warpgroups, or in
-    2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`; the fp8xfp8 side runs
-    in clusters too)."""
+    both sides), or in 2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`;
+    the fp8xfp8 side runs in clusters too)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -276,8 +191,6 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
-            "transposed_wide": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "4"}, 64),
-            "decode3": ({"CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "3"}, 64),
             "fp4_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
@@ -287,9 +200,8 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64, with two or four
-    decode warpgroups), the staged kernel with three (`CUTE_MEGAMOE_SM90_FP4_DECODE_WGS=3`) and
-    the 2-CTA clusters that share the decode of a weight tile
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64) and the 2-CTA
+    clusters that share the decode of a weight tile
     (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`, BLOCK_M 128) against the staged decode on the same FP4
     weights and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid
     row, pad rows stay poisoned; with routings that leave experts empty, pair pool blocks of

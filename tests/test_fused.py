@@ -212,8 +212,8 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
      {"": "auto", "launch": "launch", "kernel": "kernel"}),
-    ("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "sm90_fp4_decode_warpgroups",
-     {"": 2, "2": 2, "4": 4})])
+    ("CUTE_MEGAMOE_SM90_TRANSPOSED", "sm90_transposed",
+     {"": None, "auto": None, "1": True, "0": False})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

@@ -131,20 +131,6 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # still two decode warpgroups, 640 threads: 128 x (24 + 2 x 56 + 2 x 168) = 59K of the 60K
 # registers 640 threads launch with (96 each)
 FP4_SPLIT_WARPGROUPS = (2, 24, 56, 168, 4)
-# `decode_warpgroups` 4 at BLOCK_M 64 (an A/B option of the transposed kernel): twice the
-# decode warps to hide the decode's load -> permute -> store latency (ncu: the decode-size FP4
-# kernels are latency-bound, about half the issue slots used with 3 warps per scheduler), two
-# items per thread: 768 threads launch with 80 registers each, 128 x (24 + 4 x 56 + 232) =
-# 60K. The transposed kernel's only (m64n16 WGMMAs): ptxas rejects the staged kernel at the
-# launch's 80 registers (C7602: one of its instructions needs 90)
-FP4_WIDE_DECODE = (4, 24, 56, 232, 2)
-# `decode_warpgroups` 3 at BLOCK_M 64 (an A/B option of the staged and transposed kernels):
-# 640 threads launch with 96 registers, which ptxas accepts for the staged consumer;
-# 128 x (24 + 3 x 72 + 232) = 59K. 384 decode threads do not divide a chunk's 128 rows by
-# four groups evenly: the rows of both chunks are numbered 0 .. 255 and thread t takes rows
-# t / 4 + 96 j (j < 3; the third only below 256), so 256 threads decode 3 items per k-block
-# and 128 decode 2 (the two warpgroups' 4)
-FP4_DECODE3 = (3, 24, 72, 232, 4)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -165,9 +151,6 @@ def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
 class Sm90ExpertGemmKernel:
     """One grouped GEMM of the expert FFN over the pool (see module doc)."""
 
-    # whether ``decode_warpgroups`` may take FP4_WIDE_DECODE (small consumer WGMMAs only)
-    wide_decode_ok = False
-
     @staticmethod
     def can_split_n(phase: str, recipe: str, n: int, block_m: int) -> bool:
         """Whether ``split_n`` applies: FP8, BLOCK_M 64, 256-column tiles."""
@@ -183,7 +166,7 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None, split_n: bool = False,
                  block_n: int | None = None, ordered_mma: bool = False,
                  weight_prefetch: int = 0, tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_warpgroups: int | None = None):
+                 owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -286,23 +269,11 @@ class Sm90ExpertGemmKernel:
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
             config = FP4_SPLIT_WARPGROUPS if self.split_n else FP4_WARPGROUPS[self.num_mma_wgs]
-            if decode_warpgroups not in (None, config[0]):
-                wide = {FP4_DECODE3[0]: FP4_DECODE3}
-                if self.wide_decode_ok:
-                    wide[FP4_WIDE_DECODE[0]] = FP4_WIDE_DECODE
-                if decode_warpgroups not in wide or block_m != 64 or self.split_n:
-                    raise ValueError(f"decode_warpgroups: {config[0]}, or {sorted(wide)} at "
-                                     f"BLOCK_M 64 without split_n (4: the transposed kernel "
-                                     f"only); got {decode_warpgroups}")
-                config = wide[decode_warpgroups]
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
              batch) = config
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
-        elif decode_warpgroups is not None:
-            raise ValueError(f"decode_warpgroups: FP4 weights only, got {decode_warpgroups} "
-                             f"for {recipe}")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -1111,13 +1082,8 @@ class Sm90ExpertGemmKernel:
         `decode_batch` items loaded before any is decoded. The exponent shift of a group is its
         UE8M0 scale over its 128x128 block's base ``2**b`` (the block scale: L1 row groups of 8
         alternate gate and up blocks, the same for all rows of a thread)."""
-        threads = 128 * self.decode_wgs
-        rows_per_pass = threads // 4
-        # "flat" (3 decode warpgroups): rows numbered across the chunks, see FP4_DECODE3
-        flat = WG_N % rows_per_pass != 0
-        total_rows = self.chunks * WG_N
-        items = ([(None, p) for p in range(-(-total_rows // rows_per_pass))] if flat
-                 else [(c, p) for c in chunks for p in range(WG_N // rows_per_pass)])
+        rows_per_pass = 128 * self.decode_wgs // 4
+        items = [(c, p) for c in chunks for p in range(WG_N // rows_per_pass)]
         batch = min(len(items), self.decode_batch)
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
@@ -1135,15 +1101,7 @@ class Sm90ExpertGemmKernel:
         for first in cutlass.range_constexpr(0, len(items), batch):
             codes, shifts, rows = [], [], []
             for chunk, p in items[first:first + batch]:
-                # the item's row of the tile, chunk * 128 + row (flat: past the last row only
-                # in the third pass; that item loads the last row again and stores nothing)
-                if cutlass.const_expr(flat):
-                    tile_row = row0 + rows_per_pass * p
-                    if cutlass.const_expr(rows_per_pass * (p + 1) > total_rows):
-                        tile_row = cutlass.min(tile_row, Int32(total_rows - 1))
-                    chunk = tile_row >> 7  # (WG_N = 128 rows per chunk)
-                else:
-                    tile_row = chunk * WG_N + row0 + rows_per_pass * p
+                tile_row = chunk * WG_N + row0 + rows_per_pass * p  # (the item's tile row)
                 rows.append(tile_row)
                 c = cute.make_rmem_tensor(4, Int32)
                 cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N
@@ -1156,18 +1114,14 @@ class Sm90ExpertGemmKernel:
                 base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
                 ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
                 shifts.append(ue8m0 - base)
-            for j, (_, p) in enumerate(items[first:first + batch]):
+            for j in cutlass.range_constexpr(len(rows)):
                 lut_lo, lut_hi = e2m1_table(shifts[j])
                 # word q of the group: columns 4q .. 4q + 3, 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
                 out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
                 for q in cutlass.range_constexpr(4):
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
                 stage_base = state.index * self.chunks * chunk_bytes + rows[j] * self.block_k
-                if cutlass.const_expr(flat and rows_per_pass * (p + 1) > total_rows):
-                    if row0 + rows_per_pass * p < total_rows:
-                        self.store_decoded(out, sb, stage_base, pieces, decoded, state, peer)
-                else:
-                    self.store_decoded(out, sb, stage_base, pieces, decoded, state, peer)
+                self.store_decoded(out, sb, stage_base, pieces, decoded, state, peer)
 
     @cute.jit
     def store_decoded(self, out: list, sb: cute.Pointer, row_offset, pieces: list,
