@@ -36,7 +36,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_fp4_cluster,
     sm90_l2_overlap,
     sm90_ordered_mma,
     sm90_promotion,
@@ -352,8 +351,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                                 weight_prefetch=sm90_weight_prefetch(),
                                                 tiled_weights=tiled_weights, **extra)
         return kernel, dtypes
-    if arch == "sm_90a":  # (FP4 weights: clusters only as an A/B variant)
-        extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90" and not sm90_fp4_cluster()
+    if arch == "sm_90a":  # (FP4 weights: no clusters)
+        extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
@@ -417,7 +416,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n(), sm90_fp4_cluster(),
+               (sm90_promotion(), sm90_split_n(),
                 sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
                 transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)

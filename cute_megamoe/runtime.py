@@ -218,14 +218,6 @@ def sm90_transposed() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_fp4_cluster() -> bool:
-    """``CUTE_MEGAMOE_SM90_FP4_CLUSTER=1``: the sm_90a grouped GEMMs with MXFP4 weights at
-    BLOCK_M 128 in 2-CTA clusters where fp8xfp8 uses them (`heuristics.select_cluster_m`), each
-    CTA decoding half of the weight tile the pair shares, for A/B runs. Part of the grouped
-    GEMMs' cache keys."""
-    return env_flag("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first
@@ -304,7 +296,6 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_SM90_SPLIT_N",
                       "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL",

@@ -349,10 +349,12 @@ class Sm90ExpertGemmKernel:
         if not 2 <= self.num_stages <= fit:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
-        # multicasts it to both, when both pool blocks belong to one expert.
-        # FP4 weights: each CTA decodes one chunk of the shared tile into both CTAs' stages.
-        if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
-            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
+        # multicasts it to both, when both pool blocks belong to one expert. (FP4 weights: a
+        # decode shared by the pair took 0.96-1.05x the time; removed, docs/performance.md)
+        if cluster_m not in (1, 2) or (cluster_m == 2 and (self.chunks != 2
+                                                           or self.fp4_weights)):
+            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles and FP8 or BF16 "
+                             f"weights, got {cluster_m}")
         self.cluster_m = cluster_m
         # (`owner_search`: how the walk finds a tile's expert, `ExpertTileScheduler.owner_of`)
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m,
@@ -507,7 +509,7 @@ class Sm90ExpertGemmKernel:
         tiled_mma, a_layout, b_layout = self.mma_and_stage_layouts()
         tma_a, tma_m_a, tma_b, tma_m_b = self.tma_loads(a, b, a_layout, b_layout)
         tma_b_mc = tma_b
-        if cutlass.const_expr(self.cluster_m > 1 and not self.fp4_weights):
+        if cutlass.const_expr(self.cluster_m > 1):
             tma_b_mc = self.tma_multicast_b(b, b_layout)
 
         @cute.struct
@@ -606,7 +608,7 @@ class Sm90ExpertGemmKernel:
                                 storage.decoded.data_ptr(), block_start, row_start, num_tiles,
                                 cluster, num_clusters, raster_group,
                                 tidx - 128 * (1 + self.num_mma_wgs), lane,
-                                *self.decode_states(), rank=rank)
+                                *self.decode_states())
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -645,8 +647,7 @@ class Sm90ExpertGemmKernel:
                 state, _ = self.produce_packed(
                     tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
                     storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                    row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state,
-                    rank=rank)
+                    row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state)
                 packed_pipe.producer_tail(state)
 
     def consumer_staging(self, staging: cute.Pointer, consumer_warp):
@@ -665,8 +666,7 @@ class Sm90ExpertGemmKernel:
 
     def mma_pipeline(self, barriers: cute.Pointer):
         """The MMA stages' pipeline: TMA in; every consumer warp frees a stage in each CTA of
-        the cluster (the peer's multicast, or its share of the decode, writes into this CTA's
-        stages too)."""
+        the cluster (the peer's multicast writes into this CTA's stages too)."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -912,17 +912,13 @@ class Sm90ExpertGemmKernel:
     def produce_packed(self, tma_b, m_b, raw_b: cute.Tensor, packed_pipe, b_sf: cute.Pointer,
                        b_group_sf: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
                        block_start, row_start, num_tiles: Int32, first_tile: Int32,
-                       num_clusters: Int32, raster_group: Int32, lane: Int32, state,
-                       rank: Int32 = None):
+                       num_clusters: Int32, raster_group: Int32, lane: Int32, state):
         """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
         words and the k-block's weight block scales of every k-block of tiles ``first_tile``,
-        ``first_tile + num_clusters``, ... ``< num_tiles`` (in a cluster, of this CTA's pool
-        block ``rank``: the peer's may belong to another expert) into the packed stages,
+        ``first_tile + num_clusters``, ... ``< num_tiles`` into the packed stages,
         running up to `packed_stages` k-blocks ahead of the decode (the weights wait for
         nothing). ``state``: the packed stages' producer state. Returns ``(state, the first
         tile index past num_tiles)``."""
-        if cutlass.const_expr(rank is None):
-            rank = Int32(0)
         g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(raw_b, 0, 2),
@@ -932,10 +928,10 @@ class Sm90ExpertGemmKernel:
         owner = Int32(0)
         while tile < num_tiles:
             owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
-                tile, owner, block_start, row_start, raster_group, rank)
+                tile, owner, block_start, row_start, raster_group, Int32(0))
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             next_block = self.next_b_block(tile, owner, num_tiles, num_clusters, block_start,
-                                           row_start, raster_group, rank)
+                                           row_start, raster_group, Int32(0))
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
@@ -1020,49 +1016,29 @@ class Sm90ExpertGemmKernel:
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
-                       raster_group: Int32, tid: Int32, lane: Int32, state, packed,
-                       rank: Int32 = None):
+                       raster_group: Int32, tid: Int32, lane: Int32, state, packed):
         """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
         k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
         (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
         num_tiles), once the TMA has filled its packed stage and the MMA has freed its MMA stage
         (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
-        ``decoded`` barrier and free the packed stage. In a cluster (``rank``: this CTA's) whose
-        two pool blocks share the expert, each CTA decodes chunk ``rank`` only and also stores
-        it into the peer's stage (``st.async``, counted by the transaction bytes of the peer's
-        ``decoded`` barrier): half the decode per CTA. See `decode_chunks` for the items."""
+        ``decoded`` barrier and free the packed stage. See `decode_chunks` for the items."""
         if cutlass.const_expr(self.fp4_weights):
-            if cutlass.const_expr(rank is None):
-                rank = Int32(0)
             tile = first_tile
             owner = Int32(0)
             while tile < num_tiles:
-                owner, shared, _e, n_block, _b, _v = self.pair_tile(
-                    tile, owner, block_start, row_start, raster_group, rank)
+                owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
+                    tile, owner, block_start, row_start, raster_group, Int32(0))
                 for _kb in cutlass.range(self.num_k_blocks):
                     packed_pipe.consumer_wait(packed)
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    if cutlass.const_expr(self.cluster_m > 1):
-                        if shared:
-                            self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
-                                               packed, [rank], 1 - rank)
-                        else:
-                            self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
-                                               packed, list(range(self.chunks)))
-                    else:
-                        self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
-                                           packed, list(range(self.chunks)))
+                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed)
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
                     if lane == 0:
-                        if shared and tid == 0:
-                            # the peer's chunk arrives by st.async, counted in bytes
-                            cute.arch.mbarrier_arrive_and_expect_tx(decoded + state.index,
-                                                                    WG_N * self.block_k)
-                        else:
-                            cute.arch.mbarrier_arrive(decoded + state.index)
+                        cute.arch.mbarrier_arrive(decoded + state.index)
                     packed_pipe.consumer_release(packed)
                     state.advance()
                     packed.advance()
@@ -1072,10 +1048,8 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
-                      sfg: cute.Pointer, decoded: cute.Pointer, n_block: Int32, tid: Int32,
-                      state, packed, chunks: list, peer: Int32 = None):
-        """One k-block's weight ``chunks`` (compile-time indices, or one run-time index) from
-        the packed stage into the MMA stage, and with ``peer`` into the peer CTA's too. An item
+                      sfg: cute.Pointer, n_block: Int32, tid: Int32, state, packed):
+        """One k-block's weight chunks from the packed stage into the MMA stage. An item
         is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
         thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
         (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
@@ -1083,7 +1057,7 @@ class Sm90ExpertGemmKernel:
         UE8M0 scale over its 128x128 block's base ``2**b`` (the block scale: L1 row groups of 8
         alternate gate and up blocks, the same for all rows of a thread)."""
         rows_per_pass = 128 * self.decode_wgs // 4
-        items = [(c, p) for c in chunks for p in range(WG_N // rows_per_pass)]
+        items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
         batch = min(len(items), self.decode_batch)
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
@@ -1121,22 +1095,9 @@ class Sm90ExpertGemmKernel:
                 for q in cutlass.range_constexpr(4):
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
                 stage_base = state.index * self.chunks * chunk_bytes + rows[j] * self.block_k
-                self.store_decoded(out, sb, stage_base, pieces, decoded, state, peer)
-
-    @cute.jit
-    def store_decoded(self, out: list, sb: cute.Pointer, row_offset, pieces: list,
-                      decoded: cute.Pointer, state, peer):
-        """An item's two 16-byte pieces of e4m3 into its row of the MMA stage (``row_offset``:
-        the row's byte offset in ``sb``), and with ``peer`` into the peer CTA's too."""
-        for half in cutlass.range_constexpr(2):
-            offset = row_offset + pieces[half] * 16
-            cute.autovec_copy(out[half], smem_words(sb, offset))
-            if cutlass.const_expr(peer is not None):
-                cute.arch.store_async_dsmem(
-                    cute.make_ptr(Int32, sb.toint() + offset, cute.AddressSpace.smem,
-                                  assumed_align=16),
-                    (out[half][0], out[half][1], out[half][2], out[half][3]),
-                    decoded + state.index, peer)
+                for half in cutlass.range_constexpr(2):
+                    cute.autovec_copy(out[half],
+                                      smem_words(sb, stage_base + pieces[half] * 16))
 
     @cute.jit
     def next_b_block(self, tile: Int32, owner: Int32, num_tiles: Int32, num_clusters: Int32,
@@ -1247,10 +1208,6 @@ class Sm90ExpertGemmKernel:
                     if cutlass.const_expr(self.fp4_weights):
                         # the decode warps have written the stage's e4m3 weight tile
                         cute.arch.mbarrier_wait(decoded + state.index, state.phase)
-                        if cutlass.const_expr(self.cluster_m > 1):
-                            # (half of it by the peer's st.async: generic-proxy writes the
-                            # WGMMAs read through the async proxy)
-                            cute.arch.fence_view_async_shared()
                     if cutlass.const_expr(self.late_metadata):
                         if kb == 0:
                             row_dst = self.row_destination(out, peer_bases, src_metadata,
