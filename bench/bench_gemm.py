@@ -17,8 +17,6 @@ alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp
 `ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
 times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
 `--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`);
-`--overlap-ab` (fp8xfp8) the L2 GEMM with 128-column tiles and the "overlap" promotion, each
-k-block promoted while the next one's WGMMAs run (`overlap_us`, `overlap_over_default`);
 `--ordered-ab` (FP8) BLOCK_M 128 with the two consumer warpgroups taking turns issuing their
 WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ordered_l1_us`);
 `--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
@@ -54,7 +52,6 @@ from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
 SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
-OVERLAP_ENV = "CUTE_MEGAMOE_SM90_L2_OVERLAP"
 ORDERED_ENV = "CUTE_MEGAMOE_SM90_ORDERED_MMA"
 PREFETCH_ENV = "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"
 TRANSPOSED_ENV = "CUTE_MEGAMOE_SM90_TRANSPOSED"
@@ -183,10 +180,6 @@ def main() -> None:
                    help="FP8 recipes: also time BLOCK_M 64 with the tile's chunks split between "
                         "two consumer warpgroups (CUTE_MEGAMOE_SM90_SPLIT_N; outputs checked "
                         "bit-exact; split_over_default: against the default build)")
-    p.add_argument("--overlap-ab", action="store_true",
-                   help="fp8xfp8: also time the L2 GEMM with 128-column tiles and the 'overlap' "
-                        "promotion at both BLOCK_Ms (CUTE_MEGAMOE_SM90_L2_OVERLAP; outputs "
-                        "checked bit-exact; overlap_over_default: against the default build)")
     p.add_argument("--ordered-ab", action="store_true",
                    help="FP8 recipes: also time BLOCK_M 128 with the consumer warpgroups taking "
                         "turns issuing their WGMMAs (CUTE_MEGAMOE_SM90_ORDERED_MMA; outputs "
@@ -241,9 +234,6 @@ def main() -> None:
             split = args.split_ab and fp8
             if split:
                 variants["split_64"] = (64, {SPLIT_ENV: "1", PROMOTION_ENV: "chunk"})
-            overlap = args.overlap_ab and recipe == "fp8xfp8"
-            if overlap:
-                variants.update({f"overlap_{bm}": (bm, {OVERLAP_ENV: "1"}) for bm in (64, 128)})
             ordered = args.ordered_ab and fp8
             if ordered:
                 variants["ordered_128"] = (128, {ORDERED_ENV: "1"})
@@ -329,9 +319,6 @@ def main() -> None:
                                 ordered_over_default=times["ordered_128"] / t,
                                 ordered_l1_us=times["ordered_l1_128"] * 1e6,
                                 ordered_l1_over_default=times["ordered_l1_128"] / t)
-                if overlap:
-                    base.update(overlap_us=times[f"overlap_{block_m}"] * 1e6,
-                                overlap_over_default=times[f"overlap_{block_m}"] / t)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -343,7 +330,7 @@ def main() -> None:
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
-                     "split_us", "split_over_default", "overlap_us", "overlap_over_default",
+                     "split_us", "split_over_default",
                      "ordered_us", "ordered_over_default", "ordered_l1_over_default",
                      "prefetch_us", "prefetch_over_default", "other_storage",
                      "storage_us", "storage_over_default", "storage_ratio_to_fp8",

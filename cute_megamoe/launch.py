@@ -36,7 +36,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_l2_overlap,
     sm90_ordered_mma,
     sm90_promotion,
     sm90_split_n,
@@ -323,7 +322,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
 
     clamp = activation_clamp if phase == "l1" else None
     if arch == "sm_90a":
-        from .kernels.sm90_expert_gemm import MAX_OVERLAP_K_BLOCKS
         from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
 
         ab = BFloat16 if recipe == "bf16xbf16" else Float8E4M3FN
@@ -358,9 +356,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
             extra["promotion"] = sm90_promotion()
         if sm90_split_n() and Kernel.can_split_n(phase, recipe, n, block_m):
             extra["split_n"] = True
-        if sm90_l2_overlap() and phase == "l2" and recipe == "fp8xfp8" and n % 128 == 0 \
-                and k // 128 <= MAX_OVERLAP_K_BLOCKS:
-            extra.update(block_n=128, promotion="overlap", cluster_m=1)
         if (phase in sm90_ordered_mma() and recipe != "bf16xbf16"
                 and extra.get("promotion") in (None, "chunk")
                 and (block_m == 128 or extra.get("split_n"))):
@@ -417,7 +412,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(),
-                sm90_l2_overlap(), sm90_ordered_mma(), sm90_weight_prefetch(),
+                sm90_ordered_mma(), sm90_weight_prefetch(),
                 transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}

@@ -165,14 +165,6 @@ def sm90_split_n() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
 
 
-def sm90_l2_overlap() -> bool:
-    """``CUTE_MEGAMOE_SM90_L2_OVERLAP=1``: the sm_90a fp8xfp8 L2 grouped GEMM with 128-column
-    tiles and the "overlap" promotion (`Sm90ExpertGemmKernel`'s ``promotion``: k-block by
-    k-block into two scratch accumulators, each promoted while the next k-block's WGMMAs run),
-    for A/B runs against the 256-column "chunk" L2. Part of the grouped GEMMs' cache keys."""
-    return env_flag("CUTE_MEGAMOE_SM90_L2_OVERLAP")
-
-
 def sm90_ordered_mma() -> tuple[str, ...]:
     """``CUTE_MEGAMOE_SM90_ORDERED_MMA``: the GEMM phases ("l1", "l2") whose sm_90a FP8
     kernels with two consumer warpgroups take turns issuing their chunks' WGMMAs
@@ -294,7 +286,7 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N",
-                      "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
+                      "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",

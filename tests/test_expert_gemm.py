@@ -247,48 +247,6 @@ def test_sm90_split_n_compiles_with_one_chunk_per_warpgroup(recipe, phase, monke
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("block_m", (64, 128))
-def test_sm90_l2_overlap_compiles_with_two_scratch_accumulators(block_m, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_L2_OVERLAP` (fp8xfp8 L2): 128-column tiles, k-block by k-block into
-    two scratch accumulators, each promoted while the next one's WGMMAs run: one m64n128
-    chunk per k-block (4 k32 WGMMAs), a wait that leaves one group in flight per k-block and
-    one that drains the last, WGMMAs not serialized, no spills; L1, BF16 and FP4 weights
-    built as without the variable."""
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_L2_OVERLAP", "1")
-    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, 8192, 7168, 512, block_m)
-    assert (kernel.block_n, kernel.promotion, kernel.cluster_m) == (128, "overlap", 1)
-    for recipe, phase in (("fp8xfp8", "l1"), ("bf16xbf16", "l2"), ("fp8xfp4_sm90", "l2")):
-        other = gemm_kernel("sm_90a", recipe, phase, 32, 8192, 4096 if phase == "l1" else 7168,
-                            512, block_m, activation_clamp=10.0)[0]
-        assert other.promotion != "overlap" and other.block_n == 256, (recipe, phase)
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4 * kernel.num_k_blocks
-    assert art.sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1 ;") == kernel.num_k_blocks - 1
-    assert art.sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0 ;") == 1
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert art.ptxas_performance_notes() == []
-    for bad in (dict(recipe="bf16xbf16"), dict(recipe="fp8xfp4_sm90"), dict(block_n=256),
-                dict(k=128 * 33)):
-        args = dict(recipe="fp8xfp8", block_n=128, k=512) | bad
-        with pytest.raises(ValueError, match="overlap"):
-            Sm90ExpertGemmKernel("l2", args["recipe"], 32, 8192, 7168, args["k"], block_m,
-                                 block_n=args["block_n"], promotion="overlap")
-    with pytest.raises(ValueError, match="block_n"):
-        Sm90ExpertGemmKernel("l1", "fp8xfp8", 32, 8192, 4096, 512, block_m, block_n=128)
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
                                        ("l2", 1152, 512)])
@@ -735,15 +693,13 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"), (64, "split_n"),
-                                             (64, "l2_overlap"), (128, "l2_overlap"),
                                              (128, "ordered_mma"), (64, "split_ordered"),
                                              (64, "weight_prefetch"),
                                              (128, "weight_prefetch"), (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the chunks split between
-    two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the fp8xfp8 L2 with 128-column tiles and
-    the "overlap" promotion (`CUTE_MEGAMOE_SM90_L2_OVERLAP`) and the consumer warpgroups
-    taking turns (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n), the weights
+    two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the consumer warpgroups taking turns
+    (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n), the weights
     prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and promote them in the same
     order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
@@ -756,15 +712,11 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     )
 
     device = _gpu()
-    if variant == "l2_overlap" and recipe != "fp8xfp8":
-        pytest.skip("the overlap promotion is fp8xfp8 only")
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "split_n": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                "CUTE_MEGAMOE_SM90_SPLIT_N": "1"},
-                   "l2_overlap": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_L2_OVERLAP": "1"},
                    "ordered_mma": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                    "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"},
                    "split_ordered": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
@@ -777,7 +729,7 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_SPLIT_N",
-                     "CUTE_MEGAMOE_SM90_L2_OVERLAP", "CUTE_MEGAMOE_SM90_ORDERED_MMA",
+                     "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():

@@ -107,9 +107,6 @@ QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # WGMMAs cost more issue); fp8xfp4_sm90 1.20-1.29x at 64 (the decode warpgroups need the issue
 # slots the quarters take)
 DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter"}
-# "overlap" promotion: k-blocks of its unrolled mainloop at most (L2's K = intermediate: 16
-# at DeepSeek-V3's 2048)
-MAX_OVERLAP_K_BLOCKS = 32
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -163,8 +160,7 @@ class Sm90ExpertGemmKernel:
                  wg_skew: int | None = None, staging_parts: int | None = None,
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
                  packed_stages: int | None = None, decode_batch: int | None = None,
-                 promotion: str | None = None, split_n: bool = False,
-                 block_n: int | None = None, ordered_mma: bool = False,
+                 promotion: str | None = None, split_n: bool = False, ordered_mma: bool = False,
                  weight_prefetch: int = 0, tiled_weights: bool = False,
                  owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
@@ -177,11 +173,6 @@ class Sm90ExpertGemmKernel:
         # requantization group (128 features = 256 interleaved columns)
         self.block_n = 2 * WG_N if (n % (2 * WG_N) == 0 or (phase == "l1" and self.is_fp8)) \
             else WG_N
-        if block_n is not None:  # (128 where 256 would fit: the "overlap" promotion)
-            if block_n not in (WG_N, 2 * WG_N) or (block_n == WG_N and phase == "l1"
-                                                    and self.is_fp8):
-                raise ValueError(f"block_n: 128 or 256 (an FP8 L1 tile: 256), got {block_n}")
-            self.block_n = block_n
         self.chunks = self.block_n // WG_N
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
         self.clamp = check_gemm_config(
@@ -225,23 +216,13 @@ class Sm90ExpertGemmKernel:
         self.wg_chunks = 1 if self.split_n else self.chunks
         # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
         # quarter into two scratch accumulators, each quarter promoted while the next one's
-        # WGMMAs run ("quarter": the tensor cores idle less; the same registers), or, with one
-        # chunk per warpgroup, k-block by k-block into two 64-register scratch accumulators,
-        # each k-block promoted while the next one's WGMMAs run ("overlap": the warpgroup's
-        # own WGMMAs run through its promotions; fp8xfp8, an A/B variant for L2 with 128-column
-        # tiles); None: by BLOCK_M (`DEFAULT_PROMOTION`)
+        # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
+        # BLOCK_M (`DEFAULT_PROMOTION`)
         if promotion is None:
             promotion = "chunk" if self.split_n else DEFAULT_PROMOTION.get((recipe, block_m),
                                                                            "chunk")
-        if promotion not in ("chunk", "quarter", "overlap") or (promotion != "chunk"
-                                                                 and not self.is_fp8):
-            raise ValueError(f"promotion: 'chunk', or 'quarter' / 'overlap' with FP8; got "
-                             f"{promotion!r}")
-        if promotion == "overlap" and (recipe != "fp8xfp8" or self.wg_chunks != 1
-                                       or self.num_k_blocks > MAX_OVERLAP_K_BLOCKS):
-            raise ValueError(f"promotion 'overlap': fp8xfp8, one 128-column chunk per consumer "
-                             f"warpgroup (block_n 128 or split_n), at most "
-                             f"{MAX_OVERLAP_K_BLOCKS} k-blocks (its mainloop is unrolled)")
+        if promotion not in ("chunk", "quarter") or (promotion != "chunk" and not self.is_fp8):
+            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
         # `ordered_mma`: the two consumer warpgroups take turns issuing their chunks' WGMMAs
         # (a pair of named barriers), so the tensor cores run one warpgroup's chunk after the
@@ -1161,9 +1142,6 @@ class Sm90ExpertGemmKernel:
         acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.wg_chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
-        parts = None  # "overlap": the two scratch accumulators
-        if cutlass.const_expr(self.promotion == "overlap"):
-            parts = [part, cute.make_rmem_tensor(acc_shape, Float32)]
         quarter_mma = quarter_a = quarter_b = quarter_parts = None
         if cutlass.const_expr(self.promotion == "quarter"):
             quarter_mma, quarter_a, quarter_b, quarter_parts = self.quarter_operands(sa, sb,
@@ -1196,12 +1174,7 @@ class Sm90ExpertGemmKernel:
                                                warp_row0 + lane, valid_m, n_block, lane)
             for c in cutlass.range_constexpr(self.wg_chunks):
                 accs[c].fill(0.0)
-            if cutlass.const_expr(self.promotion == "overlap"):
-                state, row_dst = self.mainloop_overlapped(
-                    tiled_mma, t_ra, t_rb, accs, parts, sfa, sfb, ab_pipe, state, row0, n_block,
-                    chunk0, mma_wg, tile == first_tile, out, peer_bases, src_metadata, row_base,
-                    warp_row0, valid_m, lane, row_dst)
-            elif cutlass.const_expr(self.is_fp8):
+            if cutlass.const_expr(self.is_fp8):
                 for kb in cutlass.range(self.num_k_blocks):
                     self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
@@ -1325,55 +1298,6 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(1)
                 self.promote(accs, parts[(q - 1) % 2], q - 1, sa0, sa1, scale_b)
         warpgroup.wait_group(0)
-
-    @cute.jit
-    def mainloop_overlapped(self, tiled_mma, t_ra, t_rb, accs, parts, sfa, sfb, ab_pipe, state,
-                            row0: Int32, n_block: Int32, chunk0: Int32, mma_wg: Int32, first_tile,
-                            out, peer_bases, src_metadata, row_base: Int32, warp_row0: Int32,
-                            valid_m: Int32, lane: Int32, row_dst: Int64):
-        """``promotion`` "overlap", one tile: k-block ``kb``'s WGMMAs go into scratch
-        ``kb % 2``, issued before k-block ``kb - 1`` is waited for, its stage's scales read,
-        the stage released and the scratch promoted, so the warpgroup's WGMMAs run through its
-        own promotions (the same sums, added in the same order as "chunk"). Unrolled over the
-        k-blocks: ptxas keeps the WGMMAs asynchronous only where no WGMMA group is in flight
-        across a loop's back edge. Returns ``(state past the tile's k-blocks, row_dst)``."""
-        num_k_phases = cute.size(t_ra, mode=[2])
-        done = state.clone()  # the k-block promoted next
-        for kb in cutlass.range_constexpr(self.num_k_blocks):
-            self.release_skew(mma_wg, Int32(kb), first_tile)
-            ab_pipe.consumer_wait(state)
-            if cutlass.const_expr(self.late_metadata and kb == 0):
-                row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
-                                               warp_row0 + lane, valid_m, n_block, lane)
-            warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for kk in cutlass.range_constexpr(num_k_phases):
-                cute.gemm(tiled_mma, parts[kb % 2], t_ra[(None, None, kk, state.index)],
-                          t_rb[(None, None, kk, state.index * self.chunks + chunk0)],
-                          parts[kb % 2])
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            state.advance()
-            if cutlass.const_expr(kb > 0):  # the previous k-block, while this one runs
-                warpgroup.wait_group(1)
-                self.promote_stage(accs, parts[(kb - 1) % 2], sfa, sfb, ab_pipe, done, row0,
-                                   n_block, chunk0)
-                done.advance()
-        warpgroup.wait_group(0)
-        self.promote_stage(accs, parts[(self.num_k_blocks - 1) % 2], sfa, sfb, ab_pipe, done,
-                           row0, n_block, chunk0)
-        return state, row_dst
-
-    @cute.jit
-    def promote_stage(self, accs, part: cute.Tensor, sfa, sfb, ab_pipe, done, row0: Int32,
-                      n_block: Int32, chunk0: Int32):
-        """The k-block of stage ``done`` (its WGMMAs complete): its scales, then the stage
-        released, then its scratch ``part`` promoted."""
-        sa0 = sfa[row0, done.index]
-        sa1 = sfa[row0 + 8, done.index]
-        scale_b = self.weight_scales(sfb, done.index, n_block, chunk0)
-        ab_pipe.consumer_release(done)
-        self.promote(accs, part, 0, sa0, sa1, scale_b, WG_N)
 
     @cute.jit
     def promote(self, accs, part: cute.Tensor, quarter: cutlass.Constexpr, sa0, sa1, scale_b,
