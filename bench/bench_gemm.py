@@ -17,8 +17,6 @@ alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp
 `ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
 times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
 `--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`);
-`--ordered-ab` (FP8) BLOCK_M 128 with the two consumer warpgroups taking turns issuing their
-WGMMAs in both GEMMs (`ordered_us`, `ordered_over_default`) and in L1 only (`ordered_l1_us`);
 `--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
 (`prefetch_us`, `prefetch_over_default`); `--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
 weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
@@ -52,7 +50,6 @@ from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
 SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
-ORDERED_ENV = "CUTE_MEGAMOE_SM90_ORDERED_MMA"
 PREFETCH_ENV = "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"
 TRANSPOSED_ENV = "CUTE_MEGAMOE_SM90_TRANSPOSED"
 
@@ -180,10 +177,6 @@ def main() -> None:
                    help="FP8 recipes: also time BLOCK_M 64 with the tile's chunks split between "
                         "two consumer warpgroups (CUTE_MEGAMOE_SM90_SPLIT_N; outputs checked "
                         "bit-exact; split_over_default: against the default build)")
-    p.add_argument("--ordered-ab", action="store_true",
-                   help="FP8 recipes: also time BLOCK_M 128 with the consumer warpgroups taking "
-                        "turns issuing their WGMMAs (CUTE_MEGAMOE_SM90_ORDERED_MMA; outputs "
-                        "checked bit-exact; ordered_over_default: against the default build)")
     p.add_argument("--prefetch-ab", type=int, default=0, metavar="K_BLOCKS",
                    help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
                         "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
@@ -234,10 +227,6 @@ def main() -> None:
             split = args.split_ab and fp8
             if split:
                 variants["split_64"] = (64, {SPLIT_ENV: "1", PROMOTION_ENV: "chunk"})
-            ordered = args.ordered_ab and fp8
-            if ordered:
-                variants["ordered_128"] = (128, {ORDERED_ENV: "1"})
-                variants["ordered_l1_128"] = (128, {ORDERED_ENV: "l1"})
             transposed = args.transposed_ab and fp8
             if transposed:
                 variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
@@ -314,11 +303,6 @@ def main() -> None:
                 if args.prefetch_ab:
                     base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
                                 prefetch_over_default=times[f"prefetch_{block_m}"] / t)
-                if ordered and block_m == 128:
-                    base.update(ordered_us=times["ordered_128"] * 1e6,
-                                ordered_over_default=times["ordered_128"] / t,
-                                ordered_l1_us=times["ordered_l1_128"] * 1e6,
-                                ordered_l1_over_default=times["ordered_l1_128"] / t)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -330,9 +314,8 @@ def main() -> None:
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
-                     "split_us", "split_over_default",
-                     "ordered_us", "ordered_over_default", "ordered_l1_over_default",
-                     "prefetch_us", "prefetch_over_default", "other_storage",
+                     "split_us", "split_over_default", "prefetch_us", "prefetch_over_default",
+                     "other_storage",
                      "storage_us", "storage_over_default", "storage_ratio_to_fp8",
                      "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",

@@ -36,7 +36,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_ordered_mma,
     sm90_promotion,
     sm90_split_n,
     sm90_transposed,
@@ -356,10 +355,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
             extra["promotion"] = sm90_promotion()
         if sm90_split_n() and Kernel.can_split_n(phase, recipe, n, block_m):
             extra["split_n"] = True
-        if (phase in sm90_ordered_mma() and recipe != "bf16xbf16"
-                and extra.get("promotion") in (None, "chunk")
-                and (block_m == 128 or extra.get("split_n"))):
-            extra["ordered_mma"] = True
         extra["weight_prefetch"] = sm90_weight_prefetch()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
@@ -412,7 +407,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(), sm90_split_n(),
-                sm90_ordered_mma(), sm90_weight_prefetch(),
+                sm90_weight_prefetch(),
                 transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
@@ -473,9 +468,6 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
     if row_transfer is None and state.arch == "sm_90a":
         row_transfer = fused_rows()
-    # (the turns of `ordered_mma` need two consumer warpgroups: BLOCK_M 128)
-    ordered = (state.arch == "sm_90a" and layout.has_sf and block_m == 128
-               and promotion in (None, "chunk") and sm90_ordered_mma() == ("l1", "l2"))
     prefetch = sm90_weight_prefetch() if state.arch == "sm_90a" else 0
     early = fused_early_prefetch() if state.arch == "sm_90a" else 0
     if weights_first is None and state.arch == "sm_90a":
@@ -493,7 +485,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, ordered, prefetch, early, tiled, dependent, stages, local, search)
+           weights_first, prefetch, early, tiled, dependent, stages, local, search)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -514,7 +506,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  tile_log=logged, l2_gate=l2_gate,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
-                                 ordered_mma=ordered, weight_prefetch=prefetch,
+                                 weight_prefetch=prefetch,
                                  early_prefetch=early, tiled_weights=tiled,
                                  dependent_launch=dependent, stages_inputs=stages,
                                  local_dispatch=local, owner_search=search)

@@ -165,19 +165,6 @@ def sm90_split_n() -> bool:
     return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
 
 
-def sm90_ordered_mma() -> tuple[str, ...]:
-    """``CUTE_MEGAMOE_SM90_ORDERED_MMA``: the GEMM phases ("l1", "l2") whose sm_90a FP8
-    kernels with two consumer warpgroups take turns issuing their chunks' WGMMAs
-    (`Sm90ExpertGemmKernel`'s ``ordered_mma``), for A/B runs: "1" both, "l1" or "l2" one,
-    unset or "0" none (the fused kernel: both or none). Part of the grouped GEMMs' and the
-    fused kernel's cache keys."""
-    value = os.environ.get("CUTE_MEGAMOE_SM90_ORDERED_MMA", "0").strip().lower()
-    phases = {"0": (), "": (), "1": ("l1", "l2"), "l1": ("l1",), "l2": ("l2",)}
-    if value not in phases:
-        raise ValueError(f"CUTE_MEGAMOE_SM90_ORDERED_MMA: one of {tuple(phases)}, got {value!r}")
-    return phases[value]
-
-
 def sm90_weight_prefetch() -> int:
     """``CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=<k-blocks>``: the sm_90a grouped GEMMs (and the fused
     kernel's GEMM stages) prefetch each weight tile that many k-blocks ahead of its loads into
@@ -286,7 +273,6 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_SPLIT_N",
-                      "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",

@@ -9,7 +9,6 @@ clamp on and off, fast and precise SiLU, and a small grid (many tiles per CTA).
 """
 
 import copy
-import re
 import zlib
 
 import pytest
@@ -316,53 +315,6 @@ def test_sm90_weight_prefetch_issues_tma_prefetches(recipe, monkeypatch):
         gemm_kernel("sm_90a", recipe, "l1", 32, 8192, 4096, 7168, 64, activation_clamp=10.0)
     with pytest.raises(ValueError, match="weight_prefetch"):
         Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, 64, weight_prefetch=-1)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe,phase", [("fp8xfp8", "l1"), ("fp8xfp8", "l2"),
-                                          ("fp8xfp4_sm90", "l1")])
-def test_sm90_ordered_mma_takes_turns(recipe, phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_ORDERED_MMA` (BLOCK_M 128): each consumer warpgroup waits for its
-    turn (named barrier 8 + its index) before a chunk's WGMMAs and passes it on after them,
-    inside the k-block loop; no skew barrier, no spills, WGMMAs not serialized. BLOCK_M 64
-    (one consumer warpgroup), BF16 and the other promotions are built without it."""
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_ORDERED_MMA", "1")
-    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
-                                 activation_clamp=10.0)
-    assert kernel.ordered_mma and kernel.wg_skew == 0
-    assert not gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                           activation_clamp=10.0)[0].ordered_mma
-    assert not gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, 128,
-                           activation_clamp=10.0)[0].ordered_mma
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # (the barrier ids are in registers: 8 + the warpgroup's index) per chunk of a k-block a
-    # turn awaited and one passed on, plus warpgroup 1's first pass and warpgroup 0's last wait
-    sass = re.sub(r"\s+", " ", art.sass)
-    chunks = kernel.chunks
-    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100 ;", sass)) == chunks + 1
-    assert len(re.findall(r"BAR\.ARV R\d+, 0x100 ;", sass)) == chunks
-    assert sass.count("BAR.ARV 0x8, 0x100 ;") == 1
-    assert "BAR.ARV 0x1," not in art.sass and "BAR.SYNC.DEFER_BLOCKING 0x1," not in art.sass
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert not [n for n in art.ptxas_performance_notes() if "serializ" in n.lower()]
-    for bad in (dict(recipe="bf16xbf16"), dict(promotion="quarter"), dict(block_m=64)):
-        args = dict(recipe="fp8xfp8", promotion="chunk", block_m=128) | bad
-        with pytest.raises(ValueError, match="ordered_mma"):
-            Sm90ExpertGemmKernel("l2", args["recipe"], 32, 8192, 7168, 2048, args["block_m"],
-                                 promotion=args["promotion"] if args["recipe"] != "bf16xbf16"
-                                 else None, ordered_mma=True)
 
 
 @pytest.mark.compile
@@ -693,13 +645,11 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"), (64, "split_n"),
-                                             (128, "ordered_mma"), (64, "split_ordered"),
                                              (64, "weight_prefetch"),
                                              (128, "weight_prefetch"), (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the chunks split between
-    two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the consumer warpgroups taking turns
-    (`CUTE_MEGAMOE_SM90_ORDERED_MMA`, also with split_n), the weights
+    two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the weights
     prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and promote them in the same
     order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
@@ -717,11 +667,6 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "split_n": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                "CUTE_MEGAMOE_SM90_SPLIT_N": "1"},
-                   "ordered_mma": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                   "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"},
-                   "split_ordered": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                     "CUTE_MEGAMOE_SM90_SPLIT_N": "1",
-                                     "CUTE_MEGAMOE_SM90_ORDERED_MMA": "1"},
                    "weight_prefetch": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                        "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
@@ -729,7 +674,6 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_SPLIT_N",
-                     "CUTE_MEGAMOE_SM90_ORDERED_MMA",
                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():

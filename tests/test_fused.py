@@ -245,27 +245,6 @@ def test_dependent_launch_is_an_env_switch(monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-def test_ordered_mma_compiles_in_both_gemm_stages(recipe, monkeypatch):
-    """``ordered_mma`` (BLOCK_M 128): both GEMM stages' consumer warpgroups take turns
-    (`Sm90ExpertGemmKernel.ordered_mma`), no spills, WGMMAs asynchronous."""
-    import re
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile(recipe, 128, ordered_mma=True)
-    assert kernel.l1.ordered_mma and kernel.l2.ordered_mma
-    if art.sass is None:
-        pytest.skip("nvdisasm not available")
-    sass = re.sub(r"\s+", " ", art.sass)
-    # per stage: two chunks' turns awaited and passed on, warpgroup 0's last wait, warpgroup
-    # 1's first pass
-    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100 ;", sass)) == 2 * 3
-    assert len(re.findall(r"BAR\.ARV R\d+, 0x100 ;", sass)) == 2 * 2
-    assert sass.count("BAR.ARV 0x8, 0x100 ;") == 2
-    _assert_no_spills_and_async_wgmma(art)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 def test_weight_prefetch_compiles_in_both_gemm_stages(recipe, monkeypatch):
     """``weight_prefetch``: both GEMM stages' weight loads come with TMA prefetches into L2,
     no spills."""

@@ -607,36 +607,30 @@ def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypat
 
 
 def test_kernel_variant_variables_parse_and_key_the_plans(monkeypatch):
-    """The A/B variables of 2026-12-02 parse (numbers of k-blocks, phases), refuse other
+    """The A/B variables of 2026-12-02 parse (numbers of k-blocks), refuse other
     values, and are part of the layer plans' keys (a change builds new kernels)."""
     from cute_megamoe import runtime
 
-    for name in ("CUTE_MEGAMOE_SM90_ORDERED_MMA", "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
+    for name in ("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
                  "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH",
                  "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", "CUTE_MEGAMOE_ONE_RANK_SCOPE"):
         assert name in runtime.KERNEL_VARIANT_ENV
         monkeypatch.delenv(name, raising=False)
-    assert runtime.sm90_ordered_mma() == ()
     assert runtime.sm90_weight_prefetch() == runtime.fused_early_prefetch() == 0
     assert not runtime.sm90_transposed() and runtime.fused_weights_first() is None
     for value, forced in (("1", True), ("0", False)):
         monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", value)
         assert runtime.fused_weights_first() is forced
-    for value, phases in (("1", ("l1", "l2")), ("l1", ("l1",)), ("L2", ("l2",)), ("0", ())):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_ORDERED_MMA", value)
-        assert runtime.sm90_ordered_mma() == phases
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "8")
     monkeypatch.setenv("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", " 4 ")
     assert (runtime.sm90_weight_prefetch(), runtime.fused_early_prefetch()) == (8, 4)
     before = runtime.kernel_variant_env()
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
     assert runtime.sm90_transposed() and runtime.kernel_variant_env() != before
-    for name, bad in (("CUTE_MEGAMOE_SM90_ORDERED_MMA", "both"),
-                      ("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "-1"),
+    for name, bad in (("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "-1"),
                       ("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "many")):
         monkeypatch.setenv(name, bad)
-        getter = {"CUTE_MEGAMOE_SM90_ORDERED_MMA": runtime.sm90_ordered_mma,
-                  "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": runtime.sm90_weight_prefetch,
+        getter = {"CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": runtime.sm90_weight_prefetch,
                   "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH": runtime.fused_early_prefetch}[name]
         with pytest.raises(ValueError, match=name):
             getter()

@@ -115,8 +115,6 @@ MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 # named barrier of the `split_n` warpgroups' amax exchange (past the fused kernel's 2 + wg)
 SPLIT_BARRIER = 7
-# `ordered_mma`: named barrier 8 + w: consumer warpgroup w may issue its next chunk's WGMMAs
-ORDER_BARRIER = 8
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
 # latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7).
@@ -160,7 +158,7 @@ class Sm90ExpertGemmKernel:
                  wg_skew: int | None = None, staging_parts: int | None = None,
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
                  packed_stages: int | None = None, decode_batch: int | None = None,
-                 promotion: str | None = None, split_n: bool = False, ordered_mma: bool = False,
+                 promotion: str | None = None, split_n: bool = False,
                  weight_prefetch: int = 0, tiled_weights: bool = False,
                  owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
@@ -224,15 +222,6 @@ class Sm90ExpertGemmKernel:
         if promotion not in ("chunk", "quarter") or (promotion != "chunk" and not self.is_fp8):
             raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
-        # `ordered_mma`: the two consumer warpgroups take turns issuing their chunks' WGMMAs
-        # (a pair of named barriers), so the tensor cores run one warpgroup's chunk after the
-        # other's instead of interleaving them. Both warpgroups leave the same full stage at
-        # once; interleaved, their chunks also finish together and both promote while the
-        # tensor cores idle. In turn, one promotes while the other's chunk runs. An A/B option
-        if ordered_mma and not (self.is_fp8 and promotion == "chunk" and self.num_mma_wgs == 2):
-            raise ValueError("ordered_mma: FP8 with the 'chunk' promotion and two consumer "
-                             "warpgroups only")
-        self.ordered_mma = bool(ordered_mma)
         # shared-memory words the consumers exchange row amaxes through (`split_n`)
         self.amax_exchange_len = 256 if self.split_n else 4
         # `weight_prefetch` k-blocks: with each weight load (FP4 weights: each packed load) the
@@ -356,9 +345,8 @@ class Sm90ExpertGemmKernel:
         # two of three shapes), measured interleaved (docs/performance.md).
         if wg_skew is None:
             wg_skew = 2 if phase == "l2" else 0
-        # (`ordered_mma` keeps warpgroup 1 within one chunk of warpgroup 0: no skew)
         self.wg_skew = min(wg_skew, self.num_stages - 1, self.num_k_blocks - 1) \
-            if self.num_mma_wgs == 2 and not self.ordered_mma else 0
+            if self.num_mma_wgs == 2 else 0
         # What a fused kernel changes (`share_ring`): the ring's scale-vector strides, the
         # bytes of a stage the ring's mbarriers expect beyond their transaction count, and the
         # readiness of L2 tiles on L1 tiles (`ready_arrivals`: the L1 producer side signals
@@ -1159,9 +1147,6 @@ class Sm90ExpertGemmKernel:
         if cutlass.const_expr(self.wg_skew > 0):
             if mma_wg == 1 and tile < num_tiles:
                 cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
-        if cutlass.const_expr(self.ordered_mma):
-            if mma_wg == 1:  # warpgroup 0 issues first
-                cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER, number_of_threads=256)
         while tile < num_tiles:
             owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
@@ -1198,7 +1183,6 @@ class Sm90ExpertGemmKernel:
                     for c in cutlass.range_constexpr(self.wg_chunks if self.promotion == "chunk"
                                                      else 0):
                         warpgroup.fence()
-                        self.await_turn(mma_wg)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         slot = state.index * self.chunks + chunk0 + c
                         for kk in cutlass.range_constexpr(num_k_phases):
@@ -1206,7 +1190,6 @@ class Sm90ExpertGemmKernel:
                                       t_rb[(None, None, kk, slot)], part)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
-                        self.pass_turn(mma_wg)
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(c == self.wg_chunks - 1):
                             ab_pipe.consumer_release(state)  # before the last promotion
@@ -1249,9 +1232,6 @@ class Sm90ExpertGemmKernel:
         if cutlass.const_expr(self.signals_ready):
             if pending >= 0:
                 self.signal_ready(ready, pending, lane)
-        if cutlass.const_expr(self.ordered_mma):
-            if mma_wg == 0:  # warpgroup 1's last turn back (the barriers end balanced)
-                self.await_turn(mma_wg)
         if lane < ROWS_PER_WARP:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
@@ -1361,19 +1341,6 @@ class Sm90ExpertGemmKernel:
             return [(gate, up)] * self.wg_chunks
         return [(sfb[self.chunks * n_block + chunk0 + c, stage],) * 2
                 for c in range(self.wg_chunks)]
-
-    @cute.jit
-    def await_turn(self, mma_wg: Int32):
-        """`ordered_mma`: wait until the other consumer warpgroup has issued its last chunk."""
-        if cutlass.const_expr(self.ordered_mma):
-            cute.arch.barrier(barrier_id=ORDER_BARRIER + mma_wg, number_of_threads=256)
-
-    @cute.jit
-    def pass_turn(self, mma_wg: Int32):
-        """`ordered_mma`: this warpgroup's chunk is issued; the other one's turn."""
-        if cutlass.const_expr(self.ordered_mma):
-            cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER + 1 - mma_wg,
-                                     number_of_threads=256)
 
     @cute.jit
     def release_skew(self, mma_wg: Int32, kb: Int32, first_tile):

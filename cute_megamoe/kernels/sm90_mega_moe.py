@@ -90,7 +90,7 @@ after this call's combine barriers, which every rank passes after its own dispat
 weights): tiles that find their pool block not ready load their first stages' weights before
 they wait, and warp 0 loads the weights of its first L1 tile's first stages as soon as the
 pool's prefix sums are in, before the metadata and the rows (the early weights).
-A/B options (off by default): `ordered_mma` and `weight_prefetch` of the GEMM stages
+A/B options (off by default): `weight_prefetch` of the GEMM stages
 (`sm90_expert_gemm`), and `early_prefetch` (with the early weights, the next k-blocks of that
 tile into L2 as well).
 
@@ -185,7 +185,7 @@ class Sm90MegaMoEKernel:
                  cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
                  promotion: str | None = None, row_transfer: str | None = None,
-                 weights_first: bool | None = None, ordered_mma: bool = False,
+                 weights_first: bool | None = None,
                  weight_prefetch: int = 0, early_prefetch: int = 0,
                  tiled_weights: bool = False, dependent_launch: bool = False,
                  stages_inputs: bool = False, local_dispatch: bool | None = None,
@@ -273,14 +273,13 @@ class Sm90MegaMoEKernel:
         self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
                                        activation_clamp=activation_clamp, fast_math=fast_math,
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
-                                       promotion=promotion, ordered_mma=ordered_mma,
+                                       promotion=promotion,
                                        weight_prefetch=weight_prefetch,
                                        tiled_weights=tiled_weights, owner_search=owner_search)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
-                                       ordered_mma=ordered_mma,
                                        weight_prefetch=weight_prefetch,
                                        tiled_weights=tiled_weights, owner_search=owner_search)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
