@@ -16,7 +16,6 @@ median of its replays.
 alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
 `ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
 times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
-`--split-ab` BLOCK_M 64 with two consumer warpgroups splitting the tile's columns (`split_us`);
 `--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
 (`prefetch_us`, `prefetch_over_default`); `--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
 weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
@@ -49,7 +48,6 @@ from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
 from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
-SPLIT_ENV = "CUTE_MEGAMOE_SM90_SPLIT_N"
 PREFETCH_ENV = "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"
 TRANSPOSED_ENV = "CUTE_MEGAMOE_SM90_TRANSPOSED"
 
@@ -173,10 +171,6 @@ def main() -> None:
     p.add_argument("--quarter-ab", action="store_true",
                    help="FP8 recipes: time both promotions, 'chunk' and 'quarter', forced "
                         "(interleaved, outputs checked bit-exact; ours_us: the default's)")
-    p.add_argument("--split-ab", action="store_true",
-                   help="FP8 recipes: also time BLOCK_M 64 with the tile's chunks split between "
-                        "two consumer warpgroups (CUTE_MEGAMOE_SM90_SPLIT_N; outputs checked "
-                        "bit-exact; split_over_default: against the default build)")
     p.add_argument("--prefetch-ab", type=int, default=0, metavar="K_BLOCKS",
                    help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
                         "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
@@ -224,9 +218,6 @@ def main() -> None:
             if quarter:
                 variants.update({f"quarter_{bm}": (bm, {PROMOTION_ENV: "quarter"})
                                  for bm in (64, 128)})
-            split = args.split_ab and fp8
-            if split:
-                variants["split_64"] = (64, {SPLIT_ENV: "1", PROMOTION_ENV: "chunk"})
             transposed = args.transposed_ab and fp8
             if transposed:
                 variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
@@ -277,9 +268,6 @@ def main() -> None:
                     base.update(chunk_us=t_chunk * 1e6, quarter_us=t_q * 1e6,
                                 quarter_over_chunk=t_q / t_chunk,
                                 promotion=default)
-                if split and block_m == 64:
-                    base.update(split_us=times["split_64"] * 1e6,
-                                split_over_default=times["split_64"] / t)
                 if transposed and block_m == 64:
                     base.update(transposed_us=times["transposed_64"] * 1e6,
                                 transposed_over_default=times["transposed_64"] / t)
@@ -314,7 +302,7 @@ def main() -> None:
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
-                     "split_us", "split_over_default", "prefetch_us", "prefetch_over_default",
+                     "prefetch_us", "prefetch_over_default",
                      "other_storage",
                      "storage_us", "storage_over_default", "storage_ratio_to_fp8",
                      "transposed_us",

@@ -37,7 +37,6 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_promotion,
-    sm90_split_n,
     sm90_transposed,
     sm90_weight_prefetch,
     tile_owner_search,
@@ -353,8 +352,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
-        if sm90_split_n() and Kernel.can_split_n(phase, recipe, n, block_m):
-            extra["split_n"] = True
         extra["weight_prefetch"] = sm90_weight_prefetch()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
@@ -406,7 +403,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
         key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
-               (sm90_promotion(), sm90_split_n(),
+               (sm90_promotion(),
                 sm90_weight_prefetch(),
                 transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)

@@ -157,14 +157,6 @@ def sm90_promotion() -> str | None:
     return None if value == "auto" else value
 
 
-def sm90_split_n() -> bool:
-    """``CUTE_MEGAMOE_SM90_SPLIT_N=1``: the sm_90a FP8 grouped GEMMs at BLOCK_M 64 with two
-    consumer warpgroups, one 128-column chunk of the tile each (`Sm90ExpertGemmKernel`'s
-    ``split_n``, where the tile has two chunks), for A/B runs. Part of the grouped GEMMs'
-    cache keys."""
-    return env_flag("CUTE_MEGAMOE_SM90_SPLIT_N")
-
-
 def sm90_weight_prefetch() -> int:
     """``CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=<k-blocks>``: the sm_90a grouped GEMMs (and the fused
     kernel's GEMM stages) prefetch each weight tile that many k-blocks ahead of its loads into
@@ -272,7 +264,6 @@ def fused_rows() -> str | None:
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
-                      "CUTE_MEGAMOE_SM90_SPLIT_N",
                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",

@@ -202,51 +202,6 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_sm90_split_n_compiles_with_one_chunk_per_warpgroup(recipe, phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_SPLIT_N` (BLOCK_M 64): two consumer warpgroups, one m64n128 chunk of
-    the tile each (half the WGMMAs per warpgroup and k-block), the threads and registers of
-    BLOCK_M 128, no spills, no serialized WGMMAs; refused where it does not apply."""
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_SPLIT_N", "1")
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                 activation_clamp=10.0)
-    wide = Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
-    assert kernel.split_n and kernel.num_mma_wgs == 2 and kernel.wg_chunks == 1
-    if recipe == "fp8xfp8":  # BLOCK_M 128's threads and registers
-        assert (kernel.num_threads, kernel.consumer_regs) == (wide.num_threads,
-                                                              wide.consumer_regs)
-    else:  # and two decode warpgroups, as at BLOCK_M 64: 640 threads at 96 registers
-        assert (kernel.num_threads, kernel.decode_wgs, kernel.consumer_regs) == (640, 2, 168)
-    assert kernel.promotion == "chunk" and kernel.staging_parts == 1
-    # BLOCK_M 128 and BF16 kernels are built as without the variable
-    assert not gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128)[0].split_n
-    assert not gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, 64)[0].split_n
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # one chunk per k-block and warpgroup: 4 m64n128k32 WGMMAs in the loop body
-    assert art.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert art.ptxas_performance_notes() == []
-    for bad in (dict(block_m=128), dict(recipe="bf16xbf16"), dict(promotion="quarter")):
-        args = dict(recipe=recipe, block_m=64) | {key: v for key, v in bad.items()
-                                                  if key in ("recipe", "block_m")}
-        with pytest.raises(ValueError, match="split_n"):
-            Sm90ExpertGemmKernel(phase, args["recipe"], 32, 8192, n, k, args["block_m"],
-                                 split_n=True, promotion=bad.get("promotion"))
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
                                        ("l2", 1152, 512)])
 def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkeypatch):
@@ -644,13 +599,12 @@ def test_tiled_weights_are_bit_identical(block_m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-@pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"), (64, "split_n"),
+@pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "weight_prefetch"),
                                              (128, "weight_prefetch"), (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the chunks split between
-    two warpgroups (`CUTE_MEGAMOE_SM90_SPLIT_N`), the weights
-    prefetched into L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
+    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the weights prefetched into
+    L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and promote them in the same
     order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
     untouched."""
@@ -665,15 +619,13 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
-                   "split_n": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                               "CUTE_MEGAMOE_SM90_SPLIT_N": "1"},
                    "weight_prefetch": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                        "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                   "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
-        for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_SPLIT_N",
+        for name in ("CUTE_MEGAMOE_SM90_PROMOTION",
                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():

@@ -113,8 +113,6 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
-# named barrier of the `split_n` warpgroups' amax exchange (past the fused kernel's 2 + wg)
-SPLIT_BARRIER = 7
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
 # latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7).
@@ -122,10 +120,6 @@ SPLIT_BARRIER = 7
 # warpgroup, of a consumer, items decoded per batch); BLOCK_M 64: 128 x (40 + 2 x 112 + 232)
 # = 62K registers; BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
 FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
-# `split_n` at BLOCK_M 64 with FP4 weights: two consumer warpgroups on the tile's chunks and
-# still two decode warpgroups, 640 threads: 128 x (24 + 2 x 56 + 2 x 168) = 59K of the 60K
-# registers 640 threads launch with (96 each)
-FP4_SPLIT_WARPGROUPS = (2, 24, 56, 168, 4)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -146,19 +140,13 @@ def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
 class Sm90ExpertGemmKernel:
     """One grouped GEMM of the expert FFN over the pool (see module doc)."""
 
-    @staticmethod
-    def can_split_n(phase: str, recipe: str, n: int, block_m: int) -> bool:
-        """Whether ``split_n`` applies: FP8, BLOCK_M 64, 256-column tiles."""
-        fp8 = recipe in ("fp8xfp8", "fp8xfp4_sm90")
-        return fp8 and block_m == 64 and (n % (2 * WG_N) == 0 or phase == "l1")
-
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
                  wg_skew: int | None = None, staging_parts: int | None = None,
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
                  packed_stages: int | None = None, decode_batch: int | None = None,
-                 promotion: str | None = None, split_n: bool = False,
+                 promotion: str | None = None,
                  weight_prefetch: int = 0, tiled_weights: bool = False,
                  owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
@@ -200,30 +188,20 @@ class Sm90ExpertGemmKernel:
         self.num_k_blocks = k // self.block_k
         self.out_cols = n // 2 if phase == "l1" else n
         self.fast_math = bool(fast_math)
-        # `split_n` (FP8, BLOCK_M 64, 256-column tiles): two consumer warpgroups share the
-        # tile's 64 rows, one 128-column chunk each, so that one's WGMMAs run while the other
-        # waits and promotes (as the two of BLOCK_M 128 do, each on its 64 rows); the L1
-        # requantization meets over shared memory for a row's amax. An A/B variant
-        if split_n and not (self.is_fp8 and block_m == 64 and self.chunks == 2):
-            raise ValueError("split_n: FP8 at BLOCK_M 64 with 256-column tiles only")
-        if split_n and (promotion == "quarter" or cluster_m != 1):
-            raise ValueError("split_n: with the 'chunk' promotion and no clusters only")
-        self.split_n = bool(split_n)
-        # consumer warpgroups; the 128-column chunks of a tile each of them computes
-        self.num_mma_wgs = 2 if self.split_n else block_m // 64
-        self.wg_chunks = 1 if self.split_n else self.chunks
+        # consumer warpgroups, each on 64 rows of the tile and all its 128-column chunks
+        self.num_mma_wgs = block_m // 64
         # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
         # quarter into two scratch accumulators, each quarter promoted while the next one's
         # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
         # BLOCK_M (`DEFAULT_PROMOTION`)
         if promotion is None:
-            promotion = "chunk" if self.split_n else DEFAULT_PROMOTION.get((recipe, block_m),
-                                                                           "chunk")
+            promotion = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
         if promotion not in ("chunk", "quarter") or (promotion != "chunk" and not self.is_fp8):
             raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
-        # shared-memory words the consumers exchange row amaxes through (`split_n`)
-        self.amax_exchange_len = 256 if self.split_n else 4
+        # shared-memory words the consumers exchange row amaxes through (the transposed
+        # kernel's L1 epilogue; a placeholder here)
+        self.amax_exchange_len = 4
         # `weight_prefetch` k-blocks: with each weight load (FP4 weights: each packed load) the
         # producer also prefetches the same weight rows that many k-blocks further into L2
         # (one TMA prefetch per 128-row chunk; near a tile's end, the next tile's first
@@ -238,7 +216,7 @@ class Sm90ExpertGemmKernel:
         self.producer_regs, self.decode_regs, self.consumer_regs = \
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
-            config = FP4_SPLIT_WARPGROUPS if self.split_n else FP4_WARPGROUPS[self.num_mma_wgs]
+            config = FP4_WARPGROUPS[self.num_mma_wgs]
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
              batch) = config
             self.decode_batch = batch if decode_batch is None else decode_batch
@@ -255,7 +233,6 @@ class Sm90ExpertGemmKernel:
         out_elt = elt if phase == "l1" else 2
         # bytes of one output row inside one tile; of the part one consumer warpgroup writes
         self.tile_row_bytes = (self.block_n // 2 if phase == "l1" else self.block_n) * out_elt
-        self.wg_row_bytes = self.tile_row_bytes * self.wg_chunks // self.chunks
         self.out_row_bytes = self.out_cols * out_elt
         # activation scales of the tile's rows; the expert's weight block scales of the k-block
         self.sfa_len, self.sfb_len = block_m, weight_sf_row_len(n)
@@ -293,7 +270,7 @@ class Sm90ExpertGemmKernel:
         # (docs/performance.md). FP8 L2 in parts only when asked (the fused kernel's ring), or
         # with FP4 weights, whose stages also hold the decoded tile (L2 at BLOCK_M 128: 3
         # stages with quarter rows, else 2).
-        choices = (1,) if ((self.is_fp8 and phase == "l1") or self.split_n) \
+        choices = (1,) if self.is_fp8 and phase == "l1" \
             else (1, self.chunks, 2 * self.chunks)
         if staging_parts is None:
             staging_parts = 1
@@ -388,7 +365,7 @@ class Sm90ExpertGemmKernel:
     def staging_layout(self, parts: int) -> tuple[int, int]:
         """(row stride, total bytes) of the consumer warps' staging rows when they hold
         ``1 / parts`` of their warpgroup's part of a tile's output row."""
-        stride = self.wg_row_bytes // parts + STAGING_PAD
+        stride = self.tile_row_bytes // parts + STAGING_PAD
         return stride, 4 * self.num_mma_wgs * ROWS_PER_WARP * stride
 
     def _smem_layout(self, rows: int, slots: int):
@@ -501,7 +478,7 @@ class Sm90ExpertGemmKernel:
             sfb_packed: cute.struct.Align[cute.struct.MemRange[
                 Float32, max(4, self.packed_stages * self.packed_sfb_stride)], 16]
             decoded: cute.struct.MemRange[Int64, self.num_stages]
-            # `split_n`: the row amaxes of the L1 requantization, [row, warpgroup, parity]
+            # (the transposed kernel's L1 token amaxes)
             amax_exchange: cute.struct.MemRange[Float32, self.amax_exchange_len]
 
         self.shared_storage = SharedStorage
@@ -1111,24 +1088,20 @@ class Sm90ExpertGemmKernel:
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
                 staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
                 decoded: cute.Pointer = None, exchange: cute.Pointer = None):
-        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` (`split_n`:
-        all 64 rows, chunk ``mma_wg``; ``exchange``: the shared row amaxes) of tiles
+        """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
         releases a stage one k-block late, from ``prev``; equal between tiles). With
         ``signals_ready`` (L1 of the fused kernel) each warp adds 1 to ``ready[pool_block]``
         once its rows of a tile are in global memory, one tile late (its stores drain while the
         next tile's WGMMAs run) and at the end. Returns ``(state, prev, the first tile index
-        past num_tiles)``; all of the warp's stores are complete on return."""
-        # the warpgroup's 64 rows of the tile and its first chunk
-        row_wg, chunk0 = mma_wg, Int32(0)
-        if cutlass.const_expr(self.split_n):
-            row_wg, chunk0 = Int32(0), mma_wg
-        thr_mma = tiled_mma.get_slice(row_wg * 128)
+        past num_tiles)``; all of the warp's stores are complete on return. (``exchange``: the
+        transposed kernel's.)"""
+        thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
         acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
-        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.wg_chunks)]
+        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         quarter_mma = quarter_a = quarter_b = quarter_parts = None
         if cutlass.const_expr(self.promotion == "quarter"):
@@ -1137,13 +1110,12 @@ class Sm90ExpertGemmKernel:
         num_k_phases = cute.size(t_ra, mode=[2])
         # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
         # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its chunk.
-        warp_row0 = 64 * row_wg + ROWS_PER_WARP * warp_in_wg
+        warp_row0 = 64 * mma_wg + ROWS_PER_WARP * warp_in_wg
         row0 = warp_row0 + lane // 4
         col0 = 2 * (lane % 4)
         tile = first_tile
         owner = Int32(0)
         pending = Int32(-1)  # the pool block of the previous tile, not signalled yet
-        ordinal = Int32(0)  # tiles done (`split_n`: the parity of the amax exchange)
         if cutlass.const_expr(self.wg_skew > 0):
             if mma_wg == 1 and tile < num_tiles:
                 cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
@@ -1157,7 +1129,7 @@ class Sm90ExpertGemmKernel:
             if cutlass.const_expr(not self.late_metadata):
                 row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
                                                warp_row0 + lane, valid_m, n_block, lane)
-            for c in cutlass.range_constexpr(self.wg_chunks):
+            for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
                 for kb in cutlass.range(self.num_k_blocks):
@@ -1173,25 +1145,25 @@ class Sm90ExpertGemmKernel:
                                                            n_block, lane)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
-                    scale_b = self.weight_scales(sfb, state.index, n_block, chunk0)
+                    scale_b = self.weight_scales(sfb, state.index, n_block)
                     if cutlass.const_expr(self.promotion == "quarter"):
                         self.mma_quarters(quarter_mma, quarter_a, quarter_b, quarter_parts,
                                           accs, state.index, sa0, sa1, scale_b)
                         ab_pipe.consumer_release(state)
                         self.promote(accs, quarter_parts[(self.quarters - 1) % 2],
                                      self.quarters - 1, sa0, sa1, scale_b)
-                    for c in cutlass.range_constexpr(self.wg_chunks if self.promotion == "chunk"
+                    for c in cutlass.range_constexpr(self.chunks if self.promotion == "chunk"
                                                      else 0):
                         warpgroup.fence()
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                        slot = state.index * self.chunks + chunk0 + c
+                        slot = state.index * self.chunks + c
                         for kk in cutlass.range_constexpr(num_k_phases):
                             cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
                                       t_rb[(None, None, kk, slot)], part)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
-                        if cutlass.const_expr(c == self.wg_chunks - 1):
+                        if cutlass.const_expr(c == self.chunks - 1):
                             ab_pipe.consumer_release(state)  # before the last promotion
                         self.promote(accs, part, 2 * c, sa0, sa1, scale_b, WG_N)
                     state.advance()
@@ -1225,9 +1197,8 @@ class Sm90ExpertGemmKernel:
                 if pending >= 0:
                     self.signal_ready(ready, pending, lane)
             self.epilogue(accs, topk_weights, row_dst, out_sf, staging, row_base, warp_row0,
-                          row0, col0, valid_m, n_block, lane, chunk0, exchange, ordinal)
+                          row0, col0, valid_m, n_block, lane)
             pending = pool_block
-            ordinal += 1
             tile += num_clusters
         if cutlass.const_expr(self.signals_ready):
             if pending >= 0:
@@ -1330,17 +1301,16 @@ class Sm90ExpertGemmKernel:
         return dst + n_block * self.tile_row_bytes
 
     @cute.jit
-    def weight_scales(self, sfb: cute.Tensor, stage: Int32, n_block: Int32, chunk0: Int32):
-        """The stage's weight block scales of the warpgroup's chunks ``chunk0 + c`` of the
-        tile, as (scale of the even, scale of the odd 8-column groups): L1 (gate, up) of block
-        ``n_block`` for every chunk, L2 (block, block) of block ``chunks * n_block + chunk0 +
-        c``."""
+    def weight_scales(self, sfb: cute.Tensor, stage: Int32, n_block: Int32):
+        """The stage's weight block scales of the tile's chunks ``c``, as (scale of the even,
+        scale of the odd 8-column groups): L1 (gate, up) of block ``n_block`` for every chunk,
+        L2 (block, block) of block ``chunks * n_block + c``."""
         if cutlass.const_expr(self.phase == "l1"):
             gate = sfb[n_block, stage]
             up = sfb[self.n // (2 * SF_BLOCK) + n_block, stage]
-            return [(gate, up)] * self.wg_chunks
-        return [(sfb[self.chunks * n_block + chunk0 + c, stage],) * 2
-                for c in range(self.wg_chunks)]
+            return [(gate, up)] * self.chunks
+        return [(sfb[self.chunks * n_block + c, stage],) * 2
+                for c in range(self.chunks)]
 
     @cute.jit
     def release_skew(self, mma_wg: Int32, kb: Int32, first_tile):
@@ -1354,20 +1324,17 @@ class Sm90ExpertGemmKernel:
     def epilogue(self, accs: list, topk_weights: cute.Pointer, row_dst: Int64,
                  out_sf: cute.Pointer, staging: cute.Pointer, row_base: Int32,
                  warp_row0: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
-                 lane: Int32, chunk0: Int32, exchange: cute.Pointer, ordinal: Int32):
-        """One tile's output from the accumulators of the warpgroup's chunks (from ``chunk0``):
-        L2 BF16, L1 SwiGLU (BF16 or FP8 with its scales), through the staging rows (whole, or
-        chunk by chunk, see ``staging_parts``)."""
+                 lane: Int32):
+        """One tile's output from the accumulators of the warpgroup's chunks: L2 BF16, L1
+        SwiGLU (BF16 or FP8 with its scales), through the staging rows (whole, or chunk by
+        chunk, see ``staging_parts``)."""
         self.wait_staging(lane)
-        # (`split_n`: the warpgroup's part of the tile's rows)
-        part_offset = chunk0 * self.wg_row_bytes
         if cutlass.const_expr(self.phase == "l1" and self.is_fp8):
             w0, w1 = self.routing_weights(topk_weights, row_base, row0)
             self.requant_stage([self.swiglu_chunk(accs[c], w0, w1)
-                                for c in range(self.wg_chunks)], out_sf, staging, row_base,
-                               row0, col0, valid_m, n_block, lane, chunk0, exchange, ordinal)
-            self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, part_offset,
-                            self.wg_row_bytes)
+                                for c in range(self.chunks)], out_sf, staging, row_base,
+                               row0, col0, valid_m, n_block, lane)
+            self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0, self.tile_row_bytes)
         else:
             w0, w1 = Float32(0.0), Float32(0.0)
             if cutlass.const_expr(self.phase == "l1"):
@@ -1375,7 +1342,7 @@ class Sm90ExpertGemmKernel:
             chunk_cols = WG_N // 2 if cutlass.const_expr(self.phase == "l1") else WG_N
             part_bytes = self.tile_row_bytes // self.staging_parts
             parts_per_chunk = max(1, self.staging_parts // self.chunks)
-            for c in cutlass.range_constexpr(self.wg_chunks):
+            for c in cutlass.range_constexpr(self.chunks):
                 vals = cute.make_rmem_tensor(accs[c].shape if self.phase == "l2"
                                              else (2, 2, WG_N // 16), BFloat16)
                 if cutlass.const_expr(self.phase == "l2"):
@@ -1393,8 +1360,8 @@ class Sm90ExpertGemmKernel:
                         self.flush_rows(staging, row_dst, warp_row0, valid_m, lane,
                                         (c * parts_per_chunk + h) * part_bytes, part_bytes)
             if cutlass.const_expr(self.staging_parts == 1):
-                self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, part_offset,
-                                self.wg_row_bytes)
+                self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
+                                self.tile_row_bytes)
 
     @cute.jit
     def wait_staging(self, lane: Int32):
@@ -1466,9 +1433,9 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def requant_stage(self, hs: list, out_sf: cute.Pointer, staging: cute.Pointer,
                       row_base: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
-                      lane: Int32, chunk0: Int32, exchange: cute.Pointer, ordinal: Int32):
+                      lane: Int32):
         """e4m3 with a power-of-two scale per row over the tile's 128 features (the chunks
-        ``hs`` of the warpgroup; `split_n`: both warpgroups' amaxes meet in ``exchange``):
+        ``hs`` of the warpgroup):
         ``e = exponent(amax / 448)`` rounded up, ``q = satfinite(h * 2^-e)``."""
         amaxes = []
         for r in cutlass.range_constexpr(2):
@@ -1480,8 +1447,6 @@ class Sm90ExpertGemmKernel:
             # the row's features are spread over the 4 lanes of a quad
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
             amaxes.append(cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2)))
-        if cutlass.const_expr(self.split_n):
-            amaxes = self.exchange_amax(amaxes, exchange, ordinal, chunk0, row0, lane)
         qs = [cute.make_rmem_tensor(h.shape, Float32) for h in hs]
         for r in cutlass.range_constexpr(2):
             exponent = requant_exponent(amaxes[r])
@@ -1493,8 +1458,7 @@ class Sm90ExpertGemmKernel:
                                                              Float32(FP8_E4M3_MAX)),
                                                  Float32(-FP8_E4M3_MAX))
             row = row0 + 8 * r
-            # (`split_n`: the first chunk's warpgroup writes the scales)
-            if row < valid_m and lane % 4 == 0 and chunk0 == 0:
+            if row < valid_m and lane % 4 == 0:
                 # 2^e as float32; a zero group (byte 0) is 2^-127, the subnormal 0x00400000
                 sf_bits = (exponent + 127) << 23
                 if exponent == -127:
@@ -1507,21 +1471,6 @@ class Sm90ExpertGemmKernel:
             v.store(q.load().to(Float8E4M3FN))
             self.stage_rows(v, staging, lane, c * (WG_N // 2) + col0)
 
-    @cute.jit
-    def exchange_amax(self, amaxes: list, exchange: cute.Pointer, ordinal: Int32,
-                      chunk0: Int32, row0: Int32, lane: Int32) -> list:
-        """`split_n`: the amaxes of the thread's rows ``row0``, ``row0 + 8`` over both
-        warpgroups' chunks: each writes its own into ``exchange`` ``[row, warpgroup, tile
-        parity]`` (a warpgroup is never two tiles ahead: the barrier of the tile between),
-        both meet at a named barrier, each reads the other's."""
-        slots = cute.make_tensor(exchange, cute.make_layout((64, 2, 2)))
-        parity = ordinal & 1
-        if lane % 4 == 0:
-            for r in cutlass.range_constexpr(2):
-                slots[row0 + 8 * r, chunk0, parity] = amaxes[r]
-        cute.arch.barrier(barrier_id=SPLIT_BARRIER, number_of_threads=256)
-        return [cute.arch.fmax(amaxes[r], slots[row0 + 8 * r, 1 - chunk0, parity])
-                for r in range(2)]
 
 def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
                num_stages: int | None = None, ready_slot: int | None = None,

@@ -141,7 +141,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                     cute.arch.mbarrier_wait(decoded + state.index, state.phase)
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
-                row_sb = self.weight_scales(sfb, stage, n_block, Int32(0))
+                row_sb = self.weight_scales(sfb, stage, n_block)
                 for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
                     if s0 < num_sub:
                         warpgroup.fence()
