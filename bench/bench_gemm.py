@@ -16,8 +16,7 @@ median of its replays.
 alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
 `ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
 times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
-`--prefetch-ab K` both BLOCK_Ms with the weights prefetched into L2 K k-blocks ahead
-(`prefetch_us`, `prefetch_over_default`); `--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
+`--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
 weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
 `transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage
 order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`); `--env-ab
@@ -48,7 +47,6 @@ from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
 from cute_megamoe.utils import ceil_div
 
 PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
-PREFETCH_ENV = "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"
 TRANSPOSED_ENV = "CUTE_MEGAMOE_SM90_TRANSPOSED"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
@@ -171,10 +169,6 @@ def main() -> None:
     p.add_argument("--quarter-ab", action="store_true",
                    help="FP8 recipes: time both promotions, 'chunk' and 'quarter', forced "
                         "(interleaved, outputs checked bit-exact; ours_us: the default's)")
-    p.add_argument("--prefetch-ab", type=int, default=0, metavar="K_BLOCKS",
-                   help="also time both BLOCK_Ms with the weights prefetched into L2 that many "
-                        "k-blocks ahead (CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; outputs checked "
-                        "bit-exact; prefetch_over_default: against the default build)")
     p.add_argument("--storage-ab", action="store_true",
                    help="also time both BLOCK_Ms on the weights in the other storage order "
                         "(`ExpertWeights.tiled`: fp8xfp8 / bf16xbf16 default to [128 rows, "
@@ -223,9 +217,6 @@ def main() -> None:
                 variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
             for i, env in enumerate(env_abs):
                 variants[f"env{i}_64"] = (64, env)
-            if args.prefetch_ab:
-                variants.update({f"prefetch_{bm}": (bm, {PREFETCH_ENV: str(args.prefetch_ab)})
-                                 for bm in (64, 128)})
             storage = args.storage_ab and recipe in TILEABLE_RECIPES
             variant_weights = {}
             if storage:  # the same weights in the other storage order (`ExpertWeights.tiled`)
@@ -288,9 +279,6 @@ def main() -> None:
                         t_env = times[f"env{i}_storage_64"]
                         base.update({f"env{i}_storage_us": t_env * 1e6,
                                      f"env{i}_storage_over_default": t_env / t})
-                if args.prefetch_ab:
-                    base.update(prefetch_us=times[f"prefetch_{block_m}"] * 1e6,
-                                prefetch_over_default=times[f"prefetch_{block_m}"] / t)
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -302,7 +290,6 @@ def main() -> None:
     print(f"saved {path}")
     print(res.table(["recipe", "experts", "pairs_per_expert", "block_m", "picked", "ours_us",
                      "torch_us", "speedup", "fp8_us", "ratio_to_fp8", "chunk_us", "quarter_us",
-                     "prefetch_us", "prefetch_over_default",
                      "other_storage",
                      "storage_us", "storage_over_default", "storage_ratio_to_fp8",
                      "transposed_us",

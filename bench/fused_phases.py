@@ -17,7 +17,6 @@ uninstrumented time). Writes `fused_phases-*.json` under `bench/results/` (or
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
@@ -45,13 +44,6 @@ def main() -> None:
     parser.add_argument("--weights-first", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="1: tiles that find their pool block not ready load their first "
                              "stages' weights before they wait (A/B)")
-    parser.add_argument("--weight-prefetch", type=int, nargs="+", default=[0],
-                        help="k-blocks the GEMM stages prefetch their weights ahead into L2 "
-                             "(CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH; 0 off; A/B)")
-    parser.add_argument("--early-prefetch", type=int, nargs="+", default=[0],
-                        help="with --weights-first 1 and counted rows: k-blocks of each CTA's "
-                             "first L1 tile prefetched into L2 after the counts, beyond the "
-                             "ring (CUTE_MEGAMOE_FUSED_EARLY_PREFETCH; 0 off; A/B)")
     parser.add_argument("--staging", nargs="+", default=["launch"], choices=("launch", "kernel"),
                         help="who stages the inputs: the staging kernel before the timed one "
                              "(its time not in the stamps) or the fused kernel's step 0 "
@@ -82,22 +74,18 @@ def main() -> None:
         "l2_gates": args.l2_gates, "extra_warpgroups": args.extra_warpgroups,
         "back_to_back": args.back_to_back,
         "clocks_before": gpu_clocks()})
-    variants = [(n, g, x, r, f, p, q, st) for n in args.tokens for _ in range(args.rounds)
+    variants = [(n, g, x, r, f, st) for n in args.tokens for _ in range(args.rounds)
                 for g in args.l2_gates for x in args.extra_warpgroups
-                for r in args.rows for f in args.weights_first for p in args.weight_prefetch
-                for q in args.early_prefetch for st in args.staging]
-    for n, gate, extra, rows, first, prefetch, early, staging in variants:
-        # (part of the fused kernel's cache key: each value builds its own kernel)
-        os.environ["CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH"] = str(prefetch)
-        os.environ["CUTE_MEGAMOE_FUSED_EARLY_PREFETCH"] = str(early)
+                for r in args.rows for f in args.weights_first for st in args.staging]
+    for n, gate, extra, rows, first, staging in variants:
         idx, w = make_routing(n, e, args.topk, "random", gen)
         x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
         inputs = (x, idx.cuda(), w.cuda())
         if staging == "launch":
             api.stage_inputs(buf, *inputs, validate_routing=False)
         block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
-        if (extra and block_m != 64) or (early and not (first and rows != "barrier")):
-            continue  # (early_prefetch extends the early weights of counted rows only)
+        if extra and block_m != 64:
+            continue
         y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
         clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
         call = fused_call(buf, weights, n, block_m, y, grid, None, 10.0, True, phase_clock=clock,
@@ -124,13 +112,11 @@ def main() -> None:
         row["l2_us"] = row["l2_done_median_us"] - row["l1_done_median_us"]
         row["combine_us"] = row["end_median_us"] - row["l2_done_last_us"]
         res.add(tokens=n, l2_gate=gate, extra_warpgroups=extra, rows=rows, weights_first=first,
-                weight_prefetch=prefetch, early_prefetch=early, staging=staging,
+                staging=staging,
                 block_m=block_m, **row)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["tokens", "staging", "rows", "weights_first", "weight_prefetch",
-                     "early_prefetch",
-                     "l2_gate",
+    print(res.table(["tokens", "staging", "rows", "weights_first", "l2_gate",
                      "extra_warpgroups", "block_m",
                      "start_spread_us", "scattered_last_us", "counts_published_last_us",
                      "counts_seen_last_us", "rows_pushed_last_us", "prefix_ready_last_us",

@@ -29,8 +29,6 @@ from .runtime import (
     LaunchPath,
     as_ptr,
     compiled_kernel,
-    fused_dependent_launch,
-    fused_early_prefetch,
     fused_local_dispatch,
     fused_rows,
     fused_weights_first,
@@ -38,7 +36,6 @@ from .runtime import (
     launch_path,
     sm90_promotion,
     sm90_transposed,
-    sm90_weight_prefetch,
     tile_owner_search,
 )
 
@@ -344,7 +341,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
-                                                weight_prefetch=sm90_weight_prefetch(),
                                                 tiled_weights=tiled_weights, **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
@@ -352,7 +348,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
-        extra["weight_prefetch"] = sm90_weight_prefetch()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -404,7 +399,6 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                sm90_weight_prefetch(),
                 transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
@@ -465,11 +459,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
     if row_transfer is None and state.arch == "sm_90a":
         row_transfer = fused_rows()
-    prefetch = sm90_weight_prefetch() if state.arch == "sm_90a" else 0
-    early = fused_early_prefetch() if state.arch == "sm_90a" else 0
     if weights_first is None and state.arch == "sm_90a":
         weights_first = fused_weights_first()
-    dependent = state.arch == "sm_90a" and fused_dependent_launch()
     stages = inputs is not None
     search = tile_owner_search() if state.arch == "sm_90a" else "linear"
     local = fused_local_dispatch() if state.arch == "sm_90a" else None
@@ -482,7 +473,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
-           weights_first, prefetch, early, tiled, dependent, stages, local, search)
+           weights_first, tiled, stages, local, search)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -503,9 +494,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  tile_log=logged, l2_gate=l2_gate,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
-                                 weight_prefetch=prefetch,
-                                 early_prefetch=early, tiled_weights=tiled,
-                                 dependent_launch=dependent, stages_inputs=stages,
+                                 tiled_weights=tiled, stages_inputs=stages,
                                  local_dispatch=local, owner_search=search)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)

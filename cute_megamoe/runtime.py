@@ -157,18 +157,6 @@ def sm90_promotion() -> str | None:
     return None if value == "auto" else value
 
 
-def sm90_weight_prefetch() -> int:
-    """``CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=<k-blocks>``: the sm_90a grouped GEMMs (and the fused
-    kernel's GEMM stages) prefetch each weight tile that many k-blocks ahead of its loads into
-    L2 (`Sm90ExpertGemmKernel`'s ``weight_prefetch``), for A/B runs; unset or 0: off. Part of
-    the grouped GEMMs' and the fused kernel's cache keys."""
-    value = os.environ.get("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "0").strip() or "0"
-    if not value.isdigit():
-        raise ValueError(f"CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH: a number of k-blocks >= 0, got "
-                         f"{value!r}")
-    return int(value)
-
-
 def tile_owner_search() -> str:
     """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
     finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``gallop`` (the
@@ -198,28 +186,6 @@ def fused_weights_first() -> bool | None:
     if os.environ.get("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST") is None:
         return None
     return env_flag("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST")
-
-
-def fused_early_prefetch() -> int:
-    """``CUTE_MEGAMOE_FUSED_EARLY_PREFETCH=<k-blocks>``: the sm_90a fused kernel whose warp 0
-    loads its first L1 tile's first stages' weights right after the counts (``weights_first``
-    with counted rows) also prefetches that tile's next k-blocks into L2
-    (`sm90_mega_moe`'s ``early_prefetch``; a kernel without those early weights ignores it),
-    for A/B runs; unset or 0: off. Part of the fused kernel's cache key."""
-    value = os.environ.get("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "0").strip() or "0"
-    if not value.isdigit():
-        raise ValueError(f"CUTE_MEGAMOE_FUSED_EARLY_PREFETCH: a number of k-blocks >= 0, got "
-                         f"{value!r}")
-    return int(value)
-
-
-def fused_dependent_launch() -> bool:
-    """``CUTE_MEGAMOE_FUSED_PDL``: the sm_90a fused kernel launched as a programmatic dependent
-    of the input staging before it (``1``: its setup runs beside the staging; `sm90_mega_moe`'s
-    ``dependent_launch``; an A/B option: bit-identical, and no faster at 1 or 128 tokens on an
-    H200, docs/performance.md) or as an ordinary launch (``0``, the default). Part of the fused
-    kernel's cache key."""
-    return env_choice("CUTE_MEGAMOE_FUSED_PDL", ("0", "1")) == "1"
 
 
 def fused_staging() -> str:
@@ -264,10 +230,10 @@ def fused_rows() -> str | None:
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
-                      "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED",
+                      "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
-                      "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
-                      "CUTE_MEGAMOE_ONE_RANK_SCOPE", "CUTE_MEGAMOE_FUSED_PDL",
+                      "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
+                      "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH")
 

@@ -240,39 +240,6 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkey
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16"))
-def test_sm90_weight_prefetch_issues_tma_prefetches(recipe, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH=8`: the weight loads come with TMA prefetches into L2
-    (`UTMAPF.L2`, one per 128-row chunk), none without it; no spills."""
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    counts = {}
-    for ahead in ("0", "8"):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", ahead)
-        kernel, dtypes = gemm_kernel("sm_90a", recipe, "l1", 32, 8192, 4096, 7168, 64,
-                                     activation_clamp=10.0)
-        assert kernel.weight_prefetch == int(ahead)
-        art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                         for i, d in enumerate(dtypes)),
-                               Int32(132), fake_stream(), arch="sm_90a")
-        if art.sass is None:
-            pytest.skip("nvdisasm not available: PTX only")
-        counts[ahead] = art.count("UTMAPF.L2")
-        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert counts["0"] == 0 and counts["8"] >= kernel.chunks, counts
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "soon")
-    with pytest.raises(ValueError, match="WEIGHT_PREFETCH"):
-        gemm_kernel("sm_90a", recipe, "l1", 32, 8192, 4096, 7168, 64, activation_clamp=10.0)
-    with pytest.raises(ValueError, match="weight_prefetch"):
-        Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, 64, weight_prefetch=-1)
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("recipe,promotion,block_m", [
     ("fp8xfp8", "chunk", 128), ("fp8xfp8", "quarter", 64), ("fp8xfp8", "quarter", 128),
     ("fp8xfp4_sm90", "chunk", 128), ("fp8xfp4_sm90", "quarter", 64), ("bf16xbf16", "chunk", 128)])
@@ -600,11 +567,9 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "weight_prefetch"),
-                                             (128, "weight_prefetch"), (64, "transposed")])
+                                             (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the weights prefetched into
-    L2 (`CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`) and the transposed kernels
+    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and promote them in the same
     order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
     untouched."""
@@ -619,14 +584,12 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
-                   "weight_prefetch": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                       "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": "4"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                   "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION",
-                     "CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "CUTE_MEGAMOE_SM90_TRANSPOSED"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

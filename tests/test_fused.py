@@ -95,23 +95,6 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypa
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
-def test_dependent_launch_waits_once_for_the_staging(recipe, monkeypatch):
-    """``dependent_launch`` (``CUTE_MEGAMOE_FUSED_PDL=1``): every thread waits once
-    for the earlier grid (`griddepcontrol.wait`, SASS ``ACQBULK``) and nothing else changes:
-    no spills, WGMMAs asynchronous."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile(recipe, 64, dependent_launch=True)
-    assert kernel.dependent_launch
-    assert art.ptx.count("griddepcontrol.wait;") == 1
-    assert "griddepcontrol.wait" not in _compile(recipe, 64)[1].ptx
-    if art.sass is None:
-        pytest.skip("nvdisasm not available")
-    assert art.count("ACQBULK") == 1
-    _assert_no_spills_and_async_wgmma(art)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
 def test_in_kernel_staging_compiles_as_the_staging_kernel(recipe, monkeypatch):
     """``stages_inputs``: step 0 adds the staging kernel's loads, conversions and stores (16-byte
     accesses, the e4m3 packs of FP8) to the kernel, no spills, WGMMAs asynchronous."""
@@ -228,65 +211,29 @@ def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
         getattr(runtime, getter)()
 
 
-def test_dependent_launch_is_an_env_switch(monkeypatch):
-    """``CUTE_MEGAMOE_FUSED_PDL``: 0 (default) or 1, anything else raises; part of the layer
-    plans' keys."""
-    from cute_megamoe import runtime
-
-    monkeypatch.delenv("CUTE_MEGAMOE_FUSED_PDL", raising=False)
-    assert runtime.fused_dependent_launch() is False
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "1")
-    assert runtime.fused_dependent_launch() is True
-    assert "CUTE_MEGAMOE_FUSED_PDL" in runtime.KERNEL_VARIANT_ENV
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_PDL", "maybe")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_FUSED_PDL"):
-        runtime.fused_dependent_launch()
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-def test_weight_prefetch_compiles_in_both_gemm_stages(recipe, monkeypatch):
-    """``weight_prefetch``: both GEMM stages' weight loads come with TMA prefetches into L2,
-    no spills."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile(recipe, 64, weight_prefetch=8)
-    assert kernel.l1.weight_prefetch == kernel.l2.weight_prefetch == 8
-    if art.sass is None:
-        pytest.skip("nvdisasm not available")
-    assert art.count("UTMAPF.L2") >= 2 * kernel.l1.chunks
-    assert art.count("UTMAPF.L2") > _compile(recipe, 64)[1].count("UTMAPF.L2")
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
-def test_early_weights_and_prefetch_compile(recipe, monkeypatch):
-    """``weights_first`` with counted rows: warp 0 loads its first L1 tile's first stages'
-    weights right after the counts (more TMA load sites than without), and ``early_prefetch``
-    prefetches the next k-blocks of that tile into L2 (`UTMAPF.L2`, none without it); no
-    spills. ``early_prefetch`` is 0 in a kernel without those early weights, and refused when
-    negative."""
+def test_early_weights_compile(recipe, monkeypatch):
+    """``weights_first`` with counted rows at BLOCK_M 64 (the default there): warp 0 loads its
+    first L1 tile's first stages' weights right after the counts (more TMA load sites than
+    without them), no prefetches into L2, no spills; not at BLOCK_M 128, with barrier rows,
+    without ``weights_first`` or with FP4 weights."""
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile(recipe, 64, row_transfer="counted", weights_first=True,
-                           early_prefetch=8)
-    assert kernel.early_weights and kernel.early_prefetch == 8
-    default, plain = _compile(recipe, 64, row_transfer="counted")
-    assert default.early_weights and default.early_prefetch == 0
+    kernel, art = _compile(recipe, 64, row_transfer="counted")
+    assert kernel.early_weights
+    without, plain = _compile(recipe, 64, row_transfer="counted", weights_first=False)
+    assert not without.early_weights
     layout = MegaMoELayout(1, 8, 64, 2, 512, 256, recipe)
-    with pytest.raises(ValueError, match="early_prefetch"):
-        Sm90MegaMoEKernel(layout, 64, early_prefetch=-1)
-    for block_m, options in ((64, dict(row_transfer="counted", weights_first=False)),
-                             (64, dict(row_transfer="barrier", weights_first=True)),
+    for block_m, options in ((64, dict(row_transfer="barrier", weights_first=True)),
                              (128, dict(row_transfer="counted", weights_first=True))):
-        kernel_without = Sm90MegaMoEKernel(layout, block_m, early_prefetch=4, **options)
-        assert not kernel_without.early_weights and kernel_without.early_prefetch == 0
+        assert not Sm90MegaMoEKernel(layout, block_m, **options).early_weights
     assert not Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4_sm90"), 64,
                                  row_transfer="counted", weights_first=True).early_weights
     if art.sass is None:
         pytest.skip("nvdisasm not available")
-    assert plain.count("UTMAPF.L2") == 0 and art.count("UTMAPF.L2") == kernel.l1.chunks * 8
+    assert art.count("UTMALDG") > plain.count("UTMALDG") and art.count("UTMAPF.L2") == 0
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
 
 
@@ -957,22 +904,12 @@ def test_weights_first_variant_compiles(monkeypatch):
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
                                      dict(row_transfer="with_gemm"),
-                                     dict(row_transfer="counted", weights_first=False),
-                                     dict(weight_prefetch="8"),
-                                     dict(row_transfer="counted", weights_first=True,
-                                          early_prefetch="8")])
+                                     dict(row_transfer="counted", weights_first=False)])
 def test_fused_ab_variants_match_staged(variant, monkeypatch):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; each way of moving the rows; weights loaded before a tile's wait;
-    weights prefetched into L2, `CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH`; with counted rows the
-    first L1 tile's weights loaded right after the counts, and with
-    `CUTE_MEGAMOE_FUSED_EARLY_PREFETCH` its next ones prefetched) give the same bits."""
+    combine at BLOCK_M 64; each way of moving the rows; with counted rows, weights loaded
+    before a tile's wait or not) give the same bits."""
     _gpu()
-    variant = dict(variant)
-    if "weight_prefetch" in variant:
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", variant.pop("weight_prefetch"))
-    if "early_prefetch" in variant:
-        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", variant.pop("early_prefetch"))
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
     from cute_megamoe.testing.fused_checks import FusedLayer

@@ -607,30 +607,21 @@ def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypat
 
 
 def test_kernel_variant_variables_parse_and_key_the_plans(monkeypatch):
-    """The A/B variables of 2026-12-02 parse (numbers of k-blocks), refuse other
-    values, and are part of the layer plans' keys (a change builds new kernels)."""
+    """The kernels' A/B variables parse, refuse other values, and are part of the layer plans'
+    keys (a change builds new kernels)."""
     from cute_megamoe import runtime
 
-    for name in ("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH",
-                 "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH",
-                 "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", "CUTE_MEGAMOE_ONE_RANK_SCOPE"):
+    for name in ("CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
+                 "CUTE_MEGAMOE_ONE_RANK_SCOPE"):
         assert name in runtime.KERNEL_VARIANT_ENV
         monkeypatch.delenv(name, raising=False)
-    assert runtime.sm90_weight_prefetch() == runtime.fused_early_prefetch() == 0
-    assert not runtime.sm90_transposed() and runtime.fused_weights_first() is None
+    assert runtime.sm90_transposed() is None and runtime.fused_weights_first() is None
     for value, forced in (("1", True), ("0", False)):
         monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", value)
         assert runtime.fused_weights_first() is forced
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "8")
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", " 4 ")
-    assert (runtime.sm90_weight_prefetch(), runtime.fused_early_prefetch()) == (8, 4)
     before = runtime.kernel_variant_env()
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
     assert runtime.sm90_transposed() and runtime.kernel_variant_env() != before
-    for name, bad in (("CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH", "-1"),
-                      ("CUTE_MEGAMOE_FUSED_EARLY_PREFETCH", "many")):
-        monkeypatch.setenv(name, bad)
-        getter = {"CUTE_MEGAMOE_SM90_WEIGHT_PREFETCH": runtime.sm90_weight_prefetch,
-                  "CUTE_MEGAMOE_FUSED_EARLY_PREFETCH": runtime.fused_early_prefetch}[name]
-        with pytest.raises(ValueError, match=name):
-            getter()
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "sometimes")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED"):
+        runtime.sm90_transposed()

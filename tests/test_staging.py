@@ -35,8 +35,6 @@ def test_staging_compiles_to_wide_loads_without_spills(arch, recipe):
     assert art.count("LDG.E.128") == 8
     assert art.count("STG.E.128") == (8 if recipe == "bf16xbf16" else 4)
     assert art.count("STL") == 0 and art.count("LDL") == 0
-    # its dependent (the fused layer kernel, a programmatic dependent launch) may start now
-    assert art.ptx.count("griddepcontrol.launch_dependents;") == 1
     if recipe != "bf16xbf16":
         assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
         assert "div.rn.f32" in art.ptx  # amax / 448 is a true division, as the reference

@@ -147,7 +147,7 @@ class Sm90ExpertGemmKernel:
                  raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
-                 weight_prefetch: int = 0, tiled_weights: bool = False,
+                 tiled_weights: bool = False,
                  owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
@@ -202,15 +202,6 @@ class Sm90ExpertGemmKernel:
         # shared-memory words the consumers exchange row amaxes through (the transposed
         # kernel's L1 epilogue; a placeholder here)
         self.amax_exchange_len = 4
-        # `weight_prefetch` k-blocks: with each weight load (FP4 weights: each packed load) the
-        # producer also prefetches the same weight rows that many k-blocks further into L2
-        # (one TMA prefetch per 128-row chunk; near a tile's end, the next tile's first
-        # k-blocks), so more of a decode-size tile's weight bytes are in flight than the
-        # shared-memory ring holds (a tile's weights are the bulk of its
-        # DRAM reads there). 0: off. An A/B option
-        if weight_prefetch < 0:
-            raise ValueError(f"weight_prefetch must be >= 0, got {weight_prefetch}")
-        self.weight_prefetch = int(weight_prefetch)
         # (decode_regs: only FP4-weight kernels have decode warpgroups)
         self.decode_wgs = 0
         self.producer_regs, self.decode_regs, self.consumer_regs = \
@@ -676,8 +667,6 @@ class Sm90ExpertGemmKernel:
                 self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
                               pool_block, n_block, valid_m, lane)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
-            next_block = self.next_b_block(tile, owner, num_tiles, num_clusters, block_start,
-                                           row_start, raster_group, rank)
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
@@ -715,7 +704,6 @@ class Sm90ExpertGemmKernel:
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
-                    self.prefetch_b(tma_b, t_gb, b_block, kb, next_block)
                     state.advance()
             if cutlass.const_expr(rows_arrived is not None):
                 if valid_m > 0:
@@ -746,7 +734,6 @@ class Sm90ExpertGemmKernel:
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
-                    self.prefetch_b(tma_b, t_gb, b_block, kb, next_block)
                 elif cutlass.const_expr(self.is_fp8):  # (FP4: warp 1 loads the weights)
                     self.load_weight_scales(sfb, b_sf, expert, kb, state.index, bar, lane)
                 ab_pipe.producer_commit(state)
@@ -769,12 +756,11 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def load_first_weights(self, tma_b, tma_b_mc, m_b, sb, sfb, b_sf: cute.Pointer, ab_pipe,
                            block_start, row_start, num_tiles: Int32, first_tile: Int32,
-                           raster_group: Int32, lane: Int32, state, l2_ahead: cutlass.Constexpr):
+                           raster_group: Int32, lane: Int32, state):
         """Warp 0, before its pool block's rows can be there (the fused kernel, right after the
         counts): the weights of the first stages of tile ``first_tile`` into the ring from
-        ``state`` on (FP8 and BF16 weights, no clusters), and the next ``l2_ahead`` k-blocks'
-        weights into L2. Returns how many stages (0: no tile), for `produce`'s ``preloaded``;
-        ``state`` itself does not move."""
+        ``state`` on (FP8 and BF16 weights, no clusters). Returns how many stages (0: no tile),
+        for `produce`'s ``preloaded``; ``state`` itself does not move."""
         t_sb, t_gb, t_sb_mc, t_gb_mc = self.weight_partitions(tma_b, tma_b_mc, m_b, sb)
         stages = min(self.num_stages, self.num_k_blocks)
         n = Int32(0)
@@ -788,11 +774,6 @@ class Sm90ExpertGemmKernel:
                 self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                   multicast, b_block, expert, Int32(0), kb, st.index, bar, lane)
                 st.advance()
-            if lane == 0:  # (one prefetch per box: the PTX instruction is per thread)
-                for kb in cutlass.range_constexpr(stages, min(stages + l2_ahead,
-                                                              self.num_k_blocks)):
-                    for c in cutlass.range_constexpr(self.chunks):
-                        cute.prefetch(tma_b, t_gb[(None, b_block + c, kb)])
             n = Int32(stages)
         return n
 
@@ -876,12 +857,9 @@ class Sm90ExpertGemmKernel:
             owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, Int32(0))
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
-            next_block = self.next_b_block(tile, owner, num_tiles, num_clusters, block_start,
-                                           row_start, raster_group, Int32(0))
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
-                self.prefetch_b(tma_b, t_gb, b_block, kb, next_block)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
                         sfg + state.index * self.block_n,
@@ -1044,34 +1022,6 @@ class Sm90ExpertGemmKernel:
                 for half in cutlass.range_constexpr(2):
                     cute.autovec_copy(out[half],
                                       smem_words(sb, stage_base + pieces[half] * 16))
-
-    @cute.jit
-    def next_b_block(self, tile: Int32, owner: Int32, num_tiles: Int32, num_clusters: Int32,
-                     block_start, row_start, raster_group: Int32, rank: Int32):
-        """`weight_prefetch`: the first weight row block of this CTA's next tile of the walk
-        (-1: none, or no prefetch)."""
-        nxt = Int32(-1)
-        if cutlass.const_expr(self.weight_prefetch > 0):
-            if tile + num_clusters < num_tiles:
-                _o, expert, _m, n_block, _p, _v = self.scheduler.tile(
-                    tile + num_clusters, owner, block_start, row_start, raster_group, rank)
-                nxt = expert * (self.n // WG_N) + n_block * self.chunks
-        return nxt
-
-    @cute.jit
-    def prefetch_b(self, tma_b, t_gb, b_block: Int32, kb: Int32, next_block: Int32):
-        """`weight_prefetch`: k-block ``kb + weight_prefetch`` of the weight tile into L2, both
-        128-row chunks; past the tile's last k-block, the next tile's first ones (its first
-        weight row block ``next_block``, -1: none)."""
-        if cutlass.const_expr(self.weight_prefetch > 0):
-            ahead = kb + self.weight_prefetch
-            block = b_block
-            if ahead >= self.num_k_blocks:
-                ahead -= self.num_k_blocks
-                block = next_block
-            if block >= 0 and ahead < self.num_k_blocks:
-                for c in cutlass.range_constexpr(self.chunks):
-                    cute.prefetch(tma_b, t_gb[(None, block + c, ahead)])
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):

@@ -64,14 +64,14 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 weight_prefetch: int = 0, tiled_weights: bool = False):
+                 tiled_weights: bool = False):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
         super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
-                         staging_parts=1, promotion="chunk", weight_prefetch=weight_prefetch,
+                         staging_parts=1, promotion="chunk",
                          tiled_weights=tiled_weights)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         self.weight_blocks = self.block_n // WEIGHT_M

@@ -90,9 +90,6 @@ after this call's combine barriers, which every rank passes after its own dispat
 weights): tiles that find their pool block not ready load their first stages' weights before
 they wait, and warp 0 loads the weights of its first L1 tile's first stages as soon as the
 pool's prefix sums are in, before the metadata and the rows (the early weights).
-A/B options (off by default): `weight_prefetch` of the GEMM stages
-(`sm90_expert_gemm`), and `early_prefetch` (with the early weights, the next k-blocks of that
-tile into L2 as well).
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
 BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
@@ -186,8 +183,7 @@ class Sm90MegaMoEKernel:
                  l2_gate: str = "pool_block", extra_warpgroups: int = 0,
                  promotion: str | None = None, row_transfer: str | None = None,
                  weights_first: bool | None = None,
-                 weight_prefetch: int = 0, early_prefetch: int = 0,
-                 tiled_weights: bool = False, dependent_launch: bool = False,
+                 tiled_weights: bool = False,
                  stages_inputs: bool = False, local_dispatch: bool | None = None,
                  owner_search: str = "gallop"):
         if layout.recipe not in RECIPES:
@@ -274,13 +270,11 @@ class Sm90MegaMoEKernel:
                                        activation_clamp=activation_clamp, fast_math=fast_math,
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
                                        promotion=promotion,
-                                       weight_prefetch=weight_prefetch,
                                        tiled_weights=tiled_weights, owner_search=owner_search)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
-                                       weight_prefetch=weight_prefetch,
                                        tiled_weights=tiled_weights, owner_search=owner_search)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
@@ -319,12 +313,6 @@ class Sm90MegaMoEKernel:
         self.l1.weights_first = self.l2.weights_first = bool(weights_first)
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights and self.cluster_m == 1)
-        # `early_prefetch` k-blocks: with the early weights, the next k-blocks of the first L1
-        # tile into L2 too (beyond what the ring holds; a kernel without early weights has
-        # none to extend: 0 there). 0: off. An A/B option
-        if early_prefetch < 0:
-            raise ValueError(f"early_prefetch must be >= 0, got {early_prefetch}")
-        self.early_prefetch = int(early_prefetch) if self.early_weights else 0
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
@@ -347,13 +335,6 @@ class Sm90MegaMoEKernel:
             raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
                              f"memory, more than a CTA may have ({SM_SMEM_CAPACITY})")
         self.timeout_ns = spin_timeout_ns()
-        # `dependent_launch`: launched as a programmatic dependent of the kernel before it on
-        # the stream (the input staging, which lets its dependents launch as it starts), so
-        # this kernel's setup (barriers, counters, descriptors) runs beside the staging; every
-        # thread waits for the earlier grids (`griddepcontrol.wait`: complete, memory
-        # flushed) before the dispatch reads the staged inputs. An A/B option: bit-identical,
-        # and no faster at 1 or 128 tokens on an H200 (a graph's next launch is already ready)
-        self.dependent_launch = bool(dependent_launch)
 
     def pointer_args(self) -> tuple[tuple[str, object], ...]:
         """``(name, CuTe dtype)`` of the pointer arguments of ``__call__``, in order (the
@@ -454,7 +435,7 @@ class Sm90MegaMoEKernel:
                     tile_log, y, w1_group_sf, w2_group_sf, x, topk_idx, topk_weights).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
-            cooperative=True, use_pdl=self.dependent_launch)
+            cooperative=True)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a1: cute.CopyAtom, m_a1: cute.Tensor,
@@ -524,8 +505,6 @@ class Sm90MegaMoEKernel:
         if cutlass.const_expr(not self.local_dispatch):
             self.zero_counters(pool_block_ready, rows_arrived, tidx, bidx, grid)
 
-        if cutlass.const_expr(self.dependent_launch):
-            cute.arch.griddepcontrol_wait()  # the staged inputs are in place from here on
         if cutlass.const_expr(self.stages_inputs and not self.local_dispatch):
             self.stage_inputs(x, topk_idx, topk_weights, my_base, num_tokens, tidx, bidx, grid,
                               lane)
@@ -695,7 +674,7 @@ class Sm90MegaMoEKernel:
                 tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
                 self.l1.scheduler.num_tiles(block_start), cluster, Int32(self.l1.raster_group),
                 lane, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                   self.num_stages), self.early_prefetch)
+                                                   self.num_stages))
         return loaded
 
     @cute.jit

@@ -28,8 +28,6 @@ How:
    arithmetic, so enough bytes are in flight to approach the copy bandwidth.
 5. The routing (`topk_idx` int64, `topk_weights` f32) is copied by a grid-stride loop in the
    same launch.
-6. Every CTA lets a programmatic dependent launch as it starts (`griddepcontrol`: the fused
-   layer kernel sets itself up meanwhile and waits for this grid's end before its reads).
 
 Constraints:
 * `hidden % 128 == 0`; `num_tokens * hidden < 2**31`; all pointers 16-byte aligned;
@@ -166,9 +164,6 @@ class InputStagingKernel:
         num_vectors: Int32,
         num_routes: Int32,
     ):
-        # a kernel launched as this one's programmatic dependent (the fused layer kernel) may
-        # start its setup now; it waits for this grid's end before it reads what we write
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
