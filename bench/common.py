@@ -42,13 +42,13 @@ class Peaks:
                    nvl_bytes / self.nvlink_bytes_per_s)
 
 
-def time_cuda_graph(fn: Callable[[], None], calls_per_replay: int = 20, replays: int = 15,
-                    warmup: int = 3) -> float:
-    """Median seconds per call of `fn`, captured `calls_per_replay` times in one CUDA graph."""
+def _capture_graph(fn: Callable[[], None], calls_per_replay: int, warmup: int,
+                   stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """`fn` warmed up, then captured ``calls_per_replay`` times in a CUDA graph on ``stream``
+    (replayed once before it is returned)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -60,16 +60,24 @@ def time_cuda_graph(fn: Callable[[], None], calls_per_replay: int = 20, replays:
     torch.cuda.synchronize()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls_per_replay)
-    return statistics.median(times)
+    return graph
 
+
+def _replay_seconds(graph: torch.cuda.CUDAGraph, calls_per_replay: int) -> float:
+    """Seconds per call of one replay of ``graph`` (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls_per_replay
+
+
+def time_cuda_graph(fn: Callable[[], None], calls_per_replay: int = 20, replays: int = 15,
+                    warmup: int = 3) -> float:
+    """Median seconds per call of `fn`, captured `calls_per_replay` times in one CUDA graph."""
+    graph = _capture_graph(fn, calls_per_replay, warmup, torch.cuda.Stream())
+    return statistics.median(_replay_seconds(graph, calls_per_replay) for _ in range(replays))
 
 
 def time_cuda_graphs_interleaved(fns: dict, calls_per_replay: int = 5, replays: int = 15,
@@ -80,34 +88,14 @@ def time_cuda_graphs_interleaved(fns: dict, calls_per_replay: int = 5, replays: 
     clock and power states. A GPU at its power limit lowers its clock within milliseconds, so
     a variant timed right after a power-hungry one (e.g. our FP8 kernels before the FP4 ones)
     otherwise runs at a lower clock than the one timed first."""
-    graphs = {}
     stream = torch.cuda.Stream()
-    for key, fn in fns.items():
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            fn()  # one eager call on the capture stream (lazy init)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(calls_per_replay):
-                    fn()
-        torch.cuda.synchronize()
-        graph.replay()
-        graphs[key] = graph
-    torch.cuda.synchronize()
+    graphs = {key: _capture_graph(fn, calls_per_replay, warmup, stream)
+              for key, fn in fns.items()}
     keys = list(graphs)
     times = {key: [] for key in keys}
     for r in range(replays):
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[key].replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end) / 1e3 / calls_per_replay)
+            times[key].append(_replay_seconds(graphs[key], calls_per_replay))
     return {key: statistics.median(v) for key, v in times.items()}
 
 def time_events(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float:
