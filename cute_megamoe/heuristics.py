@@ -137,7 +137,8 @@ def select_sm90_transposed(recipe: str, block_m: int,
     time at 2, 4 and 8 expected tokens per expert (random routing), 1.04x at 16, where more
     pool blocks need two sub-blocks (docs/performance.md); fp8xfp8 gained nothing. None (the
     caller does not know its token count): staged. ``CUTE_MEGAMOE_SM90_TRANSPOSED`` overrides
-    this (`runtime.sm90_transposed`).
+    this (`runtime.sm90_transposed`). Ranks may choose differently: the expert GEMMs are
+    rank-local and both kernels write the same bits (GPU-tested).
     """
     return (recipe == "fp8xfp4_sm90" and block_m == 64 and expected_tokens_per_expert is not None
             and expected_tokens_per_expert <= SM90_TRANSPOSED_MAX_TOKENS)
