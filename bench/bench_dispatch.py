@@ -55,9 +55,9 @@ def _time(fn, iters: int, repeats: int = 7) -> float:
     return float(t)
 
 
-def _time_graph(fn, iters: int, repeats: int = 7) -> float | None:
-    """Like `_time`, but `iters` calls captured in one CUDA graph (no host launch overhead);
-    None when the capture fails."""
+def _capture_graph(fn, iters: int) -> torch.cuda.CUDAGraph | None:
+    """`iters` calls of `fn` captured in one CUDA graph (after one eager call); None when the
+    capture fails."""
     try:
         fn()
         torch.cuda.synchronize()
@@ -73,7 +73,44 @@ def _time_graph(fn, iters: int, repeats: int = 7) -> float | None:
         print(f"graph capture failed: {type(exc).__name__}: {exc}")
         torch.cuda.synchronize()
         return None
-    return _time(graph.replay, 1, repeats) / iters
+    return graph
+
+
+def _time_graph(fn, iters: int, repeats: int = 7) -> float | None:
+    """Like `_time`, but `iters` calls captured in one CUDA graph (no host launch overhead);
+    None when the capture fails."""
+    graph = _capture_graph(fn, iters)
+    return None if graph is None else _time(graph.replay, 1, repeats) / iters
+
+
+def _time_graphs_interleaved(fns: dict, iters: int, rounds: int = 9) -> dict:
+    """`_time_graph` of several callables at once (key: callable): each captured `iters` times
+    in a graph of its own, then one replay of each per round, the order rotating, every rank
+    starting each replay together. Seconds per call, median over rounds, max over ranks; None
+    where the capture failed. (A GPU at its power limit lowers its clock within milliseconds:
+    timed in blocks, a variant inherits the power state of the one before it.)"""
+    graphs = {key: _capture_graph(fn, iters) for key, fn in fns.items()}
+    keys = [key for key, graph in graphs.items() if graph is not None]
+    for key in keys:  # (warm-up)
+        graphs[key].replay()
+    torch.cuda.synchronize()
+    samples = {key: [] for key in keys}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rounds if keys else 0):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            dist.barrier()
+            torch.cuda.synchronize()
+            start.record()
+            graphs[key].replay()
+            end.record()
+            end.synchronize()
+            samples[key].append(start.elapsed_time(end) / 1e3 / iters)
+    medians = torch.tensor([statistics.median(samples[key]) for key in keys] or [0.0],
+                           device="cuda", dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    out = dict.fromkeys(fns)
+    out.update({key: float(medians[i]) for i, key in enumerate(keys)})
+    return out
 
 
 def _worker(rank: int, num_ranks: int, port: int, tokens: list[int], recipes: list[str],

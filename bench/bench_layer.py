@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from bench.bench_dispatch import _time, _time_graph
+from bench.bench_dispatch import _time, _time_graph, _time_graphs_interleaved
 from bench.common import Results, copy_ceiling, gpu_clocks
 
 
@@ -152,53 +151,50 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
 
         t_ours = _time(ours, 5)
         t_fused = _time(fused_layer, 5) if fused_ok else None
-        graphs = {"sends": [], "pool": [], "fused": []}
-        rows_graphs = {rows: [] for rows in fused_rows if fused_ok}
-        env_graphs = {("ours", setting): [] for setting in staged_env}
-        env_graphs.update({("fused", setting): [] for setting in fused_env if fused_ok})
-        storage_graphs = {}  # the layers on the weights in the other storage order
+        env_fns = {("ours", setting): partial(with_env, ours, setting) for setting in staged_env}
+        if fused_ok:
+            env_fns.update({("fused", setting): partial(with_env, fused_layer, setting)
+                            for setting in fused_env})
+        storage_fns = {}  # the layers on the weights in the other storage order
         if other_weights is not None:
-            storage_graphs["ours"] = (partial(ours, wts=other_weights), [])
+            storage_fns["ours"] = partial(ours, wts=other_weights)
             if fused_ok:
-                storage_graphs["fused"] = (partial(fused_layer, wts=other_weights), [])
-            for default, (fn, _) in zip((ours, fused_layer), storage_graphs.values(),
-                                        strict=False):
+                storage_fns["fused"] = partial(fused_layer, wts=other_weights)
+            for default, fn in zip((ours, fused_layer), storage_fns.values(), strict=False):
                 y_default = default().clone()  # (the same outputs on either storage)
                 if not torch.equal(y_default.view(torch.int16), fn().view(torch.int16)):
                     raise SystemExit(f"{n} tokens: the layer on the other storage differs")
-        for layer, setting in env_graphs:  # a kernel variant gives the default's bits
-            fn = ours if layer == "ours" else fused_layer
-            y_default = fn().clone()
-            if not torch.equal(y_default.view(torch.int16),
-                               with_env(fn, setting).view(torch.int16)):
+        for (layer, setting), fn in env_fns.items():  # a kernel variant gives the default's bits
+            y_default = (ours if layer == "ours" else fused_layer)().clone()
+            if not torch.equal(y_default.view(torch.int16), fn().view(torch.int16)):
                 raise SystemExit(f"{n} tokens: the {layer} layer with {setting} differs")
-        for _ in range(3):  # alternate: the GPU's clocks drift at its power limit
-            graphs["sends"].append(_time_graph(ours, 5, repeats=3))
-            if fused_ok:
-                graphs["fused"].append(_time_graph(fused_layer, 5, repeats=3))
-            for rows, times in rows_graphs.items():
-                times.append(_time_graph(partial(fused_rows_layer, rows), 5, repeats=3))
-            for (layer, setting), times in env_graphs.items():
-                fn = ours if layer == "ours" else fused_layer
-                times.append(_time_graph(partial(with_env, fn, setting), 5, repeats=3))
-            for fn, times in storage_graphs.values():
-                times.append(_time_graph(fn, 5, repeats=3))
-            if not quick:
-                graphs["pool"].append(_time_graph(ours_pool_order, 5, repeats=3))
-        t_graph, t_pool, t_fused_graph = (None if None in v or not v else statistics.median(v)
-                                          for v in graphs.values())
+        # every variant's graph replayed in turn, the order rotating: at the power limit the
+        # clock drops within milliseconds, and a variant timed in a block after another would
+        # inherit its power state (docs/performance.md, Method)
+        variants = {"sends": ours}
+        if fused_ok:
+            variants["fused"] = fused_layer
+            variants.update({("rows", rows): partial(fused_rows_layer, rows)
+                             for rows in fused_rows})
+        variants.update({("env", key): fn for key, fn in env_fns.items()})
+        variants.update({("storage", layer): fn for layer, fn in storage_fns.items()})
+        if not quick:
+            variants["pool"] = ours_pool_order
+        times = _time_graphs_interleaved(variants, 5, rounds=9)
+        t_graph, t_pool, t_fused_graph = (times.get(key) for key in ("sends", "pool", "fused"))
         flops = 2 * int((idx >= 0).sum()) * 3 * hidden * inter
         ours_best = min(t_ours, t_graph or t_ours)
         fused_cols = dict(weight_floor_us=weight_floor * 1e6, fp8_weight_floor_us=fp8_floor * 1e6,
                           ours_over_fp8_floor=ours_best / fp8_floor)
-        for (layer, setting), times in env_graphs.items():  # a layer with that variable set
-            if None not in times:
+        for layer, setting in env_fns:  # a layer with that variable set
+            t_env = times[("env", (layer, setting))]
+            if t_env is not None:
                 name = f"{layer}_{_env_column(setting)}"
-                fused_cols[f"{name}_graph_us"] = statistics.median(times) * 1e6
-                fused_cols[f"{name}_over_fp8_floor"] = statistics.median(times) / fp8_floor
-        for layer, (_fn, times) in storage_graphs.items():
-            if None not in times:
-                t_other = statistics.median(times)
+                fused_cols[f"{name}_graph_us"] = t_env * 1e6
+                fused_cols[f"{name}_over_fp8_floor"] = t_env / fp8_floor
+        for layer in storage_fns:
+            t_other = times[("storage", layer)]
+            if t_other is not None:
                 fused_cols[f"{layer}_other_storage_graph_us"] = t_other * 1e6
                 fused_cols[f"{layer}_other_storage_over_fp8_floor"] = t_other / fp8_floor
         fused_best = ours_best  # (the speedup over the torch baseline takes the better one)
@@ -210,10 +206,11 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 fused_tflops=flops / fused_best / 1e12,
                 staged_over_fused=(t_graph or t_ours) / fused_best,
                 fused_over_floor=fused_best / weight_floor)
-            for rows, times in rows_graphs.items():  # (each row transfer forced)
-                t_rows = statistics.median(times)
-                fused_cols[f"fused_{rows}_graph_us"] = t_rows * 1e6
-                fused_cols[f"fused_{rows}_over_floor"] = t_rows / weight_floor
+            for rows in fused_rows:  # (each row transfer forced)
+                t_rows = times[("rows", rows)]
+                if t_rows is not None:
+                    fused_cols[f"fused_{rows}_graph_us"] = t_rows * 1e6
+                    fused_cols[f"fused_{rows}_over_floor"] = t_rows / weight_floor
         if quick:
             best = min(t_ours, t_graph or t_ours)
             res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
