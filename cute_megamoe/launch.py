@@ -36,7 +36,6 @@ from .runtime import (
     launch_path,
     sm90_promotion,
     sm90_transposed,
-    sm90_transposed_decode_wgs,
     tile_owner_search,
 )
 
@@ -339,8 +338,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
-        if recipe == "fp8xfp4_sm90":
-            extra["decode_warpgroups"] = sm90_transposed_decode_wgs()
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
@@ -402,8 +399,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                transposed, tile_owner_search(),
-                sm90_transposed_decode_wgs() if transposed and fp4 else None)
+                transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -177,15 +177,6 @@ def sm90_transposed() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_transposed_decode_wgs() -> int | None:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE_WGS``: "2" / "4" decode warpgroups of the
-    transposed sm_90a GEMMs with MXFP4 weights (`Sm90ExpertGemmKernel`'s
-    ``decode_warpgroups``; an A/B option); unset or "auto": None, their default (2). Part of the
-    grouped GEMMs' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE_WGS", ("auto", "2", "4"))
-    return None if value == "auto" else int(value)
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first

@@ -61,41 +61,6 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_wide_decode_compiles_with_four_decode_warpgroups(phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE_WGS=4` (an A/B option of the transposed kernel,
-    BLOCK_M 64): four decode warpgroups, two items per thread, 768 threads whose registers fit
-    what the launch gives (80 each), no spills; the staged kernel keeps its two (the variable
-    names the transposed kernel), and the staged kernel (which ptxas rejects at 80 registers,
-    C7602), BLOCK_M 128 and FP8 weights refuse four."""
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.kernels.sm90_expert_gemm_transposed import (
-        Sm90TransposedExpertGemmKernel,
-    )
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE_WGS", "4")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    kernel, art = _compile(phase, 64)
-    assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
-    assert (kernel.decode_wgs, kernel.num_threads, kernel.decode_batch) == (4, 768, 2)
-    assert 128 * (kernel.producer_regs + 4 * kernel.decode_regs + kernel.consumer_regs) \
-        <= 768 * 80
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "0")
-    assert _compile(phase, 64)[0].decode_wgs == 2
-    for kind, recipe, block_m in ((Sm90ExpertGemmKernel, RECIPE, 64),
-                                  (Sm90ExpertGemmKernel, RECIPE, 128),
-                                  (Sm90TransposedExpertGemmKernel, "fp8xfp8", 64)):
-        with pytest.raises(ValueError, match="decode_warpgroups"):
-            kind("l1", recipe, 8, 4096, 4096, 7168, block_m, decode_warpgroups=4)
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("QGMMA") > 0 and art.count("LDS.128") >= 1
-    assert art.count("STL") == 0 and art.count("LDL") == 0
-    usage = art.resource_usage()
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-
-
 def test_fp4_weights_refuse_clusters():
     """No 2-CTA clusters with FP4 weights (a decode shared by the pair measured 0.96-1.05x the
     single-CTA time and was removed); the library builds them single-CTA at BLOCK_M 128."""
@@ -158,14 +123,13 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
-                                             (64, "transposed_wide")])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
     pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
-    both sides; FP4 also with four decode warpgroups)."""
+    both sides)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -216,9 +180,7 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 # variant: (its settings, BLOCK_M)
-VARIANTS = {"transposed": (TRANSPOSED, 64),
-            "transposed_wide": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE_WGS": "4"},
-                                64)}
+VARIANTS = {"transposed": (TRANSPOSED, 64)}
 
 
 @pytest.mark.gpu
@@ -227,9 +189,8 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; with two or four
-    decode warpgroups, `CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE_WGS`) against the staged decode on
-    the same FP4
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64) against the staged
+    decode on the same FP4
     weights and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid
     row, pad rows stay poisoned; with routings that leave experts empty, pair pool blocks of
     different experts in a cluster or give one expert everything, and an L2 of 1152 columns

@@ -120,12 +120,6 @@ SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: s
 # warpgroup, of a consumer, items decoded per batch); BLOCK_M 64: 128 x (40 + 2 x 112 + 232)
 # = 62K registers; BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
 FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
-# `decode_warpgroups` 4 (an A/B option of the transposed kernel at BLOCK_M 64, whose m64n16
-# WGMMAs leave room): twice the decode warps to hide the decode's load -> permute -> store
-# latency (ncu at 128 experts x 8 pairs: half the issue slots used, the decode loop waiting on
-# its loads), two items per thread; 768 threads launch with 80 registers each, 128 x (24 + 4 x
-# 56 + 232) = 60K. (ptxas rejects the staged consumer at 80 registers, C7602)
-FP4_WIDE_DECODE = (4, 24, 56, 232, 2)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -146,9 +140,6 @@ def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
 class Sm90ExpertGemmKernel:
     """One grouped GEMM of the expert FFN over the pool (see module doc)."""
 
-    # whether ``decode_warpgroups`` may take FP4_WIDE_DECODE (small consumer WGMMAs only)
-    wide_decode_ok = False
-
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
@@ -157,7 +148,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_warpgroups: int | None = None):
+                 owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -217,21 +208,11 @@ class Sm90ExpertGemmKernel:
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
             config = FP4_WARPGROUPS[self.num_mma_wgs]
-            if decode_warpgroups not in (None, config[0]):
-                if (decode_warpgroups != FP4_WIDE_DECODE[0] or not self.wide_decode_ok
-                        or block_m != 64):
-                    raise ValueError(f"decode_warpgroups: {config[0]}, or "
-                                     f"{FP4_WIDE_DECODE[0]} in the transposed kernel at "
-                                     f"BLOCK_M 64; got {decode_warpgroups}")
-                config = FP4_WIDE_DECODE
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
              batch) = config
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
-        elif decode_warpgroups is not None:
-            raise ValueError(f"decode_warpgroups: MXFP4 weights only, got {decode_warpgroups} "
-                             f"for {recipe}")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)

@@ -61,12 +61,10 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     """One grouped GEMM of the expert FFN with the weight tile as the WGMMA's A (see module
     doc)."""
 
-    wide_decode_ok = True  # (m64n16 WGMMAs: the consumer fits the wide decode's 80 registers)
-
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False, decode_warpgroups: int | None = None):
+                 tiled_weights: bool = False):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -74,7 +72,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
                          staging_parts=1, promotion="chunk",
-                         tiled_weights=tiled_weights, decode_warpgroups=decode_warpgroups)
+                         tiled_weights=tiled_weights)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         self.weight_blocks = self.block_n // WEIGHT_M
         self.token_blocks = block_m // TOKEN_N
