@@ -40,12 +40,18 @@ from bench.common import Results, copy_ceiling, gpu_clocks
 
 def _env_pairs(setting: str) -> list[tuple[str, str]]:
     """``A=1+B=4`` (one variant of `--staged-env` / `--fused-env`) -> ``[(A, 1), (B, 4)]``."""
+    from cute_megamoe.runtime import KERNEL_VARIANT_ENV
+
     pairs = []
     for item in setting.split("+"):
         name, sep, value = item.partition("=")
         if not sep or not name.startswith("CUTE_MEGAMOE_"):
             raise SystemExit(f"--staged-env / --fused-env: NAME=VALUE[+NAME=VALUE] of "
                              f"CUTE_MEGAMOE_* variables, got {setting!r}")
+        # a variable outside the layer plans' keys would time the default's kernels again
+        if name not in KERNEL_VARIANT_ENV:
+            raise SystemExit(f"--staged-env / --fused-env: {name} is not one of the variables "
+                             f"that key the layer plans (runtime.KERNEL_VARIANT_ENV)")
         pairs.append((name, value))
     return pairs
 

@@ -17,6 +17,9 @@ def test_layer_env_variants_parse_and_name_their_columns():
     for bad in ("CUTE_MEGAMOE_TILE_SEARCH", "PATH=/tmp", "CUTE_MEGAMOE_A=1+B=2"):
         with pytest.raises(SystemExit, match="CUTE_MEGAMOE_"):
             _env_pairs(bad)
+    # (a variable the layer plans are not keyed by would time the default's kernels again)
+    with pytest.raises(SystemExit, match="KERNEL_VARIANT_ENV"):
+        _env_pairs("CUTE_MEGAMOE_RESULTS_DIR=/tmp")
 
 
 def test_gemm_env_variants_parse():
