@@ -51,9 +51,13 @@ from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
 TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
-# token sub-blocks whose WGMMAs go out together before one wait (17-32 tokens: one wait per
-# k-block instead of two; each sub-block its own scratch, so the sums and their promotion
-# order are unchanged)
+# token sub-blocks whose WGMMAs go out together before one wait (`subs_in_flight`; each
+# sub-block its own scratch, so the sums and their promotion order are unchanged). 2: 17-32
+# tokens wait once per k-block instead of twice, but ptxas then builds every WGMMA descriptor
+# in vector registers and moves it with an R2UR (48 per k-block, about 80 more instructions in
+# the consumer's serial stream for every tile; ncu at 128 x 8: the consumer warps issue or wait
+# on their own latencies, rarely on the ring). 1: the descriptors stay on the uniform
+# datapath. An A/B pair (`CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS`), not yet timed
 SUBS_IN_FLIGHT = 2
 
 
@@ -64,7 +68,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False):
+                 tiled_weights: bool = False, subs_in_flight: int | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -76,6 +80,9 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         self.weight_blocks = self.block_n // WEIGHT_M
         self.token_blocks = block_m // TOKEN_N
+        self.subs_in_flight = SUBS_IN_FLIGHT if subs_in_flight is None else subs_in_flight
+        if self.subs_in_flight not in (1, 2):
+            raise ValueError(f"subs_in_flight must be 1 or 2, got {subs_in_flight}")
         # L1: per-warp token amaxes, then the tile's
         self.amax_exchange_len = 5 * block_m
 
@@ -119,9 +126,9 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         acc_shape = thr_mma.partition_shape_C((WEIGHT_M, TOKEN_N))
         accs = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.token_blocks)]
                 for _ in range(self.weight_blocks)]
-        # scratch of SUBS_IN_FLIGHT sub-blocks: their WGMMAs issued together, one wait
+        # scratch of `subs_in_flight` sub-blocks: their WGMMAs issued together, one wait
         parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
-                 for _ in range(SUBS_IN_FLIGHT)]
+                 for _ in range(self.subs_in_flight)]
         quad = lane % 4
         ctid = warp_in_wg * 32 + lane
         tile = first_tile
@@ -142,10 +149,10 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)
-                for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
+                for s0 in cutlass.range_constexpr(0, self.token_blocks, self.subs_in_flight):
                     if s0 < num_sub:
                         warpgroup.fence()
-                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
+                        for h in cutlass.range_constexpr(self.subs_in_flight):
                             # (a sub-block past the tokens: nothing issued, nothing promoted)
                             if s0 + h < num_sub:
                                 for b in cutlass.range_constexpr(self.weight_blocks):
@@ -160,7 +167,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
-                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
+                        for h in cutlass.range_constexpr(self.subs_in_flight):
                             if s0 + h < num_sub:
                                 s = s0 + h
                                 # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
