@@ -36,7 +36,6 @@ from .runtime import (
     launch_path,
     sm90_promotion,
     sm90_transposed,
-    sm90_transposed_subs,
     tile_owner_search,
 )
 
@@ -342,8 +341,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
-                                                tiled_weights=tiled_weights,
-                                                subs_in_flight=sm90_transposed_subs(), **extra)
+                                                tiled_weights=tiled_weights, **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
@@ -401,7 +399,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                transposed, tile_owner_search(), sm90_transposed_subs() if transposed else None)
+                transposed, tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -177,15 +177,6 @@ def sm90_transposed() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_transposed_subs() -> int | None:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS``: "1" / "2" token sub-blocks per WGMMA wait of the
-    transposed sm_90a GEMMs (`Sm90TransposedExpertGemmKernel`'s ``subs_in_flight``, an A/B
-    option); unset or "auto": None, their default. Part of the grouped GEMMs' and the layer
-    plans' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS", ("auto", "1", "2"))
-    return None if value == "auto" else int(value)
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first
@@ -239,7 +230,7 @@ def fused_rows() -> str | None:
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS",
+                      "CUTE_MEGAMOE_SM90_TRANSPOSED",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

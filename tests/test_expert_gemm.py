@@ -206,9 +206,13 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
                                        ("l2", 1152, 512)])
 def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkeypatch):
     """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
-    sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (four
-    sub-blocks, each under its own branch), no spills, WGMMAs not serialized; BLOCK_M 128 and
-    BF16 are built without it."""
+    sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (two groups
+    of two sub-blocks, each group built for both and for its first alone), no spills, WGMMAs
+    not serialized, and no WGMMA descriptor moved from a vector register (R2UR) among them
+    (the issue order keeps them on the uniform datapath); BLOCK_M 128 and BF16 are built
+    without it."""
+    import re
+
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
@@ -232,58 +236,15 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkey
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("QGMMA") == art.count("QGMMA.64x16x32.F32.E4M3.E4M3") \
-        == 4 * kernel.weight_blocks * kernel.token_blocks
+        == 4 * kernel.weight_blocks * (kernel.token_blocks + kernel.token_blocks // 2)
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     assert art.ptxas_performance_notes() == []
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                     art.sass, re.M)
+    wgmmas = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
+    assert "R2UR" not in ops[wgmmas[0] - 40: wgmmas[-1] + 1]
     with pytest.raises(ValueError, match="transposed"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-@pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048)])
-def test_sm90_transposed_one_sub_keeps_uniform_wgmma_descriptors(recipe, phase, n, k,
-                                                                 monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS=1`: one token sub-block per WGMMA wait; the same
-    m64n16k32 WGMMAs, no spills, and no descriptor moved from a vector register (R2UR) among
-    the consumer's WGMMAs, where the default of two sub-blocks per wait has about 48 per
-    k-block loop body; the option parses, refuses other values and keys the plans."""
-    import re
-
-    from cutlass import Int32
-
-    from cute_megamoe import runtime
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    assert "CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS" in runtime.KERNEL_VARIANT_ENV
-
-    def r2ur_among_wgmmas(subs):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS", subs)
-        kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                     activation_clamp=10.0)
-        assert kernel.subs_in_flight == int(subs)
-        art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                         for i, d in enumerate(dtypes)),
-                               Int32(132), fake_stream(), arch="sm_90a")
-        if art.sass is None:
-            pytest.skip("nvdisasm not available: PTX only")
-        assert art.count("QGMMA") == art.count("QGMMA.64x16x32.F32.E4M3.E4M3") \
-            == 4 * kernel.weight_blocks * kernel.token_blocks
-        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-        ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
-                         art.sass, re.M)
-        wgmma = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
-        # (from the first WGMMA run's setup to the last WGMMA)
-        return sum(op == "R2UR" for op in ops[wgmma[0] - 40: wgmma[-1] + 1])
-
-    assert r2ur_among_wgmmas("1") == 0
-    assert r2ur_among_wgmmas("2") >= 32
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS", "3")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS"):
-        runtime.sm90_transposed_subs()
 
 
 @pytest.mark.compile
@@ -614,13 +575,12 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_one_sub")])
+                                             (64, "transposed")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) and the transposed kernels
-    (`CUTE_MEGAMOE_SM90_TRANSPOSED`, also with one token sub-block per wait,
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS=1`) compute the same products and promote them in the
-    same order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
-    untouched (the skewed counts give tiles of one to four sub-blocks)."""
+    (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same products and promote them in the same
+    order as "chunk": L2 inputs, their scales and the outputs equal bit for bit, pad rows
+    untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -633,14 +593,11 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"},
-                   "transposed_one_sub": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                          "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                          "CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS": "1"}}[variant]
+                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
-        for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS"):
+        for name in ("CUTE_MEGAMOE_SM90_PROMOTION",
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -123,14 +123,13 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
-                                             (64, "transposed_one_sub")])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
     pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
-    both sides; also with one token sub-block per wait)."""
+    both sides)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -181,8 +180,7 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 # variant: (its settings, BLOCK_M)
-VARIANTS = {"transposed": (TRANSPOSED, 64),
-            "transposed_one_sub": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS": "1"}, 64)}
+VARIANTS = {"transposed": (TRANSPOSED, 64)}
 
 
 @pytest.mark.gpu
@@ -191,9 +189,8 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; also with one token
-    sub-block per wait, `CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS=1`) against the staged decode on
-    the same FP4
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64) against the staged
+    decode on the same FP4
     weights and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid
     row, pad rows stay poisoned; with routings that leave experts empty, pair pool blocks of
     different experts in a cluster or give one expert everything, and an L2 of 1152 columns

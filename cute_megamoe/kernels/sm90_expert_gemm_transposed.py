@@ -51,13 +51,9 @@ from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
 TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
-# token sub-blocks whose WGMMAs go out together before one wait (`subs_in_flight`; each
-# sub-block its own scratch, so the sums and their promotion order are unchanged). 2: 17-32
-# tokens wait once per k-block instead of twice, but ptxas then builds every WGMMA descriptor
-# in vector registers and moves it with an R2UR (48 per k-block, about 80 more instructions in
-# the consumer's serial stream for every tile; ncu at 128 x 8: the consumer warps issue or wait
-# on their own latencies, rarely on the ring). 1: the descriptors stay on the uniform
-# datapath. An A/B pair (`CUTE_MEGAMOE_SM90_TRANSPOSED_SUBS`), not yet timed
+# token sub-blocks whose WGMMAs go out together before one wait (17-32 tokens: one wait per
+# k-block instead of two; each sub-block its own scratch, so the sums and their promotion
+# order are unchanged)
 SUBS_IN_FLIGHT = 2
 
 
@@ -68,7 +64,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False, subs_in_flight: int | None = None):
+                 tiled_weights: bool = False):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -80,9 +76,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         self.weight_blocks = self.block_n // WEIGHT_M
         self.token_blocks = block_m // TOKEN_N
-        self.subs_in_flight = SUBS_IN_FLIGHT if subs_in_flight is None else subs_in_flight
-        if self.subs_in_flight not in (1, 2):
-            raise ValueError(f"subs_in_flight must be 1 or 2, got {subs_in_flight}")
         # L1: per-warp token amaxes, then the tile's
         self.amax_exchange_len = 5 * block_m
 
@@ -122,13 +115,12 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         thr_mma = tiled_mma.get_slice(warp_in_wg * 32 + lane)
         t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(sw))  # [.., .., k32, slot]
         t_rt = tiled_mma.make_fragment_B(thr_mma.partition_B(st))
-        num_k_phases = cute.size(t_rw, mode=[2])
         acc_shape = thr_mma.partition_shape_C((WEIGHT_M, TOKEN_N))
         accs = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.token_blocks)]
                 for _ in range(self.weight_blocks)]
-        # scratch of `subs_in_flight` sub-blocks: their WGMMAs issued together, one wait
+        # scratch of SUBS_IN_FLIGHT sub-blocks: their WGMMAs issued together, one wait
         parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
-                 for _ in range(self.subs_in_flight)]
+                 for _ in range(SUBS_IN_FLIGHT)]
         quad = lane % 4
         ctid = warp_in_wg * 32 + lane
         tile = first_tile
@@ -149,25 +141,19 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)
-                for s0 in cutlass.range_constexpr(0, self.token_blocks, self.subs_in_flight):
+                for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
                     if s0 < num_sub:
                         warpgroup.fence()
-                        for h in cutlass.range_constexpr(self.subs_in_flight):
-                            # (a sub-block past the tokens: nothing issued, nothing promoted)
-                            if s0 + h < num_sub:
-                                for b in cutlass.range_constexpr(self.weight_blocks):
-                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                                    for kk in cutlass.range_constexpr(num_k_phases):
-                                        cute.gemm(
-                                            tiled_mma, parts[h][b],
-                                            t_rw[(None, None, kk, stage * self.weight_blocks + b)],
-                                            t_rt[(None, None, kk,
-                                                  stage * self.token_blocks + s0 + h)],
-                                            parts[h][b])
-                                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        # (a sub-block past the tokens: nothing issued, nothing promoted)
+                        if s0 + 1 < num_sub:
+                            tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
+                                                          s0, SUBS_IN_FLIGHT)
+                        else:
+                            tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
+                                                          s0, 1)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
-                        for h in cutlass.range_constexpr(self.subs_in_flight):
+                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
                             if s0 + h < num_sub:
                                 s = s0 + h
                                 # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
@@ -192,3 +178,25 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
         return state, prev, tile
+
+    @cute.jit
+    def issue_wgmmas(self, tiled_mma, t_rw, t_rt, parts, stage, s0: cutlass.Constexpr,
+                     subs: cutlass.Constexpr):
+        """The WGMMAs of token sub-blocks ``s0 .. s0 + subs - 1`` of ``stage`` into their
+        scratch ``parts[h]`` (each accumulates its k32 steps in order), each m64 block's A
+        descriptors used by all of them before the next block's: few descriptors are live at
+        once, so ptxas keeps them on the uniform datapath (issued sub-block by sub-block, the
+        two-sub-block runs held all sixteen A descriptors live, and ptxas built every
+        descriptor in vector registers and moved it with an R2UR: 48 per k-block, about 80
+        more instructions in the consumer's serial stream, for every tile). Returns
+        ``tiled_mma``, whose accumulate field this sets (the caller rebinds it)."""
+        num_k_phases = cute.size(t_rw, mode=[2])
+        for b in cutlass.range_constexpr(self.weight_blocks):
+            for kk in cutlass.range_constexpr(num_k_phases):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kk > 0)
+                for h in cutlass.range_constexpr(subs):
+                    cute.gemm(tiled_mma, parts[h][b],
+                              t_rw[(None, None, kk, stage * self.weight_blocks + b)],
+                              t_rt[(None, None, kk, stage * self.token_blocks + s0 + h)],
+                              parts[h][b])
+        return tiled_mma
