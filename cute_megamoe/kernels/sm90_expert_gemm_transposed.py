@@ -151,7 +151,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                         else:
                             tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
                                                           s0, 1)
-                        warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
                             if s0 + h < num_sub:
@@ -189,7 +188,8 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         two-sub-block runs held all sixteen A descriptors live, and ptxas built every
         descriptor in vector registers and moved it with an R2UR: 48 per k-block, about 80
         more instructions in the consumer's serial stream, for every tile). Returns
-        ``tiled_mma``, whose accumulate field this sets (the caller rebinds it)."""
+        ``tiled_mma``, whose accumulate field this sets (the caller rebinds it), with the
+        WGMMAs committed as one group."""
         num_k_phases = cute.size(t_rw, mode=[2])
         for b in cutlass.range_constexpr(self.weight_blocks):
             for kk in cutlass.range_constexpr(num_k_phases):
@@ -199,4 +199,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                               t_rw[(None, None, kk, stage * self.weight_blocks + b)],
                               t_rt[(None, None, kk, stage * self.token_blocks + s0 + h)],
                               parts[h][b])
+        # (committed here, after the last WGMMA: a commit after the two paths meet made ptxas
+        # add an empty WGMMA to carry the group's scoreboard)
+        warpgroup.commit_group()
         return tiled_mma
