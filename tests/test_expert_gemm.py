@@ -237,6 +237,7 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkey
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("QGMMA") == art.count("QGMMA.64x16x32.F32.E4M3.E4M3") \
         == 4 * kernel.weight_blocks * (kernel.token_blocks + kernel.token_blocks // 2)
+    assert art.count("HGMMA") == 0  # (no empty WGMMA carrying a group's scoreboard)
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     assert art.ptxas_performance_notes() == []
     ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
