@@ -74,6 +74,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     parser.add_argument("--top", type=int, default=8, help="groups per kernel")
+    parser.add_argument("--reasons", type=int, default=4,
+                        help="stall reasons per group (the rest of a group's samples: whether a "
+                             "role waits on the ring's barriers is often below the top four)")
     args = parser.parse_args()
     with open(args.csv) as f:
         text = f.read()
@@ -83,7 +86,7 @@ def main() -> None:
         print("  share  executed  instrs  lines      stalls (share of the group)  opcodes")
         for g in loop_groups(rows)[: args.top]:
             top = ", ".join(f"{k} {100 * v // max(g['samples'], 1)}%"
-                            for k, v in g["stalls"].most_common(4) if v)
+                            for k, v in g["stalls"].most_common(args.reasons) if v)
             ops = ", ".join(f"{k} {v}" for k, v in g["opcodes"].most_common(5))
             print(f"  {100 * g['samples'] / total:5.1f}% {g['executed']:9d} {g['instructions']:6d}"
                   f"  {g['first']:5d}-{g['last']:<5d} {top:38s} {ops}")
