@@ -87,10 +87,15 @@ def _time_graphs_interleaved(fns: dict, iters: int, rounds: int = 9) -> dict:
     """`_time_graph` of several callables at once (key: callable): each captured `iters` times
     in a graph of its own, then one replay of each per round, the order rotating, every rank
     starting each replay together. Seconds per call, median over rounds, max over ranks; None
-    where the capture failed. (A GPU at its power limit lowers its clock within milliseconds:
+    where a rank's capture failed. (A GPU at its power limit lowers its clock within milliseconds:
     timed in blocks, a variant inherits the power state of the one before it.)"""
     graphs = {key: _capture_graph(fn, iters) for key, fn in fns.items()}
-    keys = [key for key, graph in graphs.items() if graph is not None]
+    # (only what every rank captured: a rank timing a graph its peers lack would wait at the
+    # barrier for ever)
+    captured = torch.tensor([graphs[key] is not None for key in fns] or [0], device="cuda",
+                            dtype=torch.int32)
+    dist.all_reduce(captured, op=dist.ReduceOp.MIN)
+    keys = [key for i, key in enumerate(fns) if captured[i]]
     for key in keys:  # (warm-up)
         graphs[key].replay()
     torch.cuda.synchronize()
