@@ -124,7 +124,7 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
 
 #: Largest expected tokens per expert at which the sm_90a FP4 grouped GEMMs run transposed
 #: (`select_sm90_transposed`); +0.5 as in `_BLOCK_M_THRESHOLDS`.
-SM90_TRANSPOSED_MAX_TOKENS = 8.5
+SM90_TRANSPOSED_MAX_TOKENS = 16.5
 
 
 def select_sm90_transposed(recipe: str, block_m: int,
@@ -132,10 +132,11 @@ def select_sm90_transposed(recipe: str, block_m: int,
     """Whether the sm_90a grouped GEMMs run transposed (`sm90_expert_gemm_transposed`: the
     weight tile as the WGMMA's A, the pool rows in 16-token sub-blocks) rather than staged.
 
-    Only for MXFP4 weights (``fp8xfp4_sm90``) at BLOCK_M 64 with at most 8 expected tokens per
-    expert: the staged layer's expert GEMMs on an H200 took 0.90-0.91x the staged kernels'
-    time at 2, 4 and 8 expected tokens per expert (random routing), 1.04x at 16, where more
-    pool blocks need two sub-blocks (docs/performance.md); fp8xfp8 gained nothing. None (the
+    Only for MXFP4 weights (``fp8xfp4_sm90``) at BLOCK_M 64 with at most 16 expected tokens
+    per expert. Interleaved A/Bs on an H200 since the transposed consumer's uniform WGMMA
+    descriptors (2026-12-02, docs/performance.md): the expert FFN took 0.78x the staged
+    kernels' time at 128 experts x 16 pairs, 1.04x at x 32; the layer 0.935x at 16 expected
+    tokens per expert (random routing), 1.23x at 32. fp8xfp8 gains nothing (1.00x). None (the
     caller does not know its token count): staged. ``CUTE_MEGAMOE_SM90_TRANSPOSED`` overrides
     this (`runtime.sm90_transposed`). Ranks may choose differently: the expert GEMMs are
     rank-local and both kernels write the same bits (GPU-tested).

@@ -197,7 +197,7 @@ def test_staged_layer_matches_reference_one_rank(recipe, experts):
         pytest.skip("the grouped-GEMM kernels run on Hopper")
     buf = get_symm_buffer_for_mega_moe(None, 8, 300, 4, 512, 256, mma_type=recipe)
     for block_m in (64, 128) if experts == "kernels" else (64,):
-        # (16 and 13 tokens: up to 8 expected per expert, where MXFP4 weights at BLOCK_M 64
+        # (16 and 13 tokens: up to 16 expected per expert, where MXFP4 weights at BLOCK_M 64
         # run the transposed kernels, `heuristics.select_sm90_transposed`)
         for case in (Case((300,), "random", 11), Case((0,), "random", 12),
                      Case((129,), "masked", 13), Case((77,), "one_expert", 14),

@@ -219,7 +219,7 @@ def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden,
 
 @pytest.mark.gpu
 def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
-    """The staged layer with MXFP4 weights at BLOCK_M 64 runs the transposed kernels at up to 8
+    """The staged layer with MXFP4 weights at BLOCK_M 64 runs the transposed kernels at up to 16
     expected tokens per expert and the staged ones above (`heuristics.select_sm90_transposed`),
     and matches the reference either way."""
     from cute_megamoe import runtime

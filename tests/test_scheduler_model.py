@@ -252,15 +252,15 @@ def test_heuristics_cluster_m():
 
 
 def test_heuristics_sm90_transposed(monkeypatch):
-    """The transposed sm_90a mainloop: MXFP4 weights at BLOCK_M 64 with at most 8 expected
+    """The transposed sm_90a mainloop: MXFP4 weights at BLOCK_M 64 with at most 16 expected
     tokens per expert, unless ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces it on or off."""
     from cute_megamoe.heuristics import select_sm90_transposed
     from cute_megamoe.launch import sm90_runs_transposed
 
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
     assert select_sm90_transposed("fp8xfp4_sm90", 64, 0.0)
-    assert select_sm90_transposed("fp8xfp4_sm90", 64, 8.0)
-    assert not select_sm90_transposed("fp8xfp4_sm90", 64, 9.0)
+    assert select_sm90_transposed("fp8xfp4_sm90", 64, 16.0)
+    assert not select_sm90_transposed("fp8xfp4_sm90", 64, 17.0)
     assert not select_sm90_transposed("fp8xfp4_sm90", 64, None)  # unknown: staged
     assert not select_sm90_transposed("fp8xfp4_sm90", 128, 1.0)
     assert not select_sm90_transposed("fp8xfp8", 64, 1.0)
