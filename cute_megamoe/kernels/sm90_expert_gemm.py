@@ -107,6 +107,7 @@ QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # WGMMAs cost more issue); fp8xfp4_sm90 1.20-1.29x at 64 (the decode warpgroups need the issue
 # slots the quarters take)
 DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter"}
+PROMOTIONS = ("chunk", "quarter", "chunk_rs")
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -192,12 +193,18 @@ class Sm90ExpertGemmKernel:
         self.num_mma_wgs = block_m // 64
         # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
         # quarter into two scratch accumulators, each quarter promoted while the next one's
-        # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
-        # BLOCK_M (`DEFAULT_PROMOTION`)
+        # WGMMAs run ("quarter": the tensor cores idle less; the same registers), or "chunk"
+        # with the warpgroup's A rows read from shared memory once per k-block into registers
+        # for all chunks' WGMMAs ("chunk_rs", see `load_a_fragment`); None: by BLOCK_M
+        # (`DEFAULT_PROMOTION`)
         if promotion is None:
             promotion = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
-        if promotion not in ("chunk", "quarter") or (promotion != "chunk" and not self.is_fp8):
-            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
+        if promotion not in PROMOTIONS or (promotion != "chunk" and not self.is_fp8):
+            raise ValueError(f"promotion: 'chunk', or 'quarter' / 'chunk_rs' with FP8; got "
+                             f"{promotion!r}")
+        if promotion == "chunk_rs" and self.fp4_weights:
+            # (its 16 A registers spill in the FP4 L1 consumers, 216 registers at BLOCK_M 128)
+            raise ValueError("promotion: 'chunk_rs' is fp8xfp8 only")
         self.promotion = promotion
         # shared-memory words the consumers exchange row amaxes through (the transposed
         # kernel's L1 epilogue; a placeholder here)
@@ -1054,6 +1061,9 @@ class Sm90ExpertGemmKernel:
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         quarter_mma = quarter_a = quarter_b = quarter_parts = None
+        rs_mma = rs_b = a_frag = None
+        if cutlass.const_expr(self.promotion == "chunk_rs"):
+            rs_mma, rs_b, a_frag = self.register_a_operands(sb, warp_in_wg, lane)
         if cutlass.const_expr(self.promotion == "quarter"):
             quarter_mma, quarter_a, quarter_b, quarter_parts = self.quarter_operands(sa, sb,
                                                                                      mma_wg)
@@ -1102,15 +1112,24 @@ class Sm90ExpertGemmKernel:
                         ab_pipe.consumer_release(state)
                         self.promote(accs, quarter_parts[(self.quarters - 1) % 2],
                                      self.quarters - 1, sa0, sa1, scale_b)
-                    for c in cutlass.range_constexpr(self.chunks if self.promotion == "chunk"
-                                                     else 0):
+                    if cutlass.const_expr(self.promotion == "chunk_rs"):
+                        self.load_a_fragment(sa, a_frag, state.index, warp_row0, lane)
+                    for c in cutlass.range_constexpr(0 if self.promotion == "quarter"
+                                                     else self.chunks):
                         warpgroup.fence()
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         slot = state.index * self.chunks + c
-                        for kk in cutlass.range_constexpr(num_k_phases):
-                            cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
-                                      t_rb[(None, None, kk, slot)], part)
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        if cutlass.const_expr(self.promotion == "chunk_rs"):
+                            rs_mma.set(warpgroup.Field.ACCUMULATE, False)
+                            for kk in cutlass.range_constexpr(num_k_phases):
+                                cute.gemm(rs_mma, part, a_frag[(None, None, kk)],
+                                          rs_b[(None, None, kk, slot)], part)
+                                rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        else:
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                            for kk in cutlass.range_constexpr(num_k_phases):
+                                cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
+                                          t_rb[(None, None, kk, slot)], part)
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(c == self.chunks - 1):
@@ -1180,6 +1199,43 @@ class Sm90ExpertGemmKernel:
                                        Float32) for _ in range(2)]
         return (mma, mma.make_fragment_A(thr.partition_A(sa)),
                 mma.make_fragment_B(thr.partition_B(sb_halves)), parts)
+
+    @cute.jit
+    def register_a_operands(self, sb: cute.Tensor, warp_in_wg: Int32, lane: Int32):
+        """``promotion`` "chunk_rs": a one-warpgroup m64n128 WGMMA that takes A from registers,
+        this thread's B fragments of the weight slots, and its A fragment of one k-block
+        (16 registers: 4 words per k32 step)."""
+        mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(64, WG_N),
+            a_source=warpgroup.OperandSource.RMEM)
+        thr = mma.get_slice(warp_in_wg * 32 + lane)
+        a_frag = thr.make_fragment_A(thr.partition_shape_A((64, self.block_k)))
+        return mma, mma.make_fragment_B(thr.partition_B(sb)), a_frag
+
+    @cute.jit
+    def load_a_fragment(self, sa: cute.Tensor, a_frag: cute.Tensor, stage: Int32,
+                        warp_row0: Int32, lane: Int32):
+        """``promotion`` "chunk_rs": this warp's 16 A rows of stage ``stage`` into its
+        register fragment, one ``ldmatrix.x4`` per k32 step, so that the chunks' WGMMAs read
+        only their weight tiles from shared memory (SS WGMMAs read A once per chunk: at 128 x
+        256 tiles that is a third of the shared-memory reads, which bound the tensor pipe at
+        89 %, docs/performance.md). Matrix ``i`` of a step is rows ``8 (i % 2) ..`` and bytes
+        ``16 (i // 2) ..`` of the step's 32; lane ``l`` gives the address of row ``l % 8`` of
+        matrix ``l // 8`` and receives word ``i`` = row ``l / 4 + 8 (i % 2)``, bytes ``16 (i //
+        2) + 4 (l % 4) ..``: word ``r + 2 h`` of the step in the WGMMA's register fragment. The
+        128-byte swizzle puts 16-byte piece ``j`` of row ``r`` at piece ``j ^ (r % 8)``
+        (``warp_row0`` is a multiple of 16, so ``r % 8`` is ``l % 8``)."""
+        words = cute.recast_tensor(a_frag, Int32)
+        row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8
+        row_addr = sa.iterator.toint() + (stage * self.block_m + row) * self.block_k
+        for g in cutlass.range_constexpr(self.block_k // 32):
+            piece = (2 * g + (lane >> 4)) ^ (lane & 7)
+            ptr = cute.make_ptr(Uint8, row_addr + piece * 16, cute.AddressSpace.smem,
+                                assumed_align=16)
+            loaded = prims.ldmatrix(ptr.llvm_ptr, 4, prims.MMALayout.ROW)
+            for i in cutlass.range_constexpr(4):
+                words[4 * g + i] = loaded[i]
 
     @cute.jit
     def mma_quarters(self, mma, t_ra, t_rb, parts, accs, stage: Int32, sa0, sa1, scale_b):
