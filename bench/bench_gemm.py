@@ -20,9 +20,11 @@ times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `qu
 weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
 `transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage
 order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`); `--env-ab
-VAR=VALUE[,VAR=VALUE...]` (repeatable) BLOCK_M 64 with those settings, the i-th as `env<i>_us`,
-`env<i>_over_default` (and `env<i>_ratio_to_fp8`; with `--storage-ab` also on the other storage
-order, `env<i>_storage_us`, `env<i>_storage_over_default`), the settings in the JSON's meta.
+VAR=VALUE[,VAR=VALUE...]` (repeatable) both BLOCK_Ms with those settings, the i-th as
+`env<i>_us`, `env<i>_over_default` of each row (and `env<i>_ratio_to_fp8`; with `--storage-ab`
+also BLOCK_M 64 on the other storage order, `env<i>_storage_us`, `env<i>_storage_over_default`),
+the settings in the JSON's meta. Every variant's outputs must equal its BLOCK_M's default's bit
+for bit (else the run stops).
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -179,7 +181,7 @@ def main() -> None:
                         "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
                         "checked bit-exact; transposed_over_default: against the default build)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
-                   help="also time BLOCK_M 64 with these settings (repeatable; outputs checked "
+                   help="also time both BLOCK_Ms with these settings (repeatable; outputs checked "
                         "bit-exact; env<i>_us, env<i>_over_default)")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
@@ -216,7 +218,8 @@ def main() -> None:
             if transposed:
                 variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
             for i, env in enumerate(env_abs):
-                variants[f"env{i}_64"] = (64, env)
+                for bm in (64, 128):
+                    variants[f"env{i}_{bm}"] = (bm, env)
             storage = args.storage_ab and recipe in TILEABLE_RECIPES
             variant_weights = {}
             if storage:  # the same weights in the other storage order (`ExpertWeights.tiled`)
@@ -270,12 +273,12 @@ def main() -> None:
                                 storage_over_default=times[f"storage_{block_m}"] / t)
                     if fp4:
                         base["storage_ratio_to_fp8"] = times[f"storage_{block_m}"] / t_fp8
-                for i in range(len(env_abs) if block_m == 64 else 0):
-                    t_env = times[f"env{i}_64"]
+                for i in range(len(env_abs)):
+                    t_env = times[f"env{i}_{block_m}"]
                     base.update({f"env{i}_us": t_env * 1e6, f"env{i}_over_default": t_env / t})
                     if fp4:
                         base[f"env{i}_ratio_to_fp8"] = t_env / t_fp8
-                    if storage:
+                    if storage and block_m == 64:
                         t_env = times[f"env{i}_storage_64"]
                         base.update({f"env{i}_storage_us": t_env * 1e6,
                                      f"env{i}_storage_over_default": t_env / t})
