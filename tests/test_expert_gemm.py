@@ -257,20 +257,14 @@ def test_sm90_chunk_rs_reads_a_once_per_k_block(phase, block_m, monkeypatch):
     ``ldmatrix.x4`` per k32 step loads the warpgroup's A rows into registers, and every chunk's
     m64n128 WGMMAs take A from those registers (``QGMMA ... R24, R88, gdesc``) instead of from
     shared memory; no spills, no ptxas performance note; fp8xfp8 only."""
-    from cutlass import Int32
-
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
     from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "chunk_rs")
-    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+    kernel, _ = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
     assert kernel.promotion == "chunk_rs" and kernel.chunks == 2
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
+    art = _compile(phase, "fp8xfp8", block_m)
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     wgmmas = [line for line in art.sass.splitlines() if "QGMMA.64x128x32" in line]
