@@ -36,6 +36,7 @@ from .runtime import (
     launch_path,
     sm90_promotion,
     sm90_transposed,
+    sm90_transposed_a_rows,
     tile_owner_search,
 )
 
@@ -341,7 +342,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
-                                                tiled_weights=tiled_weights, **extra)
+                                                tiled_weights=tiled_weights,
+                                                a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
@@ -399,7 +401,8 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                transposed, tile_owner_search())
+                transposed, sm90_transposed_a_rows() if transposed else None,
+                tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -151,9 +151,7 @@ def sm90_promotion() -> str | None:
     scratch accumulators (`Sm90ExpertGemmKernel`'s ``promotion``), forced for A/B runs; None
     ("auto", the default): by BLOCK_M (`sm90_expert_gemm.DEFAULT_PROMOTION`). Part of the
     grouped GEMMs' and the fused kernel's cache keys."""
-    value = os.environ.get("CUTE_MEGAMOE_SM90_PROMOTION", "auto").strip().lower()
-    if value not in SM90_PROMOTIONS:
-        raise ValueError(f"CUTE_MEGAMOE_SM90_PROMOTION: one of {SM90_PROMOTIONS}, got {value!r}")
+    value = env_choice("CUTE_MEGAMOE_SM90_PROMOTION", SM90_PROMOTIONS)
     return None if value == "auto" else value
 
 
@@ -175,6 +173,15 @@ def sm90_transposed() -> bool | None:
     cache keys."""
     value = env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED", ("auto", "1", "0"))
     return None if value == "auto" else value == "1"
+
+
+def sm90_transposed_a_rows() -> str:
+    """``CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS``: which rows of a pool block the transposed
+    sm_90a grouped GEMMs load per k-block (`Sm90TransposedExpertGemmKernel`'s ``a_rows``):
+    ``block`` (the default: all 64, one TMA box, as the staged kernel) or ``received`` (16-row
+    boxes, only those of sub-blocks with received tokens; an A/B option until GPU-measured).
+    Part of the grouped GEMMs' cache keys."""
+    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("block", "received"))
 
 
 def fused_weights_first() -> bool | None:
@@ -230,7 +237,7 @@ def fused_rows() -> str | None:
 #: Environment variables that choose which kernels a layer call builds: part of the layer
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED",
+                      "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

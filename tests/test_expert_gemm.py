@@ -205,13 +205,16 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
                                        ("l2", 1152, 512)])
-def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkeypatch):
+@pytest.mark.parametrize("a_rows", ("block", "received"))
+def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows, monkeypatch):
     """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
     sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (two groups
     of two sub-blocks, each group built for both and for its first alone), no spills, WGMMAs
     not serialized, and no WGMMA descriptor moved from a vector register (R2UR) among them
     (the issue order keeps them on the uniform datapath); BLOCK_M 128 and BF16 are built
-    without it."""
+    without it. ``a_rows`` (`CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`): "received" loads the pool
+    block's rows in 16-row TMA boxes, the stage's barrier expecting one box in its transaction
+    count (the others per tile)."""
     import re
 
     from cutlass import Int32
@@ -222,10 +225,14 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkey
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", a_rows)
     kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
                                  activation_clamp=10.0)
     assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
     assert (kernel.weight_blocks, kernel.token_blocks) == (kernel.block_n // 64, 4)
+    received = a_rows == "received"
+    assert kernel.a_rows == a_rows and kernel.a_box_rows == (16 if received else 64)
+    assert kernel.stage_tx_bytes - kernel.ring_tx_bytes == (48 * 128 if received else 0)
     for other in (gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
                               activation_clamp=10.0)[0],
                   gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, 64,
@@ -247,6 +254,8 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkey
     assert "R2UR" not in ops[wgmmas[0] - 40: wgmmas[-1] + 1]
     with pytest.raises(ValueError, match="transposed"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
+    with pytest.raises(ValueError, match="a_rows"):
+        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
 
 
 @pytest.mark.compile
@@ -607,8 +616,8 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "chunk_rs"),
-                                             (128, "chunk_rs")])
+                                             (64, "transposed"), (64, "transposed_received"),
+                                             (64, "chunk_rs"), (128, "chunk_rs")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" and "chunk_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`; "chunk_rs":
     fp8xfp8 only) and the transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same
@@ -628,12 +637,15 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "chunk_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk_rs"},
+                   "transposed_received": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
+                                           "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
+                                           "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "received"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                   "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
-        for name in ("CUTE_MEGAMOE_SM90_PROMOTION",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED"):
+        for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -180,7 +180,9 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 # variant: (its settings, BLOCK_M)
-VARIANTS = {"transposed": (TRANSPOSED, 64)}
+VARIANTS = {"transposed": (TRANSPOSED, 64),
+            "transposed_received": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS":
+                                     "received"}, 64)}
 
 
 @pytest.mark.gpu
@@ -189,8 +191,9 @@ VARIANTS = {"transposed": (TRANSPOSED, 64)}
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64) against the staged
-    decode on the same FP4
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; "received": loading
+    only the 16-row boxes of received tokens, `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`) against
+    the staged decode on the same FP4
     weights and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid
     row, pad rows stay poisoned; with routings that leave experts empty, pair pool blocks of
     different experts in a cluster or give one expert everything, and an L2 of 1152 columns

@@ -329,6 +329,9 @@ class Sm90ExpertGemmKernel:
         self.sfa_stride, self.sfb_stride = self.sfa_len, self.sfb_len
         self.ring_tx_bytes = self.stage_tx_bytes
         self.extra_tx_bytes = 0
+        # rows of one TMA box of the tile's A rows: the whole pool block here; the transposed
+        # kernel loads 16-row boxes, only those that hold received tokens (`a_boxes`)
+        self.a_box_rows = block_m
         # (the same for the packed stages of FP4 weights: their block scales' stride, the
         # stages' transaction count and what this phase expects beyond it)
         self.packed_sfb_stride = self.sfb_len
@@ -405,8 +408,9 @@ class Sm90ExpertGemmKernel:
                                                    stride=(self.k, 1)))
         m_b = self.weight_tensor(b)
         tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_layout, (None, None, 0)),
-            (self.block_m, self.block_k))
+            cpasync.CopyBulkTensorTileG2SOp(), m_a,
+            cute.slice_(self._smem_layout(self.a_box_rows, 1), (None, None, 0)),
+            (self.a_box_rows, self.block_k))
         b_slot = cute.slice_(self.raw_b_layout() if self.fp4_weights else b_layout,
                              (None, None, 0))
         tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
@@ -655,9 +659,16 @@ class Sm90ExpertGemmKernel:
         recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
         ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
         num_tiles)``."""
-        g_a = cute.local_tile(m_a, (self.block_m, self.block_k), (None, None))
+        g_a = cute.local_tile(m_a, (self.a_box_rows, self.block_k), (None, None))
+        # (the stages as A boxes: box t of stage s is slot s * boxes per block + t, the same
+        # bytes and swizzle atoms as `sa`)
+        sa_boxes = sa
+        if cutlass.const_expr(self.a_box_rows != self.block_m):
+            sa_boxes = cute.make_tensor(sa.iterator, self._smem_layout(
+                self.a_box_rows, self.num_stages * self.block_m // self.a_box_rows).outer)
         t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                           cute.group_modes(sa, 0, 2), cute.group_modes(g_a, 0, 2))
+                                           cute.group_modes(sa_boxes, 0, 2),
+                                           cute.group_modes(g_a, 0, 2))
         t_sb, t_gb, t_sb_mc, t_gb_mc = self.weight_partitions(tma_b, tma_b_mc, m_b, sb)
         b_blocks_per_expert = self.n // WG_N
         tile = first_tile
@@ -730,13 +741,14 @@ class Sm90ExpertGemmKernel:
             if cutlass.const_expr(prefill > 0 or early):
                 for kb in cutlass.range(n_pre):
                     self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
-                                   a_state.index, ab_pipe.producer_get_barrier(a_state), lane)
+                                   a_state.index, ab_pipe.producer_get_barrier(a_state), lane,
+                                   valid_m)
                     ab_pipe.producer_commit(a_state)
                     a_state.advance()
             for kb in cutlass.range(n_pre, self.num_k_blocks):
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
                 self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
-                               state.index, bar, lane)
+                               state.index, bar, lane, valid_m)
                 if cutlass.const_expr(not self.fp4_weights):
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
@@ -786,15 +798,36 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def load_rows(self, tma_a, t_ga, t_sa, sfa, a_sf: cute.Pointer, pool_block: Int32,
-                  sf_block: Int32, kb: Int32, stage: Int32, bar, lane: Int32):
-        """Warp 0: k-block ``kb`` of the tile's rows (and FP8: their scales) into ``stage``."""
-        cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, stage)], tma_bar_ptr=bar)
+                  sf_block: Int32, kb: Int32, stage: Int32, bar, lane: Int32, valid_m: Int32):
+        """Warp 0: k-block ``kb`` of the tile's rows (and FP8: their scales) into ``stage``;
+        in boxes of `a_box_rows`, `a_boxes` of them (the stage's barrier expects one box in
+        its transaction count, the others here, before any is issued)."""
+        per_block = self.block_m // self.a_box_rows
+        if cutlass.const_expr(per_block == 1):
+            cute.copy(tma_a, t_ga[(None, pool_block, kb)], t_sa[(None, stage)], tma_bar_ptr=bar)
+        else:
+            boxes = self.a_boxes(valid_m)
+            if boxes > 1:
+                if lane == 0:
+                    cute.arch.mbarrier_expect_tx(
+                        bar, (boxes - 1) * (self.a_box_rows * self.block_k
+                                            * (self.ab_dtype.width // 8)))
+                cute.arch.sync_warp()
+            for t in cutlass.range(boxes):
+                cute.copy(tma_a, t_ga[(None, pool_block * per_block + t, kb)],
+                          t_sa[(None, stage * per_block + t)], tma_bar_ptr=bar)
         if cutlass.const_expr(self.is_fp8):
             if lane == 0:
                 prims.cp_async_bulk_shared_cluster_global(
                     sfa.iterator + stage * self.sfa_stride,
                     a_sf + (Int64(kb) * self.num_pool_rows + sf_block * self.block_m),
                     bar, Int32(self.sfa_len * 4))
+
+    @cute.jit
+    def a_boxes(self, valid_m: Int32) -> Int32:
+        """A boxes a tile with ``valid_m`` rows loads per k-block (`a_box_rows` < BLOCK_M
+        only): the boxes that hold its rows, at least one."""
+        return cutlass.max((valid_m + self.a_box_rows - 1) // self.a_box_rows, Int32(1))
 
     @cute.jit
     def load_weight_scales(self, sfb, b_sf: cute.Pointer, expert: Int32, kb: Int32,

@@ -64,7 +64,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False):
+                 tiled_weights: bool = False, a_rows: str = "block"):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -74,6 +74,18 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                          staging_parts=1, promotion="chunk",
                          tiled_weights=tiled_weights)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
+        # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
+        # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
+        # a whole-block box brings through L2 and shared memory for nothing: a third of the
+        # L2-to-SM bytes of an FP4 tile); the ring's barriers expect one box, `load_rows` the
+        # others. "block": one 64-row box, as the staged kernel
+        if a_rows not in ("block", "received"):
+            raise ValueError(f"a_rows: 'block' or 'received', got {a_rows!r}")
+        self.a_rows = a_rows
+        if a_rows == "received":
+            self.a_box_rows = TOKEN_N
+            self.ring_tx_bytes -= ((block_m - TOKEN_N) * self.block_k
+                                   * (self.ab_dtype.width // 8))
         self.weight_blocks = self.block_n // WEIGHT_M
         self.token_blocks = block_m // TOKEN_N
         # L1: per-warp token amaxes, then the tile's
