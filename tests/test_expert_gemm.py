@@ -259,33 +259,36 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("promotion,shape,wgmmas", [("chunk_rs", "64x128x32", 2 * 4),
+                                                   ("quarter_rs", "64x64x32", 4 * 4)])
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
-def test_sm90_chunk_rs_reads_a_once_per_k_block(phase, block_m, monkeypatch):
-    """The "chunk_rs" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`): per k-block one
-    ``ldmatrix.x4`` per k32 step loads the warpgroup's A rows into registers, and every chunk's
-    m64n128 WGMMAs take A from those registers (``QGMMA ... R24, R88, gdesc``) instead of from
-    shared memory; no spills, no ptxas performance note; fp8xfp8 only."""
+def test_sm90_rs_promotions_read_a_once_per_k_block(promotion, shape, wgmmas, phase, block_m,
+                                                     monkeypatch):
+    """The "chunk_rs" / "quarter_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`): per k-block
+    one ``ldmatrix.x4`` per k32 step loads the warpgroup's A rows into registers, and every
+    chunk's (quarter's) WGMMAs take A from those registers (``QGMMA ... R56, R88, gdesc``)
+    instead of from shared memory; no spills, no ptxas performance note; fp8xfp8 only."""
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
     from cute_megamoe.launch import gemm_kernel
 
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "chunk_rs")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", promotion)
     kernel, _ = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
-    assert kernel.promotion == "chunk_rs" and kernel.chunks == 2
+    assert kernel.promotion == promotion and kernel.a_from_registers and kernel.chunks == 2
     art = _compile(phase, "fp8xfp8", block_m)
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
-    wgmmas = [line for line in art.sass.splitlines() if "QGMMA.64x128x32" in line]
-    assert len(wgmmas) == 2 * 4  # two chunks of four k32 steps
-    assert all(re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", w)
-               for w in wgmmas), wgmmas
+    lines = [line for line in art.sass.splitlines() if "GMMA" in line]
+    assert len(lines) == wgmmas  # four k32 steps per chunk (quarter)
+    assert all(re.search(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", w)
+               for w in lines), lines
     assert art.count("LDSM.16.M88.4") == 4
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     assert art.ptxas_performance_notes() == []
-    with pytest.raises(ValueError, match="chunk_rs"):
+    with pytest.raises(ValueError, match=promotion):
         Sm90ExpertGemmKernel(phase, "fp8xfp4_sm90", 32, 8192, n, k, block_m,
-                             promotion="chunk_rs")
+                             promotion=promotion)
 
 
 @pytest.mark.compile
@@ -617,12 +620,14 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "transposed"), (64, "transposed_received"),
-                                             (64, "chunk_rs"), (128, "chunk_rs")])
+                                             (64, "chunk_rs"), (128, "chunk_rs"),
+                                             (64, "quarter_rs"), (128, "quarter_rs")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter" and "chunk_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`; "chunk_rs":
-    fp8xfp8 only) and the transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`) compute the same
-    products and promote them in the same order as "chunk": L2 inputs, their scales and the
-    outputs equal bit for bit, pad rows untouched."""
+    """The "quarter", "chunk_rs" and "quarter_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`;
+    the last two fp8xfp8 only) and the transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, and
+    with `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received") compute the same products and
+    promote them in the same order as "chunk": L2 inputs, their scales and the outputs equal
+    bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -630,13 +635,14 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
         run_fp8_ffn_poisoned,
     )
 
-    if variant == "chunk_rs" and recipe != "fp8xfp8":
-        pytest.skip("chunk_rs: fp8xfp8 only (checked by its compile test)")
+    if variant.endswith("_rs") and recipe != "fp8xfp8":
+        pytest.skip(f"{variant}: fp8xfp8 only (checked by its compile test)")
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "chunk_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk_rs"},
+                   "quarter_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter_rs"},
                    "transposed_received": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                            "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                            "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "received"},

@@ -200,7 +200,8 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
      {"": "block", "block": "block", "received": "received"}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
-     {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter", "chunk_rs": "chunk_rs"})])
+     {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter", "chunk_rs": "chunk_rs",
+      "quarter_rs": "quarter_rs"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""
