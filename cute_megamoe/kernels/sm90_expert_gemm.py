@@ -38,8 +38,11 @@ scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the 
 a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
 one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
 quarters into two 32-register scratch accumulators instead, each promoted while the next
-quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only). BF16 keeps one
-k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
+quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only). The A/B options
+``chunk_rs`` / ``quarter_rs`` (fp8xfp8) load the warpgroup's A rows once per k-block into
+registers (``ldmatrix``) for all its WGMMAs, which then read only B from shared memory, the
+bandwidth that bounds these tiles (docs/performance.md). BF16 keeps one k-block of WGMMAs in
+flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
 tile rows, or for BF16 a chunk or half a chunk at a time where that leaves room for one more

@@ -1,9 +1,10 @@
 """Hopper (sm_90a) grouped GEMMs over the expert pool, transposed for decode sizes: the weight
 tile is the WGMMA's A (M = 64 weight rows, from shared memory), the pool rows its B in 16-token
 sub-blocks (N = 16), and only the sub-blocks that hold received tokens are computed. Recipes
-``fp8xfp8`` and ``fp8xfp4_sm90``, BLOCK_M 64. The default for MXFP4 weights at up to 8 expected
-tokens per expert (`heuristics.select_sm90_transposed`: 0.90-0.92x the staged kernels' time in
-the layer on an H200); elsewhere an A/B variant (`CUTE_MEGAMOE_SM90_TRANSPOSED`).
+``fp8xfp8`` and ``fp8xfp4_sm90``, BLOCK_M 64. The default for MXFP4 weights at up to 16
+expected tokens per expert (`heuristics.select_sm90_transposed`: 0.78x the staged kernels' time
+at 8 and 16 pairs per expert on an H200, 0.80x in the layer at 128 tokens); elsewhere an A/B
+variant (`CUTE_MEGAMOE_SM90_TRANSPOSED`).
 
 What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes (L1 with the
 SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows into ``out``
@@ -22,17 +23,18 @@ MXFP4 weights into the WGMMA's register operand was issue-bound at 1.31-1.43x th
 is gone: docs/performance.md).
 
 How: the staged kernel's warps, rings, decode and tile walk unchanged; only the consumer warpgroup
-differs. The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile as 16-row
-sub-blocks: the same bytes, through views of the same swizzled layout with smaller tiles (8 and 2
-swizzle atoms). Per k-block, for each pair of sub-blocks ``s < ceil(valid_m / 16)``: the four m64
-blocks' WGMMAs (four k32 each) of both into 8-register scratch accumulators of their own, one wait,
-the promotions (so 17-32 tokens wait once per k-block). Value ``c + 2 r + 4 j`` of an m64n16
-accumulator is weight row ``16 warp + lane / 4 + 8 r`` of its block and token ``16 s + 8 j + 2 (lane
-% 4) + c``: in L1 the weight rows interleave gate and up by 8 (``quant.interleave_gate_up``), so ``r
-= 0`` is the gate and ``r = 1`` the up row of one feature and SwiGLU is thread-local. The epilogue
-writes the tile transposed into shared-memory rows per token (L1: the token amax over the tile's 128
-features meets over shared memory across the four warps) and the first 64 threads send the valid
-tokens' rows with one 1-D bulk copy each (`common.transposed_epilogue`).
+differs (and with ``a_rows`` "received" the producer's A loads: 16-row boxes, only those of the
+sub-blocks below). The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile as
+16-row sub-blocks: the same bytes, through views of the same swizzled layout with smaller tiles (8
+and 2 swizzle atoms). Per k-block, for each pair of sub-blocks ``s < ceil(valid_m / 16)``: the four
+m64 blocks' WGMMAs (four k32 each) of both into 8-register scratch accumulators of their own, one
+wait, the promotions (so 17-32 tokens wait once per k-block). Value ``c + 2 r + 4 j`` of an m64n16
+accumulator is weight row ``16 warp + lane / 4 + 8 r`` of its block and token ``16 s + 8 j + 2
+(lane % 4) + c``: in L1 the weight rows interleave gate and up by 8 (``quant.interleave_gate_up``),
+so ``r = 0`` is the gate and ``r = 1`` the up row of one feature and SwiGLU is thread-local. The
+epilogue writes the tile transposed into shared-memory rows per token (L1: the token amax over the
+tile's 128 features meets over shared memory across the four warps) and the first 64 threads send
+the valid tokens' rows with one 1-D bulk copy each (`common.transposed_epilogue`).
 
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.
