@@ -258,6 +258,35 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
 
 
+def test_ldmatrix_a_source_fills_the_wgmma_register_fragment():
+    """`sm90_expert_gemm.ldmatrix_a_source` on a host model: a swizzled 64 x 128-byte A tile in
+    shared memory (piece j of row r at piece j ^ (r % 8)), ``ldmatrix.x4`` as PTX defines it
+    (lane 8 i + j gives row j of matrix i; lane l receives word l % 4 of row l / 4 of every
+    matrix), and the m64k32 e4m3 register fragment of the WGMMA (word r + 2 h of a step: row
+    l / 4 + 8 r of the warp's 16, bytes 16 h + 4 (l % 4) .. of the step's 32) must agree."""
+    import numpy as np
+
+    from cute_megamoe.kernels.sm90_expert_gemm import ldmatrix_a_source
+
+    rng = np.random.default_rng(3)
+    tile = rng.integers(0, 256, size=(64, 128), dtype=np.uint8)
+    smem = np.empty_like(tile)
+    for r in range(64):
+        for j in range(8):
+            smem[r, 16 * (j ^ (r % 8)): 16 * (j ^ (r % 8)) + 16] = tile[r, 16 * j: 16 * j + 16]
+    for warp in range(4):
+        for step in range(4):
+            sources = [ldmatrix_a_source(lane, step, 16 * warp) for lane in range(32)]
+            for lane in range(32):
+                for i in range(4):  # matrix i: rows given by lanes 8 i .. 8 i + 7
+                    row, piece = sources[8 * i + lane // 4]
+                    got = smem[row, 16 * piece + 4 * (lane % 4): 16 * piece + 4 * (lane % 4) + 4]
+                    r, h = i % 2, i // 2
+                    want_row = 16 * warp + lane // 4 + 8 * r
+                    col = 32 * step + 16 * h + 4 * (lane % 4)
+                    assert (got == tile[want_row, col: col + 4]).all(), (warp, step, lane, i)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("promotion,shape,wgmmas", [("chunk_rs", "64x128x32", 2 * 4),
                                                    ("quarter_rs", "64x64x32", 4 * 4)])

@@ -134,6 +134,15 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
+def ldmatrix_a_source(lane, step, warp_row0):
+    """The 16 bytes lane ``lane`` points its ``ldmatrix.x4`` at for k32 step ``step`` of a
+    warp's A rows ``warp_row0 ..`` (a multiple of 16) in a 128-byte-swizzled K-major tile:
+    ``(row, piece)``, piece = 16-byte slot of the row (`load_a_fragment`; plain integer
+    arithmetic, so also the host model of `tests/test_expert_gemm.py`)."""
+    row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8
+    return row, (2 * step + (lane >> 4)) ^ (lane & 7)
+
+
 @cute.jit
 def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
     """Four Int32 words at byte ``offset`` (a multiple of 16) of shared memory ``base``, as a
@@ -1275,11 +1284,10 @@ class Sm90ExpertGemmKernel:
         puts 16-byte piece ``j`` of row ``r`` at piece ``j ^ (r % 8)`` (``warp_row0`` is a
         multiple of 16, so ``r % 8`` is ``l % 8``)."""
         words = cute.recast_tensor(a_frag, Int32)
-        row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8
-        row_addr = sa.iterator.toint() + (stage * self.block_m + row) * self.block_k
         for g in cutlass.range_constexpr(self.block_k // 32):
-            piece = (2 * g + (lane >> 4)) ^ (lane & 7)
-            ptr = cute.make_ptr(Uint8, row_addr + piece * 16, cute.AddressSpace.smem,
+            row, piece = ldmatrix_a_source(lane, g, warp_row0)
+            ptr = cute.make_ptr(Uint8, sa.iterator.toint() + (stage * self.block_m + row)
+                                * self.block_k + piece * 16, cute.AddressSpace.smem,
                                 assumed_align=16)
             loaded = prims.ldmatrix(ptr.llvm_ptr, 4, prims.MMALayout.ROW)
             for i in cutlass.range_constexpr(4):
