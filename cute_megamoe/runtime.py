@@ -178,10 +178,11 @@ def sm90_transposed() -> bool | None:
 def sm90_transposed_a_rows() -> str:
     """``CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS``: which rows of a pool block the transposed
     sm_90a grouped GEMMs load per k-block (`Sm90TransposedExpertGemmKernel`'s ``a_rows``):
-    ``block`` (the default: all 64, one TMA box, as the staged kernel) or ``received`` (16-row
-    boxes, only those of sub-blocks with received tokens; an A/B option until GPU-measured).
-    Part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("block", "received"))
+    ``received`` (the default: 16-row boxes, only those of sub-blocks with received tokens;
+    0.96-0.97x the time of ``block`` for MXFP4 weights at 8 and 16 pairs per expert on an H200,
+    docs/performance.md) or ``block`` (all 64 rows, one TMA box, as the staged kernel; for
+    A/Bs). Part of the grouped GEMMs' cache keys."""
+    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
 def fused_weights_first() -> bool | None:

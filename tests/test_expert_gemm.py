@@ -648,15 +648,15 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_received"),
+                                             (64, "transposed"), (64, "transposed_block"),
                                              (64, "chunk_rs"), (128, "chunk_rs"),
                                              (64, "quarter_rs"), (128, "quarter_rs")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter", "chunk_rs" and "quarter_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`;
-    the last two fp8xfp8 only) and the transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, and
-    with `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received") compute the same products and
-    promote them in the same order as "chunk": L2 inputs, their scales and the outputs equal
-    bit for bit, pad rows untouched."""
+    the last two fp8xfp8 only) and the transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
+    products and promote them in the same order as "chunk": L2 inputs, their scales and the
+    outputs equal bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -672,9 +672,9 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "chunk_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk_rs"},
                    "quarter_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter_rs"},
-                   "transposed_received": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                           "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                           "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "received"},
+                   "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
+                                        "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
+                                        "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                   "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []

@@ -181,8 +181,8 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
-            "transposed_received": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS":
-                                     "received"}, 64)}
+            "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
+                                 64)}
 
 
 @pytest.mark.gpu
@@ -191,11 +191,11 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; "received": loading
-    only the 16-row boxes of received tokens, `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`) against
-    the staged decode on the same FP4
-    weights and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid
-    row, pad rows stay poisoned; with routings that leave experts empty, pair pool blocks of
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; by default loading
+    only the 16-row boxes of received tokens, with "block" the pool block's 64 rows,
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`) against the staged decode on the same FP4 weights and
+    pools: L2 inputs, their scales and the outputs equal bit for bit on every valid row, pad
+    rows stay poisoned; with routings that leave experts empty, pair pool blocks of
     different experts in a cluster or give one expert everything, and an L2 of 1152 columns
     (one 128-row weight chunk per tile: two m64 blocks transposed, no clusters)."""
     from cute_megamoe.testing.gemm_checks import (

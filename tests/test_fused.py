@@ -214,7 +214,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_TRANSPOSED", "sm90_transposed",
      {"": None, "auto": None, "1": True, "0": False}),
     ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
-     {"": "block", "block": "block", "received": "received"}),
+     {"": "received", "block": "block", "received": "received"}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
      {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter", "chunk_rs": "chunk_rs",
       "quarter_rs": "quarter_rs"})])

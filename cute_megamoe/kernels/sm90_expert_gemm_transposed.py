@@ -23,18 +23,19 @@ MXFP4 weights into the WGMMA's register operand was issue-bound at 1.31-1.43x th
 is gone: docs/performance.md).
 
 How: the staged kernel's warps, rings, decode and tile walk unchanged; only the consumer warpgroup
-differs (and with ``a_rows`` "received" the producer's A loads: 16-row boxes, only those of the
-sub-blocks below). The ring's weight chunks (128 rows) are read as m64 blocks and its pool tile as
-16-row sub-blocks: the same bytes, through views of the same swizzled layout with smaller tiles (8
-and 2 swizzle atoms). Per k-block, for each pair of sub-blocks ``s < ceil(valid_m / 16)``: the four
-m64 blocks' WGMMAs (four k32 each) of both into 8-register scratch accumulators of their own, one
-wait, the promotions (so 17-32 tokens wait once per k-block). Value ``c + 2 r + 4 j`` of an m64n16
-accumulator is weight row ``16 warp + lane / 4 + 8 r`` of its block and token ``16 s + 8 j + 2
-(lane % 4) + c``: in L1 the weight rows interleave gate and up by 8 (``quant.interleave_gate_up``),
-so ``r = 0`` is the gate and ``r = 1`` the up row of one feature and SwiGLU is thread-local. The
-epilogue writes the tile transposed into shared-memory rows per token (L1: the token amax over the
-tile's 128 features meets over shared memory across the four warps) and the first 64 threads send
-the valid tokens' rows with one 1-D bulk copy each (`common.transposed_epilogue`).
+differs, and the producer's A loads (``a_rows`` "received", the default: 16-row boxes, only those of
+the sub-blocks below; "block": the staged kernel's one 64-row box). The ring's weight chunks (128
+rows) are read as m64 blocks and its pool tile as 16-row sub-blocks: the same bytes, through views
+of the same swizzled layout with smaller tiles (8 and 2 swizzle atoms). Per k-block, for each pair
+of sub-blocks ``s < ceil(valid_m / 16)``: the four m64 blocks' WGMMAs (four k32 each) of both into
+8-register scratch accumulators of their own, one wait, the promotions (so 17-32 tokens wait once
+per k-block). Value ``c + 2 r + 4 j`` of an m64n16 accumulator is weight row ``16 warp + lane / 4 +
+8 r`` of its block and token ``16 s + 8 j + 2 (lane % 4) + c``: in L1 the weight rows interleave
+gate and up by 8 (``quant.interleave_gate_up``), so ``r = 0`` is the gate and ``r = 1`` the up row
+of one feature and SwiGLU is thread-local. The epilogue writes the tile transposed into
+shared-memory rows per token (L1: the token amax over the tile's 128 features meets over shared
+memory across the four warps) and the first 64 threads send the valid tokens' rows with one 1-D bulk
+copy each (`common.transposed_epilogue`).
 
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.
@@ -66,7 +67,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False, a_rows: str = "block"):
+                 tiled_weights: bool = False, a_rows: str = "received"):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -79,8 +80,9 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
         # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
         # a whole-block box brings through L2 and shared memory for nothing: a third of the
-        # L2-to-SM bytes of an FP4 tile); the ring's barriers expect one box, `load_rows` the
-        # others. "block": one 64-row box, as the staged kernel
+        # L2-to-SM bytes of an FP4 tile; 0.96-0.97x the time at 8-16 pairs per expert); the
+        # ring's barriers expect one box, `load_rows` the others. "block": one 64-row box, as
+        # the staged kernel
         if a_rows not in ("block", "received"):
             raise ValueError(f"a_rows: 'block' or 'received', got {a_rows!r}")
         self.a_rows = a_rows
