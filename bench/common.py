@@ -53,9 +53,10 @@ def smem_bound_tensor_share(block_m: int, block_n: int, wgmma_n: int,
     the TMA writes the ``block_m x block_n`` tile's A and B rows, and each of the ``block_m /
     64`` warpgroups' SS WGMMAs (``m64 x wgmma_n`` per instruction, over ``block_n``) reads its
     A rows and the B rows of its instruction once per k32 step; with ``a_in_registers`` A is
-    read once per k-block by ``ldmatrix`` instead. Tensor cycles over shared-memory cycles,
-    at most 1. The model of docs/performance.md ("Why DeepGEMM is faster at large M"): it
-    gives DeepGEMM's 128 x 192 tiles 92.3 % (ncu: 92.1 %)."""
+    read once per k-block by ``ldmatrix`` instead (a model only: the kernels' A-in-registers
+    promotions measured slower than "chunk" on an H200 and were removed). Tensor cycles over
+    shared-memory cycles, at most 1. The model of docs/performance.md ("Why DeepGEMM is faster
+    at large M"): it gives DeepGEMM's 128 x 192 tiles 92.3 % (ncu: 92.1 %)."""
     if block_m % 64 or block_n % wgmma_n or block_k_bytes % 32:
         raise ValueError(f"tile {block_m} x {block_n} in m64 x {wgmma_n} WGMMAs, k-block "
                          f"{block_k_bytes} bytes")

@@ -143,7 +143,7 @@ def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
     return fn
 
 
-SM90_PROMOTIONS = ("auto", "chunk", "quarter", "chunk_rs", "quarter_rs")
+SM90_PROMOTIONS = ("auto", "chunk", "quarter")
 
 
 def sm90_promotion() -> str | None:

@@ -11,8 +11,8 @@ from bench.common import smem_bound_tensor_share
     ((128, 256, 128, False), 1024 / 1152),  # ours, two m64n128 chunks per warpgroup
     ((128, 256, 64, False), 1024 / 1408),  # ours, the "quarter" promotion
     ((128, 128, 128, False), 512 / 640),  # 128 x 128 tiles
-    ((128, 256, 128, True), 1.0),  # "chunk_rs": A by ldmatrix once per k-block
-    ((128, 256, 64, True), 1.0),  # "quarter_rs"
+    ((128, 256, 128, True), 1.0),  # A by ldmatrix once per k-block (the model only)
+    ((128, 256, 64, True), 1.0),
 ])
 def test_smem_bound_matches_the_hand_counts(tile, bound):
     assert smem_bound_tensor_share(*tile) == pytest.approx(bound)

@@ -9,7 +9,6 @@ clamp on and off, fast and precise SiLU, and a small grid (many tiles per CTA).
 """
 
 import copy
-import re
 import zlib
 
 import pytest
@@ -196,6 +195,8 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     with pytest.raises(ValueError, match="promotion"):
         Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m, promotion="quarter")
+    with pytest.raises(ValueError, match="promotion"):
+        Sm90ExpertGemmKernel(phase, "fp8xfp8", 32, 8192, n, k, block_m, promotion="chunk_rs")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "half")
     with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_PROMOTION"):
         gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
@@ -256,68 +257,6 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
     with pytest.raises(ValueError, match="a_rows"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
-
-
-def test_ldmatrix_a_source_fills_the_wgmma_register_fragment():
-    """`sm90_expert_gemm.ldmatrix_a_source` on a host model: a swizzled 64 x 128-byte A tile in
-    shared memory (piece j of row r at piece j ^ (r % 8)), ``ldmatrix.x4`` as PTX defines it
-    (lane 8 i + j gives row j of matrix i; lane l receives word l % 4 of row l / 4 of every
-    matrix), and the m64k32 e4m3 register fragment of the WGMMA (word r + 2 h of a step: row
-    l / 4 + 8 r of the warp's 16, bytes 16 h + 4 (l % 4) .. of the step's 32) must agree."""
-    import numpy as np
-
-    from cute_megamoe.kernels.sm90_expert_gemm import ldmatrix_a_source
-
-    rng = np.random.default_rng(3)
-    tile = rng.integers(0, 256, size=(64, 128), dtype=np.uint8)
-    smem = np.empty_like(tile)
-    for r in range(64):
-        for j in range(8):
-            smem[r, 16 * (j ^ (r % 8)): 16 * (j ^ (r % 8)) + 16] = tile[r, 16 * j: 16 * j + 16]
-    for warp in range(4):
-        for step in range(4):
-            sources = [ldmatrix_a_source(lane, step, 16 * warp) for lane in range(32)]
-            for lane in range(32):
-                for i in range(4):  # matrix i: rows given by lanes 8 i .. 8 i + 7
-                    row, piece = sources[8 * i + lane // 4]
-                    got = smem[row, 16 * piece + 4 * (lane % 4): 16 * piece + 4 * (lane % 4) + 4]
-                    r, h = i % 2, i // 2
-                    want_row = 16 * warp + lane // 4 + 8 * r
-                    col = 32 * step + 16 * h + 4 * (lane % 4)
-                    assert (got == tile[want_row, col: col + 4]).all(), (warp, step, lane, i)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("promotion,shape,wgmmas", [("chunk_rs", "64x128x32", 2 * 4),
-                                                   ("quarter_rs", "64x64x32", 4 * 4)])
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-@pytest.mark.parametrize("block_m", (64, 128))
-def test_sm90_rs_promotions_read_a_once_per_k_block(promotion, shape, wgmmas, phase, block_m,
-                                                     monkeypatch):
-    """The "chunk_rs" / "quarter_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`): per k-block
-    one ``ldmatrix.x4`` per k32 step loads the warpgroup's A rows into registers, and every
-    chunk's (quarter's) WGMMAs take A from those registers (``QGMMA ... R56, R88, gdesc``)
-    instead of from shared memory; no spills, no ptxas performance note; fp8xfp8 only."""
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-
-    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", promotion)
-    kernel, _ = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
-    assert kernel.promotion == promotion and kernel.a_from_registers and kernel.chunks == 2
-    art = _compile(phase, "fp8xfp8", block_m)
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    lines = [line for line in art.sass.splitlines() if "GMMA" in line]
-    assert len(lines) == wgmmas  # four k32 steps per chunk (quarter)
-    assert all(re.search(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", w)
-               for w in lines), lines
-    assert art.count("LDSM.16.M88.4") == 4
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert art.ptxas_performance_notes() == []
-    with pytest.raises(ValueError, match=promotion):
-        Sm90ExpertGemmKernel(phase, "fp8xfp4_sm90", 32, 8192, n, k, block_m,
-                             promotion=promotion)
 
 
 @pytest.mark.compile
@@ -648,12 +587,10 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_block"),
-                                             (64, "chunk_rs"), (128, "chunk_rs"),
-                                             (64, "quarter_rs"), (128, "quarter_rs")])
+                                             (64, "transposed"), (64, "transposed_block")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter", "chunk_rs" and "quarter_rs" promotions (`CUTE_MEGAMOE_SM90_PROMOTION`;
-    the last two fp8xfp8 only) and the transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
+    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) and the transposed kernels
+    (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
     `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
     products and promote them in the same order as "chunk": L2 inputs, their scales and the
     outputs equal bit for bit, pad rows untouched."""
@@ -664,14 +601,10 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
         run_fp8_ffn_poisoned,
     )
 
-    if variant.endswith("_rs") and recipe != "fp8xfp8":
-        pytest.skip(f"{variant}: fp8xfp8 only (checked by its compile test)")
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
-                   "chunk_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk_rs"},
-                   "quarter_rs": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter_rs"},
                    "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},

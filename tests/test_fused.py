@@ -66,22 +66,6 @@ def _assert_no_spills_and_async_wgmma(art) -> None:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("promotion", ("chunk_rs", "quarter_rs"))
-@pytest.mark.parametrize("block_m", (64, 128))
-def test_rs_promotions_compile_in_the_fused_kernel(promotion, block_m, monkeypatch):
-    """The grouped GEMMs' A-in-registers promotions (`Sm90ExpertGemmKernel`, fp8xfp8) in the
-    fused kernel's two GEMM phases: one ``ldmatrix.x4`` per k32 step each, no spills, WGMMAs
-    asynchronous."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile("fp8xfp8", block_m, promotion=promotion)
-    assert kernel.l1.promotion == kernel.l2.promotion == promotion
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("LDSM.16.M88.4") == 2 * 4
-    _assert_no_spills_and_async_wgmma(art)
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, block_m, monkeypatch):
@@ -216,8 +200,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
      {"": "received", "block": "block", "received": "received"}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
-     {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter", "chunk_rs": "chunk_rs",
-      "quarter_rs": "quarter_rs"})])
+     {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

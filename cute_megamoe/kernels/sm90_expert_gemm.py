@@ -38,11 +38,8 @@ scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the 
 a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
 one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
 quarters into two 32-register scratch accumulators instead, each promoted while the next
-quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only). The A/B options
-``chunk_rs`` / ``quarter_rs`` (fp8xfp8) load the warpgroup's A rows once per k-block into
-registers (``ldmatrix``) for all its WGMMAs, which then read only B from shared memory, the
-bandwidth that bounds these tiles (docs/performance.md). BF16 keeps one k-block of WGMMAs in
-flight. An L1 tile of 256 columns holds 128 features: exactly one
+quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only). BF16 keeps one
+k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
 tile rows, or for BF16 a chunk or half a chunk at a time where that leaves room for one more
@@ -110,8 +107,7 @@ QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # WGMMAs cost more issue); fp8xfp4_sm90 1.20-1.29x at 64 (the decode warpgroups need the issue
 # slots the quarters take)
 DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter"}
-# ("_rs": the same with the warpgroup's A rows in registers, `load_a_fragment`)
-PROMOTIONS = ("chunk", "quarter", "chunk_rs", "quarter_rs")
+PROMOTIONS = ("chunk", "quarter")
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -132,15 +128,6 @@ RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H1
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-
-
-def ldmatrix_a_source(lane, step, warp_row0):
-    """The 16 bytes lane ``lane`` points its ``ldmatrix.x4`` at for k32 step ``step`` of a
-    warp's A rows ``warp_row0 ..`` (a multiple of 16) in a 128-byte-swizzled K-major tile:
-    ``(row, piece)``, piece = 16-byte slot of the row (`load_a_fragment`; plain integer
-    arithmetic, so also the host model of `tests/test_expert_gemm.py`)."""
-    row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8
-    return row, (2 * step + (lane >> 4)) ^ (lane & 7)
 
 
 @cute.jit
@@ -206,21 +193,14 @@ class Sm90ExpertGemmKernel:
         self.num_mma_wgs = block_m // 64
         # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
         # quarter into two scratch accumulators, each quarter promoted while the next one's
-        # WGMMAs run ("quarter": the tensor cores idle less; the same registers); "chunk_rs" /
-        # "quarter_rs": the same with the warpgroup's A rows read from shared memory once per
-        # k-block into registers for all its WGMMAs (`load_a_fragment`); None: by BLOCK_M
-        # (`DEFAULT_PROMOTION`)
+        # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
+        # BLOCK_M (`DEFAULT_PROMOTION`)
         if promotion is None:
             promotion = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
         if promotion not in PROMOTIONS or (promotion != "chunk" and not self.is_fp8):
-            raise ValueError(f"promotion: 'chunk', or with FP8 one of {PROMOTIONS[1:]}; got "
-                             f"{promotion!r}")
-        self.a_from_registers = promotion.endswith("_rs")
-        if self.a_from_registers and self.fp4_weights:
-            # (its 16 A registers spill in the FP4 L1 consumers, 216 registers at BLOCK_M 128)
-            raise ValueError(f"promotion: {promotion!r} is fp8xfp8 only")
+            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
-        self.quarter_promotion = promotion in ("quarter", "quarter_rs")
+        self.quarter_promotion = promotion == "quarter"
         # shared-memory words the consumers exchange row amaxes through (the transposed
         # kernel's L1 epilogue; a placeholder here)
         self.amax_exchange_len = 4
@@ -1109,14 +1089,9 @@ class Sm90ExpertGemmKernel:
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         quarter_mma = quarter_a = quarter_b = quarter_parts = None
-        rs_mma = rs_b = a_frag = None
-        if cutlass.const_expr(self.a_from_registers):
-            rs_mma, rs_b, a_frag = self.register_a_operands(sb, warp_in_wg, lane)
         if cutlass.const_expr(self.quarter_promotion):
             quarter_mma, quarter_a, quarter_b, quarter_parts = self.quarter_operands(sa, sb,
                                                                                      mma_wg)
-            if cutlass.const_expr(self.a_from_registers):
-                quarter_mma, quarter_a, quarter_b = rs_mma, a_frag, rs_b
         num_k_phases = cute.size(t_ra, mode=[2])
         # The m64nNk WGMMA accumulator: value i = c + 2 * r + 4 * j of a thread is row
         # 16 * warp + lane / 4 + 8 * r, column 8 * j + 2 * (lane % 4) + c of its chunk.
@@ -1156,8 +1131,6 @@ class Sm90ExpertGemmKernel:
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
                     scale_b = self.weight_scales(sfb, state.index, n_block)
-                    if cutlass.const_expr(self.a_from_registers):
-                        self.load_a_fragment(sa, a_frag, state.index, warp_row0, lane)
                     if cutlass.const_expr(self.quarter_promotion):
                         self.mma_quarters(quarter_mma, quarter_a, quarter_b, quarter_parts,
                                           accs, state.index, sa0, sa1, scale_b)
@@ -1168,18 +1141,11 @@ class Sm90ExpertGemmKernel:
                                                      else self.chunks):
                         warpgroup.fence()
                         slot = state.index * self.chunks + c
-                        if cutlass.const_expr(self.a_from_registers):
-                            rs_mma.set(warpgroup.Field.ACCUMULATE, False)
-                            for kk in cutlass.range_constexpr(num_k_phases):
-                                cute.gemm(rs_mma, part, a_frag[(None, None, kk)],
-                                          rs_b[(None, None, kk, slot)], part)
-                                rs_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        else:
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                            for kk in cutlass.range_constexpr(num_k_phases):
-                                cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
-                                          t_rb[(None, None, kk, slot)], part)
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        for kk in cutlass.range_constexpr(num_k_phases):
+                            cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
+                                      t_rb[(None, None, kk, slot)], part)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(c == self.chunks - 1):
@@ -1251,62 +1217,16 @@ class Sm90ExpertGemmKernel:
                 mma.make_fragment_B(thr.partition_B(sb_halves)), parts)
 
     @cute.jit
-    def register_a_operands(self, sb: cute.Tensor, warp_in_wg: Int32, lane: Int32):
-        """``promotion`` "chunk_rs" / "quarter_rs": a one-warpgroup m64n128 / m64n64 WGMMA that
-        takes A from registers, this thread's B fragments of the weight slots (quarters: of
-        their 64-row halves, as `quarter_operands`), and its A fragment of one k-block (16
-        registers: 4 words per k32 step)."""
-        cols = QUARTER_N if self.quarter_promotion else WG_N
-        mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(64, cols),
-            a_source=warpgroup.OperandSource.RMEM)
-        thr = mma.get_slice(warp_in_wg * 32 + lane)
-        a_frag = thr.make_fragment_A(thr.partition_shape_A((64, self.block_k)))
-        slots = sb
-        if cutlass.const_expr(self.quarter_promotion):
-            slots = cute.make_tensor(sb.iterator, self._smem_layout(
-                QUARTER_N, self.num_stages * self.quarters).outer)
-        return mma, mma.make_fragment_B(thr.partition_B(slots)), a_frag
-
-    @cute.jit
-    def load_a_fragment(self, sa: cute.Tensor, a_frag: cute.Tensor, stage: Int32,
-                        warp_row0: Int32, lane: Int32):
-        """``promotion`` "chunk_rs" / "quarter_rs": this warp's 16 A rows of stage ``stage``
-        into its register fragment, one ``ldmatrix.x4`` per k32 step, so that the chunks' (or
-        quarters') WGMMAs read only their weight tiles from shared memory (SS WGMMAs read A once
-        per chunk: at 128 x 256 tiles that is a third of the shared-memory reads, which bound
-        the tensor pipe at 89 %; per quarter, half of them and 73 %: docs/performance.md).
-        Matrix ``i`` of a step is rows ``8 (i % 2) ..`` and bytes ``16 (i // 2) ..`` of the
-        step's 32; lane ``l`` gives the address of row ``l % 8`` of matrix ``l // 8`` and
-        receives word ``i`` = row ``l / 4 + 8 (i % 2)``, bytes ``16 (i // 2) + 4 (l % 4) ..``:
-        word ``r + 2 h`` of the step in the WGMMA's register fragment. The 128-byte swizzle
-        puts 16-byte piece ``j`` of row ``r`` at piece ``j ^ (r % 8)`` (``warp_row0`` is a
-        multiple of 16, so ``r % 8`` is ``l % 8``)."""
-        words = cute.recast_tensor(a_frag, Int32)
-        for g in cutlass.range_constexpr(self.block_k // 32):
-            row, piece = ldmatrix_a_source(lane, g, warp_row0)
-            ptr = cute.make_ptr(Uint8, sa.iterator.toint() + (stage * self.block_m + row)
-                                * self.block_k + piece * 16, cute.AddressSpace.smem,
-                                assumed_align=16)
-            loaded = prims.ldmatrix(ptr.llvm_ptr, 4, prims.MMALayout.ROW)
-            for i in cutlass.range_constexpr(4):
-                words[4 * g + i] = loaded[i]
-
-    @cute.jit
     def mma_quarters(self, mma, t_ra, t_rb, parts, accs, stage: Int32, sa0, sa1, scale_b):
         """``promotion`` "quarter", one k-block: quarter ``q``'s WGMMAs into scratch
         ``q % 2``, then, while they run, the promotion of quarter ``q - 1``; returns with every
-        WGMMA complete and the last quarter not promoted. (``t_ra``: with `a_from_registers`
-        the k-block's A fragment.)"""
+        WGMMA complete and the last quarter not promoted."""
         num_k_phases = cute.size(t_ra, mode=[2])
         for q in cutlass.range_constexpr(self.quarters):
             warpgroup.fence()
             mma.set(warpgroup.Field.ACCUMULATE, False)
             for kk in cutlass.range_constexpr(num_k_phases):
-                a = t_ra[(None, None, kk)] if cutlass.const_expr(self.a_from_registers) \
-                    else t_ra[(None, None, kk, stage)]
-                cute.gemm(mma, parts[q % 2], a,
+                cute.gemm(mma, parts[q % 2], t_ra[(None, None, kk, stage)],
                           t_rb[(None, None, kk, stage * self.quarters + q)], parts[q % 2])
                 mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
