@@ -34,11 +34,9 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_fp4_decode_split,
     sm90_promotion,
     sm90_transposed,
     sm90_transposed_a_rows,
-    sm90_transposed_token_n,
     tile_owner_search,
 )
 
@@ -345,9 +343,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
                                                 tiled_weights=tiled_weights,
-                                                a_rows=sm90_transposed_a_rows(),
-                                                token_n=sm90_transposed_token_n(),
-                                                decode_split=sm90_fp4_decode_split(), **extra)
+                                                a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
@@ -355,8 +351,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
         extra["owner_search"] = tile_owner_search()
-        if recipe == "fp8xfp4_sm90":
-            extra["decode_split"] = sm90_fp4_decode_split()
         if tiled_weights:
             extra["tiled_weights"] = True
     elif tiled_weights:
@@ -407,9 +401,8 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                transposed,
-                (sm90_transposed_a_rows(), sm90_transposed_token_n()) if transposed else None,
-                tile_owner_search(), sm90_fp4_decode_split() if fp4 else None)
+                transposed, sm90_transposed_a_rows() if transposed else None,
+                tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -185,23 +185,6 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_transposed_token_n() -> int:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N``: tokens per WGMMA of the transposed sm_90a
-    grouped GEMMs (`Sm90TransposedExpertGemmKernel`'s ``token_n``): ``16`` (the default,
-    m64n16) or ``32`` (m64n32: half the WGMMAs for tiles of 17-32 tokens; an A/B option until
-    GPU-measured). Part of the grouped GEMMs' cache keys."""
-    return int(env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N", ("16", "32")))
-
-
-def sm90_fp4_decode_split() -> str:
-    """``CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT``: how the decode warpgroups of the sm_90a grouped
-    GEMMs with MXFP4 weights share the work at BLOCK_M 64 (`Sm90ExpertGemmKernel`'s
-    ``decode_split``): ``rows`` (the default: every k-block by all of them) or ``k_blocks``
-    (each decodes whole k-blocks in turn; an A/B option until GPU-measured). Part of the
-    grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT", ("rows", "k_blocks"))
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first
@@ -256,7 +239,6 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N", "CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

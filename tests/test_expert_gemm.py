@@ -206,14 +206,11 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
                                        ("l2", 1152, 512)])
-@pytest.mark.parametrize("a_rows,token_n", [("block", 16), ("received", 16), ("received", 32)])
-def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows, token_n,
-                                                      monkeypatch):
+@pytest.mark.parametrize("a_rows", ("block", "received"))
+def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows, monkeypatch):
     """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
     sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (two groups
-    of two sub-blocks, each group built for both and for its first alone; with ``token_n`` 32,
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N`, two 32-token sub-blocks of m64n32k32 WGMMAs, one
-    at a time), no spills, WGMMAs
+    of two sub-blocks, each group built for both and for its first alone), no spills, WGMMAs
     not serialized, and no WGMMA descriptor moved from a vector register (R2UR) among them
     (the issue order keeps them on the uniform datapath); BLOCK_M 128 and BF16 are built
     without it. ``a_rows`` (`CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`): "received" loads the pool
@@ -230,11 +227,10 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", a_rows)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N", str(token_n))
     kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
                                  activation_clamp=10.0)
     assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
-    assert (kernel.weight_blocks, kernel.token_blocks) == (kernel.block_n // 64, 64 // token_n)
+    assert (kernel.weight_blocks, kernel.token_blocks) == (kernel.block_n // 64, 4)
     received = a_rows == "received"
     assert kernel.a_rows == a_rows and kernel.a_box_rows == (16 if received else 64)
     assert kernel.stage_tx_bytes - kernel.ring_tx_bytes == (48 * 128 if received else 0)
@@ -248,30 +244,19 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
                            Int32(132), fake_stream(), arch="sm_90a")
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
-    groups = kernel.token_blocks // kernel.subs_in_flight  # each built for all and first alone
-    built = kernel.token_blocks + (groups if kernel.subs_in_flight > 1 else 0)
-    assert art.count("QGMMA") == art.count(f"QGMMA.64x{token_n}x32.F32.E4M3.E4M3") \
-        == 4 * kernel.weight_blocks * built
+    assert art.count("QGMMA") == art.count("QGMMA.64x16x32.F32.E4M3.E4M3") \
+        == 4 * kernel.weight_blocks * (kernel.token_blocks + kernel.token_blocks // 2)
     assert art.count("HGMMA") == 0  # (no empty WGMMA carrying a group's scoreboard)
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     assert art.ptxas_performance_notes() == []
-    # (R2URs that feed a WGMMA descriptor: none; uniform values such as the weight block
-    # scales may come through one)
-    lines = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$",
-                       art.sass, re.M)
-    wgmmas = [i for i, (op, _) in enumerate(lines) if op.startswith("QGMMA")]
-    window = lines[wgmmas[0] - 40: wgmmas[-1] + 1]
-    moved = {int(m) for op, args in window if op == "R2UR"
-             for m in re.findall(r"^\s*UR(\d+)", args)}
-    desc = {int(m) + d for op, args in window if op.startswith("QGMMA")
-            for m in re.findall(r"gdesc\[UR(\d+)\]", args) for d in range(4)}
-    assert not moved & desc and len(moved) <= 2
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                     art.sass, re.M)
+    wgmmas = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
+    assert "R2UR" not in ops[wgmmas[0] - 40: wgmmas[-1] + 1]
     with pytest.raises(ValueError, match="transposed"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
     with pytest.raises(ValueError, match="a_rows"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
-    with pytest.raises(ValueError, match="token_n"):
-        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, token_n=8)
 
 
 @pytest.mark.compile
@@ -602,14 +587,13 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_block"),
-                                             (64, "transposed_32")])
+                                             (64, "transposed"), (64, "transposed_block")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block"; "_32": m64n32
-    WGMMAs) compute the same products and promote them in the same order as "chunk": L2
-    inputs, their scales and the outputs equal bit for bit, pad rows untouched."""
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
+    products and promote them in the same order as "chunk": L2 inputs, their scales and the
+    outputs equal bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -621,9 +605,6 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
-                   "transposed_32": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                     "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                     "CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N": "32"},
                    "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
@@ -632,7 +613,7 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -32,15 +32,9 @@ def _compile(phase: str, block_m: int, hidden: int = 7168, inter: int = 2048):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
-@pytest.mark.parametrize("block_m,split", [(64, "rows"), (128, "rows"), (64, "k_blocks")])
-def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m, split, monkeypatch):
-    """The staged MXFP4 kernels: the decode's instructions, no spills. ``split``
-    (`CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT`): "k_blocks", each decode warpgroup whole k-blocks in
-    turn, twice the items per thread and one warpgroup's arrivals per barrier phase."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT", split)
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     kernel, art = _compile(phase, block_m)
-    assert kernel.decode_split == split
-    assert kernel.decode_wgs_per_k_block == (1 if split == "k_blocks" else kernel.decode_wgs)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in art.ptx
     assert "prmt.b32" in art.ptx and "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
     assert kernel.cluster_m == 1 and kernel.num_stages >= 3
@@ -54,9 +48,8 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m, split, monk
     # the upper selectors by mul.hi on the FMA pipe (the decode is ALU-bound), 4 per item;
     # the signs need no permutes in the sm_90a word order: 2 per word + 1 per scale byte
     assert art.count("IMAD.HI") >= 16
-    items = kernel.chunks * 128 * 4 // (128 * kernel.decode_wgs_per_k_block)
-    # ("k_blocks": 77 for its 8 items, 5 scale-byte permutes beyond them: ptxas's choice)
-    assert art.count("PRMT") <= 9 * items + (5 if split == "k_blocks" else 0), art.count("PRMT")
+    items = kernel.chunks * 128 * 4 // (128 * kernel.decode_wgs)
+    assert art.count("PRMT") <= 9 * items, art.count("PRMT")
     assert art.count("F2FP.SATFINITE.E4M3") > 0
     assert art.count("USETMAXREG") == 3  # producer, decode warpgroup, consumers
     # the packed weights by TMA into their own stages (warp 1), A by warp 0
@@ -189,11 +182,7 @@ TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
-                                 64),
-            "transposed_32": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N": "32"}, 64),
-            "k_blocks": ({"CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT": "k_blocks"}, 64),
-            "transposed_k_blocks": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT":
-                                     "k_blocks"}, 64)}
+                                 64)}
 
 
 @pytest.mark.gpu
@@ -202,15 +191,13 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
 def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
                                                       monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; by default loading only
-    the 16-row boxes of received tokens, with "block" the pool block's 64 rows,
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`; "_32": m64n32 WGMMAs,
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N`; "k_blocks": each decode warpgroup whole k-blocks in
-    turn, `CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT`) against the staged decode on the same FP4 weights
-    and pools: L2 inputs, their scales and the outputs equal bit for bit on every valid row, pad
-    rows stay poisoned; with routings that leave experts empty, pair pool blocks of different
-    experts in a cluster or give one expert everything, and an L2 of 1152 columns (one 128-row
-    weight chunk per tile: two m64 blocks transposed, no clusters)."""
+    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; by default loading
+    only the 16-row boxes of received tokens, with "block" the pool block's 64 rows,
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`) against the staged decode on the same FP4 weights and
+    pools: L2 inputs, their scales and the outputs equal bit for bit on every valid row, pad
+    rows stay poisoned; with routings that leave experts empty, pair pool blocks of
+    different experts in a cluster or give one expert everything, and an L2 of 1152 columns
+    (one 128-row weight chunk per tile: two m64 blocks transposed, no clusters)."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,

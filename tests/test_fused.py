@@ -199,10 +199,6 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": None, "auto": None, "1": True, "0": False}),
     ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
      {"": "received", "block": "block", "received": "received"}),
-    ("CUTE_MEGAMOE_SM90_TRANSPOSED_TOKEN_N", "sm90_transposed_token_n",
-     {"": 16, "16": 16, "32": 32}),
-    ("CUTE_MEGAMOE_SM90_FP4_DECODE_SPLIT", "sm90_fp4_decode_split",
-     {"": "rows", "rows": "rows", "k_blocks": "k_blocks"}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
      {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):

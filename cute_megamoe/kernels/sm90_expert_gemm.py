@@ -149,7 +149,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_split: str = "rows"):
+                 owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -215,18 +215,6 @@ class Sm90ExpertGemmKernel:
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
-        # `decode_split` (FP4 weights, several decode warpgroups): "rows": all of them decode
-        # each k-block, each its share of the rows; "k_blocks": each decodes whole k-blocks in
-        # turn (warpgroup d those of step count = d mod decode_wgs), so that several k-blocks'
-        # decodes are in flight at once (one k-block's decode is a chain of barrier waits,
-        # shared loads, permutes, stores and a proxy fence whose latency more warps on the
-        # same k-block do not shorten); an A/B option
-        if decode_split not in ("rows", "k_blocks"):
-            raise ValueError(f"decode_split: 'rows' or 'k_blocks', got {decode_split!r}")
-        self.decode_split = decode_split
-        # decode warpgroups that share one k-block
-        self.decode_wgs_per_k_block = (1 if decode_split == "k_blocks"
-                                       else max(self.decode_wgs, 1))
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -942,8 +930,7 @@ class Sm90ExpertGemmKernel:
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=self.packed_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     4 * self.decode_wgs_per_k_block),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.decode_wgs),
             tx_count=self.packed_ring_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True)
 
@@ -982,7 +969,7 @@ class Sm90ExpertGemmKernel:
         """FP4 weights: one mbarrier per stage, complete once the decode warps wrote its tile."""
         if tidx == 32:
             for s in cutlass.range_constexpr(self.num_stages):
-                cute.arch.mbarrier_init(decoded + s, 4 * self.decode_wgs_per_k_block)
+                cute.arch.mbarrier_init(decoded + s, 4 * self.decode_wgs)
 
     @cute.jit
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
@@ -997,29 +984,21 @@ class Sm90ExpertGemmKernel:
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
         ``decoded`` barrier and free the packed stage. See `decode_chunks` for the items."""
         if cutlass.const_expr(self.fp4_weights):
-            # (`decode_split` "k_blocks": this warpgroup's turns; "rows": every step)
-            group_threads = 128 * self.decode_wgs_per_k_block
-            turns = self.decode_wgs // self.decode_wgs_per_k_block
-            my_turn, group_tid = Int32(0), tid
-            if cutlass.const_expr(turns > 1):
-                my_turn, group_tid = tid // group_threads, tid % group_threads
             tile = first_tile
             owner = Int32(0)
             while tile < num_tiles:
                 owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
                     tile, owner, block_start, row_start, raster_group, Int32(0))
                 for _kb in cutlass.range(self.num_k_blocks):
-                    if turns == 1 or packed.count % turns == my_turn:
-                        packed_pipe.consumer_wait(packed)
-                        ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                        self.decode_chunks(raw_b, sb, sfb, sfg, n_block, group_tid, state,
-                                           packed)
-                        # the generic-proxy writes, then the WGMMAs' (async proxy) reads
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(decoded + state.index)
-                        packed_pipe.consumer_release(packed)
+                    packed_pipe.consumer_wait(packed)
+                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed)
+                    # the generic-proxy writes, then the WGMMAs' (async proxy) reads
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(decoded + state.index)
+                    packed_pipe.consumer_release(packed)
                     state.advance()
                     packed.advance()
                 tile += num_clusters
@@ -1032,12 +1011,11 @@ class Sm90ExpertGemmKernel:
         """One k-block's weight chunks from the packed stage into the MMA stage. An item
         is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
         thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
-        (``T`` threads on the k-block, see `decode_split`; consecutive lanes read consecutive 16
-        bytes: conflict-free),
+        (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
         `decode_batch` items loaded before any is decoded. The exponent shift of a group is its
         UE8M0 scale over its 128x128 block's base ``2**b`` (the block scale: L1 row groups of 8
         alternate gate and up blocks, the same for all rows of a thread)."""
-        rows_per_pass = 128 * self.decode_wgs_per_k_block // 4
+        rows_per_pass = 128 * self.decode_wgs // 4
         items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
         batch = min(len(items), self.decode_batch)
         row0, group = tid >> 2, tid & 3

@@ -52,13 +52,12 @@ from cutlass.cute.nvgpu import warpgroup
 from .common.transposed_epilogue import TransposedEpilogue
 from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
-TOKEN_NS = (16, 32)  # tokens of one transposed WGMMA (m64nT): a sub-block of the pool block
-A_BOX_ROWS = 16  # rows of one A box with `a_rows` "received"
+TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
-# token sub-blocks whose WGMMAs go out together before one wait, by sub-block tokens (16: 17-32
-# tokens wait once per k-block instead of twice; each sub-block its own scratch, so the sums and
-# their promotion order are unchanged; 32: one, two sets of m64n32 scratch do not fit)
-SUBS_IN_FLIGHT = {16: 2, 32: 1}
+# token sub-blocks whose WGMMAs go out together before one wait (17-32 tokens: one wait per
+# k-block instead of two; each sub-block its own scratch, so the sums and their promotion
+# order are unchanged)
+SUBS_IN_FLIGHT = 2
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -68,8 +67,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False, a_rows: str = "received", token_n: int = 16,
-                 decode_split: str = "rows"):
+                 tiled_weights: bool = False, a_rows: str = "received"):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -77,7 +75,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
                          staging_parts=1, promotion="chunk",
-                         tiled_weights=tiled_weights, decode_split=decode_split)
+                         tiled_weights=tiled_weights)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
         # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
@@ -87,33 +85,24 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         # the staged kernel
         if a_rows not in ("block", "received"):
             raise ValueError(f"a_rows: 'block' or 'received', got {a_rows!r}")
-        # `token_n`: tokens per WGMMA (m64n16 or m64n32). A tile with 17-32 tokens is half the
-        # WGMMAs at 32 (each twice as wide: the tensor cores' time is the same, the issue and
-        # the wait per WGMMA are not); with 1-16 it computes twice the columns it needs
-        if token_n not in TOKEN_NS:
-            raise ValueError(f"token_n: one of {TOKEN_NS}, got {token_n!r}")
         self.a_rows = a_rows
-        self.token_n = token_n
         if a_rows == "received":
-            # (16-row boxes at either token_n: a sub-block's rows past the received tokens hold
-            # whatever the stage held; their products go to token columns never stored)
-            self.a_box_rows = A_BOX_ROWS
-            self.ring_tx_bytes -= ((block_m - A_BOX_ROWS) * self.block_k
+            self.a_box_rows = TOKEN_N
+            self.ring_tx_bytes -= ((block_m - TOKEN_N) * self.block_k
                                    * (self.ab_dtype.width // 8))
         self.weight_blocks = self.block_n // WEIGHT_M
-        self.token_blocks = block_m // token_n
-        self.subs_in_flight = SUBS_IN_FLIGHT[token_n]
+        self.token_blocks = block_m // TOKEN_N
         # L1: per-warp token amaxes, then the tile's
         self.amax_exchange_len = 5 * block_m
 
     # ------------------------------------------------------------------------------ host side
     def mma_and_stage_layouts(self):
-        """The transposed WGMMA (m64 weight rows x `token_n` tokens, both from shared memory)
-        and the staged kernel's ring layouts."""
+        """The transposed WGMMA (m64 weight rows x 16 tokens, both from shared memory) and the
+        staged kernel's ring layouts."""
         _, a_layout, b_layout = super().mma_and_stage_layouts()
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, self.token_n))
+            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, TOKEN_N))
         return tiled_mma, a_layout, b_layout
 
     # ---------------------------------------------------------------------------- device side
@@ -133,24 +122,21 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         ``< num_tiles``, transposed (see module doc). Returns ``(state, prev, the first tile
         index past num_tiles)``."""
         # the ring's weight chunks as m64 blocks (block b of stage s: slot 2 chunks s + b) and
-        # its pool tiles as `token_n`-row sub-blocks (sub-block t of stage s: slot blocks s +
-        # t): the same bytes as `sb` / `sa`, smaller tiles of the same swizzle atoms
-        token_n = self.token_n
-        subs_in_flight = self.subs_in_flight
-        groups = token_n // 8  # g: groups of 8 tokens per sub-block
+        # its pool tiles as 16-row sub-blocks (sub-block t of stage s: slot blocks s + t): the
+        # same bytes as `sb` / `sa`, smaller tiles of the same swizzle atoms
         w_layout = self._smem_layout(WEIGHT_M, self.num_stages * self.weight_blocks)
-        t_layout = self._smem_layout(token_n, self.num_stages * self.token_blocks)
+        t_layout = self._smem_layout(TOKEN_N, self.num_stages * self.token_blocks)
         sw = cute.make_tensor(sb.iterator, w_layout.outer)
         st = cute.make_tensor(sa.iterator, t_layout.outer)
         thr_mma = tiled_mma.get_slice(warp_in_wg * 32 + lane)
         t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(sw))  # [.., .., k32, slot]
         t_rt = tiled_mma.make_fragment_B(thr_mma.partition_B(st))
-        acc_shape = thr_mma.partition_shape_C((WEIGHT_M, token_n))
+        acc_shape = thr_mma.partition_shape_C((WEIGHT_M, TOKEN_N))
         accs = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.token_blocks)]
                 for _ in range(self.weight_blocks)]
-        # scratch of `subs_in_flight` sub-blocks: their WGMMAs issued together, one wait
+        # scratch of SUBS_IN_FLIGHT sub-blocks: their WGMMAs issued together, one wait
         parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
-                 for _ in range(subs_in_flight)]
+                 for _ in range(SUBS_IN_FLIGHT)]
         quad = lane % 4
         ctid = warp_in_wg * 32 + lane
         tile = first_tile
@@ -159,7 +145,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             row_base = pool_block * self.block_m
-            num_sub = (valid_m + token_n - 1) // token_n  # sub-blocks with received tokens
+            num_sub = (valid_m + TOKEN_N - 1) // TOKEN_N  # sub-blocks with received tokens
             for b in cutlass.range_constexpr(self.weight_blocks):
                 for s in cutlass.range_constexpr(self.token_blocks):
                     accs[b][s].fill(0.0)
@@ -171,27 +157,24 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)
-                for s0 in cutlass.range_constexpr(0, self.token_blocks, subs_in_flight):
+                for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
                     if s0 < num_sub:
                         warpgroup.fence()
                         # (a sub-block past the tokens: nothing issued, nothing promoted)
-                        if cutlass.const_expr(subs_in_flight == 1):
+                        if s0 + 1 < num_sub:
                             tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
-                                                          s0, 1)
-                        elif s0 + 1 < num_sub:
-                            tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
-                                                          s0, subs_in_flight)
+                                                          s0, SUBS_IN_FLIGHT)
                         else:
                             tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
                                                           s0, 1)
                         warpgroup.wait_group(0)
-                        for h in cutlass.range_constexpr(subs_in_flight):
+                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
                             if s0 + h < num_sub:
                                 s = s0 + h
-                                # value c + 2 r + 4 j: row r0 + 8 r, token T s + 8 j + 2 quad + c
-                                for j in cutlass.range_constexpr(token_n // 8):
+                                # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
+                                for j in cutlass.range_constexpr(TOKEN_N // 8):
                                     for c in cutlass.range_constexpr(2):
-                                        sa_tok = sfa[token_n * s + 8 * j + 2 * quad + c, stage]
+                                        sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
                                         for b in cutlass.range_constexpr(self.weight_blocks):
                                             for r in cutlass.range_constexpr(2):
                                                 i = c + 2 * r + 4 * j
@@ -199,9 +182,9 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                                                     sa_tok * row_sb[b // 2][r])
                 ab_pipe.consumer_release(state)
                 state.advance()
-            # (token 8 j + 2 quad + c of block b: sub-block j / g, its value c + 2 r + 4 (j % g))
+            # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
             self.epilogue_transposed(
-                lambda b, j, r, c: accs[b][j // groups][c + 2 * r + 4 * (j % groups)],
+                lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
                 list(range(self.weight_blocks)), topk_weights, out, out_sf, peer_bases,
                 src_metadata, staging, exchange, row_base, n_block, valid_m, warp_in_wg, 4, lane,
                 ctid)
