@@ -189,10 +189,10 @@ def sm90_mma_turns() -> str:
     """``CUTE_MEGAMOE_SM90_MMA_TURNS``: whether the two consumer warpgroups of the sm_90a FP8
     grouped GEMMs at BLOCK_M 128 take turns at the tensor cores, chunk by chunk
     (`Sm90ExpertGemmKernel`'s ``mma_turns``): ``off`` (the default), ``issued`` (the turn
-    passes once a chunk's WGMMAs are issued) or ``completed`` (once they are complete); an A/B
-    option until GPU-measured, not in the fused kernel and not at BLOCK_M 64. Part of the
-    grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_MMA_TURNS", ("off", "issued", "completed"))
+    passes once a chunk's WGMMAs are issued), ``completed`` (once they are complete) or
+    ``half`` (once their first half is); an A/B option until GPU-measured, not in the fused
+    kernel and not at BLOCK_M 64. Part of the grouped GEMMs' cache keys."""
+    return env_choice("CUTE_MEGAMOE_SM90_MMA_TURNS", ("off", "issued", "completed", "half"))
 
 
 def fused_weights_first() -> bool | None:

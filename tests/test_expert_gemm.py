@@ -587,12 +587,13 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe,phase", [("fp8xfp8", "l1"), ("fp8xfp8", "l2"),
                                           ("fp8xfp4_sm90", "l1")])
-@pytest.mark.parametrize("turns", ("issued", "completed"))
+@pytest.mark.parametrize("turns", ("issued", "completed", "half"))
 def test_sm90_mma_turns_pass_where_they_say(recipe, phase, turns, monkeypatch):
     """`CUTE_MEGAMOE_SM90_MMA_TURNS` (BLOCK_M 128): each chunk's WGMMAs wait for the warpgroup's
     turn (a ``BAR.SYNC`` before them) and pass it on with a ``BAR.ARV`` right after they are
-    issued ("issued") or right after their completion wait ("completed": before the
-    promotion's FFMAs, which ptxas would otherwise schedule first); no skew, no spills;
+    issued ("issued"), right after their completion wait ("completed": before the
+    promotion's FFMAs, which ptxas would otherwise schedule first) or right after the wait for
+    the first of their two commit groups ("half"); no skew, no spills;
     refused where there is one consumer warpgroup or the quarter promotion, and off by
     default."""
     import re
@@ -640,7 +641,8 @@ def test_sm90_mma_turns_pass_where_they_say(recipe, phase, turns, monkeypatch):
     assert chains >= kernel.chunks, order
     assert all(re.sub("[^SVD]", "", order[:i])[-1:] == "S" for i in range(len(order))
                if order[i] == "A"), order
-    assert order.count("AqVD" if turns == "issued" else "AqDVf") == chains, order
+    chain = {"issued": "AqVD", "completed": "AqDVf", "half": "AqDVDf"}[turns]
+    assert order.count(chain) == chains, order
     with pytest.raises(ValueError, match="mma_turns"):
         Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, mma_turns=turns)
     with pytest.raises(ValueError, match="mma_turns"):
@@ -654,7 +656,8 @@ def test_sm90_mma_turns_pass_where_they_say(recipe, phase, turns, monkeypatch):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "transposed"), (64, "transposed_block"),
-                                             (128, "turns_issued"), (128, "turns_completed")])
+                                             (128, "turns_issued"), (128, "turns_completed"),
+                                             (128, "turns_half")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the
@@ -674,6 +677,7 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "turns_issued": {"CUTE_MEGAMOE_SM90_MMA_TURNS": "issued"},
                    "turns_completed": {"CUTE_MEGAMOE_SM90_MMA_TURNS": "completed"},
+                   "turns_half": {"CUTE_MEGAMOE_SM90_MMA_TURNS": "half"},
                    "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},

@@ -116,7 +116,7 @@ MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 # `mma_turns`: named barrier 12 + w: consumer warpgroup w may issue its next chunk's WGMMAs
 TURN_BARRIER = 12
-MMA_TURNS = ("off", "issued", "completed")
+MMA_TURNS = ("off", "issued", "completed", "half")
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
 # latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7).
@@ -211,7 +211,8 @@ class Sm90ExpertGemmKernel:
         # tensor cores idle (ncu: 73 % busy, against 90 % for BF16 on the same tiles).
         # "issued": the turn passes once a chunk's WGMMAs are issued (orders the issue only;
         # measured 0.99-1.01x on 2026-12-02 as `ordered_mma`); "completed": once they are
-        # complete, so one warpgroup's chunk runs alone while the other promotes
+        # complete, so one warpgroup's chunk runs alone while the other promotes; "half": once
+        # the first half of them is (two commit groups), so the hand-off overlaps the second
         if mma_turns not in MMA_TURNS:
             raise ValueError(f"mma_turns: one of {MMA_TURNS}, got {mma_turns!r}")
         if mma_turns != "off" and not (self.is_fp8 and promotion == "chunk"
@@ -1169,13 +1170,20 @@ class Sm90ExpertGemmKernel:
                             cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
                                       t_rb[(None, None, kk, slot)], part)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            if cutlass.const_expr(self.mma_turns == "half"
+                                                  and kk == num_k_phases // 2 - 1):
+                                warpgroup.commit_group()  # (the chain's first half)
                         warpgroup.commit_group()
                         if cutlass.const_expr(self.mma_turns == "issued"):
                             self.pass_turn(mma_wg)
+                        if cutlass.const_expr(self.mma_turns == "half"):
+                            warpgroup.wait_group(1)
+                            self.pass_turn(mma_wg)
                         warpgroup.wait_group(0)
-                        row_sa = (sa0, sa1)
                         if cutlass.const_expr(self.mma_turns == "completed"):
                             self.pass_turn(mma_wg)
+                        row_sa = (sa0, sa1)
+                        if cutlass.const_expr(self.mma_turns in ("completed", "half")):
                             # (the promotion's row scales read again after the arrive: ptxas
                             # otherwise sinks the arrive below the promotion's FFMAs, and the
                             # other warpgroup's turn would wait for them)
