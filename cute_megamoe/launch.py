@@ -34,7 +34,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_mma_turns,
     sm90_promotion,
     sm90_transposed,
     sm90_transposed_a_rows,
@@ -351,8 +350,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
-            if block_m == 128:
-                extra["mma_turns"] = sm90_mma_turns()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -405,7 +402,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
-                tile_owner_search(), sm90_mma_turns() if block_m == 128 else None)
+                tile_owner_search())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

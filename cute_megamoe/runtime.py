@@ -185,16 +185,6 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_mma_turns() -> str:
-    """``CUTE_MEGAMOE_SM90_MMA_TURNS``: whether the two consumer warpgroups of the sm_90a FP8
-    grouped GEMMs at BLOCK_M 128 take turns at the tensor cores, chunk by chunk
-    (`Sm90ExpertGemmKernel`'s ``mma_turns``): ``off`` (the default), ``issued`` (the turn
-    passes once a chunk's WGMMAs are issued), ``completed`` (once they are complete) or
-    ``half`` (once their first half is); an A/B option until GPU-measured, not in the fused
-    kernel and not at BLOCK_M 64. Part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_MMA_TURNS", ("off", "issued", "completed", "half"))
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first
@@ -249,7 +239,6 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS",
-                      "CUTE_MEGAMOE_SM90_MMA_TURNS",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

@@ -584,86 +584,16 @@ def test_tiled_weights_are_bit_identical(block_m):
                      activation_clamp=10.0)
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe,phase", [("fp8xfp8", "l1"), ("fp8xfp8", "l2"),
-                                          ("fp8xfp4_sm90", "l1")])
-@pytest.mark.parametrize("turns", ("issued", "completed", "half"))
-def test_sm90_mma_turns_pass_where_they_say(recipe, phase, turns, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_MMA_TURNS` (BLOCK_M 128): each chunk's WGMMAs wait for the warpgroup's
-    turn (a ``BAR.SYNC`` before them) and pass it on with a ``BAR.ARV`` right after they are
-    issued ("issued"), right after their completion wait ("completed": before the
-    promotion's FFMAs, which ptxas would otherwise schedule first) or right after the wait for
-    the first of their two commit groups ("half"); no skew, no spills;
-    refused where there is one consumer warpgroup or the quarter promotion, and off by
-    default."""
-    import re
-
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    assert gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128)[0].mma_turns == "off"
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_MMA_TURNS", turns)
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
-                                 activation_clamp=10.0)
-    assert kernel.mma_turns == turns and kernel.wg_skew == 0
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    # the consumer's order as letters: S turn wait (BAR.SYNC on a register id), V turn pass
-    # (BAR.ARV on a register id), A / q / D a WGMMA chain's start, WGMMA, completion wait, f a
-    # promotion's FFMAs (runs collapsed)
-    letters = []
-    for op, args in re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"
-                               r"(.*)$", art.sass, re.M):
-        turn = re.match(r"\s*R\d+", args) is not None
-        letter = {"WARPGROUP.ARRIVE": "A", "WARPGROUP.DEPBAR.LE": "D", "FFMA": "f"}.get(op)
-        if op.startswith("QGMMA"):
-            letter = "q"
-        elif op.startswith("BAR.SYNC") and turn:
-            letter = "S"
-        elif op == "BAR.ARV" and turn:
-            letter = "V"
-        if letter and not (letters and letter in "fq" and letters[-1] == letter):
-            letters.append(letter)
-    order = "".join(letters)
-    # every chain: its turn (the barrier letter last met), then its WGMMAs; "issued": passed
-    # before its completion wait; "completed": right after it, before the promotion (ptxas
-    # may finish part of the promotion after the next turn's wait: the FP4 L1)
-    chains = order.count("Aq")
-    assert chains >= kernel.chunks, order
-    assert all(re.sub("[^SVD]", "", order[:i])[-1:] == "S" for i in range(len(order))
-               if order[i] == "A"), order
-    chain = {"issued": "AqVD", "completed": "AqDVf", "half": "AqDVDf"}[turns]
-    assert order.count(chain) == chains, order
-    with pytest.raises(ValueError, match="mma_turns"):
-        Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, mma_turns=turns)
-    with pytest.raises(ValueError, match="mma_turns"):
-        Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128, promotion="quarter",
-                             mma_turns=turns)
-    with pytest.raises(ValueError, match="mma_turns"):
-        Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128, mma_turns="always")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_block"),
-                                             (128, "turns_issued"), (128, "turns_completed"),
-                                             (128, "turns_half")])
+                                             (64, "transposed"), (64, "transposed_block")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the transposed kernels
-    (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the
-    default, or "block") and the consumer warpgroups taking turns (`CUTE_MEGAMOE_SM90_MMA_TURNS`)
-    compute the same products and promote them in the same order as "chunk": L2 inputs, their
-    scales and the outputs equal bit for bit, pad rows untouched."""
+    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) and the transposed kernels
+    (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
+    products and promote them in the same order as "chunk": L2 inputs, their scales and the
+    outputs equal bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -675,9 +605,6 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
-                   "turns_issued": {"CUTE_MEGAMOE_SM90_MMA_TURNS": "issued"},
-                   "turns_completed": {"CUTE_MEGAMOE_SM90_MMA_TURNS": "completed"},
-                   "turns_half": {"CUTE_MEGAMOE_SM90_MMA_TURNS": "half"},
                    "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
@@ -686,7 +613,7 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_MMA_TURNS"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

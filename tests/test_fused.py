@@ -199,8 +199,6 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": None, "auto": None, "1": True, "0": False}),
     ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
      {"": "received", "block": "block", "received": "received"}),
-    ("CUTE_MEGAMOE_SM90_MMA_TURNS", "sm90_mma_turns",
-     {"": "off", "off": "off", "issued": "issued", "completed": "completed", "half": "half"}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
      {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):

@@ -114,9 +114,6 @@ ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
-# `mma_turns`: named barrier 12 + w: consumer warpgroup w may issue its next chunk's WGMMAs
-TURN_BARRIER = 12
-MMA_TURNS = ("off", "issued", "completed", "half")
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
 # latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7).
@@ -152,7 +149,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop", mma_turns: str = "off"):
+                 owner_search: str = "gallop"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -204,22 +201,6 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
         self.quarter_promotion = promotion == "quarter"
-        # `mma_turns` (FP8, "chunk", two consumer warpgroups; an A/B option): the warpgroups
-        # take turns at the tensor cores, chunk by chunk, through a pair of named barriers.
-        # Both leave the same full stage at once; if the tensor cores interleave their chunks'
-        # WGMMAs, both chunks finish together and both warpgroups wait and promote while the
-        # tensor cores idle (ncu: 73 % busy, against 90 % for BF16 on the same tiles).
-        # "issued": the turn passes once a chunk's WGMMAs are issued (orders the issue only;
-        # measured 0.99-1.01x on 2026-12-02 as `ordered_mma`); "completed": once they are
-        # complete, so one warpgroup's chunk runs alone while the other promotes; "half": once
-        # the first half of them is (two commit groups), so the hand-off overlaps the second
-        if mma_turns not in MMA_TURNS:
-            raise ValueError(f"mma_turns: one of {MMA_TURNS}, got {mma_turns!r}")
-        if mma_turns != "off" and not (self.is_fp8 and promotion == "chunk"
-                                       and self.num_mma_wgs == 2):
-            raise ValueError("mma_turns: FP8 with the 'chunk' promotion and two consumer "
-                             "warpgroups (BLOCK_M 128) only")
-        self.mma_turns = mma_turns
         # shared-memory words the consumers exchange row amaxes through (the transposed
         # kernel's L1 epilogue; a placeholder here)
         self.amax_exchange_len = 4
@@ -334,9 +315,8 @@ class Sm90ExpertGemmKernel:
         # two of three shapes), measured interleaved (docs/performance.md).
         if wg_skew is None:
             wg_skew = 2 if phase == "l2" else 0
-        # (`mma_turns` keeps warpgroup 1 within one chunk of warpgroup 0: no skew)
         self.wg_skew = min(wg_skew, self.num_stages - 1, self.num_k_blocks - 1) \
-            if self.num_mma_wgs == 2 and mma_turns == "off" else 0
+            if self.num_mma_wgs == 2 else 0
         # What a fused kernel changes (`share_ring`): the ring's scale-vector strides, the
         # bytes of a stage the ring's mbarriers expect beyond their transaction count, and the
         # readiness of L2 tiles on L1 tiles (`ready_arrivals`: the L1 producer side signals
@@ -1124,9 +1104,6 @@ class Sm90ExpertGemmKernel:
         if cutlass.const_expr(self.wg_skew > 0):
             if mma_wg == 1 and tile < num_tiles:
                 cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
-        if cutlass.const_expr(self.mma_turns != "off"):
-            if mma_wg == 1:  # warpgroup 0 has the first turn
-                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=256)
         while tile < num_tiles:
             owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
@@ -1163,34 +1140,17 @@ class Sm90ExpertGemmKernel:
                     for c in cutlass.range_constexpr(0 if self.quarter_promotion
                                                      else self.chunks):
                         warpgroup.fence()
-                        self.await_turn(mma_wg)
                         slot = state.index * self.chunks + c
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kk in cutlass.range_constexpr(num_k_phases):
                             cute.gemm(tiled_mma, part, t_ra[(None, None, kk, state.index)],
                                       t_rb[(None, None, kk, slot)], part)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                            if cutlass.const_expr(self.mma_turns == "half"
-                                                  and kk == num_k_phases // 2 - 1):
-                                warpgroup.commit_group()  # (the chain's first half)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.mma_turns == "issued"):
-                            self.pass_turn(mma_wg)
-                        if cutlass.const_expr(self.mma_turns == "half"):
-                            warpgroup.wait_group(1)
-                            self.pass_turn(mma_wg)
                         warpgroup.wait_group(0)
-                        if cutlass.const_expr(self.mma_turns == "completed"):
-                            self.pass_turn(mma_wg)
-                        row_sa = (sa0, sa1)
-                        if cutlass.const_expr(self.mma_turns in ("completed", "half")):
-                            # (the promotion's row scales read again after the arrive: ptxas
-                            # otherwise sinks the arrive below the promotion's FFMAs, and the
-                            # other warpgroup's turn would wait for them)
-                            row_sa = (sfa[row0, state.index], sfa[row0 + 8, state.index])
                         if cutlass.const_expr(c == self.chunks - 1):
                             ab_pipe.consumer_release(state)  # before the last promotion
-                        self.promote(accs, part, 2 * c, *row_sa, scale_b, WG_N)
+                        self.promote(accs, part, 2 * c, sa0, sa1, scale_b, WG_N)
                     state.advance()
             else:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
@@ -1228,27 +1188,10 @@ class Sm90ExpertGemmKernel:
         if cutlass.const_expr(self.signals_ready):
             if pending >= 0:
                 self.signal_ready(ready, pending, lane)
-        if cutlass.const_expr(self.mma_turns != "off"):
-            if mma_wg == 0:  # warpgroup 1's last turn back (the barriers end balanced)
-                self.await_turn(mma_wg)
         if lane < ROWS_PER_WARP:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
         return state, prev, tile
-
-    @cute.jit
-    def await_turn(self, mma_wg: Int32):
-        """`mma_turns`: wait until the other consumer warpgroup has passed the turn."""
-        if cutlass.const_expr(self.mma_turns != "off"):
-            cute.arch.barrier(barrier_id=TURN_BARRIER + mma_wg, number_of_threads=256)
-
-    @cute.jit
-    def pass_turn(self, mma_wg: Int32):
-        """`mma_turns`: this warpgroup's chunk is issued ("issued") or complete
-        ("completed"); the other one's turn."""
-        if cutlass.const_expr(self.mma_turns != "off"):
-            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + 1 - mma_wg,
-                                     number_of_threads=256)
 
     @property
     def quarters(self) -> int:
