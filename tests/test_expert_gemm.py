@@ -16,6 +16,7 @@ import torch
 
 from cute_megamoe import quant
 from cute_megamoe.expert_gemm import ExpertWeights, _block_weight_sf
+from cute_megamoe.testing.compile import ptxas_notes_or_skip
 
 RECIPES = ("fp8xfp8", "bf16xbf16")
 # the GPU checks also run the MXFP4-weight kernels (their compile tests: test_fp4_sm90_gemm.py)
@@ -248,7 +249,6 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
         == 4 * kernel.weight_blocks * (kernel.token_blocks + kernel.token_blocks // 2)
     assert art.count("HGMMA") == 0  # (no empty WGMMA carrying a group's scoreboard)
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert art.ptxas_performance_notes() == []
     ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
                      art.sass, re.M)
     wgmmas = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
@@ -257,6 +257,7 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
     with pytest.raises(ValueError, match="a_rows"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
+    assert ptxas_notes_or_skip(art) == []  # (last: skips where ptxas cannot read the PTX)
 
 
 @pytest.mark.compile
@@ -283,7 +284,7 @@ def test_sm90_wgmmas_are_not_serialized(recipe, promotion, block_m, phase, monke
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
                            Int32(132), fake_stream(), arch="sm_90a")
-    assert art.ptxas_performance_notes() == []
+    assert ptxas_notes_or_skip(art) == []
 
 
 def test_sm90_raster_band_fits_l2_budget():

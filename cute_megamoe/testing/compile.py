@@ -78,10 +78,31 @@ class CompiledArtifacts:
             path = Path(tmp) / "k.ptx"
             path.write_text(self.ptx)
             run = subprocess.run([tool, f"-arch={self.arch}", "-v", str(path), "-o",
-                                  str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
-                                 check=True)
+                                  str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+        if run.returncode != 0:
+            message = f"{tool} failed on this PTX: {run.stderr.strip()[-400:]}"
+            # (the GPU machine's system ptxas 13.0 is older than the PTX of the CUDA 13 DSL
+            # bundle there; a CPU machine's DSL emits CUDA 12 PTX)
+            raise (ToolTooOld if ".version" in run.stderr else RuntimeError)(message)
         return [line for line in (run.stdout + run.stderr).splitlines()
                 if "Performance Loss" in line]
+
+
+class ToolTooOld(RuntimeError):
+    """A CUDA tool older than the PTX it is given (`ptxas_notes_or_skip` skips on it)."""
+
+
+def ptxas_notes_or_skip(art: CompiledArtifacts) -> list[str]:
+    """`CompiledArtifacts.ptxas_performance_notes`, or a pytest skip that says why where this
+    machine's ptxas cannot read the PTX (too old) or is missing."""
+    import pytest
+
+    if find_cuda_tool("ptxas") is None:
+        pytest.skip("ptxas is not available")
+    try:
+        return art.ptxas_performance_notes()
+    except ToolTooOld as error:
+        pytest.skip(str(error))
 
 
 def find_cuda_tool(name: str) -> str | None:
