@@ -179,10 +179,54 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 
 
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
+STORE_ASYNC = {"CUTE_MEGAMOE_SM90_FP4_DECODE_STORE": "async"}
+MMA_STAGES_2 = {"CUTE_MEGAMOE_SM90_FP4_MMA_STAGES": "2"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
-                                 64)}
+                                 64),
+            "store_async": (STORE_ASYNC, 64),
+            "store_async_128": (STORE_ASYNC, 128),
+            "transposed_store_async": ({**TRANSPOSED, **STORE_ASYNC}, 64),
+            "transposed_mma_stages_2": ({**TRANSPOSED, **MMA_STAGES_2}, 64),
+            "mma_stages_2_128": (MMA_STAGES_2, 128)}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("transposed", ("0", "1"))
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_decode_options_compile(transposed, phase, monkeypatch):
+    """The decode's A/B options (BLOCK_M 64, staged and transposed): with
+    `CUTE_MEGAMOE_SM90_FP4_DECODE_STORE` "async" the decode warps write the e4m3 tile with
+    ``st.async`` (two 16-byte stores per item) and no proxy fence or memory barrier waits for
+    them (the consumers fence instead); with `CUTE_MEGAMOE_SM90_FP4_MMA_STAGES` 2 the shared
+    memory of the third MMA stage holds more packed stages. No spills either way."""
+    import re
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
+    default, _ = _compile(phase, 64)
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", "2")
+    kernel, art = _compile(phase, 64)
+    assert (default.num_stages, kernel.num_stages) == (3, 2)
+    assert kernel.packed_stages >= default.packed_stages + 2
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_STORE", "async")
+    kernel, art = _compile(phase, 64)
+    assert kernel.decode_store == "async" and default.decode_store == "sts"
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("STAS.128") == 2 * kernel.chunks * 128 * 4 // (128 * kernel.decode_wgs)
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    # the decode loop (the one with the stores) has no memory barrier
+    lines = [line for line in art.sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    stores = [i for i, line in enumerate(lines) if "STAS.128" in line]
+    assert not any("MEMBAR" in line for line in lines[stores[0]: stores[-1] + 40])
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_STORE", "sometimes")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_FP4_DECODE_STORE"):
+        _compile(phase, 64)
 
 
 @pytest.mark.gpu

@@ -124,6 +124,7 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
+DECODE_STORES = ("sts", "async")
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -149,7 +150,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop"):
+                 owner_search: str = "gallop", decode_store: str = "sts"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -215,6 +216,15 @@ class Sm90ExpertGemmKernel:
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
+        # FP4 weights: how the decode warps write the e4m3 tile into the MMA stage. "sts":
+        # shared-memory stores, then a proxy fence (the stores must land) and one arrival per
+        # decode warp at the stage's `decoded` barrier; "async": `st.async`, each store counted
+        # in bytes by that barrier (one thread opens its phase with the tile's bytes), so the
+        # decode warps go on without waiting for their stores, and the consumers fence the
+        # async proxy after their wait (an A/B option, `CUTE_MEGAMOE_SM90_FP4_DECODE_STORE`)
+        if decode_store not in DECODE_STORES:
+            raise ValueError(f"decode_store: one of {DECODE_STORES}, got {decode_store!r}")
+        self.decode_store = decode_store if self.fp4_weights else "sts"
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -967,9 +977,19 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def init_decoded_barriers(self, decoded: cute.Pointer, tidx: Int32):
         """FP4 weights: one mbarrier per stage, complete once the decode warps wrote its tile."""
+        arrivals = 1 if self.decode_store == "async" else 4 * self.decode_wgs
         if tidx == 32:
             for s in cutlass.range_constexpr(self.num_stages):
-                cute.arch.mbarrier_init(decoded + s, 4 * self.decode_wgs)
+                cute.arch.mbarrier_init(decoded + s, arrivals)
+
+    @cute.jit
+    def wait_decoded(self, decoded: cute.Pointer, state):
+        """A consumer: the decode warps have written the e4m3 weight tile of ``state``'s stage
+        (with `st.async` stores, generic-proxy writes the WGMMAs read through the async proxy:
+        fenced here)."""
+        cute.arch.mbarrier_wait(decoded + state.index, state.phase)
+        if cutlass.const_expr(self.decode_store == "async"):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
@@ -992,12 +1012,20 @@ class Sm90ExpertGemmKernel:
                 for _kb in cutlass.range(self.num_k_blocks):
                     packed_pipe.consumer_wait(packed)
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed)
-                    # the generic-proxy writes, then the WGMMAs' (async proxy) reads
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(decoded + state.index)
+                    if cutlass.const_expr(self.decode_store == "async"):
+                        if tid == 0:  # the phase completes once the tile's bytes are in
+                            cute.arch.mbarrier_arrive_and_expect_tx(
+                                decoded + state.index, self.block_n * self.block_k)
+                    self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
+                                       packed)
+                    if cutlass.const_expr(self.decode_store == "sts"):
+                        # the generic-proxy writes, then the WGMMAs' (async proxy) reads
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(decoded + state.index)
+                    else:
+                        cute.arch.sync_warp()  # (every lane's packed loads before the release)
                     packed_pipe.consumer_release(packed)
                     state.advance()
                     packed.advance()
@@ -1007,7 +1035,8 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
-                      sfg: cute.Pointer, n_block: Int32, tid: Int32, state, packed):
+                      sfg: cute.Pointer, decoded: cute.Pointer, n_block: Int32, tid: Int32,
+                      state, packed):
         """One k-block's weight chunks from the packed stage into the MMA stage. An item
         is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
         thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
@@ -1055,8 +1084,15 @@ class Sm90ExpertGemmKernel:
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
                 stage_base = state.index * self.chunks * chunk_bytes + rows[j] * self.block_k
                 for half in cutlass.range_constexpr(2):
-                    cute.autovec_copy(out[half],
-                                      smem_words(sb, stage_base + pieces[half] * 16))
+                    offset = stage_base + pieces[half] * 16
+                    if cutlass.const_expr(self.decode_store == "async"):
+                        cute.arch.store_async_dsmem(
+                            cute.make_ptr(Int32, sb.toint() + offset, cute.AddressSpace.smem,
+                                          assumed_align=16),
+                            (out[half][0], out[half][1], out[half][2], out[half][3]),
+                            decoded + state.index, Int32(0))
+                    else:
+                        cute.autovec_copy(out[half], smem_words(sb, offset))
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
@@ -1121,8 +1157,7 @@ class Sm90ExpertGemmKernel:
                     self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
                     if cutlass.const_expr(self.fp4_weights):
-                        # the decode warps have written the stage's e4m3 weight tile
-                        cute.arch.mbarrier_wait(decoded + state.index, state.phase)
+                        self.wait_decoded(decoded, state)
                     if cutlass.const_expr(self.late_metadata):
                         if kb == 0:
                             row_dst = self.row_destination(out, peer_bases, src_metadata,
