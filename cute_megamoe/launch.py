@@ -34,8 +34,7 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_fp4_decode_store,
-    sm90_fp4_mma_stages,
+    sm90_fp4_tables,
     sm90_promotion,
     sm90_transposed,
     sm90_transposed_a_rows,
@@ -338,9 +337,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
     extra = {"combine_layout": combine_layout}
-    if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (A/B options of the decode's stages)
-        extra["num_stages"] = sm90_fp4_mma_stages()
-        extra["decode_store"] = sm90_fp4_decode_store()
+    if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (an A/B option of the decode)
+        extra["decode_tables"] = sm90_fp4_tables()
     if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
@@ -407,8 +405,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
-                tile_owner_search(),
-                (sm90_fp4_mma_stages(), sm90_fp4_decode_store()) if fp4 else None)
+                tile_owner_search(), sm90_fp4_tables() if fp4 else None)
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -185,23 +185,12 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_fp4_mma_stages() -> int | None:
-    """``CUTE_MEGAMOE_SM90_FP4_MMA_STAGES``: "2" / "3" force the MMA stages (A + the decoded
-    weight tile) of the sm_90a grouped GEMMs with MXFP4 weights (staged and transposed); the
-    rest of shared memory goes to packed stages, so fewer MMA stages put more packed weight
-    bytes in flight. Unset or "auto": None, the kernels' default (`FP4_MMA_STAGES`). An A/B
-    option; part of the grouped GEMMs' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", ("auto", "2", "3"))
-    return None if value == "auto" else int(value)
-
-
-def sm90_fp4_decode_store() -> str:
-    """``CUTE_MEGAMOE_SM90_FP4_DECODE_STORE``: how the decode warps of the sm_90a grouped GEMMs
-    with MXFP4 weights write the e4m3 tile (`Sm90ExpertGemmKernel`'s ``decode_store``): ``sts``
-    (the default: shared-memory stores, a proxy fence, an arrival per warp) or ``async``
-    (``st.async`` counted in bytes by the stage's barrier: no fence in the decode warps). An A/B
-    option; part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_STORE", ("sts", "async"))
+def sm90_fp4_tables() -> str:
+    """``CUTE_MEGAMOE_SM90_FP4_TABLES``: how the decode warps of the sm_90a grouped GEMMs with
+    MXFP4 weights build their tables (`Sm90ExpertGemmKernel`'s ``decode_tables``): ``vote``
+    (the default: the integer adds for a whole batch, the float path behind one warp vote) or
+    ``item`` (a branch per item, for A/Bs). Part of the grouped GEMMs' cache keys."""
+    return env_choice("CUTE_MEGAMOE_SM90_FP4_TABLES", ("vote", "item"))
 
 
 def fused_weights_first() -> bool | None:
@@ -262,8 +251,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
-                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_MMA_STAGES",
-                      "CUTE_MEGAMOE_SM90_FP4_DECODE_STORE")
+                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

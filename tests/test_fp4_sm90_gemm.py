@@ -179,53 +179,52 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 
 
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
-STORE_ASYNC = {"CUTE_MEGAMOE_SM90_FP4_DECODE_STORE": "async"}
-MMA_STAGES_2 = {"CUTE_MEGAMOE_SM90_FP4_MMA_STAGES": "2"}
+ITEM = {"CUTE_MEGAMOE_SM90_FP4_TABLES": "item"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                                  64),
-            "store_async": (STORE_ASYNC, 64),
-            "store_async_128": (STORE_ASYNC, 128),
-            "transposed_store_async": ({**TRANSPOSED, **STORE_ASYNC}, 64),
-            "transposed_mma_stages_2": ({**TRANSPOSED, **MMA_STAGES_2}, 64),
-            "mma_stages_2_128": (MMA_STAGES_2, 128)}
+            "tables_item": (ITEM, 64),
+            "tables_item_128": (ITEM, 128),
+            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64)}
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("transposed", ("0", "1"))
 @pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_decode_options_compile(transposed, phase, monkeypatch):
-    """The decode's A/B options (BLOCK_M 64, staged and transposed): with
-    `CUTE_MEGAMOE_SM90_FP4_DECODE_STORE` "async" the decode warps write the e4m3 tile with
-    ``st.async`` (two 16-byte stores per item) and no proxy fence or memory barrier waits for
-    them (the consumers fence instead); with `CUTE_MEGAMOE_SM90_FP4_MMA_STAGES` 2 the shared
-    memory of the third MMA stage holds more packed stages. No spills either way."""
-    import re
+def test_vote_tables_compile_without_item_branches(transposed, phase, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_FP4_TABLES` "vote" (the default; BLOCK_M 64, staged and transposed,
+    against "item"): the decode
+    builds a batch's tables by the integer adds and takes the float path behind one warp vote
+    (no branch per item on the fast path), the codes of the first `VOTE_AHEAD` items loaded
+    before the vote and each later item's while an earlier one decodes; the same permutes, no
+    spills."""
+    from cute_megamoe.kernels.sm90_expert_gemm import VOTE_AHEAD
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
-    default, _ = _compile(phase, 64)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", "2")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_TABLES", "item")
+    item, base = _compile(phase, 64)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_TABLES")
     kernel, art = _compile(phase, 64)
-    assert (default.num_stages, kernel.num_stages) == (3, 2)
-    assert kernel.packed_stages >= default.packed_stages + 2
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_STORE", "async")
-    kernel, art = _compile(phase, 64)
-    assert kernel.decode_store == "async" and default.decode_store == "sts"
-    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4" in art.ptx
+    assert (item.decode_tables, kernel.decode_tables) == ("item", "vote")
+    assert "vote.sync.any.pred" not in base.ptx
+    assert "vote.sync.any.pred" in art.ptx
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("STAS.128") == 2 * kernel.chunks * 128 * 4 // (128 * kernel.decode_wgs)
+    assert art.count("VOTE.ANY") >= 1
+    assert art.count("PRMT") == base.count("PRMT")
+    # (one float path per item either way: four conversions each)
+    assert art.count("F2FP.SATFINITE.E4M3") == base.count("F2FP.SATFINITE.E4M3")
+    # the first VOTE_AHEAD items' codes load before the vote, the others after it
+    lines = art.sass.splitlines()
+    vote = next(i for i, line in enumerate(lines) if "VOTE.ANY" in line)
+    loop = lines[vote - 80: vote + 200]
+    assert sum("LDS.128" in line for line in loop[:80]) == VOTE_AHEAD
+    assert sum("LDS.128" in line for line in loop[80:]) >= 1
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    # the decode loop (the one with the stores) has no memory barrier
-    lines = [line for line in art.sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-    stores = [i for i, line in enumerate(lines) if "STAS.128" in line]
-    assert not any("MEMBAR" in line for line in lines[stores[0]: stores[-1] + 40])
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_STORE", "sometimes")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_FP4_DECODE_STORE"):
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_TABLES", "sometimes")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_FP4_TABLES"):
         _compile(phase, 64)
 
 

@@ -197,10 +197,8 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": "received", "block": "block", "received": "received"}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
      {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"}),
-    ("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", "sm90_fp4_mma_stages",
-     {"": None, "auto": None, "2": 2, "3": 3}),
-    ("CUTE_MEGAMOE_SM90_FP4_DECODE_STORE", "sm90_fp4_decode_store",
-     {"": "sts", "sts": "sts", "async": "async"})])
+    ("CUTE_MEGAMOE_SM90_FP4_TABLES", "sm90_fp4_tables",
+     {"": "vote", "item": "item", "vote": "vote"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

@@ -61,8 +61,9 @@ packed chunks, the tile rows' scale words and the block scales into packed stage
 decode. Decode warpgroups (two at BLOCK_M 64, one at 128) wait for a packed stage and for the
 consumers to free its MMA stage (not for A), write the e4m3 weight tile
 ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled B slots (`common.fp4_decode`, bit-exact
-with `quant.fp4_weights_to_fp8_blocks`; fixed items per thread, a batch loaded before any is
-decoded), arrive at the MMA stage's second mbarrier, which the consumers wait for besides the
+with `quant.fp4_weights_to_fp8_blocks`; fixed items per thread, a batch's tables by integer
+adds with the float path behind one warp vote, its later items' codes loaded while earlier ones
+decode), arrive at the MMA stage's second mbarrier, which the consumers wait for besides the
 TMA's, and free the packed stage; then the FP8 mainloop above runs unchanged, the promotion
 applying ``2**b``. Half the weight bytes of fp8xfp8; no
 clusters.
@@ -91,7 +92,16 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
-from .common.fp4_decode import decode_e2m1_word, e2m1_table, prmt
+from .common.fp4_decode import (
+    FAST_MIN_SHIFT,
+    LUT_HI,
+    LUT_LO,
+    LUT_STEP_HI,
+    LUT_STEP_LO,
+    decode_e2m1_word,
+    e2m1_table,
+    prmt,
+)
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
@@ -124,7 +134,8 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
-DECODE_STORES = ("sts", "async")
+DECODE_TABLES = ("item", "vote")
+VOTE_AHEAD = 2  # "vote" tables: items whose codes load before the batch's vote
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -150,7 +161,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_store: str = "sts"):
+                 owner_search: str = "gallop", decode_tables: str = "vote"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -216,15 +227,16 @@ class Sm90ExpertGemmKernel:
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
-        # FP4 weights: how the decode warps write the e4m3 tile into the MMA stage. "sts":
-        # shared-memory stores, then a proxy fence (the stores must land) and one arrival per
-        # decode warp at the stage's `decoded` barrier; "async": `st.async`, each store counted
-        # in bytes by that barrier (one thread opens its phase with the tile's bytes), so the
-        # decode warps go on without waiting for their stores, and the consumers fence the
-        # async proxy after their wait (an A/B option, `CUTE_MEGAMOE_SM90_FP4_DECODE_STORE`)
-        if decode_store not in DECODE_STORES:
-            raise ValueError(f"decode_store: one of {DECODE_STORES}, got {decode_store!r}")
-        self.decode_store = decode_store if self.fp4_weights else "sts"
+        # FP4 weights: how the decode builds a batch's tables. "vote" (the default): the
+        # integer adds for every item, the float path behind one warp vote per batch (no
+        # per-item branches; the later items' codes load while earlier ones decode): 0.975-0.986x
+        # the time of "item" at the picked BLOCK_M on an H200 (0.999x at 32 x 1024; 0.94x at
+        # BLOCK_M 128 and decode sizes; docs/performance.md); "item": each item's table behind
+        # its own branch (the float path for a group more than 5 binades under its block), for
+        # A/Bs (`CUTE_MEGAMOE_SM90_FP4_TABLES`) and the fused kernel's FP4 experiment
+        if decode_tables not in DECODE_TABLES:
+            raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
+        self.decode_tables = decode_tables
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -977,19 +989,9 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def init_decoded_barriers(self, decoded: cute.Pointer, tidx: Int32):
         """FP4 weights: one mbarrier per stage, complete once the decode warps wrote its tile."""
-        arrivals = 1 if self.decode_store == "async" else 4 * self.decode_wgs
         if tidx == 32:
             for s in cutlass.range_constexpr(self.num_stages):
-                cute.arch.mbarrier_init(decoded + s, arrivals)
-
-    @cute.jit
-    def wait_decoded(self, decoded: cute.Pointer, state):
-        """A consumer: the decode warps have written the e4m3 weight tile of ``state``'s stage
-        (with `st.async` stores, generic-proxy writes the WGMMAs read through the async proxy:
-        fenced here)."""
-        cute.arch.mbarrier_wait(decoded + state.index, state.phase)
-        if cutlass.const_expr(self.decode_store == "async"):
-            cute.arch.fence_view_async_shared()
+                cute.arch.mbarrier_init(decoded + s, 4 * self.decode_wgs)
 
     @cute.jit
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
@@ -1012,20 +1014,12 @@ class Sm90ExpertGemmKernel:
                 for _kb in cutlass.range(self.num_k_blocks):
                     packed_pipe.consumer_wait(packed)
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    if cutlass.const_expr(self.decode_store == "async"):
-                        if tid == 0:  # the phase completes once the tile's bytes are in
-                            cute.arch.mbarrier_arrive_and_expect_tx(
-                                decoded + state.index, self.block_n * self.block_k)
-                    self.decode_chunks(raw_b, sb, sfb, sfg, decoded, n_block, tid, state,
-                                       packed)
-                    if cutlass.const_expr(self.decode_store == "sts"):
-                        # the generic-proxy writes, then the WGMMAs' (async proxy) reads
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(decoded + state.index)
-                    else:
-                        cute.arch.sync_warp()  # (every lane's packed loads before the release)
+                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed)
+                    # the generic-proxy writes, then the WGMMAs' (async proxy) reads
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(decoded + state.index)
                     packed_pipe.consumer_release(packed)
                     state.advance()
                     packed.advance()
@@ -1035,13 +1029,13 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
-                      sfg: cute.Pointer, decoded: cute.Pointer, n_block: Int32, tid: Int32,
-                      state, packed):
+                      sfg: cute.Pointer, n_block: Int32, tid: Int32, state, packed):
         """One k-block's weight chunks from the packed stage into the MMA stage. An item
         is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
         thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
         (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
-        `decode_batch` items loaded before any is decoded. The exponent shift of a group is its
+        `decode_batch` items a batch (their scales loaded first; `decode_tables`). The exponent
+        shift of a group is its
         UE8M0 scale over its 128x128 block's base ``2**b`` (the block scale: L1 row groups of 8
         alternate gate and up blocks, the same for all rows of a thread)."""
         rows_per_pass = 128 * self.decode_wgs // 4
@@ -1060,15 +1054,23 @@ class Sm90ExpertGemmKernel:
                                  cute.make_layout(self.block_n))
         block_scales = cute.make_tensor(sfb + packed.index * self.packed_sfb_stride,
                                         cute.make_layout(self.sfb_len))
+
+        def load_codes(dst, tile_row):  # an item's 32 codes (16 bytes) from the packed stage
+            cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N + tile_row)
+                                         * row_bytes + group * 16), dst)
+
         for first in cutlass.range_constexpr(0, len(items), batch):
             codes, shifts, rows = [], [], []
             for chunk, p in items[first:first + batch]:
                 tile_row = chunk * WG_N + row0 + rows_per_pass * p  # (the item's tile row)
                 rows.append(tile_row)
-                c = cute.make_rmem_tensor(4, Int32)
-                cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N
-                                                     + tile_row) * row_bytes + group * 16), c)
-                codes.append(c)
+                codes.append(cute.make_rmem_tensor(4, Int32))
+                # ("vote": the first VOTE_AHEAD items' codes here, each later item's while the
+                # item VOTE_AHEAD before it decodes; loaded all at once, ptxas issued the
+                # batch's loads together and the decode ran slower, docs/performance.md)
+                if cutlass.const_expr(self.decode_tables == "item"
+                                      or len(codes) <= VOTE_AHEAD):
+                    load_codes(codes[-1], tile_row)
                 if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
                     block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
                 else:
@@ -1076,23 +1078,32 @@ class Sm90ExpertGemmKernel:
                 base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
                 ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
                 shifts.append(ue8m0 - base)
+            tables = None
+            if cutlass.const_expr(self.decode_tables == "vote"):
+                tables = cute.make_rmem_tensor(2 * len(rows), Int32)
+                lowest = shifts[0]
+                for j in cutlass.range_constexpr(len(rows)):
+                    tables[2 * j] = Int32(LUT_LO) + shifts[j] * Int32(LUT_STEP_LO)
+                    tables[2 * j + 1] = Int32(LUT_HI) + shifts[j] * Int32(LUT_STEP_HI)
+                    lowest = cutlass.min(lowest, shifts[j])
+                if cute.arch.vote_any_sync(lowest < FAST_MIN_SHIFT):  # (rare: uniform)
+                    for j in cutlass.range_constexpr(len(rows)):
+                        tables[2 * j], tables[2 * j + 1] = e2m1_table(shifts[j])
             for j in cutlass.range_constexpr(len(rows)):
-                lut_lo, lut_hi = e2m1_table(shifts[j])
+                if cutlass.const_expr(tables is None):
+                    lut_lo, lut_hi = e2m1_table(shifts[j])
+                else:
+                    lut_lo, lut_hi = tables[2 * j], tables[2 * j + 1]
+                    if cutlass.const_expr(j + VOTE_AHEAD < len(rows)):
+                        load_codes(codes[j + VOTE_AHEAD], rows[j + VOTE_AHEAD])
                 # word q of the group: columns 4q .. 4q + 3, 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
                 out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
                 for q in cutlass.range_constexpr(4):
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
                 stage_base = state.index * self.chunks * chunk_bytes + rows[j] * self.block_k
                 for half in cutlass.range_constexpr(2):
-                    offset = stage_base + pieces[half] * 16
-                    if cutlass.const_expr(self.decode_store == "async"):
-                        cute.arch.store_async_dsmem(
-                            cute.make_ptr(Int32, sb.toint() + offset, cute.AddressSpace.smem,
-                                          assumed_align=16),
-                            (out[half][0], out[half][1], out[half][2], out[half][3]),
-                            decoded + state.index, Int32(0))
-                    else:
-                        cute.autovec_copy(out[half], smem_words(sb, offset))
+                    cute.autovec_copy(out[half],
+                                      smem_words(sb, stage_base + pieces[half] * 16))
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
@@ -1157,7 +1168,8 @@ class Sm90ExpertGemmKernel:
                     self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
                     if cutlass.const_expr(self.fp4_weights):
-                        self.wait_decoded(decoded, state)
+                        # the decode warps have written the stage's e4m3 weight tile
+                        cute.arch.mbarrier_wait(decoded + state.index, state.phase)
                     if cutlass.const_expr(self.late_metadata):
                         if kb == 0:
                             row_dst = self.row_destination(out, peer_bases, src_metadata,

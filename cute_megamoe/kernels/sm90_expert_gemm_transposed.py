@@ -68,7 +68,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 num_stages: int | None = None, decode_store: str = "sts"):
+                 decode_tables: str = "vote"):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -76,8 +76,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
                          staging_parts=1, promotion="chunk",
-                         tiled_weights=tiled_weights, num_stages=num_stages,
-                         decode_store=decode_store)
+                         tiled_weights=tiled_weights, decode_tables=decode_tables)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
         # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
@@ -154,7 +153,8 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             for _kb in cutlass.range(self.num_k_blocks):
                 ab_pipe.consumer_wait(state)
                 if cutlass.const_expr(self.fp4_weights):
-                    self.wait_decoded(decoded, state)
+                    # the decode warps have written the stage's e4m3 weight tile
+                    cute.arch.mbarrier_wait(decoded + state.index, state.phase)
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)

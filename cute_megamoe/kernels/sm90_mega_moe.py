@@ -135,6 +135,9 @@ PHASE_STAMPS = ("start", "prefix_ready", "rows_sent", "l1_done", "l2_done", "loa
 # dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
 # `smem_bytes` does not count
 SM_SMEM_CAPACITY = 227 * 1024 - 2048
+# the FP4 experiment's decode tables: a branch per item, as it was measured (the grouped GEMMs'
+# default "vote" is not measured in the fused kernel)
+FUSED_DECODE_TABLES = "item"
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
@@ -270,12 +273,14 @@ class Sm90MegaMoEKernel:
                                        activation_clamp=activation_clamp, fast_math=fast_math,
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
                                        promotion=promotion,
-                                       tiled_weights=tiled_weights, owner_search=owner_search)
+                                       tiled_weights=tiled_weights, owner_search=owner_search,
+                                       decode_tables=FUSED_DECODE_TABLES)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
-                                       tiled_weights=tiled_weights, owner_search=owner_search)
+                                       tiled_weights=tiled_weights, owner_search=owner_search,
+                                       decode_tables=FUSED_DECODE_TABLES)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):
