@@ -1035,9 +1035,9 @@ class Sm90ExpertGemmKernel:
         thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
         (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
         `decode_batch` items a batch (their scales loaded first; `decode_tables`). The exponent
-        shift of a group is its
-        UE8M0 scale over its 128x128 block's base ``2**b`` (the block scale: L1 row groups of 8
-        alternate gate and up blocks, the same for all rows of a thread)."""
+        shift of a group is its UE8M0 scale over its 128x128 block's base ``2**b`` (the block
+        scale: L1 row groups of 8 alternate gate and up blocks, the same for all rows of a
+        thread)."""
         rows_per_pass = 128 * self.decode_wgs // 4
         items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
         batch = min(len(items), self.decode_batch)
