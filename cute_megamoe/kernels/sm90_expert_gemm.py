@@ -135,7 +135,11 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
 DECODE_TABLES = ("item", "vote")
-VOTE_AHEAD = 2  # "vote" tables: items whose codes load before the batch's vote
+# "vote" tables: items whose codes load before the batch's vote, each later item's while the
+# item VOTE_AHEAD before it decodes. Measured interleaved on an H200 (docs/performance.md): 1
+# took 0.963-0.977x the time of 2 at 128 x 8 and 0.955-0.978x at 128 x 32 (BLOCK_M 64), 0.987-1.01x
+# at BLOCK_M 128 and 0.999x at 256 x 256; 0 (each item's right before it) 1.05-1.13x, 3 1.01-1.06x
+VOTE_AHEAD = 1
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -229,10 +233,12 @@ class Sm90ExpertGemmKernel:
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
         # FP4 weights: how the decode builds a batch's tables. "vote" (the default): the
         # integer adds for every item, the float path behind one warp vote per batch (no
-        # per-item branches; the later items' codes load while earlier ones decode): 0.975-0.986x
-        # the time of "item" at the picked BLOCK_M on an H200 (0.999x at 32 x 1024; 0.94x at
-        # BLOCK_M 128 and decode sizes; docs/performance.md); "item": each item's table behind
-        # its own branch (the float path for a group more than 5 binades under its block), for
+        # per-item branches; the later items' codes load while earlier ones decode,
+        # `VOTE_AHEAD`): with two items ahead 0.975-0.986x the time of "item" at the picked
+        # BLOCK_M on an H200 (0.999x at 32 x 1024; 0.94x at BLOCK_M 128 and decode sizes), one
+        # ahead 0.96-0.98x that again at decode sizes (docs/performance.md); "item": each
+        # item's table behind its own branch (the float path for a group more than 5 binades
+        # under its block), for
         # A/Bs (`CUTE_MEGAMOE_SM90_FP4_TABLES`) and the fused kernel's FP4 experiment
         if decode_tables not in DECODE_TABLES:
             raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
@@ -1079,7 +1085,7 @@ class Sm90ExpertGemmKernel:
                 ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
                 shifts.append(ue8m0 - base)
             tables = None
-            if cutlass.const_expr(self.decode_tables == "vote"):
+            if cutlass.const_expr(self.decode_tables != "item"):
                 tables = cute.make_rmem_tensor(2 * len(rows), Int32)
                 lowest = shifts[0]
                 for j in cutlass.range_constexpr(len(rows)):
