@@ -170,29 +170,11 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)
-                for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
-                    if s0 < num_sub:
-                        warpgroup.fence()
-                        # (a sub-block past the tokens: nothing issued, nothing promoted)
-                        if s0 + 1 < num_sub:
-                            tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
-                                                          s0, SUBS_IN_FLIGHT)
-                        else:
-                            tiled_mma = self.issue_wgmmas(tiled_mma, t_rw, t_rt, parts, stage,
-                                                          s0, 1)
-                        warpgroup.wait_group(0)
-                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
-                            if s0 + h < num_sub:
-                                s = s0 + h
-                                # value c + 2 r + 4 j: row r0 + 8 r, token 16 s + 8 j + 2 quad + c
-                                for j in cutlass.range_constexpr(TOKEN_N // 8):
-                                    for c in cutlass.range_constexpr(2):
-                                        sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
-                                        for b in cutlass.range_constexpr(self.weight_blocks):
-                                            for r in cutlass.range_constexpr(2):
-                                                i = c + 2 * r + 4 * j
-                                                accs[b][s][i] += parts[h][b][i] * (
-                                                    sa_tok * row_sb[b // 2][r])
+                tiled_mma = self.mma_token_groups(
+                    tiled_mma, lambda b, kk, stage=stage: t_rw[(None, None, kk,
+                                                                stage * self.weight_blocks + b)],
+                    [row_sb[b // 2] for b in range(self.weight_blocks)], t_rt, parts, accs,
+                    sfa, stage, num_sub, quad)
                 ab_pipe.consumer_release(state)
                 state.advance()
             # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
@@ -208,26 +190,58 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         return state, prev, tile
 
     @cute.jit
-    def issue_wgmmas(self, tiled_mma, t_rw, t_rt, parts, stage, s0: cutlass.Constexpr,
-                     subs: cutlass.Constexpr):
+    def mma_token_groups(self, tiled_mma, a_of, block_scales: list, t_rt, parts, accs, sfa,
+                         stage: Int32, num_sub: Int32, quad: Int32):
+        """One k-block of the thread's m64 blocks (``len(block_scales)`` of them; ``a_of(i,
+        kk)``: block ``i``'s A operand of k32 step ``kk``): for each group of `SUBS_IN_FLIGHT`
+        token sub-blocks with received tokens, their WGMMAs into the scratch ``parts`` (a
+        sub-block past the tokens: nothing issued, nothing promoted), one wait, then the
+        promotion ``accs[i][s][v] += parts[h][i][v] * (sa[token] * block_scales[i][r])``, value
+        ``v = c + 2 r + 4 j``: row ``r0 + 8 r``, token ``16 s + 8 j + 2 quad + c``. Returns
+        ``tiled_mma`` (its accumulate field set)."""
+        nb = len(block_scales)
+        for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
+            if s0 < num_sub:
+                warpgroup.fence()
+                if s0 + 1 < num_sub:
+                    tiled_mma = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage, s0,
+                                                  SUBS_IN_FLIGHT)
+                else:
+                    tiled_mma = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage, s0,
+                                                  1)
+                warpgroup.wait_group(0)
+                for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
+                    if s0 + h < num_sub:
+                        s = s0 + h
+                        for j in cutlass.range_constexpr(TOKEN_N // 8):
+                            for c in cutlass.range_constexpr(2):
+                                sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
+                                for i in cutlass.range_constexpr(nb):
+                                    for r in cutlass.range_constexpr(2):
+                                        v = c + 2 * r + 4 * j
+                                        accs[i][s][v] += parts[h][i][v] * (
+                                            sa_tok * block_scales[i][r])
+        return tiled_mma
+
+    @cute.jit
+    def issue_wgmmas(self, tiled_mma, a_of, nb: cutlass.Constexpr, t_rt, parts, stage,
+                     s0: cutlass.Constexpr, subs: cutlass.Constexpr):
         """The WGMMAs of token sub-blocks ``s0 .. s0 + subs - 1`` of ``stage`` into their
         scratch ``parts[h]`` (each accumulates its k32 steps in order), each m64 block's A
-        descriptors used by all of them before the next block's: few descriptors are live at
-        once, so ptxas keeps them on the uniform datapath (issued sub-block by sub-block, the
+        used by all of them before the next block's: few A descriptors are live at once, so
+        ptxas keeps them on the uniform datapath (issued sub-block by sub-block, the
         two-sub-block runs held all sixteen A descriptors live, and ptxas built every
         descriptor in vector registers and moved it with an R2UR: 48 per k-block, about 80
         more instructions in the consumer's serial stream, for every tile). Returns
         ``tiled_mma``, whose accumulate field this sets (the caller rebinds it), with the
         WGMMAs committed as one group."""
-        num_k_phases = cute.size(t_rw, mode=[2])
-        for b in cutlass.range_constexpr(self.weight_blocks):
-            for kk in cutlass.range_constexpr(num_k_phases):
+        for i in cutlass.range_constexpr(nb):
+            for kk in cutlass.range_constexpr(self.block_k // 32):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kk > 0)
                 for h in cutlass.range_constexpr(subs):
-                    cute.gemm(tiled_mma, parts[h][b],
-                              t_rw[(None, None, kk, stage * self.weight_blocks + b)],
+                    cute.gemm(tiled_mma, parts[h][i], a_of(i, kk),
                               t_rt[(None, None, kk, stage * self.token_blocks + s0 + h)],
-                              parts[h][b])
+                              parts[h][i])
         # (committed here, after the last WGMMA: a commit after the two paths meet made ptxas
         # add an empty WGMMA to carry the group's scoreboard)
         warpgroup.commit_group()
@@ -528,28 +542,9 @@ class Sm90RegisterDecodeExpertGemmKernel(Sm90TransposedExpertGemmKernel):
                 cute.arch.sync_warp()  # (every lane's packed loads before the release)
                 packed_pipe.consumer_release(packed)
                 packed.advance()
-                for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
-                    if s0 < num_sub:
-                        warpgroup.fence()
-                        if s0 + 1 < num_sub:
-                            tiled_mma = self.issue_register_wgmmas(tiled_mma, frags, t_rt,
-                                                                   parts, stage, s0,
-                                                                   SUBS_IN_FLIGHT)
-                        else:
-                            tiled_mma = self.issue_register_wgmmas(tiled_mma, frags, t_rt,
-                                                                   parts, stage, s0, 1)
-                        warpgroup.wait_group(0)
-                        for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
-                            if s0 + h < num_sub:
-                                s = s0 + h
-                                for j in cutlass.range_constexpr(TOKEN_N // 8):
-                                    for c in cutlass.range_constexpr(2):
-                                        sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
-                                        for i in cutlass.range_constexpr(nb):
-                                            for r in cutlass.range_constexpr(2):
-                                                v = c + 2 * r + 4 * j
-                                                accs[i][s][v] += parts[h][i][v] * (
-                                                    sa_tok * block_sb[i][r])
+                tiled_mma = self.mma_token_groups(
+                    tiled_mma, lambda i, kk: frags[i][(None, None, kk)], block_sb, t_rt, parts,
+                    accs, sfa, stage, num_sub, quad)
                 ab_pipe.consumer_release(state)
                 state.advance()
             self.epilogue_transposed(
@@ -561,19 +556,3 @@ class Sm90RegisterDecodeExpertGemmKernel(Sm90TransposedExpertGemmKernel):
         if ctid < self.block_m:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
-
-    @cute.jit
-    def issue_register_wgmmas(self, tiled_mma, frags: list, t_rt, parts, stage,
-                              s0: cutlass.Constexpr, subs: cutlass.Constexpr):
-        """The WGMMAs of token sub-blocks ``s0 .. s0 + subs - 1`` of ``stage`` with the
-        thread's decoded fragments as A, into their scratch ``parts[h]`` (each block's k32 steps
-        in order), committed as one group. Returns ``tiled_mma`` (its accumulate field set)."""
-        for i in cutlass.range_constexpr(len(frags)):
-            for kk in cutlass.range_constexpr(K_GROUPS):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, kk > 0)
-                for h in cutlass.range_constexpr(subs):
-                    cute.gemm(tiled_mma, parts[h][i], frags[i][(None, None, kk)],
-                              t_rt[(None, None, kk, stage * self.token_blocks + s0 + h)],
-                              parts[h][i])
-        warpgroup.commit_group()
-        return tiled_mma
