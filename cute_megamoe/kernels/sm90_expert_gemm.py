@@ -92,16 +92,7 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from ..scheduler.device import ExpertTileScheduler
-from .common.fp4_decode import (
-    FAST_MIN_SHIFT,
-    LUT_HI,
-    LUT_LO,
-    LUT_STEP_HI,
-    LUT_STEP_LO,
-    decode_e2m1_word,
-    e2m1_table,
-    prmt,
-)
+from .common.fp4_decode import decode_e2m1_word, e2m1_table, prmt, vote_tables
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
@@ -238,8 +229,8 @@ class Sm90ExpertGemmKernel:
         # BLOCK_M on an H200 (0.999x at 32 x 1024; 0.94x at BLOCK_M 128 and decode sizes), one
         # ahead 0.96-0.98x that again at decode sizes (docs/performance.md); "item": each
         # item's table behind its own branch (the float path for a group more than 5 binades
-        # under its block), for
-        # A/Bs (`CUTE_MEGAMOE_SM90_FP4_TABLES`) and the fused kernel's FP4 experiment
+        # under its block), for A/Bs (`CUTE_MEGAMOE_SM90_FP4_TABLES`) and the fused kernel's
+        # FP4 experiment
         if decode_tables not in DECODE_TABLES:
             raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
         self.decode_tables = decode_tables
@@ -1086,15 +1077,7 @@ class Sm90ExpertGemmKernel:
                 shifts.append(ue8m0 - base)
             tables = None
             if cutlass.const_expr(self.decode_tables != "item"):
-                tables = cute.make_rmem_tensor(2 * len(rows), Int32)
-                lowest = shifts[0]
-                for j in cutlass.range_constexpr(len(rows)):
-                    tables[2 * j] = Int32(LUT_LO) + shifts[j] * Int32(LUT_STEP_LO)
-                    tables[2 * j + 1] = Int32(LUT_HI) + shifts[j] * Int32(LUT_STEP_HI)
-                    lowest = cutlass.min(lowest, shifts[j])
-                if cute.arch.vote_any_sync(lowest < FAST_MIN_SHIFT):  # (rare: uniform)
-                    for j in cutlass.range_constexpr(len(rows)):
-                        tables[2 * j], tables[2 * j + 1] = e2m1_table(shifts[j])
+                tables = vote_tables(shifts)
             for j in cutlass.range_constexpr(len(rows)):
                 if cutlass.const_expr(tables is None):
                     lut_lo, lut_hi = e2m1_table(shifts[j])

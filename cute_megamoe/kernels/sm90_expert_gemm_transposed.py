@@ -50,16 +50,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .common.fp4_decode import (
-    FAST_MIN_SHIFT,
-    LUT_HI,
-    LUT_LO,
-    LUT_STEP_HI,
-    LUT_STEP_LO,
-    decode_e2m1_word,
-    e2m1_table,
-    prmt,
-)
+from .common.fp4_decode import decode_e2m1_word, prmt, vote_tables
 from .common.pool import build_pool_prefix
 from .common.transposed_epilogue import TransposedEpilogue
 from .sm90_expert_gemm import MAX_STAGES, WG_N, Sm90ExpertGemmKernel
@@ -469,7 +460,6 @@ class Sm90RegisterDecodeExpertGemmKernel(Sm90TransposedExpertGemmKernel):
                 for _ in range(nb)]
         parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(nb)]
                  for _ in range(SUBS_IN_FLIGHT)]
-        tables = cute.make_rmem_tensor(2 * nb * 2 * K_GROUPS, Int32)
         quad = lane % 4
         blocks = [mma_wg * nb + i for i in range(nb)]  # the tile's m64 blocks of this warpgroup
         # tile row 64 blocks[0] + r0 (+ 64 i + 8 r for block i, row r) of a packed stage (its
@@ -516,20 +506,13 @@ class Sm90RegisterDecodeExpertGemmKernel(Sm90TransposedExpertGemmKernel):
                                                cute.make_layout(self.block_n))
                 # the groups' exponent shifts over their block's base, (block, row, group)
                 shifts = []
-                lowest = Int32(0)
                 for i in cutlass.range_constexpr(nb):
                     for r in cutlass.range_constexpr(2):
                         base = (block_sb[i][r].bitcast(Int32) >> 23) & 0xFF
                         scales = group_words[WEIGHT_M * i + 8 * r]
                         for g in cutlass.range_constexpr(K_GROUPS):
                             shifts.append(prmt(scales, Int32(0), Int32(0x4440 + g)) - base)
-                            lowest = cutlass.min(lowest, shifts[-1])
-                for t in cutlass.range_constexpr(len(shifts)):
-                    tables[2 * t] = Int32(LUT_LO) + shifts[t] * Int32(LUT_STEP_LO)
-                    tables[2 * t + 1] = Int32(LUT_HI) + shifts[t] * Int32(LUT_STEP_HI)
-                if cute.arch.vote_any_sync(lowest < FAST_MIN_SHIFT):  # (rare: uniform)
-                    for t in cutlass.range_constexpr(len(shifts)):
-                        tables[2 * t], tables[2 * t + 1] = e2m1_table(shifts[t])
+                tables = vote_tables(shifts)
                 stage_word0 = packed.index * self.block_n * row_words
                 for i in cutlass.range_constexpr(nb):
                     for r in cutlass.range_constexpr(2):

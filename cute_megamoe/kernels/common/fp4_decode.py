@@ -91,6 +91,24 @@ def e2m1_table(shift: Int32):
 
 
 @cute.jit
+def vote_tables(shifts: list):
+    """The tables of `e2m1_table` for a list of shifts, as one register tensor ``(lo, hi)`` per
+    shift: the two integer adds for all, and the float path for all of them behind one warp vote
+    when any lane's shift is under `FAST_MIN_SHIFT` (rare: a group more than 5 binades under its
+    block; the branch is uniform, so a decode loop has no branch per table)."""
+    tables = cute.make_rmem_tensor(2 * len(shifts), Int32)
+    lowest = shifts[0]
+    for t in cutlass.range_constexpr(len(shifts)):
+        tables[2 * t] = Int32(LUT_LO) + shifts[t] * Int32(LUT_STEP_LO)
+        tables[2 * t + 1] = Int32(LUT_HI) + shifts[t] * Int32(LUT_STEP_HI)
+        lowest = cutlass.min(lowest, shifts[t])
+    if cute.arch.vote_any_sync(lowest < FAST_MIN_SHIFT):
+        for t in cutlass.range_constexpr(len(shifts)):
+            tables[2 * t], tables[2 * t + 1] = e2m1_table(shifts[t])
+    return tables
+
+
+@cute.jit
 def decode_e2m1_word(word: Int32, lut_lo: Int32, lut_hi: Int32):
     """Eight e2m1 codes in the sm_90a word order (see the module doc) -> eight e4m3 bytes as
     ``(elements 0-3, elements 4-7)``, through the table of `e2m1_table`."""
