@@ -186,53 +186,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
                                  64),
             "tables_item": (ITEM, 64),
             "tables_item_128": (ITEM, 128),
-            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),
-            "transposed_registers": ({**TRANSPOSED,
-                                      "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE": "registers"}, 64)}
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
-                                       ("l2", 1152, 512)])
-def test_register_decode_compiles(phase, n, k, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE` "registers": the consumer threads decode the MXFP4
-    weights into the register operand of m64n16k32 WGMMAs (``QGMMA`` with A in registers, B by
-    descriptor), two consumer warpgroups of half the m64 blocks each, no decode warpgroups, no
-    decoded tile in shared memory (no 16-byte stores in the k-block loop), every stage of both
-    rings the same count; no spills."""
-    import re
-
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm_transposed import (
-        Sm90RegisterDecodeExpertGemmKernel,
-    )
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE", "registers")
-    kernel, dtypes = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, n, k, 64,
-                                 activation_clamp=10.0)
-    assert isinstance(kernel, Sm90RegisterDecodeExpertGemmKernel)
-    assert (kernel.decode_wgs, kernel.num_mma_wgs, kernel.num_threads) == (0, 2, 384)
-    assert kernel.packed_stages == kernel.num_stages >= 6
-    assert kernel.blocks_per_wg == kernel.weight_blocks // 2
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in art.ptx
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # per consumer warpgroup: its blocks x 4 k32 x (two sub-blocks + one sub-block paths)
-    wgmmas = re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", art.sass)
-    assert len(wgmmas) == art.count("QGMMA") == kernel.blocks_per_wg * 4 * 6
-    assert art.count("STS.128") == 0 and art.count("STL") == 0
-    assert art.resource_usage()["LOCAL"] == 0
-    assert art.count("VOTE.ANY") >= 1
-    with pytest.raises(ValueError, match="fp8xfp4_sm90"):
-        Sm90RegisterDecodeExpertGemmKernel(phase, "fp8xfp8", 32, 8192, n, k, 64)
+            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64)}
 
 
 @pytest.mark.compile
