@@ -367,6 +367,86 @@ def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("block_m,hidden,inter,tiled,combine", [
+    (128, 7168, 2048, True, False), (128, 7168, 2048, False, True), (64, 1152, 512, True, False)])
+def test_sm90_l2_chain_tile_compiles(block_m, hidden, inter, tiled, combine, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_L2_BLOCK_N` "192" (fp8xfp8 L2, an A/B option): 192-column tiles, one
+    m64n192 WGMMA chain per consumer warpgroup and k-block (four QGMMAs, one wait), the weight
+    tile in three 64-row TMA boxes (multicast in 2-CTA clusters), the last n-block's row piece
+    cut at N (7168 = 37 x 192 + 64), no spills; refused elsewhere."""
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.layout import MegaMoELayout
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_L2_BLOCK_N", "192")
+    layout = MegaMoELayout(2, 64, 512, 8, hidden, inter, "fp8xfp8") if combine else None
+    pool_rows = layout.num_pool_rows if combine else 8192
+    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, pool_rows, hidden, inter,
+                                 block_m, tiled_weights=tiled, combine_layout=layout)
+    assert (kernel.block_n, kernel.chunks, kernel.b_boxes) == (192, 1, 3)
+    assert kernel.num_n_blocks == -(-hidden // 192)
+    assert kernel.tail_row_bytes == 2 * (hidden - 192 * (kernel.num_n_blocks - 1))
+    assert kernel.cluster_m == (2 if block_m == 128 and hidden % 256 == 0 else 1)
+    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                     for i, d in enumerate(dtypes)),
+                           Int32(132), fake_stream(), arch="sm_90a")
+    assert "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3" in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("QGMMA.64x192x32.F32.E4M3.E4M3") == art.count("QGMMA") == 4
+    assert art.count("WARPGROUP.DEPBAR") == 1
+    assert ((".MULTICAST" in art.sass) == (kernel.cluster_m == 2))
+    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    for phase, recipe, n, k in (("l1", "fp8xfp8", 4096, 7168), ("l2", "bf16xbf16", 7168, 2048),
+                                ("l2", "fp8xfp4_sm90", 7168, 2048)):
+        with pytest.raises(ValueError, match="block_n"):
+            Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128, block_n=192)
+    with pytest.raises(ValueError, match="promotion"):
+        Sm90ExpertGemmKernel("l2", "fp8xfp8", 32, 8192, 7168, 2048, 64, block_n=192,
+                             promotion="quarter")
+    # the default stays 256 columns
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_L2_BLOCK_N")
+    assert gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, 8192, 7168, 2048, 128)[0].block_n == 256
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", (64, 128))
+@pytest.mark.parametrize("pattern", ("skewed", "random", "sparse", "one"))
+def test_l2_chain_tile_is_bit_identical(block_m, pattern, monkeypatch):
+    """The 192-column L2 tiles (`CUTE_MEGAMOE_SM90_L2_BLOCK_N`) sum the same products per
+    k-block and promote them with the same scales as the 256-column tiles: the outputs equal
+    bit for bit, every valid row written to its last column (H 1024: a last n-block of 64
+    columns; 1152: six whole ones), pad rows untouched; and the reference check."""
+    import dataclasses
+
+    from cute_megamoe.testing.gemm_checks import (
+        COUNT_PATTERNS,
+        assert_same_valid_rows,
+        check_expert_ffn,
+        make_pool_problem,
+        run_fp8_ffn_poisoned,
+    )
+
+    device = _gpu()
+    counts = [389, 0, 0, 0] if pattern == "one" else COUNT_PATTERNS[pattern]
+    for hidden in (1024, 1152):
+        problem = make_pool_problem("fp8xfp8", counts, block_m, hidden, 512, device,
+                                    seed=41 + block_m + hidden)
+        results = []
+        for value in ("auto", "192"):
+            monkeypatch.setenv("CUTE_MEGAMOE_SM90_L2_BLOCK_N", value)
+            results.append(run_fp8_ffn_poisoned(problem))
+            results.append(run_fp8_ffn_poisoned(dataclasses.replace(
+                problem, weights=problem.weights.untiled_copy()
+                if problem.weights.tiled else problem.weights.tiled_copy())))
+        assert_same_valid_rows(problem, results)
+    check_expert_ffn(problem, activation_clamp=10.0)
+
+
 @pytest.mark.parametrize("arch,recipe", [("sm_90a", "fp8xfp8"), ("sm_100a", "fp8xfp4")])
 def test_combine_layout_only_for_l2_of_the_same_pool(arch, recipe):
     from cute_megamoe.expert_gemm import gemm_kernel
