@@ -35,7 +35,6 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_tables,
-    sm90_l2_block_n,
     sm90_promotion,
     sm90_transposed,
     sm90_transposed_a_rows,
@@ -354,8 +353,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
-        if recipe == "fp8xfp8" and phase == "l2":  # (an A/B option of the L2 tile)
-            extra["block_n"] = sm90_l2_block_n()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -408,8 +405,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
-                tile_owner_search(), sm90_fp4_tables() if fp4 else None,
-                sm90_l2_block_n() if phase == "l2" else None)
+                tile_owner_search(), sm90_fp4_tables() if fp4 else None)
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

@@ -155,15 +155,6 @@ def sm90_promotion() -> str | None:
     return None if value == "auto" else value
 
 
-def sm90_l2_block_n() -> int | None:
-    """``CUTE_MEGAMOE_SM90_L2_BLOCK_N``: "192" runs the sm_90a fp8xfp8 L2 grouped GEMM on
-    192-column tiles, one m64n192 WGMMA chain per consumer warpgroup and k-block
-    (`Sm90ExpertGemmKernel`'s ``block_n``, DeepGEMM's tile; an A/B option); unset or "auto":
-    None, the kernel's default (256 columns). Part of the grouped GEMMs' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_L2_BLOCK_N", ("auto", "192"))
-    return None if value == "auto" else int(value)
-
-
 def tile_owner_search() -> str:
     """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
     finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``gallop`` (the
@@ -260,8 +251,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
-                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
-                      "CUTE_MEGAMOE_SM90_L2_BLOCK_N")
+                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

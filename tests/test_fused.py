@@ -198,8 +198,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
      {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"}),
     ("CUTE_MEGAMOE_SM90_FP4_TABLES", "sm90_fp4_tables",
-     {"": "vote", "item": "item", "vote": "vote"}),
-    ("CUTE_MEGAMOE_SM90_L2_BLOCK_N", "sm90_l2_block_n", {"": None, "auto": None, "192": 192})])
+     {"": "vote", "item": "item", "vote": "vote"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

@@ -100,7 +100,6 @@ from .common.sync import spin_timeout_ns, wait_reached
 
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
-CHAIN_N = 192  # columns of the one-chain tile (`block_n`: m64n192, three 64-row weight boxes)
 QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # FP8 promotion by (recipe, BLOCK_M) (`promotion` None; "chunk" where not listed). Measured
 # interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): fp8xfp8 "quarter"
@@ -157,8 +156,7 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_tables: str = "vote",
-                 block_n: int | None = None):
+                 owner_search: str = "gallop", decode_tables: str = "vote"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -167,31 +165,16 @@ class Sm90ExpertGemmKernel:
         self.block_m, self.block_k = block_m, (128 if self.is_fp8 else 64)
         # 256 columns when N allows (half the A reloads); an FP8 L1 tile must hold one whole
         # requantization group (128 features = 256 interleaved columns)
-        default_n = 2 * WG_N if (n % (2 * WG_N) == 0 or (phase == "l1" and self.is_fp8)) \
+        self.block_n = 2 * WG_N if (n % (2 * WG_N) == 0 or (phase == "l1" and self.is_fp8)) \
             else WG_N
-        # `block_n` CHAIN_N (fp8xfp8 L2, an A/B option): DeepGEMM's tile, one m64n192 WGMMA
-        # chain per warpgroup and k-block, so one wait and one promotion per k-block instead
-        # of two (N need not divide: the last n-block's columns past N are computed, not
-        # written)
-        if block_n is None:
-            block_n = default_n
-        if block_n != default_n and (block_n != CHAIN_N or recipe != "fp8xfp8"
-                                     or phase != "l2"):
-            raise ValueError(f"block_n: {default_n}, or {CHAIN_N} for the fp8xfp8 L2; got "
-                             f"{block_n}")
-        self.block_n = block_n
-        # columns of one consumer warpgroup's WGMMA chain (m64nN), of one TMA box of weight rows
-        self.chunk_n = CHAIN_N if block_n == CHAIN_N else WG_N
-        self.chunks = self.block_n // self.chunk_n
-        self.b_box_rows = CHAIN_N // 3 if block_n == CHAIN_N else WG_N
-        self.b_boxes = self.block_n // self.b_box_rows
+        self.chunks = self.block_n // WG_N
         self.num_experts, self.num_pool_rows, self.n, self.k = num_experts, num_pool_rows, n, k
         self.clamp = check_gemm_config(
             "sm90", phase, recipe, RECIPES, block_m, (64, 128),
-            (("n", n, WG_N if block_n == CHAIN_N else self.block_n), ("k", k, self.block_k),
+            (("n", n, self.block_n), ("k", k, self.block_k),
              ("num_pool_rows", num_pool_rows, block_m), ("num_experts", num_experts, 1)),
             activation_clamp)
-        self.num_n_blocks = -(-n // self.block_n)
+        self.num_n_blocks = n // self.block_n
         # `tiled_weights`: the weights are stored as contiguous [128 rows, k-block] boxes
         # (`expert_gemm.tile_weight_rows`), so that each TMA box of a weight load reads one
         # contiguous run of HBM (16 KB; FP4: 8 KB of packed codes) instead of 128 rows of 128
@@ -220,12 +203,9 @@ class Sm90ExpertGemmKernel:
         # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
         # BLOCK_M (`DEFAULT_PROMOTION`)
         if promotion is None:
-            promotion = "chunk" if self.chunk_n == CHAIN_N \
-                else DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
-        if promotion not in PROMOTIONS or (promotion != "chunk" and (
-                not self.is_fp8 or self.chunk_n == CHAIN_N)):
-            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8 and 128-column "
-                             f"chunks; got {promotion!r}")
+            promotion = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
+        if promotion not in PROMOTIONS or (promotion != "chunk" and not self.is_fp8):
+            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
         self.quarter_promotion = promotion == "quarter"
         # shared-memory words the consumers exchange row amaxes through (the transposed
@@ -266,8 +246,6 @@ class Sm90ExpertGemmKernel:
         # bytes of one output row inside one tile; of the part one consumer warpgroup writes
         self.tile_row_bytes = (self.block_n // 2 if phase == "l1" else self.block_n) * out_elt
         self.out_row_bytes = self.out_cols * out_elt
-        # (of the last n-block's: smaller where the tiles do not divide N)
-        self.tail_row_bytes = self.out_row_bytes - (self.num_n_blocks - 1) * self.tile_row_bytes
         # activation scales of the tile's rows; the expert's weight block scales of the k-block
         self.sfa_len, self.sfb_len = block_m, weight_sf_row_len(n)
         # what the TMA brings per stage, and what the stage takes in shared memory. FP4
@@ -332,10 +310,10 @@ class Sm90ExpertGemmKernel:
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
         # multicasts it to both, when both pool blocks belong to one expert. (FP4 weights: a
         # decode shared by the pair took 0.96-1.05x the time; removed, docs/performance.md)
-        if cluster_m not in (1, 2) or (cluster_m == 2 and (self.b_boxes < 2
+        if cluster_m not in (1, 2) or (cluster_m == 2 and (self.chunks != 2
                                                            or self.fp4_weights)):
-            raise ValueError(f"cluster_m must be 1, or 2 with 192- or 256-column tiles and FP8 "
-                             f"or BF16 weights, got {cluster_m}")
+            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles and FP8 or BF16 "
+                             f"weights, got {cluster_m}")
         self.cluster_m = cluster_m
         # (`owner_search`: how the walk finds a tile's expert, `ExpertTileScheduler.owner_of`)
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m,
@@ -419,19 +397,10 @@ class Sm90ExpertGemmKernel:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K, Float32, (self.block_m // 64, 1, 1),
-            tiler_mn=(64, self.chunk_n))
+            tiler_mn=(64, WG_N))
         a_layout = self._smem_layout(self.block_m, self.num_stages)
-        b_layout = self._smem_layout(self.b_box_rows, self.num_stages * self.b_boxes)
+        b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
         return tiled_mma, a_layout, b_layout
-
-    def mma_b_view(self, sb: cute.Tensor) -> cute.Tensor:
-        """The stages' weight slots as the WGMMA reads them, ``[chunk_n rows, BK, stage *
-        chunks + chunk]``: the TMA's box slots themselves, or (64-row boxes) three boxes as one
-        192-row slot (a swizzle atom is 8 rows, so the boxes are tiles of the same swizzle)."""
-        if cutlass.const_expr(self.b_box_rows == self.chunk_n):
-            return sb
-        return cute.make_tensor(sb.iterator, self._smem_layout(
-            self.chunk_n, self.num_stages * self.chunks).outer)
 
     def b_load_k(self) -> int:
         """Elements of the TMA's weight box along K: a k-block, or its bytes of packed FP4."""
@@ -459,7 +428,7 @@ class Sm90ExpertGemmKernel:
         b_slot = cute.slice_(self.raw_b_layout() if self.fp4_weights else b_layout,
                              (None, None, 0))
         tma_b, tma_m_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_slot, (self.b_box_rows, self.b_load_k()))
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_slot, (WG_N, self.b_load_k()))
         return tma_a, tma_m_a, tma_b, tma_m_b
 
     def tma_multicast_b(self, b: cute.Pointer, b_layout):
@@ -467,7 +436,7 @@ class Sm90ExpertGemmKernel:
         side of a `cute.jit` function)."""
         atom, _ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp(), self.weight_tensor(b),
-            cute.slice_(b_layout, (None, None, 0)), (self.b_box_rows, self.block_k))
+            cute.slice_(b_layout, (None, None, 0)), (WG_N, self.block_k))
         return atom
 
     def weight_tensor(self, b: cute.Pointer) -> cute.Tensor:
@@ -477,11 +446,6 @@ class Sm90ExpertGemmKernel:
         rows, k_b = self.num_experts * self.n, self.k // 2 if self.fp4_weights else self.k
         if self.tiled_weights:
             bk = self.b_load_k()
-            if cutlass.const_expr(self.b_box_rows != WG_N):  # (boxes of part of a stored box)
-                parts = WG_N // self.b_box_rows
-                return cute.make_tensor(b, cute.make_layout(
-                    ((self.b_box_rows, (parts, rows // WG_N)), (bk, k_b // bk)),
-                    stride=((bk, (self.b_box_rows * bk, WG_N * k_b)), (1, WG_N * bk))))
             return cute.make_tensor(b, cute.make_layout(
                 ((WG_N, rows // WG_N), (bk, k_b // bk)),
                 stride=((bk, WG_N * k_b), (1, WG_N * bk))))
@@ -720,7 +684,7 @@ class Sm90ExpertGemmKernel:
                                            cute.group_modes(sa_boxes, 0, 2),
                                            cute.group_modes(g_a, 0, 2))
         t_sb, t_gb, t_sb_mc, t_gb_mc = self.weight_partitions(tma_b, tma_b_mc, m_b, sb)
-        b_blocks_per_expert = self.n // self.b_box_rows
+        b_blocks_per_expert = self.n // WG_N
         tile = first_tile
         owner = Int32(0)
         if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is not None):
@@ -734,7 +698,7 @@ class Sm90ExpertGemmKernel:
             if cutlass.const_expr(tile_log is not None):
                 self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
                               pool_block, n_block, valid_m, lane)
-            b_block = expert * b_blocks_per_expert + n_block * self.b_boxes
+            b_block = expert * b_blocks_per_expert + n_block * self.chunks
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
@@ -812,10 +776,9 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def weight_partitions(self, tma_b, tma_b_mc, m_b, sb):
-        """The TMA views of the weights and of the ring's weight stages, per box of
-        `b_box_rows` rows and k-block: ``(t_sb, t_gb, t_sb_mc, t_gb_mc)`` (the last two for the
-        cluster multicast)."""
-        g_b = cute.local_tile(m_b, (self.b_box_rows, self.b_load_k()), (None, None))
+        """The TMA views of the weights and of the ring's weight stages, per 128-row chunk and
+        k-block: ``(t_sb, t_gb, t_sb_mc, t_gb_mc)`` (the last two for the cluster multicast)."""
+        g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(sb, 0, 2), cute.group_modes(g_b, 0, 2))
         t_sb_mc, t_gb_mc = cpasync.tma_partition(tma_b_mc, 0, cute.make_layout(1),
@@ -837,7 +800,7 @@ class Sm90ExpertGemmKernel:
         if first_tile < num_tiles:
             _o, multicast, expert, n_block, _b, _v = self.pair_tile(
                 first_tile, Int32(0), block_start, row_start, raster_group, Int32(0))
-            b_block = expert * (self.n // self.b_box_rows) + n_block * self.b_boxes
+            b_block = expert * (self.n // WG_N) + n_block * self.chunks
             st = state.clone()
             for kb in cutlass.range(stages):
                 bar = self.acquire_stage(ab_pipe, st, self.extra_tx_bytes, lane)
@@ -898,16 +861,9 @@ class Sm90ExpertGemmKernel:
         blocks share the expert, chunk ``rank`` to both CTAs) and FP8: its block scales."""
         if cutlass.const_expr(self.cluster_m > 1):
             if multicast:
-                if cutlass.const_expr(self.b_boxes == self.cluster_m):
-                    cute.copy(tma_b_mc, t_gb_mc[(None, b_block + rank, kb)],
-                              t_sb_mc[(None, stage * self.b_boxes + rank)],
-                              tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
-                else:  # (three boxes: rank 0 multicasts boxes 0 and 2, rank 1 box 1)
-                    for c in cutlass.range_constexpr(self.b_boxes):
-                        if rank == c % self.cluster_m:
-                            cute.copy(tma_b_mc, t_gb_mc[(None, b_block + c, kb)],
-                                      t_sb_mc[(None, stage * self.b_boxes + c)],
-                                      tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+                cute.copy(tma_b_mc, t_gb_mc[(None, b_block + rank, kb)],
+                          t_sb_mc[(None, stage * self.chunks + rank)],
+                          tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
             else:
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, stage, bar)
         else:
@@ -1140,10 +1096,10 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
-        """This CTA loads every box of the weight tile itself."""
-        for c in cutlass.range_constexpr(self.b_boxes):
-            cute.copy(tma_b, t_gb[(None, b_block + c, kb)],
-                      t_sb[(None, stage * self.b_boxes + c)], tma_bar_ptr=bar)
+        """This CTA loads both 128-row chunks of the weight tile itself."""
+        for c in cutlass.range_constexpr(self.chunks):
+            cute.copy(tma_b, t_gb[(None, b_block + c, kb)], t_sb[(None, stage * self.chunks + c)],
+                      tma_bar_ptr=bar)
 
     @cute.jit
     def consume(self, tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
@@ -1164,8 +1120,8 @@ class Sm90ExpertGemmKernel:
         transposed kernel's.)"""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
-        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(self.mma_b_view(sb)))
-        acc_shape = thr_mma.partition_shape_C((self.block_m, self.chunk_n))
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+        acc_shape = thr_mma.partition_shape_C((self.block_m, WG_N))
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.chunks)]
         part = cute.make_rmem_tensor(acc_shape, Float32)  # FP8 scratch (dead code for BF16)
         quarter_mma = quarter_a = quarter_b = quarter_parts = None
@@ -1230,10 +1186,7 @@ class Sm90ExpertGemmKernel:
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(c == self.chunks - 1):
                             ab_pipe.consumer_release(state)  # before the last promotion
-                        if cutlass.const_expr(self.chunk_n == CHAIN_N):
-                            self.promote_chain(accs[c], part, sa0, sa1, scale_b)
-                        else:
-                            self.promote(accs, part, 2 * c, sa0, sa1, scale_b, WG_N)
+                        self.promote(accs, part, 2 * c, sa0, sa1, scale_b, WG_N)
                     state.advance()
             else:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
@@ -1334,19 +1287,6 @@ class Sm90ExpertGemmKernel:
                 accs[chunk][first + cc + 2 + 4 * j] += part[cc + 2 + 4 * j] * s1
 
     @cute.jit
-    def promote_chain(self, acc: cute.Tensor, part: cute.Tensor, sa0, sa1, scale_b):
-        """FP8 promotion of an m64n192 chain (`CHAIN_N`): ``acc += part * sa[row] *
-        sb[block of the 8-column group j]``; ``scale_b`` = (block scale of groups 0-7, of
-        8-15, of 16-23): a 192-column tile starts at a multiple of 128 columns or 64 past one,
-        so its first 64 columns are in its first weight block and its last 64 in the next."""
-        scales = [(sa0 * sb, sa1 * sb) for sb in scale_b]
-        for j in cutlass.range_constexpr(CHAIN_N // 8):
-            s0, s1 = scales[j // 8]
-            for cc in cutlass.range_constexpr(2):
-                acc[cc + 4 * j] += part[cc + 4 * j] * s0
-                acc[cc + 2 + 4 * j] += part[cc + 2 + 4 * j] * s1
-
-    @cute.jit
     def signal_ready(self, ready: cute.Pointer, pool_block: Int32, lane: Int32):
         """This warp's rows of pool block ``pool_block`` (an L1 tile) are in global memory:
         wait for its bulk stores to complete (not only to have read the staging rows), then
@@ -1390,12 +1330,6 @@ class Sm90ExpertGemmKernel:
             gate = sfb[n_block, stage]
             up = sfb[self.n // (2 * SF_BLOCK) + n_block, stage]
             return [(gate, up)] * self.chunks
-        if cutlass.const_expr(self.chunk_n == CHAIN_N):
-            # (`promote_chain`; the last tile's columns past N take its first block's scale)
-            first = 3 * n_block // 2
-            last = Int32(self.n // SF_BLOCK - 1)
-            return (sfb[first, stage], sfb[cutlass.min(first + n_block % 2, last), stage],
-                    sfb[cutlass.min(first + 1, last), stage])
         return [(sfb[self.chunks * n_block + c, stage],) * 2
                 for c in range(self.chunks)]
 
@@ -1426,7 +1360,7 @@ class Sm90ExpertGemmKernel:
             w0, w1 = Float32(0.0), Float32(0.0)
             if cutlass.const_expr(self.phase == "l1"):
                 w0, w1 = self.routing_weights(topk_weights, row_base, row0)
-            chunk_cols = WG_N // 2 if cutlass.const_expr(self.phase == "l1") else self.chunk_n
+            chunk_cols = WG_N // 2 if cutlass.const_expr(self.phase == "l1") else WG_N
             part_bytes = self.tile_row_bytes // self.staging_parts
             parts_per_chunk = max(1, self.staging_parts // self.chunks)
             for c in cutlass.range_constexpr(self.chunks):
@@ -1447,16 +1381,8 @@ class Sm90ExpertGemmKernel:
                         self.flush_rows(staging, row_dst, warp_row0, valid_m, lane,
                                         (c * parts_per_chunk + h) * part_bytes, part_bytes)
             if cutlass.const_expr(self.staging_parts == 1):
-                if cutlass.const_expr(self.tail_row_bytes != self.tile_row_bytes):
-                    if n_block == self.num_n_blocks - 1:  # (the columns up to N only)
-                        self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
-                                        self.tail_row_bytes)
-                    else:
-                        self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
-                                        self.tile_row_bytes)
-                else:
-                    self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
-                                    self.tile_row_bytes)
+                self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
+                                self.tile_row_bytes)
 
     @cute.jit
     def wait_staging(self, lane: Int32):
