@@ -35,6 +35,7 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_tables,
+    sm90_k_unroll,
     sm90_promotion,
     sm90_transposed,
     sm90_transposed_a_rows,
@@ -353,6 +354,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                               else select_cluster_m(arch, phase, block_m, n))
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
+            extra["k_unroll"] = sm90_k_unroll()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -405,7 +407,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
-                tile_owner_search(), sm90_fp4_tables() if fp4 else None)
+                tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

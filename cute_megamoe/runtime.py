@@ -155,6 +155,15 @@ def sm90_promotion() -> str | None:
     return None if value == "auto" else value
 
 
+def sm90_k_unroll() -> int | None:
+    """``CUTE_MEGAMOE_SM90_K_UNROLL``: "1" / "2" / "4" force the k-blocks per loop body of the
+    sm_90a FP8 grouped GEMMs' consumer loop (`Sm90ExpertGemmKernel`'s ``k_unroll``), for A/B
+    runs; unset or "auto": None, by recipe and BLOCK_M (`sm90_expert_gemm.DEFAULT_K_UNROLL`).
+    Part of the grouped GEMMs' cache keys."""
+    value = env_choice("CUTE_MEGAMOE_SM90_K_UNROLL", ("auto", "1", "2", "4"))
+    return None if value == "auto" else int(value)
+
+
 def tile_owner_search() -> str:
     """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
     finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``gallop`` (the
@@ -251,7 +260,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
-                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES")
+                      "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
+                      "CUTE_MEGAMOE_SM90_K_UNROLL")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

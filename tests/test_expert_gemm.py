@@ -367,6 +367,45 @@ def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 128), ("fp8xfp8", 64),
+                                            ("fp8xfp4_sm90", 128)])
+def test_sm90_k_unroll(recipe, block_m, monkeypatch):
+    """The FP8 consumer loop's k-blocks per body (`DEFAULT_K_UNROLL`: 4 for fp8xfp8 at BLOCK_M
+    128, else 1; `CUTE_MEGAMOE_SM90_K_UNROLL` forces it): that many k-blocks' WGMMAs in the
+    SASS (8 per k-block: two chunks of four k32 steps), no spills; the fused kernel keeps 1."""
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.kernels.sm90_mega_moe import FUSED_K_UNROLL
+    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_K_UNROLL", raising=False)
+    want = 4 if (recipe, block_m) == ("fp8xfp8", 128) else 1
+    # (forced: with the chunk promotion; the quarter one's scratch pairs spill when unrolled)
+    for forced in (None, "2") if (recipe, block_m) != ("fp8xfp8", 64) else (None,):
+        if forced:
+            monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", forced)
+            want = int(forced)
+        kernel, dtypes = gemm_kernel("sm_90a", recipe, "l2", 32, 8192, 7168, 2048, block_m,
+                                     tiled_weights=True)
+        assert kernel.k_unroll == want
+        art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
+                                         for i, d in enumerate(dtypes)),
+                               Int32(132), fake_stream(), arch="sm_90a")
+        if art.sass is None:
+            pytest.skip("nvdisasm not available")
+        per_k_block = 16 if kernel.quarter_promotion else 8  # (quarters: 4 x m64n64, 4 k32)
+        assert art.count("QGMMA") == per_k_block * want
+        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    assert FUSED_K_UNROLL == 1
+    for bad in (3, 8):
+        with pytest.raises(ValueError, match="k_unroll"):
+            Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m, k_unroll=bad)
+
+
 @pytest.mark.parametrize("arch,recipe", [("sm_90a", "fp8xfp8"), ("sm_100a", "fp8xfp4")])
 def test_combine_layout_only_for_l2_of_the_same_pool(arch, recipe):
     from cute_megamoe.expert_gemm import gemm_kernel
@@ -588,12 +627,15 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_block")])
+                                             (64, "transposed"), (64, "transposed_block"),
+                                             (128, "unroll4")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`) and the transposed kernels
+    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the consumer loop unrolled by
+    4 k-blocks (`CUTE_MEGAMOE_SM90_K_UNROLL`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
     `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
-    products and promote them in the same order as "chunk": L2 inputs, their scales and the
+    products and promote them in the same order as "chunk" with one k-block per loop body:
+    L2 inputs, their scales and the
     outputs equal bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
@@ -606,15 +648,18 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
+                   "unroll4": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
+                               "CUTE_MEGAMOE_SM90_K_UNROLL": "4"},
                    "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                   "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
-    for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk"}, variant_env):
+    for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk", "CUTE_MEGAMOE_SM90_K_UNROLL": "1"},
+                variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -109,6 +109,14 @@ QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # slots the quarters take)
 DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter"}
 PROMOTIONS = ("chunk", "quarter")
+# k-blocks per body of the FP8 consumer loop by (recipe, BLOCK_M) (`k_unroll` None; 1 where not
+# listed). Measured interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md):
+# fp8xfp8 at BLOCK_M 128, 4: 0.908-0.951x the time of 1 at 256 x 256, 0.920-0.986x at 32 x 1024
+# (ncu L1 at 32 x 1024: tensor pipe 82.5 % busy against 75.8 %); 8 took about 2x (ncu L1: 28 %
+# busy, not diagnosed); at BLOCK_M 64 (the quarter promotion) 4 took 1.02-1.19x, and with
+# MXFP4 weights 1.03-1.09x. The fused kernel keeps 1 (not measured there)
+DEFAULT_K_UNROLL = {("fp8xfp8", 128): 4}
+K_UNROLLS = (1, 2, 4)
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -156,7 +164,8 @@ class Sm90ExpertGemmKernel:
                  packed_stages: int | None = None, decode_batch: int | None = None,
                  promotion: str | None = None,
                  tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_tables: str = "vote"):
+                 owner_search: str = "gallop", decode_tables: str = "vote",
+                 k_unroll: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -208,6 +217,15 @@ class Sm90ExpertGemmKernel:
             raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
         self.promotion = promotion
         self.quarter_promotion = promotion == "quarter"
+        # k-blocks of the FP8 consumer loop in one loop body (None: `DEFAULT_K_UNROLL` with the
+        # chunk promotion, else 1): ptxas then schedules the next k-block's stage wait, scale
+        # loads and first WGMMAs beside this one's last promotion (DeepGEMM's loop is unrolled
+        # by 8 likewise)
+        if k_unroll is None:
+            k_unroll = DEFAULT_K_UNROLL.get((recipe, block_m), 1) if promotion == "chunk" else 1
+        if k_unroll not in K_UNROLLS:
+            raise ValueError(f"k_unroll: one of {K_UNROLLS}, got {k_unroll}")
+        self.k_unroll = k_unroll
         # shared-memory words the consumers exchange row amaxes through (the transposed
         # kernel's L1 epilogue; a placeholder here)
         self.amax_exchange_len = 4
@@ -1153,7 +1171,7 @@ class Sm90ExpertGemmKernel:
             for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
             if cutlass.const_expr(self.is_fp8):
-                for kb in cutlass.range(self.num_k_blocks):
+                for kb in cutlass.range(self.num_k_blocks, unroll=self.k_unroll):
                     self.release_skew(mma_wg, kb, tile == first_tile)
                     ab_pipe.consumer_wait(state)
                     if cutlass.const_expr(self.fp4_weights):

@@ -138,6 +138,9 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # the FP4 experiment's decode tables: a branch per item, as it was measured (the grouped GEMMs'
 # default "vote" is not measured in the fused kernel)
 FUSED_DECODE_TABLES = "item"
+# the GEMM phases' consumer loop one k-block per body: the grouped GEMMs' unrolled loop
+# (`sm90_expert_gemm.DEFAULT_K_UNROLL`) is not measured in the fused kernel
+FUSED_K_UNROLL = 1
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
@@ -274,13 +277,13 @@ class Sm90MegaMoEKernel:
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
                                        promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES)
+                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=FUSED_K_UNROLL)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES)
+                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=FUSED_K_UNROLL)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):
