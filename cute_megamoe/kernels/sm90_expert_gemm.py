@@ -38,7 +38,9 @@ scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the 
 a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
 one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
 quarters into two 32-register scratch accumulators instead, each promoted while the next
-quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only). BF16 keeps one
+quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only); fp8xfp8 at
+BLOCK_M 128 runs four k-blocks per loop body (``k_unroll``, `DEFAULT_K_UNROLL`), so that the
+next k-block's stage wait and WGMMAs are scheduled beside a promotion. BF16 keeps one
 k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
 requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
