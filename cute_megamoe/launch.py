@@ -465,6 +465,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     has_stats = stats is not None
     clocked, logged = phase_clock is not None, tile_log is not None
     promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
+    k_unroll = sm90_k_unroll() if state.arch == "sm_90a" and layout.has_sf else None
     if row_transfer is None and state.arch == "sm_90a":
         row_transfer = fused_rows()
     if weights_first is None and state.arch == "sm_90a":
@@ -480,7 +481,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                 and layout.recipe != "fp8xfp4_sm90"):
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, row_transfer,
+           has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, k_unroll, row_transfer,
            weights_first, tiled, stages, local, search)
 
     def make_kernel():
@@ -503,7 +504,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  extra_warpgroups=extra_warpgroups, promotion=promotion,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  tiled_weights=tiled, stages_inputs=stages,
-                                 local_dispatch=local, owner_search=search)
+                                 local_dispatch=local, owner_search=search,
+                                 k_unroll=k_unroll)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -289,6 +289,23 @@ def test_compiles_with_tiled_weights(recipe, monkeypatch):
 
 
 @pytest.mark.compile
+def test_compiles_with_unrolled_gemm_loops(monkeypatch):
+    """The GEMM phases' FP8 consumer loop four k-blocks per body (the grouped GEMMs' default
+    at BLOCK_M 128; in the fused kernel only forced, `CUTE_MEGAMOE_SM90_K_UNROLL`, not yet
+    measured there): four k-blocks' WGMMAs per phase, no spills."""
+    from cute_megamoe.kernels.sm90_mega_moe import FUSED_K_UNROLL
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    assert FUSED_K_UNROLL == 1
+    kernel, art = _compile("fp8xfp8", 128, tiled_weights=True, k_unroll=4)
+    assert kernel.l1.k_unroll == kernel.l2.k_unroll == 4
+    if art.sass is not None:
+        assert art.count("QGMMA") == 2 * 4 * 8  # (two phases, four k-blocks, eight WGMMAs)
+        assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+    assert _compile("fp8xfp8", 128)[0].l1.k_unroll == 1
+
+
+@pytest.mark.compile
 def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, cluster_m=2)

@@ -139,7 +139,8 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # default "vote" is not measured in the fused kernel)
 FUSED_DECODE_TABLES = "item"
 # the GEMM phases' consumer loop one k-block per body: the grouped GEMMs' unrolled loop
-# (`sm90_expert_gemm.DEFAULT_K_UNROLL`) is not measured in the fused kernel
+# (`sm90_expert_gemm.DEFAULT_K_UNROLL`) is not measured in the fused kernel yet
+# (`CUTE_MEGAMOE_SM90_K_UNROLL` forces it there too, for that A/B)
 FUSED_K_UNROLL = 1
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
@@ -191,7 +192,7 @@ class Sm90MegaMoEKernel:
                  weights_first: bool | None = None,
                  tiled_weights: bool = False,
                  stages_inputs: bool = False, local_dispatch: bool | None = None,
-                 owner_search: str = "gallop"):
+                 owner_search: str = "gallop", k_unroll: int | None = None):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -272,18 +273,20 @@ class Sm90MegaMoEKernel:
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
+        # (the GEMM phases' k-blocks per consumer loop body: `FUSED_K_UNROLL` unless forced)
+        k_unroll = FUSED_K_UNROLL if k_unroll is None else k_unroll
         self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
                                        activation_clamp=activation_clamp, fast_math=fast_math,
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
                                        promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=FUSED_K_UNROLL)
+                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=FUSED_K_UNROLL)
+                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):
