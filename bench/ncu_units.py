@@ -1,0 +1,130 @@
+"""Nsight Compute unit use of our expert FFN's two grouped GEMMs, one row per kernel variant and
+GEMM: time, SM clock, tensor-pipe use per active cycle, instructions, DRAM and L2 throughput.
+
+Each variant runs in a process of its own under ``ncu --clock-control none`` (the clocks as the
+power state sets them, as in the timed runs) with its ``CUTE_MEGAMOE_*`` settings: two warm-up
+calls of `expert_ffn` on random pools (the `bench_gemm` pools, every expert with the same pairs),
+then one profiled call (between ``cudaProfilerStart`` / ``Stop``), so the profile holds exactly
+its L1 and its L2 launch. A diagnostic beside the interleaved timers (Method in
+docs/performance.md): one launch per GEMM and build, not a speed comparison.
+
+    python -m bench.ncu_units [--recipe fp8xfp8] [--config 32x1024] [--block-m 128] \\
+        [--variant NAME[:VAR=VALUE[,VAR=VALUE...]]]...   # on the GPU machine, ncu on PATH
+
+``--variant default`` (the default) runs the library's choices; ``--variant
+unroll1:CUTE_MEGAMOE_SM90_K_UNROLL=1`` one with that setting. Writes ``ncu_units-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+#: JSON key: (ncu metric, factor to the key's unit)
+METRICS = {
+    "us": ("gpu__time_duration.sum", 1e-3),
+    "sm_ghz": ("sm__cycles_elapsed.avg.per_second", 1e-9),
+    "tensor_pct": ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", 1.0),
+    "minst": ("smsp__inst_executed.sum", 1e-6),
+    "dram_pct": ("dram__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "lts_pct": ("lts__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+}
+PHASES = ("l1", "l2")  # the profiled call's launches, in order
+
+
+def parse_ncu_csv(text: str) -> list[dict[str, float]]:
+    """The `METRICS` of each kernel launch in ``ncu --csv --metrics ...`` output (one row per
+    launch and metric; ncu's own ``==PROF==`` lines and the program's output skipped), in launch
+    order."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    if not lines:
+        return []
+    launches: dict[int, dict[str, float]] = {}
+    names = {metric: key for key, (metric, _f) in METRICS.items()}
+    for row in csv.DictReader(io.StringIO("\n".join(lines))):
+        key = names.get(row["Metric Name"])
+        if key is not None:
+            value = float(row["Metric Value"].replace(",", "")) * METRICS[key][1]
+            launches.setdefault(int(row["ID"]), {})[key] = value
+    return [launches[i] for i in sorted(launches)]
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME[:VAR=VALUE[,VAR=VALUE...]]`` -> (name, settings); CUTE_MEGAMOE_* variables only."""
+    name, _, settings = spec.partition(":")
+    env = {}
+    for pair in filter(None, settings.split(",")):
+        var, sep, value = pair.partition("=")
+        if not sep or not var.startswith("CUTE_MEGAMOE_"):
+            raise SystemExit(f"--variant: NAME[:VAR=VALUE,...] with CUTE_MEGAMOE_* variables, "
+                             f"got {spec!r}")
+        env[var] = value
+    if not name:
+        raise SystemExit(f"--variant: a name first, got {spec!r}")
+    return name, env
+
+
+def _profiled_call(recipe: str, experts: int, pairs: int, block_m: int) -> None:
+    """The child process: two warm-up calls, then one between the profiler's start and stop."""
+    import torch
+
+    from bench.bench_gemm import _ours, _random_weights
+
+    run = _ours(recipe, _random_weights(recipe, experts, 7168, 2048), pairs, block_m)
+    run()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="fp8xfp8")
+    p.add_argument("--config", default="32x1024", help="EXPERTSxPAIRS_PER_EXPERT")
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--variant", action="append", default=[])
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    experts, pairs = (int(v) for v in args.config.split("x"))
+    if args.child:
+        _profiled_call(args.recipe, experts, pairs, args.block_m)
+        return
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise SystemExit("ncu (Nsight Compute) is not on PATH")
+    from bench.common import Results, gpu_clocks
+
+    variants = [parse_variant(v) for v in (args.variant or ["default"])]
+    res = Results("ncu_units", meta={"recipe": args.recipe, "config": args.config,
+                                     "block_m": args.block_m, "hidden": 7168,
+                                     "intermediate": 2048, "clocks_before": gpu_clocks(),
+                                     "variants": dict(variants),
+                                     "metrics": {k: m for k, (m, _f) in METRICS.items()}})
+    metrics = ",".join(m for m, _f in METRICS.values())
+    for name, env in variants:
+        out = subprocess.run(
+            [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv",
+             "--metrics", metrics, sys.executable, "-m", "bench.ncu_units", "--child",
+             "--recipe", args.recipe, "--config", args.config, "--block-m", str(args.block_m)],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+        launches = parse_ncu_csv(out.stdout)
+        if len(launches) != len(PHASES):
+            raise SystemExit(f"{name}: expected {len(PHASES)} profiled launches, got "
+                             f"{len(launches)}\n{out.stderr[-2000:]}")
+        for phase, values in zip(PHASES, launches, strict=True):
+            res.add(variant=name, phase=phase, **values)
+    res.meta["clocks_after"] = gpu_clocks()
+    print(f"saved {res.save()}")
+    print(res.table(["variant", "phase", *METRICS]))
+
+
+if __name__ == "__main__":
+    main()
