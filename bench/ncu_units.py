@@ -86,7 +86,7 @@ def _profiled_call(recipe: str, experts: int, pairs: int, block_m: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="fp8xfp8")
     p.add_argument("--config", default="32x1024", help="EXPERTSxPAIRS_PER_EXPERT")
     p.add_argument("--block-m", type=int, default=128)
