@@ -164,6 +164,24 @@ def sm90_k_unroll() -> int | None:
     return None if value == "auto" else int(value)
 
 
+def sm90_wg_skew() -> int | None:
+    """``CUTE_MEGAMOE_SM90_WG_SKEW``: "0" / "1" / "2" force the k-blocks by which the second
+    consumer warpgroup of the sm_90a grouped GEMMs at BLOCK_M 128 starts after the first
+    (`Sm90ExpertGemmKernel`'s ``wg_skew``), for A/B runs; unset or "auto": None, the kernel's
+    default (2 for L2, 0 for L1). Part of the grouped GEMMs' cache keys."""
+    value = env_choice("CUTE_MEGAMOE_SM90_WG_SKEW", ("auto", "0", "1", "2"))
+    return None if value == "auto" else int(value)
+
+
+def sm90_staging_parts() -> int | None:
+    """``CUTE_MEGAMOE_SM90_STAGING_PARTS``: "1" / "2" / "4" force the parts of a tile row the
+    sm_90a grouped GEMMs' L2 epilogue stages at a time (`Sm90ExpertGemmKernel`'s
+    ``staging_parts``: fewer staging bytes leave room for more pipeline stages), for A/B runs;
+    unset or "auto": None, the kernel's default. Part of the grouped GEMMs' cache keys."""
+    value = env_choice("CUTE_MEGAMOE_SM90_STAGING_PARTS", ("auto", "1", "2", "4"))
+    return None if value == "auto" else int(value)
+
+
 def tile_owner_search() -> str:
     """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
     finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``gallop`` (the
@@ -261,7 +279,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
-                      "CUTE_MEGAMOE_SM90_K_UNROLL")
+                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_WG_SKEW",
+                      "CUTE_MEGAMOE_SM90_STAGING_PARTS")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -406,6 +406,29 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
             Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m, k_unroll=bad)
 
 
+def test_sm90_ring_options_force_the_kernel(monkeypatch):
+    """`CUTE_MEGAMOE_SM90_WG_SKEW` and `CUTE_MEGAMOE_SM90_STAGING_PARTS` (A/B options of the
+    ring at the tile boundary) reach the kernels; unset, the kernels' defaults (the fp8xfp8 L2
+    at BLOCK_M 128: skew 2, whole staging rows, 3 stages; in quarter rows 4 stages)."""
+    from cute_megamoe.launch import gemm_kernel
+
+    for name in ("CUTE_MEGAMOE_SM90_WG_SKEW", "CUTE_MEGAMOE_SM90_STAGING_PARTS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def l2():
+        return gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, 8192, 7168, 2048, 128,
+                           tiled_weights=True)[0]
+
+    k = l2()
+    assert (k.wg_skew, k.staging_parts, k.num_stages) == (2, 1, 3)
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_WG_SKEW", "1")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_STAGING_PARTS", "4")
+    k = l2()
+    assert (k.wg_skew, k.staging_parts, k.num_stages) == (1, 4, 4)
+    # (L1's staging rows stay whole: its requantization needs both chunks)
+    assert gemm_kernel("sm_90a", "fp8xfp8", "l1", 32, 8192, 4096, 7168, 128)[0].wg_skew == 1
+
+
 @pytest.mark.parametrize("arch,recipe", [("sm_90a", "fp8xfp8"), ("sm_100a", "fp8xfp4")])
 def test_combine_layout_only_for_l2_of_the_same_pool(arch, recipe):
     from cute_megamoe.expert_gemm import gemm_kernel

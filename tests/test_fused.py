@@ -200,6 +200,9 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_FP4_TABLES", "sm90_fp4_tables",
      {"": "vote", "item": "item", "vote": "vote"}),
     ("CUTE_MEGAMOE_SM90_K_UNROLL", "sm90_k_unroll",
+     {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
+    ("CUTE_MEGAMOE_SM90_WG_SKEW", "sm90_wg_skew", {"": None, "auto": None, "0": 0, "1": 1, "2": 2}),
+    ("CUTE_MEGAMOE_SM90_STAGING_PARTS", "sm90_staging_parts",
      {"": None, "auto": None, "1": 1, "2": 2, "4": 4})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
