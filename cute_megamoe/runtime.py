@@ -159,7 +159,8 @@ def sm90_k_unroll() -> int | None:
     """``CUTE_MEGAMOE_SM90_K_UNROLL``: "1" / "2" / "4" force the k-blocks per loop body of the
     sm_90a FP8 grouped GEMMs' consumer loop (`Sm90ExpertGemmKernel`'s ``k_unroll``), for A/B
     runs; unset or "auto": None, by recipe and BLOCK_M (`sm90_expert_gemm.DEFAULT_K_UNROLL`).
-    Part of the grouped GEMMs' cache keys."""
+    Part of the grouped GEMMs' cache keys. Ranks may
+    differ: it changes how a rank computes its own tiles, not the bits or the protocol."""
     value = env_choice("CUTE_MEGAMOE_SM90_K_UNROLL", ("auto", "1", "2", "4"))
     return None if value == "auto" else int(value)
 
@@ -168,7 +169,8 @@ def sm90_wg_skew() -> int | None:
     """``CUTE_MEGAMOE_SM90_WG_SKEW``: "0" / "1" / "2" force the k-blocks by which the second
     consumer warpgroup of the sm_90a grouped GEMMs at BLOCK_M 128 starts after the first
     (`Sm90ExpertGemmKernel`'s ``wg_skew``), for A/B runs; unset or "auto": None, the kernel's
-    default (2 for L2, 0 for L1). Part of the grouped GEMMs' cache keys."""
+    default (2 for L2, 0 for L1). Part of the grouped GEMMs' cache keys. Ranks may
+    differ: it changes how a rank computes its own tiles, not the bits or the protocol."""
     value = env_choice("CUTE_MEGAMOE_SM90_WG_SKEW", ("auto", "0", "1", "2"))
     return None if value == "auto" else int(value)
 
@@ -177,7 +179,8 @@ def sm90_staging_parts() -> int | None:
     """``CUTE_MEGAMOE_SM90_STAGING_PARTS``: "1" / "2" / "4" force the parts of a tile row the
     sm_90a grouped GEMMs' L2 epilogue stages at a time (`Sm90ExpertGemmKernel`'s
     ``staging_parts``: fewer staging bytes leave room for more pipeline stages), for A/B runs;
-    unset or "auto": None, the kernel's default. Part of the grouped GEMMs' cache keys."""
+    unset or "auto": None, the kernel's default. Part of the grouped GEMMs' cache keys. Ranks may
+    differ: it changes how a rank computes its own tiles, not the bits or the protocol."""
     value = env_choice("CUTE_MEGAMOE_SM90_STAGING_PARTS", ("auto", "1", "2", "4"))
     return None if value == "auto" else int(value)
 
