@@ -124,6 +124,7 @@ SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
+OUT_BOX_COLS = 64  # BF16 columns of one TMA store box (`tma_store`): the 128-byte swizzle's span
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
@@ -167,7 +168,7 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None,
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
-                 k_unroll: int | None = None):
+                 k_unroll: int | None = None, tma_store: bool = False):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -193,6 +194,15 @@ class Sm90ExpertGemmKernel:
         self.tiled_weights = bool(tiled_weights)
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
+        # `tma_store` (fp8xfp8 L2 into `out`, an A/B option): each consumer warp stages its 16
+        # rows in 128-byte-swizzled boxes of 64 columns and sends a warp whose rows all hold
+        # tokens with one TMA tensor store per box (4 per 256-column tile) instead of 16 row
+        # copies; a warp with pad rows sends its valid rows from the staging rows itself. The
+        # test of the reading that a tile's 128 row copies hold the TMA unit from the next
+        # stages' loads (docs/performance.md, "The FP8 mainloop, 2026-12-03")
+        if tma_store and (phase != "l2" or recipe != "fp8xfp8" or self.to_combine):
+            raise ValueError("tma_store: the fp8xfp8 L2 into `out` only")
+        self.tma_store = bool(tma_store)
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
         # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
         # metadata is read once the tile's first stage is in (the producer acquired the rows'
@@ -399,7 +409,10 @@ class Sm90ExpertGemmKernel:
 
     def staging_layout(self, parts: int) -> tuple[int, int]:
         """(row stride, total bytes) of the consumer warps' staging rows when they hold
-        ``1 / parts`` of their warpgroup's part of a tile's output row."""
+        ``1 / parts`` of their warpgroup's part of a tile's output row (`tma_store`: whole rows,
+        unpadded: the swizzled boxes)."""
+        if self.tma_store:
+            return self.tile_row_bytes, 4 * self.num_mma_wgs * ROWS_PER_WARP * self.tile_row_bytes
         stride = self.tile_row_bytes // parts + STAGING_PAD
         return stride, 4 * self.num_mma_wgs * ROWS_PER_WARP * stride
 
@@ -421,6 +434,25 @@ class Sm90ExpertGemmKernel:
         a_layout = self._smem_layout(self.block_m, self.num_stages)
         b_layout = self._smem_layout(WG_N, self.num_stages * self.chunks)
         return tiled_mma, a_layout, b_layout
+
+    def out_boxes_layout(self):
+        """`tma_store`: the consumer warps' staging rows as TMA store boxes, ``[16 rows, 64
+        columns, consumer warp * boxes per row + box]`` BF16, 128-byte swizzled (a row's 16-byte
+        unit ``u`` of a box at ``u ^ (row % 8)``; 2 KB per box)."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, OUT_BOX_COLS),
+            BFloat16)
+        boxes = 4 * self.num_mma_wgs * (self.block_n // OUT_BOX_COLS)
+        return cute.tile_to_shape(atom, (ROWS_PER_WARP, OUT_BOX_COLS, boxes), order=(0, 1, 2))
+
+    def tma_store_out(self, out: cute.Pointer):
+        """`tma_store`: the TMA atom and tensor of ``out`` ``[P, N]`` BF16 in boxes of 16 rows x
+        64 columns (host side of a `cute.jit` function)."""
+        m_out = cute.make_tensor(out, cute.make_layout((self.num_pool_rows, self.n),
+                                                       stride=(self.n, 1)))
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), m_out,
+            cute.slice_(self.out_boxes_layout(), (None, None, 0)), (ROWS_PER_WARP, OUT_BOX_COLS))
 
     def b_load_k(self) -> int:
         """Elements of the TMA's weight box along K: a k-block, or its bytes of packed FP4."""
@@ -493,6 +525,9 @@ class Sm90ExpertGemmKernel:
         tma_b_mc = tma_b
         if cutlass.const_expr(self.cluster_m > 1):
             tma_b_mc = self.tma_multicast_b(b, b_layout)
+        tma_out, tma_m_out = tma_a, tma_m_a  # (stand-ins without `tma_store`)
+        if cutlass.const_expr(self.tma_store):
+            tma_out, tma_m_out = self.tma_store_out(out)
 
         @cute.struct
         class SharedStorage:
@@ -508,7 +543,8 @@ class Sm90ExpertGemmKernel:
                                   1024]
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
                                   1024]
-            staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes], 128]
+            staging: cute.struct.Align[cute.struct.MemRange[Uint8, self.staging_bytes],
+                                       1024 if self.tma_store else 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[Uint8, self.raw_b_bytes()], 128]
             sfg: cute.struct.Align[cute.struct.MemRange[Int32, self.sfg_len()], 16]
             sfb_packed: cute.struct.Align[cute.struct.MemRange[
@@ -521,7 +557,8 @@ class Sm90ExpertGemmKernel:
         self.kernel(tiled_mma, tma_a, tma_m_a, tma_b, tma_b_mc, tma_m_b, a_layout, b_layout,
                     a_sf, b_sf,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
-                    topk_weights, out, out_sf, peer_bases, src_metadata, b_group_sf).launch(
+                    topk_weights, out, out_sf, peer_bases, src_metadata, b_group_sf, tma_out,
+                    tma_m_out).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -533,7 +570,7 @@ class Sm90ExpertGemmKernel:
                b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
                out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
-               b_group_sf: cute.Pointer):
+               b_group_sf: cute.Pointer, tma_out: cute.CopyAtom, m_out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -595,13 +632,18 @@ class Sm90ExpertGemmKernel:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
+            stores = {}
+            if cutlass.const_expr(self.tma_store):
+                boxes = self.out_boxes_layout()
+                stores["out_store"] = (tma_out, m_out, storage.staging.get_tensor(
+                    boxes.outer, swizzle=boxes.inner, dtype=BFloat16))
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, cluster, num_clusters, raster_group, rank, wg - 1,
                          warp % 4, lane,
                          topk_weights, out, out_sf, peer_bases, src_metadata,
                          self.consumer_staging(staging, warp - 4), state,
                          state.clone(), decoded=storage.decoded.data_ptr(),
-                         exchange=storage.amax_exchange.data_ptr())
+                         exchange=storage.amax_exchange.data_ptr(), **stores)
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # no CTA leaves while its peer may still signal it
             cute.arch.cluster_wait()
@@ -1128,7 +1170,7 @@ class Sm90ExpertGemmKernel:
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
                 staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
-                decoded: cute.Pointer = None, exchange: cute.Pointer = None):
+                decoded: cute.Pointer = None, exchange: cute.Pointer = None, out_store=None):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
@@ -1137,7 +1179,8 @@ class Sm90ExpertGemmKernel:
         once its rows of a tile are in global memory, one tile late (its stores drain while the
         next tile's WGMMAs run) and at the end. Returns ``(state, prev, the first tile index
         past num_tiles)``; all of the warp's stores are complete on return. (``exchange``: the
-        transposed kernel's.)"""
+        transposed kernel's; ``out_store``: `tma_store`'s TMA atom, ``out`` tensor and staging
+        boxes.)"""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -1154,6 +1197,14 @@ class Sm90ExpertGemmKernel:
         warp_row0 = 64 * mma_wg + ROWS_PER_WARP * warp_in_wg
         row0 = warp_row0 + lane // 4
         col0 = 2 * (lane % 4)
+        store = None  # (`tma_store`: the atom and this warp's boxes' TMA views)
+        if cutlass.const_expr(out_store is not None):
+            tma_out, m_out, s_out = out_store
+            t_s_out, t_g_out = cpasync.tma_partition(
+                tma_out, 0, cute.make_layout(1), cute.group_modes(s_out, 0, 2),
+                cute.group_modes(cute.local_tile(m_out, (ROWS_PER_WARP, OUT_BOX_COLS),
+                                                 (None, None)), 0, 2))
+            store = (tma_out, t_s_out, t_g_out)
         tile = first_tile
         owner = Int32(0)
         pending = Int32(-1)  # the pool block of the previous tile, not signalled yet
@@ -1238,7 +1289,7 @@ class Sm90ExpertGemmKernel:
                 if pending >= 0:
                     self.signal_ready(ready, pending, lane)
             self.epilogue(accs, topk_weights, row_dst, out_sf, staging, row_base, warp_row0,
-                          row0, col0, valid_m, n_block, lane)
+                          row0, col0, valid_m, n_block, lane, store)
             pending = pool_block
             tile += num_clusters
         if cutlass.const_expr(self.signals_ready):
@@ -1365,12 +1416,19 @@ class Sm90ExpertGemmKernel:
     def epilogue(self, accs: list, topk_weights: cute.Pointer, row_dst: Int64,
                  out_sf: cute.Pointer, staging: cute.Pointer, row_base: Int32,
                  warp_row0: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
-                 lane: Int32):
+                 lane: Int32, store=None):
         """One tile's output from the accumulators of the warpgroup's chunks: L2 BF16, L1
         SwiGLU (BF16 or FP8 with its scales), through the staging rows (whole, or chunk by
-        chunk, see ``staging_parts``)."""
+        chunk, see ``staging_parts``; ``store``: `tma_store`'s swizzled boxes)."""
         self.wait_staging(lane)
-        if cutlass.const_expr(self.phase == "l1" and self.is_fp8):
+        if cutlass.const_expr(store is not None):
+            for c in cutlass.range_constexpr(self.chunks):
+                vals = cute.make_rmem_tensor(accs[c].shape, BFloat16)
+                vals.store(accs[c].load().to(BFloat16))
+                self.stage_boxes(vals, staging, lane, c)
+            self.store_boxes(store, staging, row_dst, row_base, warp_row0, valid_m, n_block,
+                             lane)
+        elif cutlass.const_expr(self.phase == "l1" and self.is_fp8):
             w0, w1 = self.routing_weights(topk_weights, row_base, row0)
             self.requant_stage([self.swiglu_chunk(accs[c], w0, w1)
                                 for c in range(self.chunks)], out_sf, staging, row_base,
@@ -1451,6 +1509,55 @@ class Sm90ExpertGemmKernel:
                                   assumed_align=16),
                     staging + lane * self.staging_stride, Int32(nbytes))
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_boxes(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32,
+                    chunk: cutlass.Constexpr):
+        """`tma_store`: write chunk ``chunk`` of a thread's BF16 fragment (value ``c + 2 r + 4
+        g``: warp row ``lane / 4 + 8 r``, column ``8 g + c`` of the chunk) into the warp's
+        swizzled boxes (`out_boxes_layout`), each column pair as one 4-byte word. The eight
+        rows of a store are ``lane / 4``: their 16-byte units ``g % 8 ^ row`` are eight distinct
+        ones, conflict-free."""
+        words = cute.recast_tensor(vals, Int32)  # word r + 2 g: the pair (c = 0, 1)
+        box_bytes = ROWS_PER_WARP * OUT_BOX_COLS * 2
+        row8 = lane // 4
+        base = staging + row8 * (OUT_BOX_COLS * 2) + (lane % 4) * 4
+        units = [(j ^ row8) * 16 for j in range(8)]  # (the swizzled 16-byte unit of group j)
+        for r in cutlass.range_constexpr(2):
+            for g in cutlass.range_constexpr(WG_N // 8):
+                box = chunk * (WG_N // OUT_BOX_COLS) + g // 8
+                dst = cute.make_tensor(cute.recast_ptr(
+                    base + (box * box_bytes + r * 8 * OUT_BOX_COLS * 2) + units[g % 8],
+                    dtype=Int32), cute.make_layout(1))
+                dst[0] = words[r + 2 * g]
+
+    @cute.jit
+    def store_boxes(self, store, staging: cute.Pointer, row_dst: Int64, row_base: Int32,
+                    warp_row0: Int32, valid_m: Int32, n_block: Int32, lane: Int32):
+        """`tma_store`: send the warp's staged rows: all 16 hold tokens: one TMA store per box;
+        else lane ``i < 16`` copies row ``warp_row0 + i``, if valid, from the boxes to
+        ``row_dst`` 16 bytes at a time (no pad row is written either way)."""
+        tma_out, t_s_out, t_g_out = store
+        boxes = self.block_n // OUT_BOX_COLS
+        cute.arch.fence_view_async_shared()  # staging writes -> visible to the TMA
+        cute.arch.sync_warp()
+        if warp_row0 + ROWS_PER_WARP <= valid_m:
+            row_tile = (row_base + warp_row0) // ROWS_PER_WARP
+            first_slot = (warp_row0 // ROWS_PER_WARP) * boxes
+            for b in cutlass.range_constexpr(boxes):
+                cute.copy(tma_out, t_s_out[(None, first_slot + b)],
+                          t_g_out[(None, row_tile, n_block * boxes + b)])
+        elif lane < ROWS_PER_WARP and warp_row0 + lane < valid_m:
+            box_bytes = ROWS_PER_WARP * OUT_BOX_COLS * 2
+            for u in cutlass.range_constexpr(self.tile_row_bytes // 16):
+                b, j = u // 8, u % 8
+                src = smem_words(staging, b * box_bytes + lane * (OUT_BOX_COLS * 2)
+                                 + ((j ^ (lane % 8)) * 16))
+                dst = cute.make_tensor(cute.make_ptr(Int32, row_dst + u * 16,
+                                                     cute.AddressSpace.gmem, assumed_align=16),
+                                       cute.make_layout(4))
+                cute.autovec_copy(src, dst)
+        cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def silu_mul(self, g: Float32, u: Float32) -> Float32:
