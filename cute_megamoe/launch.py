@@ -36,9 +36,9 @@ from .runtime import (
     launch_path,
     sm90_fp4_tables,
     sm90_k_unroll,
-    sm90_l2_tma_store,
     sm90_promotion,
     sm90_staging_parts,
+    sm90_tma_store,
     sm90_transposed,
     sm90_transposed_a_rows,
     sm90_wg_skew,
@@ -361,8 +361,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         extra["wg_skew"] = sm90_wg_skew()  # (A/B options of the ring, None: the defaults)
         if phase == "l2":
             extra["staging_parts"] = sm90_staging_parts()
-            if recipe == "fp8xfp8" and combine_layout is None:
-                extra["tma_store"] = sm90_l2_tma_store()
+        if recipe == "fp8xfp8" and combine_layout is None:
+            extra["tma_store"] = sm90_tma_store()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -417,7 +417,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll(),
                 sm90_wg_skew(), sm90_staging_parts() if phase == "l2" else None,
-                sm90_l2_tma_store() if phase == "l2" and not to_combine else None)
+                sm90_tma_store() if not to_combine else None)
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

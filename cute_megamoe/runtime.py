@@ -185,13 +185,13 @@ def sm90_staging_parts() -> int | None:
     return None if value == "auto" else int(value)
 
 
-def sm90_l2_tma_store() -> bool:
-    """``CUTE_MEGAMOE_SM90_L2_TMA_STORE``: "1" sends the sm_90a fp8xfp8 L2 grouped GEMM's rows
-    into ``out`` by TMA tensor stores of swizzled 16 x 64 boxes, four per warp and tile, instead
-    of a bulk copy per row (`Sm90ExpertGemmKernel`'s ``tma_store``; an A/B option, "0" the
-    default; not with the combine buffers as destination). Part of the grouped GEMMs' cache
-    keys; ranks may differ."""
-    return env_choice("CUTE_MEGAMOE_SM90_L2_TMA_STORE", ("0", "1")) == "1"
+def sm90_tma_store() -> bool:
+    """``CUTE_MEGAMOE_SM90_TMA_STORE``: "1" sends the sm_90a fp8xfp8 grouped GEMMs' rows into
+    ``out`` (L1: the L2 pool; L2: ``out``) by TMA tensor stores of swizzled boxes of 16 rows x
+    128 bytes (L2: four per warp and tile, L1: one) instead of a bulk copy per row
+    (`Sm90ExpertGemmKernel`'s ``tma_store``; an A/B option, "0" the default; not with the
+    combine buffers as destination). Part of the grouped GEMMs' cache keys; ranks may differ."""
+    return env_choice("CUTE_MEGAMOE_SM90_TMA_STORE", ("0", "1")) == "1"
 
 
 def tile_owner_search() -> str:
@@ -292,7 +292,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_WG_SKEW",
-                      "CUTE_MEGAMOE_SM90_STAGING_PARTS", "CUTE_MEGAMOE_SM90_L2_TMA_STORE")
+                      "CUTE_MEGAMOE_SM90_STAGING_PARTS", "CUTE_MEGAMOE_SM90_TMA_STORE")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -407,12 +407,12 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("block_m", (64, 128))
-def test_sm90_l2_tma_store_compiles(block_m, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_L2_TMA_STORE` (fp8xfp8 L2 into `out`, an A/B option): the epilogue
-    sends a warp's rows as four TMA tensor stores of swizzled 16 x 64 boxes (no row copies left:
-    the only bulk copies are the producer's scale loads), no spills; refused for L1, BF16 and
-    the combine buffers as destination; off by default."""
+@pytest.mark.parametrize("phase,block_m", [("l1", 128), ("l2", 64), ("l2", 128)])
+def test_sm90_tma_store_compiles(phase, block_m, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_TMA_STORE` (fp8xfp8 into `out`, an A/B option): the epilogue sends a
+    warp's rows as TMA tensor stores of swizzled 16-row x 128-byte boxes (L2: four, L1: one; no
+    row copies left: the only bulk copies are the producer's scale loads), no spills; refused
+    for BF16 and the combine buffers as destination; off by default."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
@@ -420,12 +420,14 @@ def test_sm90_l2_tma_store_compiles(block_m, monkeypatch):
     from cute_megamoe.layout import MegaMoELayout
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
+    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_L2_TMA_STORE", raising=False)
-    assert not gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, 8192, 7168, 2048, block_m)[0].tma_store
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_L2_TMA_STORE", "1")
-    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, 8192, 7168, 2048, block_m,
-                                 tiled_weights=True)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TMA_STORE", raising=False)
+    assert not gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
+                           activation_clamp=10.0)[0].tma_store
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", "1")
+    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
+                                 activation_clamp=10.0, tiled_weights=True)
     assert kernel.tma_store and kernel.staging_stride == kernel.tile_row_bytes
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
@@ -433,23 +435,24 @@ def test_sm90_l2_tma_store_compiles(block_m, monkeypatch):
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in art.ptx
     if art.sass is None:
         pytest.skip("nvdisasm not available")
-    assert art.count("UTMASTG") == 4 and art.count("UBLKCP.G.S") == 0
+    assert art.count("UTMASTG") == (4 if phase == "l2" else 1)
+    assert art.count("UBLKCP.G.S") == 0
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     # (the combine buffers as destination keep their row copies: the option does not apply)
     layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
     assert not gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, layout.num_pool_rows, 7168, 2048,
                            block_m, combine_layout=layout)[0].tma_store
-    for phase, recipe, n, k in (("l1", "fp8xfp8", 4096, 7168), ("l2", "bf16xbf16", 7168, 2048)):
-        with pytest.raises(ValueError, match="tma_store"):
-            Sm90ExpertGemmKernel(phase, recipe, 32, 8192, n, k, block_m, tma_store=True)
+    with pytest.raises(ValueError, match="tma_store"):
+        Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m, tma_store=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", (64, 128))
-def test_l2_tma_store_is_bit_identical(block_m, monkeypatch):
-    """The L2 rows sent by TMA tensor stores (`CUTE_MEGAMOE_SM90_L2_TMA_STORE`) equal the row
-    copies' bit for bit, every valid row written to its last column (warps whose 16 rows all
-    hold tokens: the stores; warps with pad rows: their lanes' copies), pad rows untouched."""
+def test_tma_store_is_bit_identical(block_m, monkeypatch):
+    """The rows sent by TMA tensor stores (`CUTE_MEGAMOE_SM90_TMA_STORE`: L1's into the L2
+    pool, L2's into `out`) equal the row copies' bit for bit, every valid row written to its
+    last column (warps whose 16 rows all hold tokens: the stores; warps with pad rows: their
+    lanes' copies), pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -463,7 +466,7 @@ def test_l2_tma_store_is_bit_identical(block_m, monkeypatch):
                                     device, seed=53 + block_m)
         results = []
         for value in ("0", "1"):
-            monkeypatch.setenv("CUTE_MEGAMOE_SM90_L2_TMA_STORE", value)
+            monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", value)
             results.append(run_fp8_ffn_poisoned(problem))
         assert_same_valid_rows(problem, results)
 

@@ -204,7 +204,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_WG_SKEW", "sm90_wg_skew", {"": None, "auto": None, "0": 0, "1": 1, "2": 2}),
     ("CUTE_MEGAMOE_SM90_STAGING_PARTS", "sm90_staging_parts",
      {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
-    ("CUTE_MEGAMOE_SM90_L2_TMA_STORE", "sm90_l2_tma_store", {"": False, "0": False, "1": True})])
+    ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store", {"": False, "0": False, "1": True})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

@@ -124,7 +124,7 @@ SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
-OUT_BOX_COLS = 64  # BF16 columns of one TMA store box (`tma_store`): the 128-byte swizzle's span
+OUT_BOX_BYTES = 128  # bytes of a row of one TMA store box (`tma_store`): the swizzle's span
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
@@ -194,14 +194,14 @@ class Sm90ExpertGemmKernel:
         self.tiled_weights = bool(tiled_weights)
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
-        # `tma_store` (fp8xfp8 L2 into `out`, an A/B option): each consumer warp stages its 16
-        # rows in 128-byte-swizzled boxes of 64 columns and sends a warp whose rows all hold
-        # tokens with one TMA tensor store per box (4 per 256-column tile) instead of 16 row
-        # copies; a warp with pad rows sends its valid rows from the staging rows itself. The
-        # test of the reading that a tile's 128 row copies hold the TMA unit from the next
+        # `tma_store` (fp8xfp8 into `out`, an A/B option): each consumer warp stages its 16
+        # rows in 128-byte-swizzled boxes of 128-byte rows and sends a warp whose rows all hold
+        # tokens with one TMA tensor store per box (L2: 4 per 256-column tile; L1: 1) instead
+        # of 16 row copies; a warp with pad rows sends its valid rows from the boxes itself.
+        # The test of the reading that a tile's 128 row copies hold the TMA unit from the next
         # stages' loads (docs/performance.md, "The FP8 mainloop, 2026-12-03")
-        if tma_store and (phase != "l2" or recipe != "fp8xfp8" or self.to_combine):
-            raise ValueError("tma_store: the fp8xfp8 L2 into `out` only")
+        if tma_store and (recipe != "fp8xfp8" or self.to_combine):
+            raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
         self.tma_store = bool(tma_store)
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
         # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
@@ -436,23 +436,28 @@ class Sm90ExpertGemmKernel:
         return tiled_mma, a_layout, b_layout
 
     def out_boxes_layout(self):
-        """`tma_store`: the consumer warps' staging rows as TMA store boxes, ``[16 rows, 64
-        columns, consumer warp * boxes per row + box]`` BF16, 128-byte swizzled (a row's 16-byte
-        unit ``u`` of a box at ``u ^ (row % 8)``; 2 KB per box)."""
+        """`tma_store`: the consumer warps' staging rows as TMA store boxes, ``[16 rows, 128
+        bytes of columns, consumer warp * boxes per row + box]`` of the output dtype, 128-byte
+        swizzled (a row's 16-byte unit ``u`` of a box at ``u ^ (row % 8)``; 2 KB per box)."""
+        dtype = self.out_dtype()
+        cols = OUT_BOX_BYTES * 8 // dtype.width
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, OUT_BOX_COLS),
-            BFloat16)
-        boxes = 4 * self.num_mma_wgs * (self.block_n // OUT_BOX_COLS)
-        return cute.tile_to_shape(atom, (ROWS_PER_WARP, OUT_BOX_COLS, boxes), order=(0, 1, 2))
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+        boxes = 4 * self.num_mma_wgs * (self.tile_row_bytes // OUT_BOX_BYTES)
+        return cute.tile_to_shape(atom, (ROWS_PER_WARP, cols, boxes), order=(0, 1, 2))
+
+    def out_dtype(self):
+        """The element type of ``out``: the L2 pool's (L1) or BF16 (L2)."""
+        return self.ab_dtype if self.phase == "l1" else BFloat16
 
     def tma_store_out(self, out: cute.Pointer):
-        """`tma_store`: the TMA atom and tensor of ``out`` ``[P, N]`` BF16 in boxes of 16 rows x
-        64 columns (host side of a `cute.jit` function)."""
-        m_out = cute.make_tensor(out, cute.make_layout((self.num_pool_rows, self.n),
-                                                       stride=(self.n, 1)))
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), m_out,
-            cute.slice_(self.out_boxes_layout(), (None, None, 0)), (ROWS_PER_WARP, OUT_BOX_COLS))
+        """`tma_store`: the TMA atom and tensor of ``out`` ``[P, out_cols]`` in boxes of 16 rows
+        x 128 bytes (host side of a `cute.jit` function)."""
+        m_out = cute.make_tensor(out, cute.make_layout((self.num_pool_rows, self.out_cols),
+                                                       stride=(self.out_cols, 1)))
+        box = cute.slice_(self.out_boxes_layout(), (None, None, 0))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_out, box,
+                                           (ROWS_PER_WARP, cute.size(box, mode=[1])))
 
     def b_load_k(self) -> int:
         """Elements of the TMA's weight box along K: a k-block, or its bytes of packed FP4."""
@@ -636,7 +641,7 @@ class Sm90ExpertGemmKernel:
             if cutlass.const_expr(self.tma_store):
                 boxes = self.out_boxes_layout()
                 stores["out_store"] = (tma_out, m_out, storage.staging.get_tensor(
-                    boxes.outer, swizzle=boxes.inner, dtype=BFloat16))
+                    boxes.outer, swizzle=boxes.inner, dtype=self.out_dtype()))
             self.consume(tiled_mma, sa, sb, sfa, sfb, ab_pipe, block_start, row_start,
                          num_tiles, cluster, num_clusters, raster_group, rank, wg - 1,
                          warp % 4, lane,
@@ -1202,8 +1207,9 @@ class Sm90ExpertGemmKernel:
             tma_out, m_out, s_out = out_store
             t_s_out, t_g_out = cpasync.tma_partition(
                 tma_out, 0, cute.make_layout(1), cute.group_modes(s_out, 0, 2),
-                cute.group_modes(cute.local_tile(m_out, (ROWS_PER_WARP, OUT_BOX_COLS),
-                                                 (None, None)), 0, 2))
+                cute.group_modes(cute.local_tile(
+                    m_out, (ROWS_PER_WARP, OUT_BOX_BYTES * 8 // self.out_dtype().width),
+                    (None, None)), 0, 2))
             store = (tma_out, t_s_out, t_g_out)
         tile = first_tile
         owner = Int32(0)
@@ -1421,19 +1427,24 @@ class Sm90ExpertGemmKernel:
         SwiGLU (BF16 or FP8 with its scales), through the staging rows (whole, or chunk by
         chunk, see ``staging_parts``; ``store``: `tma_store`'s swizzled boxes)."""
         self.wait_staging(lane)
-        if cutlass.const_expr(store is not None):
+        if cutlass.const_expr(store is not None and self.phase == "l2"):
             for c in cutlass.range_constexpr(self.chunks):
                 vals = cute.make_rmem_tensor(accs[c].shape, BFloat16)
                 vals.store(accs[c].load().to(BFloat16))
-                self.stage_boxes(vals, staging, lane, c)
+                self.stage_boxes(vals, staging, lane, c * WG_N)
             self.store_boxes(store, staging, row_dst, row_base, warp_row0, valid_m, n_block,
                              lane)
         elif cutlass.const_expr(self.phase == "l1" and self.is_fp8):
             w0, w1 = self.routing_weights(topk_weights, row_base, row0)
             self.requant_stage([self.swiglu_chunk(accs[c], w0, w1)
                                 for c in range(self.chunks)], out_sf, staging, row_base,
-                               row0, col0, valid_m, n_block, lane)
-            self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0, self.tile_row_bytes)
+                               row0, col0, valid_m, n_block, lane, boxes=store is not None)
+            if cutlass.const_expr(store is not None):
+                self.store_boxes(store, staging, row_dst, row_base, warp_row0, valid_m,
+                                 n_block, lane)
+            else:
+                self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,
+                                self.tile_row_bytes)
         else:
             w0, w1 = Float32(0.0), Float32(0.0)
             if cutlass.const_expr(self.phase == "l1"):
@@ -1512,23 +1523,27 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def stage_boxes(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32,
-                    chunk: cutlass.Constexpr):
-        """`tma_store`: write chunk ``chunk`` of a thread's BF16 fragment (value ``c + 2 r + 4
-        g``: warp row ``lane / 4 + 8 r``, column ``8 g + c`` of the chunk) into the warp's
-        swizzled boxes (`out_boxes_layout`), each column pair as one 4-byte word. The eight
-        rows of a store are ``lane / 4``: their 16-byte units ``g % 8 ^ row`` are eight distinct
-        ones, conflict-free."""
-        words = cute.recast_tensor(vals, Int32)  # word r + 2 g: the pair (c = 0, 1)
-        box_bytes = ROWS_PER_WARP * OUT_BOX_COLS * 2
+                    first_col: cutlass.Constexpr):
+        """`tma_store`: write a thread's fragment ``vals`` (value ``c + 2 r + 4 g``: warp row
+        ``lane / 4 + 8 r``, column ``first_col + 8 g + 2 (lane % 4) + c`` of the tile's row
+        piece) into the warp's swizzled boxes (`out_boxes_layout`), each column pair as one 2-
+        or 4-byte word. The eight rows of a store are ``lane / 4``: their 16-byte units ``u ^
+        row`` are eight distinct ones, conflict-free."""
+        elt = vals.element_type.width // 8
+        word = Int32 if cutlass.const_expr(elt == 2) else cutlass.Int16
+        words = cute.recast_tensor(vals, word)  # word r + 2 g: the pair (c = 0, 1)
+        box_bytes = ROWS_PER_WARP * OUT_BOX_BYTES
         row8 = lane // 4
-        base = staging + row8 * (OUT_BOX_COLS * 2) + (lane % 4) * 4
-        units = [(j ^ row8) * 16 for j in range(8)]  # (the swizzled 16-byte unit of group j)
+        base = staging + row8 * OUT_BOX_BYTES + (lane % 4) * 2 * elt
+        units = [(u ^ row8) * 16 for u in range(OUT_BOX_BYTES // 16)]  # (swizzled units)
         for r in cutlass.range_constexpr(2):
-            for g in cutlass.range_constexpr(WG_N // 8):
-                box = chunk * (WG_N // OUT_BOX_COLS) + g // 8
-                dst = cute.make_tensor(cute.recast_ptr(
-                    base + (box * box_bytes + r * 8 * OUT_BOX_COLS * 2) + units[g % 8],
-                    dtype=Int32), cute.make_layout(1))
+            for g in cutlass.range_constexpr(cute.size(vals) // 4):
+                byte = (first_col + 8 * g) * elt  # (of the pair's group in the row piece)
+                unit = byte % OUT_BOX_BYTES // 16
+                offset = (byte // OUT_BOX_BYTES * box_bytes + r * 8 * OUT_BOX_BYTES
+                          + byte % 16)
+                dst = cute.make_tensor(cute.recast_ptr(base + offset + units[unit], dtype=word),
+                                       cute.make_layout(1))
                 dst[0] = words[r + 2 * g]
 
     @cute.jit
@@ -1538,7 +1553,7 @@ class Sm90ExpertGemmKernel:
         else lane ``i < 16`` copies row ``warp_row0 + i``, if valid, from the boxes to
         ``row_dst`` 16 bytes at a time (no pad row is written either way)."""
         tma_out, t_s_out, t_g_out = store
-        boxes = self.block_n // OUT_BOX_COLS
+        boxes = self.tile_row_bytes // OUT_BOX_BYTES
         cute.arch.fence_view_async_shared()  # staging writes -> visible to the TMA
         cute.arch.sync_warp()
         if warp_row0 + ROWS_PER_WARP <= valid_m:
@@ -1548,10 +1563,10 @@ class Sm90ExpertGemmKernel:
                 cute.copy(tma_out, t_s_out[(None, first_slot + b)],
                           t_g_out[(None, row_tile, n_block * boxes + b)])
         elif lane < ROWS_PER_WARP and warp_row0 + lane < valid_m:
-            box_bytes = ROWS_PER_WARP * OUT_BOX_COLS * 2
+            box_bytes = ROWS_PER_WARP * OUT_BOX_BYTES
             for u in cutlass.range_constexpr(self.tile_row_bytes // 16):
                 b, j = u // 8, u % 8
-                src = smem_words(staging, b * box_bytes + lane * (OUT_BOX_COLS * 2)
+                src = smem_words(staging, b * box_bytes + lane * OUT_BOX_BYTES
                                  + ((j ^ (lane % 8)) * 16))
                 dst = cute.make_tensor(cute.make_ptr(Int32, row_dst + u * 16,
                                                      cute.AddressSpace.gmem, assumed_align=16),
@@ -1581,7 +1596,7 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def requant_stage(self, hs: list, out_sf: cute.Pointer, staging: cute.Pointer,
                       row_base: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
-                      lane: Int32):
+                      lane: Int32, boxes: cutlass.Constexpr = False):
         """e4m3 with a power-of-two scale per row over the tile's 128 features (the chunks
         ``hs`` of the warpgroup):
         ``e = exponent(amax / 448)`` rounded up, ``q = satfinite(h * 2^-e)``."""
@@ -1617,7 +1632,10 @@ class Sm90ExpertGemmKernel:
         for c, q in enumerate(qs):
             v = cute.make_rmem_tensor(q.shape, Float8E4M3FN)
             v.store(q.load().to(Float8E4M3FN))
-            self.stage_rows(v, staging, lane, c * (WG_N // 2) + col0)
+            if cutlass.const_expr(boxes):  # (`tma_store`)
+                self.stage_boxes(v, staging, lane, c * (WG_N // 2))
+            else:
+                self.stage_rows(v, staging, lane, c * (WG_N // 2) + col0)
 
 
 def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
