@@ -448,6 +448,22 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_fused_unrolled_gemm_loops_match_staged(monkeypatch):
+    """The fused kernel with its GEMM phases' FP8 loop four k-blocks per body (forced by
+    `CUTE_MEGAMOE_SM90_K_UNROLL`; its default stays one) against the staged layer, BLOCK_M 128,
+    uneven routings."""
+    _gpu("fp8xfp8", monkeypatch)
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", "4")
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
+    layer.warm_up((128,))
+    for i, (n, routing) in enumerate([(300, "one_expert"), (129, "masked"), (77, "skewed"),
+                                      (0, "random"), (1, "random")]):
+        layer.check_call((n,), routing, {0: 128}, seed=40 + i)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
 def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
     """The one-rank local dispatch (the default at R = 1 with counted rows and in-kernel
