@@ -37,11 +37,9 @@ from .runtime import (
     sm90_fp4_tables,
     sm90_k_unroll,
     sm90_promotion,
-    sm90_staging_parts,
     sm90_tma_store,
     sm90_transposed,
     sm90_transposed_a_rows,
-    sm90_wg_skew,
     tile_owner_search,
 )
 
@@ -358,9 +356,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
             extra["k_unroll"] = sm90_k_unroll()
-        extra["wg_skew"] = sm90_wg_skew()  # (A/B options of the ring, None: the defaults)
-        if phase == "l2":
-            extra["staging_parts"] = sm90_staging_parts()
         if recipe == "fp8xfp8" and combine_layout is None:
             extra["tma_store"] = sm90_tma_store()
         extra["owner_search"] = tile_owner_search()
@@ -416,7 +411,6 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll(),
-                sm90_wg_skew(), sm90_staging_parts() if phase == "l2" else None,
                 sm90_tma_store() if not to_combine else None)
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}

@@ -165,33 +165,15 @@ def sm90_k_unroll() -> int | None:
     return None if value == "auto" else int(value)
 
 
-def sm90_wg_skew() -> int | None:
-    """``CUTE_MEGAMOE_SM90_WG_SKEW``: "0" / "1" / "2" force the k-blocks by which the second
-    consumer warpgroup of the sm_90a grouped GEMMs at BLOCK_M 128 starts after the first
-    (`Sm90ExpertGemmKernel`'s ``wg_skew``), for A/B runs; unset or "auto": None, the kernel's
-    default (2 for L2, 0 for L1). Part of the grouped GEMMs' cache keys. Ranks may
-    differ: it changes how a rank computes its own tiles, not the bits or the protocol."""
-    value = env_choice("CUTE_MEGAMOE_SM90_WG_SKEW", ("auto", "0", "1", "2"))
-    return None if value == "auto" else int(value)
-
-
-def sm90_staging_parts() -> int | None:
-    """``CUTE_MEGAMOE_SM90_STAGING_PARTS``: "1" / "2" / "4" force the parts of a tile row the
-    sm_90a grouped GEMMs' L2 epilogue stages at a time (`Sm90ExpertGemmKernel`'s
-    ``staging_parts``: fewer staging bytes leave room for more pipeline stages), for A/B runs;
-    unset or "auto": None, the kernel's default. Part of the grouped GEMMs' cache keys. Ranks may
-    differ: it changes how a rank computes its own tiles, not the bits or the protocol."""
-    value = env_choice("CUTE_MEGAMOE_SM90_STAGING_PARTS", ("auto", "1", "2", "4"))
-    return None if value == "auto" else int(value)
-
-
-def sm90_tma_store() -> bool:
-    """``CUTE_MEGAMOE_SM90_TMA_STORE``: "1" sends the sm_90a fp8xfp8 grouped GEMMs' rows into
-    ``out`` (L1: the L2 pool; L2: ``out``) by TMA tensor stores of swizzled boxes of 16 rows x
-    128 bytes (L2: four per warp and tile, L1: one) instead of a bulk copy per row
-    (`Sm90ExpertGemmKernel`'s ``tma_store``; an A/B option, "0" the default; not with the
-    combine buffers as destination). Part of the grouped GEMMs' cache keys; ranks may differ."""
-    return env_choice("CUTE_MEGAMOE_SM90_TMA_STORE", ("0", "1")) == "1"
+def sm90_tma_store() -> bool | None:
+    """``CUTE_MEGAMOE_SM90_TMA_STORE``: how the sm_90a fp8xfp8 grouped GEMMs send their rows into
+    ``out`` (L1: the L2 pool; L2: ``out``; `Sm90ExpertGemmKernel`'s ``tma_store``): unset or
+    "auto": None, the default (TMA tensor stores of swizzled boxes of 16 rows x 128 bytes,
+    `sm90_expert_gemm.DEFAULT_TMA_STORE`); "0": a bulk copy per row, "1": the TMA stores, for
+    A/B runs (the combine buffers as destination always take the row copies). Part of the
+    grouped GEMMs' cache keys; ranks may differ."""
+    value = env_choice("CUTE_MEGAMOE_SM90_TMA_STORE", ("auto", "0", "1"))
+    return None if value == "auto" else value == "1"
 
 
 def tile_owner_search() -> str:
@@ -291,8 +273,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
-                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_WG_SKEW",
-                      "CUTE_MEGAMOE_SM90_STAGING_PARTS", "CUTE_MEGAMOE_SM90_TMA_STORE")
+                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

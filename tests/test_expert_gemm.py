@@ -152,9 +152,18 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     assert art.count("USETMAXREG") == 2
     assert art.count("STL") == 0 and art.count("LDL") == 0
     # staged epilogue: tile rows leave shared memory by bulk copies, not per-thread stores
-    # (the only global stores left are the FP8 L1 scales, one per row)
-    assert art.count("UBLKCP.G.S") > 0
-    assert art.count("STG") == (2 if recipe == "fp8xfp8" and phase == "l1" else 0)
+    # (the only global stores left are the FP8 L1 scales, one per row); fp8xfp8 (`tma_store`)
+    # by TMA tensor stores of whole boxes (L1: one per warp and tile, L2: four), a warp with pad
+    # rows its valid rows by 16-byte stores from the boxes
+    scale_stores = 2 if recipe == "fp8xfp8" and phase == "l1" else 0
+    if recipe == "fp8xfp8":
+        boxes = 1 if phase == "l1" else 4
+        assert art.count("UTMASTG") == boxes and art.count("UBLKCP.G.S") == 0
+        assert art.count("STG.E.128") == 8 * boxes
+        assert art.count("STG") == 8 * boxes + scale_stores
+    else:
+        assert art.count("UBLKCP.G.S") > 0 and art.count("UTMASTG") == 0
+        assert art.count("STG") == scale_stores
     usage = art.resource_usage()
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
@@ -330,10 +339,11 @@ def test_sm90_staging_and_stages_fit_shared_memory():
         assert kern.wg_skew == (min(2, stages - 1) if phase == "l2" and block_m == 128 else 0)
         used = kern.staging_bytes + kern.num_stages * (kern.stage_tx_bytes + 64)
         assert used <= SMEM_BUDGET
-        # staging rows: 16 per consumer warp, 16 bytes of padding, 16-byte aligned for the
-        # bulk copies
+        # staging rows: 16 per consumer warp, 16-byte aligned for the bulk copies, 16 bytes of
+        # padding; fp8xfp8 (TMA stores of 128-byte-swizzled boxes): whole rows, no padding
         assert kern.staging_stride % 16 == 0
-        assert kern.staging_stride == kern.tile_row_bytes // parts + 16
+        assert kern.tma_store == (recipe == "fp8xfp8")
+        assert kern.staging_stride == kern.tile_row_bytes // parts + (0 if kern.tma_store else 16)
 
 
 def test_sm90_clusters_need_256_column_tiles():
@@ -373,11 +383,10 @@ def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
 def test_sm90_k_unroll(recipe, block_m, monkeypatch):
     """The FP8 consumer loop's k-blocks per body (`DEFAULT_K_UNROLL`: 4 for fp8xfp8 at BLOCK_M
     128, else 1; `CUTE_MEGAMOE_SM90_K_UNROLL` forces it): that many k-blocks' WGMMAs in the
-    SASS (8 per k-block: two chunks of four k32 steps), no spills; the fused kernel keeps 1."""
+    SASS (8 per k-block: two chunks of four k32 steps), no spills."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.kernels.sm90_mega_moe import FUSED_K_UNROLL
     from cute_megamoe.launch import gemm_kernel
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
@@ -400,7 +409,6 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
         per_k_block = 16 if kernel.quarter_promotion else 8  # (quarters: 4 x m64n64, 4 k32)
         assert art.count("QGMMA") == per_k_block * want
         assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert FUSED_K_UNROLL == 1
     for bad in (3, 8):
         with pytest.raises(ValueError, match="k_unroll"):
             Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m, k_unroll=bad)
@@ -409,10 +417,11 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
 @pytest.mark.compile
 @pytest.mark.parametrize("phase,block_m", [("l1", 128), ("l2", 64), ("l2", 128)])
 def test_sm90_tma_store_compiles(phase, block_m, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TMA_STORE` (fp8xfp8 into `out`, an A/B option): the epilogue sends a
-    warp's rows as TMA tensor stores of swizzled 16-row x 128-byte boxes (L2: four, L1: one; no
-    row copies left: the only bulk copies are the producer's scale loads), no spills; refused
-    for BF16 and the combine buffers as destination; off by default."""
+    """fp8xfp8 into `out` (the default, `DEFAULT_TMA_STORE`; ``CUTE_MEGAMOE_SM90_TMA_STORE=0``
+    the row copies): the epilogue sends a warp's rows as TMA tensor stores of swizzled 16-row x
+    128-byte boxes (L2: four, L1: one; no row copies left: the only bulk copies are the
+    producer's scale loads), no spills; refused for BF16 and the combine buffers as
+    destination."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
@@ -422,10 +431,10 @@ def test_sm90_tma_store_compiles(phase, block_m, monkeypatch):
 
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TMA_STORE", raising=False)
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", "0")
     assert not gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
                            activation_clamp=10.0)[0].tma_store
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", "1")
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TMA_STORE")
     kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
                                  activation_clamp=10.0, tiled_weights=True)
     assert kernel.tma_store and kernel.staging_stride == kernel.tile_row_bytes
@@ -444,15 +453,16 @@ def test_sm90_tma_store_compiles(phase, block_m, monkeypatch):
                            block_m, combine_layout=layout)[0].tma_store
     with pytest.raises(ValueError, match="tma_store"):
         Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m, tma_store=True)
+    assert not Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m).tma_store
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_tma_store_is_bit_identical(block_m, monkeypatch):
-    """The rows sent by TMA tensor stores (`CUTE_MEGAMOE_SM90_TMA_STORE`: L1's into the L2
-    pool, L2's into `out`) equal the row copies' bit for bit, every valid row written to its
-    last column (warps whose 16 rows all hold tokens: the stores; warps with pad rows: their
-    lanes' copies), pad rows untouched."""
+    """The rows sent by TMA tensor stores (the fp8xfp8 default: L1's into the L2 pool, L2's
+    into `out`) equal the row copies' (``CUTE_MEGAMOE_SM90_TMA_STORE=0``) bit for bit, every
+    valid row written to its last column (warps whose 16 rows all hold tokens: the stores;
+    warps with pad rows: their lanes' copies), pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
         assert_same_valid_rows,
@@ -469,29 +479,6 @@ def test_tma_store_is_bit_identical(block_m, monkeypatch):
             monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", value)
             results.append(run_fp8_ffn_poisoned(problem))
         assert_same_valid_rows(problem, results)
-
-
-def test_sm90_ring_options_force_the_kernel(monkeypatch):
-    """`CUTE_MEGAMOE_SM90_WG_SKEW` and `CUTE_MEGAMOE_SM90_STAGING_PARTS` (A/B options of the
-    ring at the tile boundary) reach the kernels; unset, the kernels' defaults (the fp8xfp8 L2
-    at BLOCK_M 128: skew 2, whole staging rows, 3 stages; in quarter rows 4 stages)."""
-    from cute_megamoe.launch import gemm_kernel
-
-    for name in ("CUTE_MEGAMOE_SM90_WG_SKEW", "CUTE_MEGAMOE_SM90_STAGING_PARTS"):
-        monkeypatch.delenv(name, raising=False)
-
-    def l2():
-        return gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, 8192, 7168, 2048, 128,
-                           tiled_weights=True)[0]
-
-    k = l2()
-    assert (k.wg_skew, k.staging_parts, k.num_stages) == (2, 1, 3)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_WG_SKEW", "1")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_STAGING_PARTS", "4")
-    k = l2()
-    assert (k.wg_skew, k.staging_parts, k.num_stages) == (1, 4, 4)
-    # (L1's staging rows stay whole: its requantization needs both chunks)
-    assert gemm_kernel("sm_90a", "fp8xfp8", "l1", 32, 8192, 4096, 7168, 128)[0].wg_skew == 1
 
 
 @pytest.mark.parametrize("arch,recipe", [("sm_90a", "fp8xfp8"), ("sm_100a", "fp8xfp4")])

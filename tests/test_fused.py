@@ -201,10 +201,8 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": "vote", "item": "item", "vote": "vote"}),
     ("CUTE_MEGAMOE_SM90_K_UNROLL", "sm90_k_unroll",
      {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
-    ("CUTE_MEGAMOE_SM90_WG_SKEW", "sm90_wg_skew", {"": None, "auto": None, "0": 0, "1": 1, "2": 2}),
-    ("CUTE_MEGAMOE_SM90_STAGING_PARTS", "sm90_staging_parts",
-     {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
-    ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store", {"": False, "0": False, "1": True})])
+    ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store",
+     {"": None, "auto": None, "0": False, "1": True})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""
@@ -294,19 +292,22 @@ def test_compiles_with_tiled_weights(recipe, monkeypatch):
 
 @pytest.mark.compile
 def test_compiles_with_unrolled_gemm_loops(monkeypatch):
-    """The GEMM phases' FP8 consumer loop four k-blocks per body (the grouped GEMMs' default
-    at BLOCK_M 128; in the fused kernel only forced, `CUTE_MEGAMOE_SM90_K_UNROLL`, not yet
-    measured there): four k-blocks' WGMMAs per phase, no spills."""
-    from cute_megamoe.kernels.sm90_mega_moe import FUSED_K_UNROLL
-
+    """The GEMM phases' FP8 consumer loop four k-blocks per body at BLOCK_M 128 (the grouped
+    GEMMs' default, `DEFAULT_K_UNROLL`; ``CUTE_MEGAMOE_SM90_K_UNROLL`` forces another): four
+    k-blocks' WGMMAs per phase, no spills; BLOCK_M 64 keeps one; the L1 rows go by row copies
+    (no TMA store in the fused kernel)."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    assert FUSED_K_UNROLL == 1
-    kernel, art = _compile("fp8xfp8", 128, tiled_weights=True, k_unroll=4)
+    kernel, art = _compile("fp8xfp8", 128, tiled_weights=True)
     assert kernel.l1.k_unroll == kernel.l2.k_unroll == 4
+    assert not kernel.l1.tma_store and not kernel.l2.tma_store
     if art.sass is not None:
         assert art.count("QGMMA") == 2 * 4 * 8  # (two phases, four k-blocks, eight WGMMAs)
         assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert _compile("fp8xfp8", 128)[0].l1.k_unroll == 1
+    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
+    assert Sm90MegaMoEKernel(layout, 128, k_unroll=1).l2.k_unroll == 1
+    assert Sm90MegaMoEKernel(layout, 64).l1.k_unroll == 1
 
 
 @pytest.mark.compile
@@ -448,14 +449,15 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_unrolled_gemm_loops_match_staged(monkeypatch):
-    """The fused kernel with its GEMM phases' FP8 loop four k-blocks per body (forced by
-    `CUTE_MEGAMOE_SM90_K_UNROLL`; its default stays one) against the staged layer, BLOCK_M 128,
-    uneven routings."""
+def test_fused_one_k_block_loops_match_staged(monkeypatch):
+    """The fused kernel with its GEMM phases' FP8 loop one k-block per body (forced by
+    ``CUTE_MEGAMOE_SM90_K_UNROLL=1``; the default at BLOCK_M 128 is four, which the other
+    tests run) against the staged layer (which it also forces), BLOCK_M 128, uneven
+    routings."""
     _gpu("fp8xfp8", monkeypatch)
     from cute_megamoe.testing.fused_checks import FusedLayer
 
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", "4")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", "1")
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
     layer.warm_up((128,))
     for i, (n, routing) in enumerate([(300, "one_expert"), (129, "masked"), (77, "skewed"),

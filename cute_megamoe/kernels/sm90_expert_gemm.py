@@ -46,8 +46,9 @@ requantization group per row. The epilogue is asynchronous: each consumer warp w
 rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
 tile rows, or for BF16 a chunk or half a chunk at a time where that leaves room for one more
 pipeline stage), and 16 of its lanes send the valid rows to global memory (or, for L2 with
-``combine_layout``, to the combine buffers) with one 1-D bulk copy each, so the warp goes on
-to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
+``combine_layout``, to the combine buffers) with one 1-D bulk copy each (fp8xfp8 into ``out``:
+whole 128-byte-swizzled boxes of 16 rows by TMA tensor stores, ``tma_store``), so the warp goes
+on to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
 writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
 tile). Pad rows beyond an expert's count are never written. In L2 the second consumer warpgroup
 starts two k-blocks after the first (``wg_skew``), so the two epilogues do not leave the tensor
@@ -116,9 +117,15 @@ PROMOTIONS = ("chunk", "quarter")
 # fp8xfp8 at BLOCK_M 128, 4: 0.908-0.951x the time of 1 at 256 x 256, 0.920-0.986x at 32 x 1024
 # (ncu L1 at 32 x 1024: tensor pipe 82.5 % busy against 75.8 %); 8 took about 2x (ncu L1: 28 %
 # busy, not diagnosed); at BLOCK_M 64 (the quarter promotion) 4 took 1.02-1.19x, and with
-# MXFP4 weights 1.03-1.09x. The fused kernel keeps 1 (not measured there)
+# MXFP4 weights 1.03-1.09x. The fused kernel takes the same (its layer at R = 1: 0.968-0.971x
+# the time of 1 at 4096-8192 tokens, BLOCK_M 128)
 DEFAULT_K_UNROLL = {("fp8xfp8", 128): 4}
 K_UNROLLS = (1, 2, 4)
+# fp8xfp8 rows into `out` by TMA tensor stores of swizzled boxes (`tma_store` None). Measured
+# interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): 0.952-0.960x the
+# time of the row copies at 256 x 256, 0.956-0.977x at 32 x 1024 (BLOCK_M 128 and 64); ncu L2
+# at 32 x 1024: tensor pipe 76.8 % busy against 71.6 %
+DEFAULT_TMA_STORE = True
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
@@ -168,7 +175,7 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None,
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
-                 k_unroll: int | None = None, tma_store: bool = False):
+                 k_unroll: int | None = None, tma_store: bool | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -194,12 +201,13 @@ class Sm90ExpertGemmKernel:
         self.tiled_weights = bool(tiled_weights)
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
-        # `tma_store` (fp8xfp8 into `out`, an A/B option): each consumer warp stages its 16
-        # rows in 128-byte-swizzled boxes of 128-byte rows and sends a warp whose rows all hold
-        # tokens with one TMA tensor store per box (L2: 4 per 256-column tile; L1: 1) instead
-        # of 16 row copies; a warp with pad rows sends its valid rows from the boxes itself.
-        # The test of the reading that a tile's 128 row copies hold the TMA unit from the next
-        # stages' loads (docs/performance.md, "The FP8 mainloop, 2026-12-03")
+        # `tma_store` (None: fp8xfp8 into `out`, `DEFAULT_TMA_STORE`): each consumer warp stages
+        # its 16 rows in 128-byte-swizzled boxes of 128-byte rows and sends a warp whose rows all
+        # hold tokens with one TMA tensor store per box (L2: 4 per 256-column tile; L1: 1)
+        # instead of 16 row copies; a warp with pad rows sends its valid rows from the boxes
+        # itself. The tile's 128 row copies held the TMA unit from the next stages' loads
+        if tma_store is None:
+            tma_store = DEFAULT_TMA_STORE and recipe == "fp8xfp8" and not self.to_combine
         if tma_store and (recipe != "fp8xfp8" or self.to_combine):
             raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
         self.tma_store = bool(tma_store)

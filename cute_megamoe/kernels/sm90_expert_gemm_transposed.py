@@ -77,7 +77,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
-                         staging_parts=1, promotion="chunk",
+                         staging_parts=1, promotion="chunk", tma_store=False,
                          tiled_weights=tiled_weights, decode_tables=decode_tables)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks

@@ -138,10 +138,6 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # the FP4 experiment's decode tables: a branch per item, as it was measured (the grouped GEMMs'
 # default "vote" is not measured in the fused kernel)
 FUSED_DECODE_TABLES = "item"
-# the GEMM phases' consumer loop one k-block per body: the grouped GEMMs' unrolled loop
-# (`sm90_expert_gemm.DEFAULT_K_UNROLL`) is not measured in the fused kernel yet
-# (`CUTE_MEGAMOE_SM90_K_UNROLL` forces it there too, for that A/B)
-FUSED_K_UNROLL = 1
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
@@ -273,14 +269,16 @@ class Sm90MegaMoEKernel:
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
-        # (the GEMM phases' k-blocks per consumer loop body: `FUSED_K_UNROLL` unless forced)
-        k_unroll = FUSED_K_UNROLL if k_unroll is None else k_unroll
+        # (the GEMM phases' k-blocks per consumer loop body: the grouped GEMMs' default,
+        # `sm90_expert_gemm.DEFAULT_K_UNROLL`, unless forced; the L1 rows go to the L2 pool by
+        # row copies: the TMA store is not built into the fused kernel)
         self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
                                        activation_clamp=activation_clamp, fast_math=fast_math,
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
                                        promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll)
+                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
+                                       tma_store=False)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
