@@ -356,7 +356,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
             extra["k_unroll"] = sm90_k_unroll()
-        if recipe == "fp8xfp8" and combine_layout is None:
+        if (recipe == "fp8xfp8" and combine_layout is None) or (recipe, phase) == ("fp8xfp4_sm90",
+                                                                                 "l1"):
             extra["tma_store"] = sm90_tma_store()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:

@@ -208,8 +208,11 @@ class Sm90ExpertGemmKernel:
         # itself. The tile's 128 row copies held the TMA unit from the next stages' loads
         if tma_store is None:
             tma_store = DEFAULT_TMA_STORE and recipe == "fp8xfp8" and not self.to_combine
-        if tma_store and (recipe != "fp8xfp8" or self.to_combine):
-            raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
+        # (MXFP4 weights: L1 only, an A/B option; their L2 stages its rows in quarter rows to
+        # keep its stages, the boxes need whole ones)
+        if tma_store and (recipe == "bf16xbf16" or self.to_combine
+                          or (self.fp4_weights and phase == "l2")):
+            raise ValueError("tma_store: the FP8 GEMMs into `out` only (MXFP4 weights: L1 only)")
         self.tma_store = bool(tma_store)
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
         # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
