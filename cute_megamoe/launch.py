@@ -34,7 +34,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_fp4_producer_decode,
     sm90_fp4_tables,
     sm90_k_unroll,
     sm90_promotion,
@@ -357,11 +356,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
             extra["k_unroll"] = sm90_k_unroll()
-        if (recipe == "fp8xfp8" and combine_layout is None) or (recipe, phase) == ("fp8xfp4_sm90",
-                                                                                 "l1"):
+        if recipe == "fp8xfp8" and combine_layout is None:
             extra["tma_store"] = sm90_tma_store()
-        if recipe == "fp8xfp4_sm90" and block_m == 128:
-            extra["producer_decode"] = sm90_fp4_producer_decode()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -415,8 +411,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll(),
-                sm90_tma_store() if not to_combine else None,
-                sm90_fp4_producer_decode() if fp4 else None)
+                sm90_tma_store() if not to_combine else None)
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 

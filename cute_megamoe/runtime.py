@@ -214,14 +214,6 @@ def sm90_fp4_tables() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_FP4_TABLES", ("vote", "item"))
 
 
-def sm90_fp4_producer_decode() -> bool:
-    """``CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE``: "1" lets the producer warpgroup's two idle
-    warps decode too in the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M 128
-    (`Sm90ExpertGemmKernel`'s ``producer_decode``: six decode warps instead of four), for A/B
-    runs; "0" or unset: off. Part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE", ("0", "1")) == "1"
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first
@@ -281,8 +273,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
-                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
-                      "CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE")
+                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -123,8 +123,7 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
-                                             (128, "producer_decode")])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
@@ -187,38 +186,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
                                  64),
             "tables_item": (ITEM, 64),
             "tables_item_128": (ITEM, 128),
-            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),
-            "producer_decode": ({"CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE": "1"}, 128)}
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_producer_decode_compiles(phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE=1` (BLOCK_M 128): the producer warpgroup's warps 2
-    and 3 decode beside the decode warpgroup, six decode warps in 48-row passes (the last pass
-    two warps wide): a second copy of the decode (the same permutes per item, items of 2), no
-    spills at 40 registers; refused where it does not apply."""
-    from cute_megamoe.kernels.sm90_expert_gemm import FP4_PRODUCER_DECODE, Sm90ExpertGemmKernel
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE", "1")
-    kernel, art = _compile(phase, 128)
-    assert kernel.decode_warps == 6 and kernel.num_threads == 4 * 128
-    assert (kernel.producer_regs, kernel.decode_regs, kernel.consumer_regs,
-            kernel.decode_batch) == FP4_PRODUCER_DECODE
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE")
-    base_kernel, base = _compile(phase, 128)
-    assert base_kernel.decode_warps == 4
-    with pytest.raises(ValueError, match="BLOCK_M 128"):
-        Sm90ExpertGemmKernel(phase, RECIPE, 8, 4096, 4096, 7168, 64, producer_decode=True)
-    with pytest.raises(ValueError, match="FP4"):
-        Sm90ExpertGemmKernel(phase, "fp8xfp8", 8, 4096, 4096, 7168, 128, producer_decode=True)
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # items per decode thread: 8 (four warps), 6 (decode warpgroup) and 5 + a copy (producer)
-    assert art.count("PRMT") == base.count("PRMT") * 12 // 8
-    assert art.count("STS.128") == base.count("STS.128") * 12 // 8
-    assert art.count("STL") == 0 and art.count("LDL") == 0
-    assert art.resource_usage()["LOCAL"] == 0
+            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64)}
 
 
 @pytest.mark.compile

@@ -202,9 +202,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_K_UNROLL", "sm90_k_unroll",
      {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
     ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store",
-     {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_SM90_FP4_PRODUCER_DECODE", "sm90_fp4_producer_decode",
-     {"": False, "0": False, "1": True})])
+     {"": None, "auto": None, "0": False, "1": True})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

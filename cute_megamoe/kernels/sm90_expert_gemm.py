@@ -143,9 +143,6 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
-# `producer_decode`: (producer and decode warpgroups' registers, consumers', decode batch): the
-# producer warpgroup's decode warps need the decode's registers; two items a batch fit in 40
-FP4_PRODUCER_DECODE = (40, 40, 216, 2)
 DECODE_TABLES = ("item", "vote")
 # "vote" tables: items whose codes load before the batch's vote, each later item's while the
 # item VOTE_AHEAD before it decodes. Measured interleaved on an H200 (docs/performance.md): 1
@@ -178,8 +175,7 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None,
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
-                 k_unroll: int | None = None, tma_store: bool | None = None,
-                 producer_decode: bool = False):
+                 k_unroll: int | None = None, tma_store: bool | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -212,11 +208,8 @@ class Sm90ExpertGemmKernel:
         # itself. The tile's 128 row copies held the TMA unit from the next stages' loads
         if tma_store is None:
             tma_store = DEFAULT_TMA_STORE and recipe == "fp8xfp8" and not self.to_combine
-        # (MXFP4 weights: L1 only, an A/B option; their L2 stages its rows in quarter rows to
-        # keep its stages, the boxes need whole ones)
-        if tma_store and (recipe == "bf16xbf16" or self.to_combine
-                          or (self.fp4_weights and phase == "l2")):
-            raise ValueError("tma_store: the FP8 GEMMs into `out` only (MXFP4 weights: L1 only)")
+        if tma_store and (recipe != "fp8xfp8" or self.to_combine):
+            raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
         self.tma_store = bool(tma_store)
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
         # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
@@ -258,25 +251,12 @@ class Sm90ExpertGemmKernel:
         self.amax_exchange_len = 4
         # (decode_regs: only FP4-weight kernels have decode warpgroups)
         self.decode_wgs = 0
-        self.producer_decode_warps = 0
-        if producer_decode and not self.fp4_weights:
-            raise ValueError("producer_decode: FP4 weights (fp8xfp4_sm90) only")
         self.producer_regs, self.decode_regs, self.consumer_regs = \
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
             config = FP4_WARPGROUPS[self.num_mma_wgs]
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
              batch) = config
-            # `producer_decode` (BLOCK_M 128, an A/B option): the producer warpgroup's two idle
-            # warps decode beside the decode warpgroup (six decode warps instead of four; at
-            # large M one warp per scheduler sets the pace of the decode, not its issue slots),
-            # each warpgroup at the registers of `FP4_PRODUCER_DECODE`
-            if producer_decode:
-                if self.num_mma_wgs != 2:
-                    raise ValueError("producer_decode: FP4 weights at BLOCK_M 128 only")
-                self.producer_decode_warps = 2
-                self.producer_regs, self.decode_regs, self.consumer_regs, batch = \
-                    FP4_PRODUCER_DECODE
             self.decode_batch = batch if decode_batch is None else decode_batch
             if self.decode_batch not in (1, 2, 4, 8):
                 raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
@@ -292,9 +272,6 @@ class Sm90ExpertGemmKernel:
         if decode_tables not in DECODE_TABLES:
             raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
         self.decode_tables = decode_tables
-        # the warps that decode: the decode warpgroups' and, with `producer_decode`, two of
-        # the producer warpgroup's
-        self.decode_warps = 4 * self.decode_wgs + self.producer_decode_warps
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -709,14 +686,6 @@ class Sm90ExpertGemmKernel:
                     storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
                     row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state)
                 packed_pipe.producer_tail(state)
-            elif cutlass.const_expr(self.producer_decode_warps > 0):
-                # (`producer_decode`: warps 2 and 3 decode after the decode warpgroup's threads)
-                self.decode_weights(ab_pipe, packed_pipe, storage.raw_b.data_ptr(),
-                                    storage.sb.data_ptr(), storage.sfb_packed.data_ptr(),
-                                    storage.sfg.data_ptr(), storage.decoded.data_ptr(),
-                                    block_start, row_start, num_tiles, first_tile, num_clusters,
-                                    raster_group, 128 + 32 * (warp - 2) + lane, lane,
-                                    *self.decode_states())
 
     def consumer_staging(self, staging: cute.Pointer, consumer_warp):
         """Consumer warp ``consumer_warp``'s staging rows (`ROWS_PER_WARP` of them)."""
@@ -1055,7 +1024,7 @@ class Sm90ExpertGemmKernel:
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=self.packed_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.decode_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.decode_wgs),
             tx_count=self.packed_ring_tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True)
 
@@ -1094,14 +1063,14 @@ class Sm90ExpertGemmKernel:
         """FP4 weights: one mbarrier per stage, complete once the decode warps wrote its tile."""
         if tidx == 32:
             for s in cutlass.range_constexpr(self.num_stages):
-                cute.arch.mbarrier_init(decoded + s, self.decode_warps)
+                cute.arch.mbarrier_init(decoded + s, 4 * self.decode_wgs)
 
     @cute.jit
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
                        raster_group: Int32, tid: Int32, lane: Int32, state, packed):
-        """The decode warps (FP4 weights), ``tid`` in [0, 32 x decode_warps): for every
+        """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
         k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
         (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
         num_tiles), once the TMA has filled its packed stage and the MMA has freed its MMA stage
@@ -1141,11 +1110,8 @@ class Sm90ExpertGemmKernel:
         shift of a group is its UE8M0 scale over its 128x128 block's base ``2**b`` (the block
         scale: L1 row groups of 8 alternate gate and up blocks, the same for all rows of a
         thread)."""
-        rows_per_pass = 8 * self.decode_warps
-        # an item's first tile row is row0 + its offset; with six decode warps the last pass
-        # covers what is left of the tile (48-row passes), its other threads decode a copy of
-        # row block_n - 1 and store nothing (warp-uniform)
-        items = list(range(0, self.block_n, rows_per_pass))
+        rows_per_pass = 128 * self.decode_wgs // 4
+        items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
         batch = min(len(items), self.decode_batch)
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
@@ -1165,16 +1131,10 @@ class Sm90ExpertGemmKernel:
             cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N + tile_row)
                                          * row_bytes + group * 16), dst)
 
-        def store_item(sb, out, stage_base, pieces):  # e4m3 bytes: two swizzled 16-byte pieces
-            for half in cutlass.range_constexpr(2):
-                cute.autovec_copy(out[half], smem_words(sb, stage_base + pieces[half] * 16))
-
         for first in cutlass.range_constexpr(0, len(items), batch):
             codes, shifts, rows = [], [], []
-            for offset in items[first:first + batch]:
-                tile_row = row0 + offset  # (the item's tile row)
-                if cutlass.const_expr(offset + rows_per_pass > self.block_n):
-                    tile_row = cutlass.min(tile_row, self.block_n - 1)
+            for chunk, p in items[first:first + batch]:
+                tile_row = chunk * WG_N + row0 + rows_per_pass * p  # (the item's tile row)
                 rows.append(tile_row)
                 codes.append(cute.make_rmem_tensor(4, Int32))
                 # ("vote": the first VOTE_AHEAD items' codes here, each later item's while the
@@ -1185,10 +1145,8 @@ class Sm90ExpertGemmKernel:
                     load_codes(codes[-1], tile_row)
                 if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
                     block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
-                elif cutlass.const_expr(WG_N % rows_per_pass == 0):
-                    block = self.chunks * n_block + offset // WG_N
                 else:
-                    block = self.chunks * n_block + tile_row // WG_N
+                    block = self.chunks * n_block + chunk
                 base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
                 ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
                 shifts.append(ue8m0 - base)
@@ -1207,10 +1165,9 @@ class Sm90ExpertGemmKernel:
                 for q in cutlass.range_constexpr(4):
                     out[0][q], out[1][q] = decode_e2m1_word(codes[j][q], lut_lo, lut_hi)
                 stage_base = state.index * self.chunks * chunk_bytes + rows[j] * self.block_k
-                if cutlass.const_expr(items[first + j] + rows_per_pass <= self.block_n):
-                    store_item(sb, out, stage_base, pieces)
-                elif row0 + items[first + j] < self.block_n:  # (the partial last pass)
-                    store_item(sb, out, stage_base, pieces)
+                for half in cutlass.range_constexpr(2):
+                    cute.autovec_copy(out[half],
+                                      smem_words(sb, stage_base + pieces[half] * 16))
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):
