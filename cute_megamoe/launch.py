@@ -37,6 +37,7 @@ from .runtime import (
     sm90_fp4_tables,
     sm90_k_unroll,
     sm90_promotion,
+    sm90_row_stores,
     sm90_tma_store,
     sm90_transposed,
     sm90_transposed_a_rows,
@@ -358,6 +359,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
             extra["k_unroll"] = sm90_k_unroll()
         if recipe == "fp8xfp8" and combine_layout is None:
             extra["tma_store"] = sm90_tma_store()
+        if combine_layout is not None:
+            extra["row_stores"] = sm90_row_stores()
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
@@ -411,7 +414,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll(),
-                sm90_tma_store() if not to_combine else None)
+                sm90_tma_store() if not to_combine else sm90_row_stores())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}
 
@@ -470,6 +473,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     clocked, logged = phase_clock is not None, tile_log is not None
     promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
     k_unroll = sm90_k_unroll() if state.arch == "sm_90a" and layout.has_sf else None
+    row_stores = sm90_row_stores() if state.arch == "sm_90a" else None
     if row_transfer is None and state.arch == "sm_90a":
         row_transfer = fused_rows()
     if weights_first is None and state.arch == "sm_90a":
@@ -486,7 +490,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, k_unroll, row_transfer,
-           weights_first, tiled, stages, local, search)
+           weights_first, tiled, stages, local, search, row_stores)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -509,7 +513,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  tiled_weights=tiled, stages_inputs=stages,
                                  local_dispatch=local, owner_search=search,
-                                 k_unroll=k_unroll)
+                                 k_unroll=k_unroll, row_stores=row_stores)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -176,6 +176,15 @@ def sm90_tma_store() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
+def sm90_row_stores() -> str:
+    """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
+    send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): ``bulk``
+    (the default: a bulk copy per row) or ``lanes`` (each warp's lanes copy the row 16 bytes
+    apart; for A/B runs). Part of the grouped GEMMs' and the fused kernel's cache keys; ranks
+    may differ (it changes how a rank writes, not what)."""
+    return env_choice("CUTE_MEGAMOE_SM90_ROW_STORES", ("bulk", "lanes"))
+
+
 def tile_owner_search() -> str:
     """``CUTE_MEGAMOE_TILE_SEARCH``: how the sm_90a grouped GEMMs' and fused kernel's tile walk
     finds a tile's expert (`scheduler.device.ExpertTileScheduler.owner_of`): ``gallop`` (the
@@ -273,7 +282,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
-                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE")
+                      "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
+                      "CUTE_MEGAMOE_SM90_ROW_STORES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

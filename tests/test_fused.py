@@ -202,7 +202,9 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_K_UNROLL", "sm90_k_unroll",
      {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
     ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store",
-     {"": None, "auto": None, "0": False, "1": True})])
+     {"": None, "auto": None, "0": False, "1": True}),
+    ("CUTE_MEGAMOE_SM90_ROW_STORES", "sm90_row_stores",
+     {"": "bulk", "bulk": "bulk", "lanes": "lanes"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""
@@ -215,6 +217,29 @@ def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     monkeypatch.setenv(name, "sometimes")
     with pytest.raises(ValueError, match=name):
         getattr(runtime, getter)()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_lane_row_stores_compile(block_m):
+    """``row_stores="lanes"``: the L2's row copies into the combine buffers become the warp's
+    16 rows, each copied by the lanes with 16-byte shared loads and global stores (16 of each
+    more per consumer thread, the rows' addresses by shuffles), one bulk copy site fewer; no
+    spills. The grouped GEMMs refuse it where rows go to ``out``."""
+    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+
+    base_kernel, base = _compile("fp8xfp8", block_m)
+    kernel, art = _compile("fp8xfp8", block_m, row_stores="lanes")
+    assert (base_kernel.l2.row_stores, kernel.l2.row_stores) == ("bulk", "lanes")
+    assert kernel.l1.row_stores == "bulk"
+    with pytest.raises(ValueError, match="row_stores"):
+        Sm90ExpertGemmKernel("l2", "fp8xfp8", 8, 4096, 7168, 2048, 128, row_stores="lanes")
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("STG.E.128") == base.count("STG.E.128") + 16
+    assert art.count("LDS.128") == base.count("LDS.128") + 16
+    assert art.count("UBLKCP") == base.count("UBLKCP") - 1
+    _assert_no_spills_and_async_wgmma(art)
 
 
 @pytest.mark.compile
@@ -463,6 +488,31 @@ def test_fused_one_k_block_loops_match_staged(monkeypatch):
     for i, (n, routing) in enumerate([(300, "one_expert"), (129, "masked"), (77, "skewed"),
                                       (0, "random"), (1, "random")]):
         layer.check_call((n,), routing, {0: 128}, seed=40 + i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_lane_row_stores_match_staged(recipe, monkeypatch):
+    """``CUTE_MEGAMOE_SM90_ROW_STORES=lanes`` (the L2 rows into the combine buffers by the
+    warps' 16-byte stores, not bulk copies): the fused kernel against the staged layer at
+    R = 1 (uneven routings, both BLOCK_Ms) and on a two-rank loopback group, where the staged
+    layer's L2 writes the combine buffers the same way (different token counts and BLOCK_M per
+    rank, 0 tokens on a rank, back-to-back calls)."""
+    _gpu(recipe, monkeypatch)
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_ROW_STORES", "lanes")
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
+    layer.warm_up((64, 128))
+    for i, (n, routing) in enumerate([(300, "one_expert"), (129, "masked"), (77, "skewed"),
+                                      (0, "random"), (1, "random")]):
+        for block_m in (64, 128):
+            layer.check_call((n,), routing, {0: block_m}, seed=60 + i)
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
+    layer.warm_up((64, 128))
+    layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=66)
+    check_fused_calls(layer, 12, 200, seed=67)
 
 
 @pytest.mark.gpu

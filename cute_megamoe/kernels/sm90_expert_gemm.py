@@ -131,6 +131,7 @@ SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
+ROW_STORES = ("bulk", "lanes")
 OUT_BOX_BYTES = 128  # bytes of a row of one TMA store box (`tma_store`): the swizzle's span
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
@@ -175,7 +176,8 @@ class Sm90ExpertGemmKernel:
                  promotion: str | None = None,
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
-                 k_unroll: int | None = None, tma_store: bool | None = None):
+                 k_unroll: int | None = None, tma_store: bool | None = None,
+                 row_stores: str = "bulk"):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -211,6 +213,16 @@ class Sm90ExpertGemmKernel:
         if tma_store and (recipe != "fp8xfp8" or self.to_combine):
             raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
         self.tma_store = bool(tma_store)
+        # how a warp sends its staged rows to the combine buffers (L2 with `combine_layout`):
+        # "bulk" (the default), a bulk copy per row through the SM's TMA unit; "lanes" (an A/B
+        # option), the warp's lanes copy each row 16 bytes apart with vector loads and stores,
+        # which leaves the TMA unit to the next stages' loads (a tile's 128 row copies held it
+        # from them into `out`, "The FP8 epilogue by TMA tensor stores"). The combine's split
+        # barrier publishes either (a CTA barrier, then a release at the group's scope)
+        if row_stores not in ROW_STORES or (row_stores == "lanes" and not self.to_combine):
+            raise ValueError(f"row_stores: one of {ROW_STORES}, 'lanes' with combine_layout "
+                             f"only; got {row_stores!r}")
+        self.row_stores = row_stores
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
         # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
         # metadata is read once the tile's first stage is in (the producer acquired the rows'
@@ -1517,17 +1529,41 @@ class Sm90ExpertGemmKernel:
                    valid_m: Int32, lane: Int32, offset, nbytes: cutlass.Constexpr):
         """Send the warp's staged rows that hold received tokens: lane ``i < 16`` bulk-copies
         row ``warp_row0 + i`` (``nbytes`` from byte ``offset`` of the tile's row piece) to
-        ``row_dst + offset`` if it is valid."""
-        cute.arch.fence_view_async_shared()  # staging writes -> visible to the bulk copies
-        cute.arch.sync_warp()
-        if lane < ROWS_PER_WARP:
-            row = warp_row0 + lane
-            if row < valid_m:
-                prims.cp_async_bulk_global_shared_cta(
-                    cute.make_ptr(Uint8, row_dst + offset, cute.AddressSpace.gmem,
-                                  assumed_align=16),
-                    staging + lane * self.staging_stride, Int32(nbytes))
-            cute.arch.cp_async_bulk_commit_group()
+        ``row_dst + offset`` if it is valid (`row_stores` "lanes": the warp copies each valid
+        row, lane ``j`` its 16-byte pieces ``j``, ``j + 32``, ...)."""
+        if cutlass.const_expr(self.row_stores == "lanes"):
+            cute.arch.sync_warp()  # the warp's staging writes -> its lanes' reads
+            lo, hi = Int32(row_dst & 0xFFFFFFFF), Int32(row_dst >> 32)
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                dst = (Int64(cute.arch.shuffle_sync(hi, i)) << 32) | (
+                    Int64(cute.arch.shuffle_sync(lo, i)) & 0xFFFFFFFF)
+                if warp_row0 + i < valid_m:
+                    for u in cutlass.range_constexpr((nbytes // 16 + 31) // 32):
+                        piece = lane + 32 * u
+                        if cutlass.const_expr(32 * (u + 1) * 16 <= nbytes):
+                            self.copy_piece(staging, i, piece, dst, offset)
+                        elif piece * 16 < nbytes:
+                            self.copy_piece(staging, i, piece, dst, offset)
+        else:
+            cute.arch.fence_view_async_shared()  # staging writes -> visible to the bulk copies
+            cute.arch.sync_warp()
+            if lane < ROWS_PER_WARP:
+                row = warp_row0 + lane
+                if row < valid_m:
+                    prims.cp_async_bulk_global_shared_cta(
+                        cute.make_ptr(Uint8, row_dst + offset, cute.AddressSpace.gmem,
+                                      assumed_align=16),
+                        staging + lane * self.staging_stride, Int32(nbytes))
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def copy_piece(self, staging: cute.Pointer, row: Int32, piece: Int32, dst: Int64, offset):
+        """`row_stores` "lanes": 16 bytes ``piece`` of staged row ``row`` to ``dst + offset``."""
+        src = smem_words(staging, row * self.staging_stride + piece * 16)
+        out = cute.make_tensor(cute.make_ptr(Int32, dst + offset + piece * 16,
+                                             cute.AddressSpace.gmem, assumed_align=16),
+                               cute.make_layout(4))
+        cute.autovec_copy(src, out)
 
     @cute.jit
     def stage_boxes(self, vals: cute.Tensor, staging: cute.Pointer, lane: Int32,

@@ -188,7 +188,8 @@ class Sm90MegaMoEKernel:
                  weights_first: bool | None = None,
                  tiled_weights: bool = False,
                  stages_inputs: bool = False, local_dispatch: bool | None = None,
-                 owner_search: str = "gallop", k_unroll: int | None = None):
+                 owner_search: str = "gallop", k_unroll: int | None = None,
+                 row_stores: str = "bulk"):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -284,7 +285,8 @@ class Sm90MegaMoEKernel:
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
                                        cluster_m=self.cluster_m, promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll)
+                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
+                                       row_stores=row_stores)
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):
