@@ -176,13 +176,16 @@ def sm90_tma_store() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_row_stores() -> str:
+def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
-    send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): ``bulk``
-    (the default: a bulk copy per row) or ``lanes`` (each warp's lanes copy the row 16 bytes
-    apart; for A/B runs). Part of the grouped GEMMs' and the fused kernel's cache keys; ranks
-    may differ (it changes how a rank writes, not what)."""
-    return env_choice("CUTE_MEGAMOE_SM90_ROW_STORES", ("bulk", "lanes"))
+    send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
+    "auto": None, each kernel's default (the grouped GEMM a bulk copy per row, the fused kernel
+    the lanes' stores, `sm90_mega_moe.FUSED_ROW_STORES`); ``bulk`` or ``lanes`` (each warp's
+    lanes copy the row 16 bytes apart) force both, for A/B runs. Part of the grouped GEMMs' and
+    the fused kernel's cache keys; ranks may differ (it changes how a rank writes, not
+    what)."""
+    value = env_choice("CUTE_MEGAMOE_SM90_ROW_STORES", ("auto", "bulk", "lanes"))
+    return None if value == "auto" else value
 
 
 def tile_owner_search() -> str:

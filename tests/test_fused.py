@@ -204,7 +204,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store",
      {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_SM90_ROW_STORES", "sm90_row_stores",
-     {"": "bulk", "bulk": "bulk", "lanes": "lanes"})])
+     {"": None, "auto": None, "bulk": "bulk", "lanes": "lanes"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""
@@ -222,16 +222,19 @@ def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
 @pytest.mark.compile
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_lane_row_stores_compile(block_m):
-    """``row_stores="lanes"``: the L2's row copies into the combine buffers become the warp's
-    16 rows, each copied by the lanes with 16-byte shared loads and global stores (16 of each
-    more per consumer thread, the rows' addresses by shuffles), one bulk copy site fewer; no
-    spills. The grouped GEMMs refuse it where rows go to ``out``."""
+    """``row_stores="lanes"`` (the fused kernel's default): the L2's row copies into the combine
+    buffers become the warp's 16 rows, each copied by the lanes with 16-byte shared loads and
+    global stores (16 of each more per consumer thread than ``"bulk"``, the rows' addresses by
+    shuffles), one bulk copy site fewer; no spills. The grouped GEMMs keep bulk copies by
+    default and refuse lanes where rows go to ``out``."""
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
 
-    base_kernel, base = _compile("fp8xfp8", block_m)
-    kernel, art = _compile("fp8xfp8", block_m, row_stores="lanes")
+    base_kernel, base = _compile("fp8xfp8", block_m, row_stores="bulk")
+    kernel, art = _compile("fp8xfp8", block_m)
     assert (base_kernel.l2.row_stores, kernel.l2.row_stores) == ("bulk", "lanes")
     assert kernel.l1.row_stores == "bulk"
+    assert Sm90ExpertGemmKernel("l2", "fp8xfp8", 8, 4096, 7168, 2048, 128,
+                                row_stores=None).row_stores == "bulk"
     with pytest.raises(ValueError, match="row_stores"):
         Sm90ExpertGemmKernel("l2", "fp8xfp8", 8, 4096, 7168, 2048, 128, row_stores="lanes")
     if art.sass is None:

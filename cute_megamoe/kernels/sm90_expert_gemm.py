@@ -177,7 +177,7 @@ class Sm90ExpertGemmKernel:
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
-                 row_stores: str = "bulk"):
+                 row_stores: str | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -214,11 +214,13 @@ class Sm90ExpertGemmKernel:
             raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
         self.tma_store = bool(tma_store)
         # how a warp sends its staged rows to the combine buffers (L2 with `combine_layout`):
-        # "bulk" (the default), a bulk copy per row through the SM's TMA unit; "lanes" (an A/B
-        # option), the warp's lanes copy each row 16 bytes apart with vector loads and stores,
-        # which leaves the TMA unit to the next stages' loads (a tile's 128 row copies held it
-        # from them into `out`, "The FP8 epilogue by TMA tensor stores"). The combine's split
-        # barrier publishes either (a CTA barrier, then a release at the group's scope)
+        # "bulk" (None: the grouped GEMMs' default), a bulk copy per row through the SM's TMA
+        # unit; "lanes" (the fused kernel's default, `sm90_mega_moe.FUSED_ROW_STORES`), the
+        # warp's lanes copy each row 16 bytes apart with vector loads and stores, which leaves
+        # the TMA unit to the next stages' loads (a tile's 128 row copies held it from them into
+        # `out`, "The FP8 epilogue by TMA tensor stores"). The combine's split barrier publishes
+        # either (a CTA barrier, then a release at the group's scope)
+        row_stores = "bulk" if row_stores is None else row_stores
         if row_stores not in ROW_STORES or (row_stores == "lanes" and not self.to_combine):
             raise ValueError(f"row_stores: one of {ROW_STORES}, 'lanes' with combine_layout "
                              f"only; got {row_stores!r}")

@@ -138,6 +138,11 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # the FP4 experiment's decode tables: a branch per item, as it was measured (the grouped GEMMs'
 # default "vote" is not measured in the fused kernel)
 FUSED_DECODE_TABLES = "item"
+# how the L2 sends its rows to the combine buffers (`row_stores` None; the grouped GEMMs keep
+# "bulk"): the lanes' 16-byte stores, which leave the TMA unit to the ring's loads. Measured
+# against bulk row copies on an H200 (fused layer, R = 1, FP8, graph time, three runs,
+# docs/performance.md): 0.975-0.992x at 4096 tokens, 0.986-0.989x at 8192, 0.983x at 1024
+FUSED_ROW_STORES = "lanes"
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
@@ -189,7 +194,7 @@ class Sm90MegaMoEKernel:
                  tiled_weights: bool = False,
                  stages_inputs: bool = False, local_dispatch: bool | None = None,
                  owner_search: str = "gallop", k_unroll: int | None = None,
-                 row_stores: str = "bulk"):
+                 row_stores: str | None = None):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
@@ -286,7 +291,8 @@ class Sm90MegaMoEKernel:
                                        cluster_m=self.cluster_m, promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
                                        decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
-                                       row_stores=row_stores)
+                                       row_stores=(FUSED_ROW_STORES if row_stores is None
+                                                   else row_stores))
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):
