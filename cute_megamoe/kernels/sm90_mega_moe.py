@@ -140,8 +140,8 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 FUSED_DECODE_TABLES = "item"
 # how the L2 sends its rows to the combine buffers (`row_stores` None; the grouped GEMMs keep
 # "bulk"): the lanes' 16-byte stores, which leave the TMA unit to the ring's loads. Measured
-# against bulk row copies on an H200 (fused layer, R = 1, FP8, graph time, three runs,
-# docs/performance.md): 0.975-0.992x at 4096 tokens, 0.986-0.989x at 8192, 0.983x at 1024
+# against bulk row copies on an H200 (fused layer, R = 1, graph time, docs/performance.md): FP8
+# 0.975-0.992x at 4096 tokens and 0.986-0.989x at 8192 in four runs, BF16 0.959x / 0.994x
 FUSED_ROW_STORES = "lanes"
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
