@@ -39,6 +39,14 @@ shared-memory rows per token (L1: the token amax over the tile's 128 features me
 memory across the four warps) and the first 64 threads send the valid tokens' rows with one 1-D bulk
 copy each (`common.transposed_epilogue`).
 
+A/B option (``register_blocks`` 1, `CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS`; compiled and
+SASS-checked, not yet run on a GPU): with MXFP4 weights the tile's last m64 block is decoded by
+the consumer itself, straight into its WGMMAs' register A operand (per k-block, before the
+WGMMAs: the block's packed words of its rows, one table per row and 32-group by the same vote
+as the decode warps), while the decode warps only copy that block's packed codes and scale words
+into the MMA stage: a quarter less decode for them and 16 KB less shared-memory traffic per
+k-block of a 256-row tile (the untried split of docs/performance.md, issue 19).
+
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.
 """
