@@ -34,7 +34,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_fp4_register_blocks,
     sm90_fp4_tables,
     sm90_k_unroll,
     sm90_promotion,
@@ -350,10 +349,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
                                                 tiled_weights=tiled_weights,
-                                                a_rows=sm90_transposed_a_rows(),
-                                                register_blocks=(sm90_fp4_register_blocks()
-                                                                 if recipe == "fp8xfp4_sm90"
-                                                                 else 0), **extra)
+                                                a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
@@ -418,7 +414,6 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll(),
-                sm90_fp4_register_blocks() if fp4 and transposed else None,
                 sm90_tma_store() if not to_combine else sm90_row_stores())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}

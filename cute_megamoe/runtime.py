@@ -226,16 +226,6 @@ def sm90_fp4_tables() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_FP4_TABLES", ("vote", "item"))
 
 
-def sm90_fp4_register_blocks() -> int:
-    """``CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS``: how many m64 weight blocks of each tile the
-    consumer of the transposed sm_90a grouped GEMMs with MXFP4 weights decodes into the WGMMA's
-    register operand itself, the decode warps the rest into shared memory
-    (`Sm90TransposedExpertGemmKernel`'s ``register_blocks``): ``0`` (the default: the decode
-    warps all) or ``1``, for A/Bs (two spill the consumer). Part of the grouped GEMMs' cache
-    keys."""
-    return int(env_choice("CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS", ("0", "1")))
-
-
 def fused_weights_first() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``: "1" / "0" force the sm_90a fused kernel's
     ``weights_first`` on or off (tiles that find their pool block not ready load their first
@@ -296,7 +286,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
-                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS")
+                      "CUTE_MEGAMOE_SM90_ROW_STORES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -204,9 +204,7 @@ def test_owner_searches_compile(recipe, monkeypatch):
     ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store",
      {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_SM90_ROW_STORES", "sm90_row_stores",
-     {"": None, "auto": None, "bulk": "bulk", "lanes": "lanes"}),
-    ("CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS", "sm90_fp4_register_blocks",
-     {"": 0, "0": 0, "1": 1})])
+     {"": None, "auto": None, "bulk": "bulk", "lanes": "lanes"})])
 def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
     """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
     variable, and each is part of the layer plans' keys."""

@@ -103,7 +103,6 @@ from .common.sync import spin_timeout_ns, wait_reached
 
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
-WEIGHT_ROWS = 64  # weight rows of an m64 block (the transposed kernel's WGMMA M)
 QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # FP8 promotion by (recipe, BLOCK_M) (`promotion` None; "chunk" where not listed). Measured
 # interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): fp8xfp8 "quarter"
@@ -287,10 +286,6 @@ class Sm90ExpertGemmKernel:
         if decode_tables not in DECODE_TABLES:
             raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
         self.decode_tables = decode_tables
-        # FP4 weights: m64 weight blocks at the end of the tile that the consumers decode into
-        # the WGMMA's register operand themselves (the transposed kernel's `register_blocks`);
-        # the decode warps only copy their packed codes and scale words into the MMA stage
-        self.register_blocks = 0
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -1131,11 +1126,6 @@ class Sm90ExpertGemmKernel:
         thread)."""
         rows_per_pass = 128 * self.decode_wgs // 4
         items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
-        # (`register_blocks`: item (c, p) covers rows of m64 block 2 c + p; those of the
-        # register blocks are copied packed, `copy_packed_items`)
-        packed_items = [(c, p) for c, p in items if self.register_blocks > 0
-                        and 2 * c + p >= 2 * self.chunks - self.register_blocks]
-        items = [item for item in items if item not in packed_items]
         batch = min(len(items), self.decode_batch)
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
@@ -1192,38 +1182,6 @@ class Sm90ExpertGemmKernel:
                 for half in cutlass.range_constexpr(2):
                     cute.autovec_copy(out[half],
                                       smem_words(sb, stage_base + pieces[half] * 16))
-        for chunk, p in packed_items:
-            tile_row = chunk * WG_N + row0 + rows_per_pass * p
-            codes = cute.make_rmem_tensor(4, Int32)
-            load_codes(codes, tile_row)
-            self.store_packed_item(sb, state.index * self.chunks * chunk_bytes, 2 * chunk + p,
-                                   row0, group, codes, words[tile_row])
-
-    @cute.jit
-    def store_packed_item(self, sb: cute.Pointer, stage_offset: Int32,
-                          block: cutlass.Constexpr, block_row: Int32, group: Int32,
-                          codes: cute.Tensor, scale_word: Int32):
-        """`register_blocks`: group ``group`` of row ``block_row`` of m64 block ``block`` (a
-        register block) into the MMA stage at byte ``stage_offset`` as it came
-        (`packed_block_offsets`), and the row's word of UE8M0 scales (by the group-0 thread)."""
-        codes_at, scales_at = self.packed_block_offsets(block, block_row, group)
-        cute.autovec_copy(codes, smem_words(sb, stage_offset + codes_at))
-        if group == 0:
-            words = cute.make_tensor(
-                cute.make_ptr(Int32, sb.toint() + stage_offset + scales_at,
-                              cute.AddressSpace.smem, assumed_align=4), cute.make_layout(1))
-            words[0] = scale_word
-
-    def packed_block_offsets(self, block, block_row, group):
-        """`register_blocks`: byte offsets in an MMA stage of group ``group`` of row
-        ``block_row`` of m64 block ``block`` kept packed (16 bytes: in the 8 KB the block's e4m3
-        rows would take, 64 bytes a row, 16-byte unit ``group ^ (block_row / 2 % 4)``, so that
-        the eight rows a warp's consumer lanes read of one group hit distinct banks) and of the
-        row's word of UE8M0 scales (after the codes)."""
-        base = block * WEIGHT_ROWS * self.block_k
-        unit = group ^ ((block_row >> 1) & 3)
-        return (base + block_row * (self.block_k // 2) + unit * 16,
-                base + WEIGHT_ROWS * (self.block_k // 2) + block_row * 4)
 
     @cute.jit
     def load_b(self, tma_b, t_gb, t_sb, b_block: Int32, kb: Int32, stage: Int32, bar):

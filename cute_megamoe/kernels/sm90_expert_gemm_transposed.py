@@ -39,14 +39,6 @@ shared-memory rows per token (L1: the token amax over the tile's 128 features me
 memory across the four warps) and the first 64 threads send the valid tokens' rows with one 1-D bulk
 copy each (`common.transposed_epilogue`).
 
-A/B option (``register_blocks`` 1, `CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS`; compiled and
-SASS-checked, not yet run on a GPU): with MXFP4 weights the tile's last m64 block is decoded by
-the consumer itself, straight into its WGMMAs' register A operand (per k-block, before the
-WGMMAs: the block's packed words of its rows, one table per row and 32-group by the same vote
-as the decode warps), while the decode warps only copy that block's packed codes and scale words
-into the MMA stage: a quarter less decode for them and 16 KB less shared-memory traffic per
-k-block of a 256-row tile (the untried split of docs/performance.md, issue 19).
-
 Constraints: BLOCK_M 64, one consumer warpgroup, no clusters, ``N`` a multiple of 128 (256 for
 L1), ``K`` a multiple of 128; not in the fused kernel.
 """
@@ -59,9 +51,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float8E4M3FN, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from .common.fp4_decode import decode_e2m1_word, prmt, vote_tables
 from .common.transposed_epilogue import TransposedEpilogue
-from .sm90_expert_gemm import WG_N, Sm90ExpertGemmKernel
+from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
 TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
@@ -69,14 +60,6 @@ WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
 # k-block instead of two; each sub-block its own scratch, so the sums and their promotion
 # order are unchanged)
 SUBS_IN_FLIGHT = 2
-K_GROUPS = 4  # 32-code groups of a 128-deep k-block (one k32 WGMMA step each)
-
-
-@cute.jit
-def smem_word(address) -> Int32:
-    """The 32-bit word at shared-memory byte ``address``."""
-    return cute.make_tensor(cute.make_ptr(Int32, address, cute.AddressSpace.smem,
-                                          assumed_align=4), cute.make_layout(1))[0]
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -87,7 +70,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", register_blocks: int = 0):
+                 decode_tables: str = "vote"):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -112,20 +95,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                                    * (self.ab_dtype.width // 8))
         self.weight_blocks = self.block_n // WEIGHT_M
         self.token_blocks = block_m // TOKEN_N
-        # FP4 weights: the tile's last `register_blocks` m64 blocks decoded by the consumer
-        # into the WGMMA's register operand (the decode warps only copy their packed codes into
-        # the MMA stage, `Sm90ExpertGemmKernel.store_packed_item`): per k-block of a 256-row
-        # tile and block, 4 KB of codes read instead of 4 KB read, 8 KB of e4m3 written and
-        # 8 KB read by the WGMMAs, and a quarter of the decode warps' work moved to the
-        # consumer, which at decode sizes waits for them (an A/B option,
-        # `CUTE_MEGAMOE_SM90_FP4_REGISTER_BLOCKS`)
-        if register_blocks and (not self.fp4_weights
-                                or not 0 < register_blocks < self.weight_blocks):
-            raise ValueError(f"register_blocks: FP4 weights and fewer than the tile's "
-                             f"{self.weight_blocks} m64 blocks, got {register_blocks}")
-        # (a decode item's rows: one m64 block)
-        assert not register_blocks or 128 * self.decode_wgs // 4 == WEIGHT_M
-        self.register_blocks = register_blocks
         # L1: per-warp token amaxes, then the tile's
         self.amax_exchange_len = 5 * block_m
 
@@ -172,19 +141,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
                  for _ in range(SUBS_IN_FLIGHT)]
         quad = lane % 4
-        # `register_blocks`: their WGMMAs take A from registers, the thread's fragment of block
-        # i: word r + 2 h + 4 g is row 16 warp + lane / 4 + 8 r, columns 16 h + 4 quad ..
-        # 16 h + 4 quad + 3 of the k-block's 32-group g (`quant.SM90_GROUP_ORDER`)
-        rs = None
-        if cutlass.const_expr(self.register_blocks > 0):
-            tiled_rs = sm90_utils.make_trivial_tiled_mma(
-                Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
-                tiler_mn=(WEIGHT_M, TOKEN_N), a_source=warpgroup.OperandSource.RMEM)
-            thr_rs = tiled_rs.get_slice(warp_in_wg * 32 + lane)
-            frags = [thr_rs.make_fragment_A(thr_rs.partition_shape_A((WEIGHT_M, self.block_k)))
-                     for _ in range(self.register_blocks)]
-            rs = [tiled_rs, frags, tiled_rs.make_fragment_B(thr_rs.partition_B(st))]
         ctid = warp_in_wg * 32 + lane
         tile = first_tile
         owner = Int32(0)
@@ -204,13 +160,11 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)
-                if cutlass.const_expr(rs is not None):
-                    self.decode_register_blocks(rs[1], sb, stage, row_sb, warp_in_wg, lane)
-                tiled_mma, rs = self.mma_token_groups(
+                tiled_mma = self.mma_token_groups(
                     tiled_mma, lambda b, kk, stage=stage: t_rw[(None, None, kk,
                                                                 stage * self.weight_blocks + b)],
                     [row_sb[b // 2] for b in range(self.weight_blocks)], t_rt, parts, accs,
-                    sfa, stage, num_sub, quad, rs)
+                    sfa, stage, num_sub, quad)
                 ab_pipe.consumer_release(state)
                 state.advance()
             # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
@@ -226,57 +180,25 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         return state, prev, tile
 
     @cute.jit
-    def decode_register_blocks(self, frags: list, sb: cute.Tensor, stage: Int32, row_sb: list,
-                               warp_in_wg: Int32, lane: Int32):
-        """`register_blocks`: the thread's A fragments of the tile's last m64 blocks from their
-        packed codes in MMA stage ``stage`` (`Sm90ExpertGemmKernel.packed_block_offsets`): per
-        row ``r`` and 32-group ``g`` the word ``lane % 4`` of the group's codes through the
-        group's table (its UE8M0 scale over the row's block scale ``row_sb[chunk][r]``, as the
-        decode warps build it: `fp4_decode.vote_tables`)."""
-        stage_offset = stage * self.chunks * WG_N * self.block_k
-        row0 = 16 * warp_in_wg + lane // 4
-        base = sb.iterator.toint() + stage_offset
-        first = self.weight_blocks - self.register_blocks
-        for i in cutlass.range_constexpr(self.register_blocks):
-            block = first + i
-            shifts, words = [], []
-            for r in cutlass.range_constexpr(2):
-                exponent = (row_sb[block // 2][r].bitcast(Int32) >> 23) & 0xFF
-                _, scales_at = self.packed_block_offsets(block, row0 + 8 * r, 0)
-                scales = smem_word(base + scales_at)
-                for g in cutlass.range_constexpr(K_GROUPS):
-                    codes_at, _ = self.packed_block_offsets(block, row0 + 8 * r, g)
-                    words.append(smem_word(base + codes_at + 4 * (lane % 4)))
-                    shifts.append(prmt(scales, Int32(0), Int32(0x4440 + g)) - exponent)
-            tables = vote_tables(shifts)
-            frag_words = cute.recast_tensor(frags[i], Int32)
-            for r in cutlass.range_constexpr(2):
-                for g in cutlass.range_constexpr(K_GROUPS):
-                    t = r * K_GROUPS + g
-                    frag_words[r + 4 * g], frag_words[r + 2 + 4 * g] = decode_e2m1_word(
-                        words[t], tables[2 * t], tables[2 * t + 1])
-
-    @cute.jit
     def mma_token_groups(self, tiled_mma, a_of, block_scales: list, t_rt, parts, accs, sfa,
-                         stage: Int32, num_sub: Int32, quad: Int32, rs=None):
+                         stage: Int32, num_sub: Int32, quad: Int32):
         """One k-block of the thread's m64 blocks (``len(block_scales)`` of them; ``a_of(i,
         kk)``: block ``i``'s A operand of k32 step ``kk``): for each group of `SUBS_IN_FLIGHT`
         token sub-blocks with received tokens, their WGMMAs into the scratch ``parts`` (a
         sub-block past the tokens: nothing issued, nothing promoted), one wait, then the
         promotion ``accs[i][s][v] += parts[h][i][v] * (sa[token] * block_scales[i][r])``, value
-        ``v = c + 2 r + 4 j``: row ``r0 + 8 r``, token ``16 s + 8 j + 2 quad + c``. ``rs``:
-        `register_blocks`' (register-A MMA, fragments, its token operand), the last blocks'
-        WGMMAs. Returns ``tiled_mma`` and ``rs`` (their accumulate fields set)."""
+        ``v = c + 2 r + 4 j``: row ``r0 + 8 r``, token ``16 s + 8 j + 2 quad + c``. Returns
+        ``tiled_mma`` (its accumulate field set)."""
         nb = len(block_scales)
         for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
             if s0 < num_sub:
                 warpgroup.fence()
                 if s0 + 1 < num_sub:
-                    tiled_mma, rs = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage,
-                                                      s0, SUBS_IN_FLIGHT, rs)
+                    tiled_mma = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage, s0,
+                                                  SUBS_IN_FLIGHT)
                 else:
-                    tiled_mma, rs = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage,
-                                                      s0, 1, rs)
+                    tiled_mma = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage, s0,
+                                                  1)
                 warpgroup.wait_group(0)
                 for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
                     if s0 + h < num_sub:
@@ -289,11 +211,11 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                                         v = c + 2 * r + 4 * j
                                         accs[i][s][v] += parts[h][i][v] * (
                                             sa_tok * block_scales[i][r])
-        return tiled_mma, rs
+        return tiled_mma
 
     @cute.jit
     def issue_wgmmas(self, tiled_mma, a_of, nb: cutlass.Constexpr, t_rt, parts, stage,
-                     s0: cutlass.Constexpr, subs: cutlass.Constexpr, rs=None):
+                     s0: cutlass.Constexpr, subs: cutlass.Constexpr):
         """The WGMMAs of token sub-blocks ``s0 .. s0 + subs - 1`` of ``stage`` into their
         scratch ``parts[h]`` (each accumulates its k32 steps in order), each m64 block's A
         used by all of them before the next block's: few A descriptors are live at once, so
@@ -302,23 +224,16 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         descriptor in vector registers and moved it with an R2UR: 48 per k-block, about 80
         more instructions in the consumer's serial stream, for every tile). Returns
         ``tiled_mma``, whose accumulate field this sets (the caller rebinds it), with the
-        WGMMAs committed as one group; ``rs``: the last blocks' from registers (see
-        `mma_token_groups`), returned too."""
-        first_rs = nb - (0 if rs is None else self.register_blocks)
+        WGMMAs committed as one group."""
         for i in cutlass.range_constexpr(nb):
             for kk in cutlass.range_constexpr(self.block_k // 32):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kk > 0)
                 for h in cutlass.range_constexpr(subs):
-                    slot = stage * self.token_blocks + s0 + h
-                    if cutlass.const_expr(i < first_rs):
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kk > 0)
-                        cute.gemm(tiled_mma, parts[h][i], a_of(i, kk),
-                                  t_rt[(None, None, kk, slot)], parts[h][i])
-                    else:
-                        rs[0].set(warpgroup.Field.ACCUMULATE, kk > 0)
-                        cute.gemm(rs[0], parts[h][i], rs[1][i - first_rs][(None, None, kk)],
-                                  rs[2][(None, None, kk, slot)], parts[h][i])
+                    cute.gemm(tiled_mma, parts[h][i], a_of(i, kk),
+                              t_rt[(None, None, kk, stage * self.token_blocks + s0 + h)],
+                              parts[h][i])
         # (committed here, after the last WGMMA: a commit after the two paths meet made ptxas
         # add an empty WGMMA to carry the group's scoreboard)
         warpgroup.commit_group()
-        return tiled_mma, rs
+        return tiled_mma
 
