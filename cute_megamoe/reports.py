@@ -53,6 +53,12 @@ REPORT_NAMES = (
     PUSH_FIELD,
     RECIPE_FIELD,
     ROWS_FIELD,
+    # the fused kernel's stage waits inside a CTA (`sync.wait_stage`; value: the stage,
+    # target: the phase parity awaited)
+    "a free ring stage (loads)",
+    "a loaded packed weight stage (decode warps)",
+    "a free packed weight stage (packed loads)",
+    "a free ring stage (decode warps)",
 )
 
 

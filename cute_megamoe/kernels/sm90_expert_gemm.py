@@ -99,7 +99,7 @@ from .common.fp4_decode import decode_e2m1_word, e2m1_table, prmt, vote_tables
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
 from .common.pool import build_pool_prefix
 from .common.quant_math import FP8_E4M3_MAX, clamped_silu_mul, requant_exponent
-from .common.sync import spin_timeout_ns, wait_reached
+from .common.sync import spin_timeout_ns, wait_reached, wait_stage
 
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
@@ -408,6 +408,9 @@ class Sm90ExpertGemmKernel:
         # with a slot: every L1 tile signals that one counter and L2 waits once, for all of them
         self.ready_slot: int | None = None
         self.timeout_ns = spin_timeout_ns()
+        # bounded stage waits with stall reports in every role (`bounded_stage_wait`; the
+        # fused kernel's FP4 experiment sets it)
+        self.stage_reports = False
         # the scope of the fused kernel's cross-rank flags this phase waits on (the dispatch's
         # row arrivals: `sync.group_scope`, set by the fused kernel)
         self.sync_scope = "sys"
@@ -982,13 +985,14 @@ class Sm90ExpertGemmKernel:
     def produce_packed(self, tma_b, m_b, raw_b: cute.Tensor, packed_pipe, b_sf: cute.Pointer,
                        b_group_sf: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
                        block_start, row_start, num_tiles: Int32, first_tile: Int32,
-                       num_clusters: Int32, raster_group: Int32, lane: Int32, state):
+                       num_clusters: Int32, raster_group: Int32, lane: Int32, state,
+                       barrier_slots: cute.Pointer = None):
         """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
         words and the k-block's weight block scales of every k-block of tiles ``first_tile``,
         ``first_tile + num_clusters``, ... ``< num_tiles`` into the packed stages,
         running up to `packed_stages` k-blocks ahead of the decode (the weights wait for
-        nothing). ``state``: the packed stages' producer state. Returns ``(state, the first
-        tile index past num_tiles)``."""
+        nothing). ``state``: the packed stages' producer state; ``barrier_slots``: see
+        `bounded_stage_wait`. Returns ``(state, the first tile index past num_tiles)``."""
         g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
         t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(raw_b, 0, 2),
@@ -1001,7 +1005,9 @@ class Sm90ExpertGemmKernel:
                 tile, owner, block_start, row_start, raster_group, Int32(0))
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             for kb in cutlass.range(self.num_k_blocks):
-                bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane)
+                bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane,
+                                         barrier_slots,
+                                         "a free packed weight stage (packed loads)")
                 self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
@@ -1018,10 +1024,14 @@ class Sm90ExpertGemmKernel:
         return state, tile
 
     @cute.jit
-    def acquire_stage(self, pipe, state, extra_tx_bytes: cutlass.Constexpr, lane: Int32):
+    def acquire_stage(self, pipe, state, extra_tx_bytes: cutlass.Constexpr, lane: Int32,
+                      barrier_slots: cute.Pointer = None,
+                      what: cutlass.Constexpr = "a free ring stage (loads)"):
         """The producer warp acquires the stage of ``state`` and returns its mbarrier. With
         ``extra_tx_bytes`` (a fused kernel's phase whose stages carry more scale bytes than the
-        ring's transaction count) it expects them before any copy of the stage can complete."""
+        ring's transaction count) it expects them before any copy of the stage can complete.
+        (``barrier_slots``, ``what``: see `bounded_stage_wait`.)"""
+        self.bounded_stage_wait(barrier_slots, pipe.sync_object_empty, state, what)
         pipe.producer_acquire(state)
         bar = pipe.producer_get_barrier(state)
         if cutlass.const_expr(extra_tx_bytes > 0):
@@ -1029,6 +1039,18 @@ class Sm90ExpertGemmKernel:
                 cute.arch.mbarrier_expect_tx(bar, extra_tx_bytes)
             cute.arch.sync_warp()
         return bar
+
+    @cute.jit
+    def bounded_stage_wait(self, barrier_slots: cute.Pointer, mbars, state,
+                           what: cutlass.Constexpr, mbar: cute.Pointer = None):
+        """With `stage_reports` and ``barrier_slots``: wait for the stage of ``state`` in the
+        mbarrier array ``mbars`` (or for ``mbar``) with a time limit and a stall report naming
+        ``what`` (`sync.wait_stage`), so that the role's own wait right after passes at once;
+        nothing otherwise (every other build compiles no such code)."""
+        if cutlass.const_expr(self.stage_reports and barrier_slots is not None):
+            if cutlass.const_expr(mbar is None):
+                mbar = mbars.get_barrier(state.index)
+            wait_stage(barrier_slots, mbar, state.phase, state.index, what, self.timeout_ns)
 
     def packed_pipeline(self, barriers: cute.Pointer):
         """FP4 weights: the packed stages' pipeline (TMA in, the decode warps free them); None
@@ -1083,14 +1105,16 @@ class Sm90ExpertGemmKernel:
     def decode_weights(self, ab_pipe, packed_pipe, raw_b: cute.Pointer, sb: cute.Pointer,
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
-                       raster_group: Int32, tid: Int32, lane: Int32, state, packed):
+                       raster_group: Int32, tid: Int32, lane: Int32, state, packed,
+                       barrier_slots: cute.Pointer = None):
         """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
         k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
         (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
         num_tiles), once the TMA has filled its packed stage and the MMA has freed its MMA stage
         (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
-        ``decoded`` barrier and free the packed stage. See `decode_chunks` for the items."""
+        ``decoded`` barrier and free the packed stage. See `decode_chunks` for the items
+        (``barrier_slots``: `bounded_stage_wait`)."""
         if cutlass.const_expr(self.fp4_weights):
             tile = first_tile
             owner = Int32(0)
@@ -1098,7 +1122,11 @@ class Sm90ExpertGemmKernel:
                 owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
                     tile, owner, block_start, row_start, raster_group, Int32(0))
                 for _kb in cutlass.range(self.num_k_blocks):
+                    self.bounded_stage_wait(barrier_slots, packed_pipe.sync_object_full, packed,
+                                            "a loaded packed weight stage (decode warps)")
                     packed_pipe.consumer_wait(packed)
+                    self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty, state,
+                                            "a free ring stage (decode warps)")
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
                     self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed)
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads

@@ -272,6 +272,10 @@ class Sm90MegaMoEKernel:
         self.sender_warps = 4 - self.first_sender_warp
         self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
                                      send_mode="epilogue")
+        # the combine's barriers wait behind every other wait of the call: a CTA stalled
+        # anywhere else is seen there first, so they get twice the time limit and the stalled
+        # wait itself makes the rank's report (one per rank: the first to time out)
+        self.combine.timeout_ns *= 2
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
@@ -313,6 +317,12 @@ class Sm90MegaMoEKernel:
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         self.l1.sync_scope = self.l2.sync_scope = self.dispatch.scope
+        # the FP4 experiment's loads and decode warps wait for their stages with time limits
+        # and stall reports (which wait, CTA and thread), as the cross-rank waits do: its
+        # intermittent stalls otherwise showed up only at the combine's barrier
+        # (docs/performance.md). Not the consumers: a report's registers in their loop made
+        # ptxas spill the accumulators
+        self.l1.stage_reports = self.l2.stage_reports = self.fp4_weights
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
         # `weights_first`: tiles whose pool block is not ready load their first stages'
         # weights before they wait (`Sm90ExpertGemmKernel.produce`). Loading them first for
@@ -612,12 +622,12 @@ class Sm90MegaMoEKernel:
                         tma_b1, m_b1, raw_b, packed_pipe, w1_sf, w1_group_sf,
                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
                         row_start, l1_tiles, cluster, num_clusters,
-                        Int32(self.l1.raster_group), lane, state)
+                        Int32(self.l1.raster_group), lane, state, barrier)
                     state, _ = self.l2.produce_packed(
                         tma_b2, m_b2, raw_b, packed_pipe, w2_sf, w2_group_sf,
                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
                         row_start, l2_tiles, tile - l1_tiles, num_clusters,
-                        Int32(self.l2.raster_group), lane, state)
+                        Int32(self.l2.raster_group), lane, state, barrier)
                     packed_pipe.producer_tail(state)
                     self.stamp(stamps, "packed_done", lane == 0)
             if cutlass.const_expr(self.rows_with_gemm):
@@ -653,7 +663,7 @@ class Sm90MegaMoEKernel:
             cute.arch.setmaxregister_decrease(self.combine_regs)
         elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
             self.decode(ring, packed_pipe, storage, decoded, block_start, row_start, l1_tiles,
-                        l2_tiles, cluster, num_clusters, wg, tidx, lane, stamps)
+                        l2_tiles, cluster, num_clusters, wg, tidx, lane, stamps, barrier)
 
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
@@ -769,9 +779,10 @@ class Sm90MegaMoEKernel:
     @cute.jit
     def decode(self, ring, packed_pipe, storage, decoded: cute.Pointer, block_start, row_start,
                l1_tiles: Int32, l2_tiles: Int32, cluster: Int32, num_clusters: Int32, wg: Int32,
-               tidx: Int32, lane: Int32, stamps: cute.Pointer):
+               tidx: Int32, lane: Int32, stamps: cute.Pointer, barrier: cute.Pointer):
         """A decode warpgroup (FP4 weights; nothing in other kernels): the weight tiles of the
-        L1 walk, then of the L2 walk, then the combine's registers."""
+        L1 walk, then of the L2 walk, then the combine's registers. (``barrier``: the rank's
+        barrier slots, for stall reports.)"""
         if cutlass.const_expr(self.fp4_weights):
             cute.arch.setmaxregister_decrease(self.l1.decode_regs)
             tid = tidx - 128 * self.num_gemm_wgs
@@ -781,11 +792,11 @@ class Sm90MegaMoEKernel:
             state, packed, tile = self.l1.decode_weights(
                 ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
                 l1_tiles, cluster, num_clusters, Int32(self.l1.raster_group), tid, lane, state,
-                packed)
+                packed, barrier)
             self.l2.decode_weights(
                 ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
                 l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), tid, lane,
-                state, packed)
+                state, packed, barrier)
             self.stamp(stamps, "decode_done", tid == 0)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)

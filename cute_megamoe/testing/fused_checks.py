@@ -77,7 +77,14 @@ class FusedLayer:
             else:
                 staged.staged_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
 
-        self.ranks.run(step)
+        try:
+            self.ranks.run(step)
+        except Exception as error:
+            # an earlier call's failed kernel surfaces at a later launch (torch's or the CuTe
+            # DSL's CUDA error): name it with the reports, as `synchronize` does
+            if "launchfailure" not in str(error).lower().replace(" ", ""):
+                raise
+            self.fail_with_reports(f"{kind} calls (an earlier call failed)", error)
 
     def synchronize(self, what: str) -> None:
         """Wait for the calls; a failed kernel raises naming the call (``what``) and every
@@ -86,9 +93,13 @@ class FusedLayer:
         try:
             torch.cuda.synchronize(self.device)
         except RuntimeError as error:  # (torch.AcceleratorError is one)
-            reports = [f"rank {b.rank}: {b.report()}" for b in self.ranks.buffers]
-            raise AssertionError(f"{what}: the calls failed ({error}); reports: "
-                                 f"{'; '.join(reports)}") from error
+            self.fail_with_reports(what, error)
+
+    def fail_with_reports(self, what: str, error: Exception) -> None:
+        """Raise an AssertionError naming ``what``, ``error`` and every rank's report."""
+        reports = [f"rank {b.rank}: {b.report()}" for b in self.ranks.buffers]
+        raise AssertionError(f"{what}: the calls failed ({error}); reports: "
+                             f"{'; '.join(reports)}") from error
 
     def warm_up(self, block_ms: tuple[int, ...]) -> None:
         """Load every kernel a later call uses with every rank using it (see `Ranks`: a

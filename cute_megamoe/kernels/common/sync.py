@@ -64,7 +64,7 @@ __all__ = [
     "grid_arrive", "grid_barrier", "group_scope",
     "report", "report_disagreement", "spin_timeout_ns", "split_barrier_arrive",
     "split_barrier_finish", "split_barrier_target", "split_barrier_wait", "wait_call_tag",
-    "wait_reached",
+    "wait_reached", "wait_stage",
 ]
 
 # Split-phase cross-rank barriers (arrive now, wait later): every call of a kernel that uses
@@ -166,6 +166,24 @@ def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
                     _report_stall(barrier_slots, what, value, target)
+
+
+@cute.jit
+def wait_stage(barrier_slots: cute.Pointer, mbar: cute.Pointer, phase: Int32, stage: Int32,
+               what: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
+    """Wait until phase parity ``phase`` of the shared-memory mbarrier ``mbar`` (a pipeline
+    stage's) has completed, as `cute.arch.mbarrier_wait`, but give up after ``timeout_ns`` with
+    a stall report naming ``what`` (value: ``stage``, target: ``phase``): a role of a
+    persistent kernel whose partner never arrives then shows up as which wait, in which CTA
+    and thread, instead of a hang that the other ranks only see at their next barrier."""
+    done = Int32(cute.arch.mbarrier_try_wait(mbar, phase))
+    if done == 0:
+        start = cute.arch.globaltimer()
+        while done == 0:
+            done = Int32(cute.arch.mbarrier_try_wait(mbar, phase))
+            if cutlass.const_expr(timeout_ns > 0):
+                if cute.arch.globaltimer() - start > Int64(timeout_ns):
+                    _report_stall(barrier_slots, what, stage, phase)
 
 
 @cute.jit
