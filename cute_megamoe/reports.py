@@ -59,6 +59,12 @@ REPORT_NAMES = (
     "a loaded packed weight stage (decode warps)",
     "a free packed weight stage (packed loads)",
     "a free ring stage (decode warps)",
+    # the FP4 experiment's watchdog over its consumers' k-blocks (value: k-blocks done,
+    # target: the CTA's k-blocks; `Sm90MegaMoEKernel.watch_consumers`), by the state of the
+    # stage they are at
+    "the consumers' next stage, not loaded (watchdog)",
+    "the consumers' next stage, not decoded (watchdog)",
+    "the consumers, past a loaded and decoded stage (watchdog)",
 )
 
 

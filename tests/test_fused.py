@@ -400,9 +400,10 @@ def test_compiles_with_stall_reports_and_asynchronous_wgmma(block_m):
 @pytest.mark.compile
 def test_fp4_experiment_bounds_its_stage_waits_without_spills():
     """The FP4 experiment's packed loads and decode warps wait for their stages with time
-    limits and stall reports (`Sm90ExpertGemmKernel.bounded_stage_wait`): six report sites
-    more than the same build without them (three waits in each of the two walks), and at
-    BLOCK_M 64 still no local memory; the other recipes build none."""
+    limits and stall reports (`Sm90ExpertGemmKernel.bounded_stage_wait`), and a watchdog warp
+    reports consumers that stop (`watch_consumers`): seven report sites more than the same
+    build without them (three waits in each of the two walks, the watchdog), and at BLOCK_M 64
+    still no local memory; the other recipes build none."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
@@ -412,19 +413,19 @@ def test_fp4_experiment_bounds_its_stage_waits_without_spills():
     arts = {}
     for reports in (True, False):
         kernel = Sm90MegaMoEKernel(layout, 64, activation_clamp=10.0, has_stats=True)
-        assert kernel.l1.stage_reports and kernel.l2.stage_reports
-        kernel.l1.stage_reports = kernel.l2.stage_reports = reports
+        assert kernel.l1.stage_reports and kernel.l2.stage_reports and kernel.watchdog
+        kernel.l1.stage_reports = kernel.l2.stage_reports = kernel.watchdog = reports
         ptrs = [fake_ptr(dtype, 4 if name in ("expert_recv_tokens", "stats",
                                               "pool_block_ready") else 16)
                 for name, dtype in kernel.pointer_args()]
         arts[reports] = compile_for_arch(kernel, ptrs[0], Int32(0), Int32(0), *ptrs[1:],
                                          Int32(132), fake_stream(), arch="sm_90a")
-    assert arts[True].ptx.count("trap;") == arts[False].ptx.count("trap;") + 6
+    assert arts[True].ptx.count("trap;") == arts[False].ptx.count("trap;") + 7
     if arts[True].sass is None:
         pytest.skip("nvdisasm not available: the spill check did not run")
     assert arts[True].count("STL") == 0 and arts[True].resource_usage()["LOCAL"] == 0
     fp8 = Sm90MegaMoEKernel(MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8"), 64)
-    assert not fp8.l1.stage_reports and not fp8.l2.stage_reports
+    assert not fp8.l1.stage_reports and not fp8.l2.stage_reports and not fp8.watchdog
 
 
 def test_the_fused_combine_waits_twice_as_long_as_the_rest():

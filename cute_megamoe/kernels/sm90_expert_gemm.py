@@ -1225,7 +1225,8 @@ class Sm90ExpertGemmKernel:
                 lane: Int32, topk_weights: cute.Pointer, out: cute.Pointer,
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
                 staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
-                decoded: cute.Pointer = None, exchange: cute.Pointer = None, out_store=None):
+                decoded: cute.Pointer = None, exchange: cute.Pointer = None, out_store=None,
+                progress: cute.Pointer = None):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
@@ -1235,7 +1236,8 @@ class Sm90ExpertGemmKernel:
         next tile's WGMMAs run) and at the end. Returns ``(state, prev, the first tile index
         past num_tiles)``; all of the warp's stores are complete on return. (``exchange``: the
         transposed kernel's; ``out_store``: `tma_store`'s TMA atom, ``out`` tensor and staging
-        boxes.)"""
+        boxes; ``progress``: a shared-memory word where the first thread stores the ring
+        state's count after each k-block, for a watchdog.)"""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -1315,6 +1317,9 @@ class Sm90ExpertGemmKernel:
                             ab_pipe.consumer_release(state)  # before the last promotion
                         self.promote(accs, part, 2 * c, sa0, sa1, scale_b, WG_N)
                     state.advance()
+                    if cutlass.const_expr(progress is not None):
+                        if mma_wg == 0 and warp_in_wg == 0 and lane == 0:
+                            cute.make_tensor(progress, cute.make_layout(1))[0] = state.count
             else:
                 # one k-block of WGMMAs stays in flight; its stage is released one step later
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)

@@ -107,9 +107,10 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
+from ..reports import REPORT_NAMES, ReportKind
 from .combine import CombineKernel
 from .common.pool import ROW_COPY_UNROLL
-from .common.sync import call_tags, finish_call, grid_barrier, spin_timeout_ns
+from .common.sync import call_tags, finish_call, grid_barrier, report, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
     FP4_WARPGROUPS,
@@ -323,6 +324,11 @@ class Sm90MegaMoEKernel:
         # (docs/performance.md). Not the consumers: a report's registers in their loop made
         # ptxas spill the accumulators
         self.l1.stage_reports = self.l2.stage_reports = self.fp4_weights
+        # and instead a watchdog warp over the consumers' k-blocks, which reports which state
+        # of their next stage they stopped at (`watch_consumers`; the producer warpgroup's
+        # warp 2, idle while the GEMMs run when the rows move before them)
+        self.watchdog = (self.fp4_weights and not self.rows_with_gemm
+                         and spin_timeout_ns() > 0)
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
         # `weights_first`: tiles whose pool block is not ready load their first stages'
         # weights before they wait (`Sm90ExpertGemmKernel.produce`). Loading them first for
@@ -451,6 +457,8 @@ class Sm90MegaMoEKernel:
                 sfb_packed: cute.struct.Align[cute.struct.MemRange[
                     cutlass.Float32, k.packed_stages * k.packed_sfb_stride], 16]
                 decoded: cute.struct.MemRange[Int64, self.num_stages]
+                # the consumers' k-blocks so far (the watchdog's, `watch_consumers`)
+                consumer_progress: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
         self.shared_storage = SharedStorage
         per_expert = cute.make_layout(self.num_local_experts)
@@ -518,6 +526,9 @@ class Sm90MegaMoEKernel:
             decoded = storage.decoded.data_ptr()
             self.l1.init_decoded_barriers(decoded, tidx)
             raw_b = storage.raw_b.get_tensor(self.l1.raw_b_layout())
+            if tidx == 0:  # (ordered before any use by the barriers ahead of the roles)
+                cute.make_tensor(storage.consumer_progress.data_ptr(),
+                                 cute.make_layout(1))[0] = Int32(0)
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
@@ -630,6 +641,11 @@ class Sm90MegaMoEKernel:
                         Int32(self.l2.raster_group), lane, state, barrier)
                     packed_pipe.producer_tail(state)
                     self.stamp(stamps, "packed_done", lane == 0)
+                if cutlass.const_expr(self.watchdog):
+                    if warp == 2:
+                        self.watch_consumers(ring, decoded,
+                                             storage.consumer_progress.data_ptr(), barrier,
+                                             l1_tiles, l2_tiles, cluster, num_clusters, lane)
             if cutlass.const_expr(self.rows_with_gemm):
                 if warp >= self.first_sender_warp:  # this rank's rows, in the pools' order
                     self.dispatch.push_in_pool_order(
@@ -643,6 +659,9 @@ class Sm90MegaMoEKernel:
             cute.arch.setmaxregister_increase(self.combine_regs)
         elif wg < self.num_gemm_wgs:
             cute.arch.setmaxregister_increase(self.l1.consumer_regs)
+            progress = None
+            if cutlass.const_expr(self.watchdog):
+                progress = storage.consumer_progress.data_ptr()
             staging = storage.staging.data_ptr() + (warp - 4) * (ROWS_PER_WARP
                                                                * self.l1.staging_stride)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -651,13 +670,15 @@ class Sm90MegaMoEKernel:
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, cluster,
                 num_clusters, Int32(self.l1.raster_group), cta_rank, wg - 1, warp % 4, lane,
                 l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
-                staging, state, state.clone(), pool_block_ready, decoded=decoded)
+                staging, state, state.clone(), pool_block_ready, decoded=decoded,
+                progress=progress)
             self.stamp(stamps, "l1_done", tidx == 128)
             self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
                 tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
                 warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
-                token_src_metadata, staging, state, prev, decoded=decoded)
+                token_src_metadata, staging, state, prev, decoded=decoded,
+                progress=progress)
             self.stamp(stamps, "l2_done", tidx == 128)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(self.combine_regs)
@@ -800,6 +821,43 @@ class Sm90MegaMoEKernel:
             self.stamp(stamps, "decode_done", tid == 0)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_increase(self.combine_regs)
+
+    @cute.jit
+    def watch_consumers(self, ring, decoded: cute.Pointer, progress: cute.Pointer,
+                        barrier: cute.Pointer, l1_tiles: Int32, l2_tiles: Int32, cluster: Int32,
+                        num_clusters: Int32, lane: Int32):
+        """The watchdog (`watchdog`; lane 0 of one warp): until the consumers have done every
+        k-block of this CTA's L1 and L2 tiles (their ring state's count, which they store in
+        ``progress``), watch it grow; if it stays put for the time limit, report it against the
+        total, naming whether their next stage's loads or decode are missing (the ring's full
+        barrier, ``decoded``) or neither, and trap. The consumers themselves carry no bounded
+        wait: its report's registers made ptxas spill their accumulators."""
+        if lane == 0:
+            l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
+            first_l2 = cluster + l1_count * num_clusters - l1_tiles
+            l2_count = (cutlass.max(l2_tiles - first_l2, 0) + num_clusters - 1) // num_clusters
+            total = l1_count * self.l1.num_k_blocks + l2_count * self.l2.num_k_blocks
+            seen = cute.arch.atomic_add(progress, Int32(0), scope="cta")
+            start = cute.arch.globaltimer()
+            while seen < total:
+                now = cute.arch.atomic_add(progress, Int32(0), scope="cta")
+                if now != seen:
+                    seen = now
+                    start = cute.arch.globaltimer()
+                elif cute.arch.globaltimer() - start > Int64(self.timeout_ns):
+                    stage = seen % self.num_stages
+                    phase = (seen // self.num_stages) & 1
+                    loaded = Int32(cute.arch.mbarrier_try_wait(
+                        ring.sync_object_full.get_barrier(stage), phase))
+                    name = Int32(REPORT_NAMES.index(
+                        "the consumers, past a loaded and decoded stage (watchdog)"))
+                    if loaded == 0:
+                        name = Int32(REPORT_NAMES.index(
+                            "the consumers' next stage, not loaded (watchdog)"))
+                    elif Int32(cute.arch.mbarrier_try_wait(decoded + stage, phase)) == 0:
+                        name = Int32(REPORT_NAMES.index(
+                            "the consumers' next stage, not decoded (watchdog)"))
+                    report(barrier, ReportKind.STALL, name, seen, total)
 
     def dispatch_stamp(self, stamps: cute.Pointer, tidx: Int32):
         """With `phase_clock`: the dispatch's own stamps (thread 0, unfenced: a fence there
