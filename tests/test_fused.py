@@ -521,6 +521,23 @@ def test_host_model_of_the_fused_walk():
             assert t == l2[c + 5 * i - len(l1)]
 
 
+def test_the_watchdogs_tile_counts_follow_the_fused_walk():
+    """`walk_lengths` (the watchdog's k-block total) counts each CTA's L1 and L2 tiles as
+    the host model of the walk lays them out."""
+    from cute_megamoe.kernels.sm90_mega_moe import walk_lengths
+    from cute_megamoe.scheduler import fused_tile_walk, grouped_gemm_tiles
+
+    for counts in ([3, 0, 130, 64, 1], [1, 0, 0, 0], [0, 0], [200] * 6):
+        l1 = len(grouped_gemm_tiles(counts, 64, 256, 512, 2))
+        l2 = len(grouped_gemm_tiles(counts, 64, 256, 768, 1))
+        for grid in (1, 3, 5, 66, 132):
+            for c in range(grid):
+                walk = fused_tile_walk(counts, 64, 256, 512, 256, 768, grid, c, (2, 1))
+                phases = [p for p, _ in walk]
+                assert walk_lengths(l1, l2, c, grid) == (phases.count("l1"),
+                                                         phases.count("l2")), (counts, grid, c)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 def _one_rank(recipe, num_experts, max_tokens, topk, hidden, inter):

@@ -182,6 +182,16 @@ def default_row_transfer(layout: MegaMoELayout) -> str:
 
 
 
+def walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters):
+    """How many L1 and L2 tiles cluster ``cluster`` of ``num_clusters`` takes in the fused
+    walk (L1 tiles ``cluster``, ``cluster + num_clusters``, ..., then the L2 walk on from the
+    first index past the L1 tiles, as `scheduler.fused_tile_walk`): ``(l1, l2)``, for Python
+    ints and DSL Int32 alike."""
+    l1 = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
+    first_l2 = cluster + l1 * num_clusters - l1_tiles
+    return l1, (cutlass.max(l2_tiles - first_l2, 0) + num_clusters - 1) // num_clusters
+
+
 class Sm90MegaMoEKernel:
     """The fused layer for one rank (see the module docstring)."""
 
@@ -833,9 +843,7 @@ class Sm90MegaMoEKernel:
         barrier, ``decoded``) or neither, and trap. The consumers themselves carry no bounded
         wait: its report's registers made ptxas spill their accumulators."""
         if lane == 0:
-            l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
-            first_l2 = cluster + l1_count * num_clusters - l1_tiles
-            l2_count = (cutlass.max(l2_tiles - first_l2, 0) + num_clusters - 1) // num_clusters
+            l1_count, l2_count = walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters)
             total = l1_count * self.l1.num_k_blocks + l2_count * self.l2.num_k_blocks
             seen = cute.arch.atomic_add(progress, Int32(0), scope="cta")
             start = cute.arch.globaltimer()
