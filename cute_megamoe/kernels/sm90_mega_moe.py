@@ -866,6 +866,7 @@ class Sm90MegaMoEKernel:
                         name = Int32(REPORT_NAMES.index(
                             "the consumers' next stage, not decoded (watchdog)"))
                     report(barrier, ReportKind.STALL, name, seen, total)
+        cute.arch.sync_warp()  # (the warp meets its warpgroup at an aligned barrier next)
 
     def dispatch_stamp(self, stamps: cute.Pointer, tidx: Int32):
         """With `phase_clock`: the dispatch's own stamps (thread 0, unfenced: a fence there
