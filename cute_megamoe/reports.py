@@ -65,6 +65,7 @@ REPORT_NAMES = (
     "the consumers' next stage, not loaded (watchdog)",
     "the consumers' next stage, not decoded (watchdog)",
     "the consumers, past a loaded and decoded stage (watchdog)",
+    "the consumers, after their last k-block (watchdog)",
 )
 
 

@@ -683,12 +683,15 @@ class Sm90MegaMoEKernel:
                 staging, state, state.clone(), pool_block_ready, decoded=decoded,
                 progress=progress)
             self.stamp(stamps, "l1_done", tidx == 128)
-            self.l2.consume(
+            state, _, _ = self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
                 tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
                 warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
                 token_src_metadata, staging, state, prev, decoded=decoded,
                 progress=progress)
+            if cutlass.const_expr(self.watchdog):
+                if tidx == 128:  # (past the last tile's epilogue: one more than the k-blocks)
+                    cute.make_tensor(progress, cute.make_layout(1))[0] = state.count + 1
             self.stamp(stamps, "l2_done", tidx == 128)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(self.combine_regs)
@@ -837,17 +840,19 @@ class Sm90MegaMoEKernel:
                         barrier: cute.Pointer, l1_tiles: Int32, l2_tiles: Int32, cluster: Int32,
                         num_clusters: Int32, lane: Int32):
         """The watchdog (`watchdog`; lane 0 of one warp): until the consumers have done every
-        k-block of this CTA's L1 and L2 tiles (their ring state's count, which they store in
-        ``progress``), watch it grow; if it stays put for the time limit, report it against the
+        k-block of this CTA's L1 and L2 tiles and left their last epilogue (their ring state's
+        count, which they store in ``progress`` after each k-block, and one more at the end),
+        watch it grow; if it stays put for the time limit, report it against the k-blocks'
         total, naming whether their next stage's loads or decode are missing (the ring's full
-        barrier, ``decoded``) or neither, and trap. The consumers themselves carry no bounded
-        wait: its report's registers made ptxas spill their accumulators."""
+        barrier, ``decoded``), neither, or that they stopped after their last k-block, and
+        trap. The consumers themselves carry no bounded wait: its report's registers made
+        ptxas spill their accumulators."""
         if lane == 0:
             l1_count, l2_count = walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters)
             total = l1_count * self.l1.num_k_blocks + l2_count * self.l2.num_k_blocks
             seen = cute.arch.atomic_add(progress, Int32(0), scope="cta")
             start = cute.arch.globaltimer()
-            while seen < total:
+            while seen <= total:
                 now = cute.arch.atomic_add(progress, Int32(0), scope="cta")
                 if now != seen:
                     seen = now
@@ -859,7 +864,10 @@ class Sm90MegaMoEKernel:
                         ring.sync_object_full.get_barrier(stage), phase))
                     name = Int32(REPORT_NAMES.index(
                         "the consumers, past a loaded and decoded stage (watchdog)"))
-                    if loaded == 0:
+                    if seen == total:
+                        name = Int32(REPORT_NAMES.index(
+                            "the consumers, after their last k-block (watchdog)"))
+                    elif loaded == 0:
                         name = Int32(REPORT_NAMES.index(
                             "the consumers' next stage, not loaded (watchdog)"))
                     elif Int32(cute.arch.mbarrier_try_wait(decoded + stage, phase)) == 0:
