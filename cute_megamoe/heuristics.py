@@ -29,6 +29,7 @@ __all__ = [
     "select_block_m",
     "select_combine_rounds",
     "select_sm90_transposed",
+    "warm_up_token_counts",
 ]
 
 #: SMs of an H100 / H200 SXM, the default when no GPU is visible.
@@ -159,6 +160,20 @@ def select_combine_rounds(num_tokens: int) -> tuple[int, ...]:
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     return [rounds for least, rounds in _COMBINE_ROUNDS if num_tokens >= least][-1]
+
+
+def warm_up_token_counts(max_tokens: int) -> tuple[int, ...]:
+    """Token counts per rank whose calls, at one BLOCK_M, load every kernel that a call of 0 to
+    ``max_tokens`` tokens per rank can pick (for a loopback group's warm-up, where a kernel's
+    first launch waits for the running ones: `testing.protocol_checks.Ranks`). The choices
+    that follow the token count are steps over it: the sm_90a MXFP4 GEMMs run transposed up to
+    `SM90_TRANSPOSED_MAX_TOKENS` per expert (`select_sm90_transposed`), the combine's rounds
+    change at the counts of `select_combine_rounds`; so one token, each step's count in range
+    and ``max_tokens`` cover them all."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    steps = {least for least, _ in _COMBINE_ROUNDS if 1 < least <= max_tokens}
+    return tuple(sorted({1, max_tokens} | steps))
 
 
 def experts_per_wave(

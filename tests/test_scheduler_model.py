@@ -281,6 +281,38 @@ def test_heuristics_sm90_transposed(monkeypatch):
     with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED"):
         sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 64, 4.0)
 
+def test_warm_up_token_counts_pick_every_kernel_a_call_can_pick(monkeypatch):
+    """A loopback group's warm-up (`testing.fused_checks.FusedLayer.warm_up`) loads, at each
+    BLOCK_M, every kernel choice that any call of 0 .. max tokens per rank makes: the sm_90a
+    MXFP4 GEMMs' transposed choice and the combine's rounds (a choice first met in a later call
+    deadlocked its loopback group on an H200, 12-04)."""
+    from cute_megamoe.heuristics import (
+        expected_tokens_per_expert,
+        select_combine_rounds,
+        select_sm90_transposed,
+        warm_up_token_counts,
+    )
+
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
+    assert warm_up_token_counts(1) == (1,)
+    assert warm_up_token_counts(200) == (1, 200)
+    assert warm_up_token_counts(9000) == (1, 2048, 8192, 9000)
+    with pytest.raises(ValueError, match="max_tokens"):
+        warm_up_token_counts(0)
+    # (ranks, experts, top-k) of the loopback tests and of a decode layer
+    for num_ranks, num_experts, num_topk in ((2, 16, 4), (1, 40, 5), (1, 128, 8), (8, 256, 8)):
+        for max_tokens in (1, 7, 200, 2100, 8500):
+            def choices(n, num_ranks=num_ranks, num_experts=num_experts, num_topk=num_topk):
+                expected = expected_tokens_per_expert(n, num_ranks, num_topk, num_experts)
+                return (select_sm90_transposed("fp8xfp4_sm90", 64, expected),
+                        tuple(select_combine_rounds(n)))
+            # (the GEMMs and the combine are separate kernels: each choice on its own)
+            warmed = [{choices(n)[i] for n in warm_up_token_counts(max_tokens)} for i in (0, 1)]
+            for n in range(0, max_tokens + 1, max(1, max_tokens // 997)):
+                assert all(c in w for c, w in zip(choices(n), warmed, strict=True)), \
+                    (num_ranks, num_experts, max_tokens, n)
+
+
 def test_heuristics_experts_per_wave_matches_reference_table():
     # docs/reference-deepgemm-megamoe.md 7.5: V4-Pro EP8 (E_l=48, K=6, I=3072), S=148.
     def ew(n, bm):

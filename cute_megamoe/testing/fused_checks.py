@@ -104,30 +104,40 @@ class FusedLayer:
     def warm_up(self, block_ms: tuple[int, ...]) -> None:
         """Load every kernel a later call uses with every rank using it (see `Ranks`: a
         kernel's first launch waits for the running ones, so the staged layer warms up in
-        phases, every rank's dispatch before anyone's GEMMs; the fused layer is one launch)."""
+        phases, every rank's dispatch before anyone's GEMMs; the fused layer is one launch).
+        The staged layer's kernels also follow the call's token count (MXFP4 GEMMs run
+        transposed at few tokens per expert), so each BLOCK_M warms up at every count of
+        `heuristics.warm_up_token_counts`: a kernel first loaded in a later call deadlocked
+        that call's loopback group until the spin limit (docs/performance.md, 12-04)."""
         from .. import staged
+        from ..heuristics import warm_up_token_counts
 
         r = self.ranks.layout.num_ranks
+        counts = warm_up_token_counts(self.ranks.layout.num_max_tokens_per_rank)
         for block_m in block_ms:
-            _, _, _, inputs = self.inputs((1,) * r, "random", block_m)
-            results = dict(zip(
-                [b.rank for b in self.ranks.buffers],
-                self.ranks.run(lambda buf, block_m=block_m, inputs=inputs: staged.dispatch(
-                    buf, *inputs[buf.rank], block_m=block_m, validate_routing=False,
-                    cumulative_local_expert_recv_stats=self.stats[buf.rank]["staged"])),
-                strict=True))
-            self.ranks.run(lambda buf, results=results: staged.kernel_experts(
-                buf, results[buf.rank], self.weights[buf.rank], self.clamp,
-                send_to_combine=True))
-            self.ranks.run(lambda buf, results=results: staged.combine(buf, None,
-                                                                       results[buf.rank]))
-            ys = {b.rank: torch.empty(1, self.ranks.layout.hidden, dtype=torch.bfloat16,
-                                      device=self.device) for b in self.ranks.buffers}
-            self.run("fused", inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
-            self.synchronize(f"warm-up, one-token calls, block_m {block_m}")
+            for n in counts:
+                self._warm_up_call(staged, (n,) * r, block_m)
         for per_rank in self.stats.values():
             for t in per_rank.values():
                 t.zero_()
+
+    def _warm_up_call(self, staged, tokens: tuple[int, ...], block_m: int) -> None:
+        """One phased staged call and one fused call of ``tokens`` per rank at ``block_m``."""
+        _, _, _, inputs = self.inputs(tokens, "random", block_m + sum(tokens))
+        results = dict(zip(
+            [b.rank for b in self.ranks.buffers],
+            self.ranks.run(lambda buf: staged.dispatch(
+                buf, *inputs[buf.rank], block_m=block_m, validate_routing=False,
+                cumulative_local_expert_recv_stats=self.stats[buf.rank]["staged"])),
+            strict=True))
+        self.ranks.run(lambda buf: staged.kernel_experts(
+            buf, results[buf.rank], self.weights[buf.rank], self.clamp, send_to_combine=True))
+        self.ranks.run(lambda buf: staged.combine(buf, None, results[buf.rank]))
+        ys = {b.rank: torch.empty(tokens[b.rank], self.ranks.layout.hidden,
+                                  dtype=torch.bfloat16, device=self.device)
+              for b in self.ranks.buffers}
+        self.run("fused", inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
+        self.synchronize(f"warm-up, {tokens[0]}-token calls, block_m {block_m}")
 
     def check_call(self, tokens: tuple[int, ...], routing: str, block_ms: dict, seed: int,
                    against_reference: bool = True, fused_ranks: set | None = None) -> None:

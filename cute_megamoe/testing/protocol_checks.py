@@ -19,6 +19,7 @@ seed, so a check is written once for both.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -189,7 +190,7 @@ def check_layer_calls(ranks: Ranks, tokens_per_call: list[tuple[int, ...]], seed
     (the tolerance of `dispatch_checks.check_staged_layer`). Returns the relative errors."""
     from .. import api, staged
     from ..expert_gemm import ExpertWeights
-    from ..heuristics import expected_tokens_per_expert, select_block_m
+    from ..heuristics import expected_tokens_per_expert, select_block_m, warm_up_token_counts
     from ..runtime import get_arch
     from .dispatch_checks import LAYER_TOLERANCE
 
@@ -205,12 +206,14 @@ def check_layer_calls(ranks: Ranks, tokens_per_call: list[tuple[int, ...]], seed
     weights = {buf.rank: ExpertWeights.from_bf16(w1s[buf.rank], w2s[buf.rank], recipe)
                for buf in ranks.buffers}
     layer = api.mega_moe
-    # warm-up (see `Ranks`): every BLOCK_M the layer will pick, every rank using it, phased
+    # warm-up (see `Ranks`): every BLOCK_M the layer will pick, every rank using it, phased,
+    # at every token count that picks other kernels (`heuristics.warm_up_token_counts`)
     arch = get_arch(device)
-    for block_m in sorted({select_block_m(expected_tokens_per_expert(
+    most = max([1, *(n for tokens in tokens_per_call for n in tokens)])
+    for block_m, n in itertools.product(sorted({select_block_m(expected_tokens_per_expert(
             n, layout.num_ranks, layout.num_topk, layout.num_experts), arch)
-            for tokens in tokens_per_call for n in tokens}):
-        xs, idxs, ws = make_call(layout, (1,) * layout.num_ranks, "random", seed + block_m)
+            for tokens in tokens_per_call for n in tokens}), warm_up_token_counts(most)):
+        xs, idxs, ws = make_call(layout, (n,) * layout.num_ranks, "random", seed + block_m + n)
         results = ranks.run(lambda buf, xs=xs, idxs=idxs, ws=ws, block_m=block_m:
                             staged.dispatch(buf, xs[buf.rank].to(device),
                                             idxs[buf.rank].to(device), ws[buf.rank].to(device),
