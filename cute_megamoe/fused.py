@@ -73,7 +73,8 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
     if (layout.recipe in EXPERIMENTAL_FUSED_RECIPES[arch]
             and not env_flag("CUTE_MEGAMOE_EXPERIMENTAL_FUSED")):
         return (f"the {arch} fused kernel runs {layout.recipe!r} only as an experiment "
-                f"(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): intermittent stalls are open")
+                f"(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): slower than the staged layer, and one-rank "
+                f"stalls seen on the H200 are not explained")
     if weights.arch != arch:
         return f"the weights are prepared for {weights.arch}, this GPU is {arch}"
     if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N
