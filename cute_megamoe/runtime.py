@@ -18,6 +18,7 @@ Launch paths (`LaunchPath`, chosen once at import; `CUTE_MEGAMOE_TVM_FFI`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Hashable
@@ -36,6 +37,7 @@ __all__ = [
     "cutlass_dtype",
     "env_flag",
     "kernel_variant_env",
+    "compiles_refused",
     "get_arch",
     "launch_path",
     "set_launch_path",
@@ -44,6 +46,22 @@ __all__ = [
 ]
 
 _COMPILED: dict[Hashable, object] = {}
+# why a compile now would deadlock (`compiles_refused`), innermost last
+_NO_COMPILES: list[str] = []
+
+
+@contextlib.contextmanager
+def compiles_refused(why: str):
+    """Within: `compiled_kernel` raises (naming ``why``) instead of compiling a kernel it has not
+    compiled yet. For several ranks in one process (`testing.protocol_checks.Ranks`): a kernel's
+    first launch loads its module, which waits for every running kernel, so a rank that loads
+    one after another rank's collective kernels of the same call were launched deadlocks until
+    their spin limit (and the trap takes the CUDA context); this names the kernel instead."""
+    _NO_COMPILES.append(why)
+    try:
+        yield
+    finally:
+        _NO_COMPILES.pop()
 
 
 def get_arch(device: torch.device | int | None = None) -> str:
@@ -139,6 +157,9 @@ def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
     key = (key, spin_timeout_ns(), _PATH.name, one_rank_scope())
     fn = _COMPILED.get(key)
     if fn is None:
+        if _NO_COMPILES:
+            raise RuntimeError(f"compiled_kernel: {key[0]!r} is not compiled yet, and compiling "
+                               f"(and loading) it now would deadlock: {_NO_COMPILES[-1]}")
         fn = _COMPILED[key] = build()
     return fn
 

@@ -90,6 +90,38 @@ def test_counters_near_wrap_are_consistent():
         assert int(bufs[0].expert_recv_count[1, 3]) >> 32 & 0xFFFFFFFF == calls % (1 << 32)
 
 
+def test_a_loopback_rank_after_the_first_may_not_compile(monkeypatch):
+    """`Ranks.run`: rank 0's step may compile a kernel, a later rank's may not (it would load
+    it while rank 0's kernels of the call run, which deadlocked a loopback call on the H200
+    until the spin limit, 12-04): `compiled_kernel` raises naming the rank, before building."""
+    import contextlib
+
+    from cute_megamoe import runtime
+    from cute_megamoe.buffer import SymmBuffer
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    class Stream:  # (no GPU: the streams only order work)
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    bufs = SymmBuffer.loopback(2, 8, 64, 2, 256, 128, "bf16xbf16", device="cpu")
+    ranks = Ranks(bufs, [Stream(), Stream()])
+    built = []
+
+    def step(buf, key):
+        return runtime.compiled_kernel(key, lambda: built.append((buf.rank, key)) or key)
+
+    assert ranks.run(lambda buf: step(buf, ("loopback-guard", 1))) == [("loopback-guard", 1)] * 2
+    assert built == [(0, ("loopback-guard", 1))]  # rank 1 found it compiled
+    with pytest.raises(RuntimeError, match="rank 1 of a loopback call"):
+        ranks.run(lambda buf: step(buf, ("loopback-guard", 2, buf.rank)))
+    assert built == [(0, ("loopback-guard", 1)), (0, ("loopback-guard", 2, 0))]
+    # outside a loopback call every compile goes on
+    assert step(bufs[1], ("loopback-guard", 2, 1)) == ("loopback-guard", 2, 1)
+
+
 # ----------------------------------------------------------------------------- compile
 
 @pytest.mark.compile

@@ -19,6 +19,7 @@ seed, so a check is written once for both.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -65,11 +66,19 @@ class Ranks:
 
     def run(self, step) -> list:
         """`step(buffer)` for every local rank, each on its stream (no host synchronization in
-        between: a rank's collective kernel waits for the others' to start)."""
+        between: a rank's collective kernel waits for the others' to start). A rank after the
+        first may not compile a kernel (`runtime.compiles_refused`): it would load it while the
+        earlier ranks' kernels run; a warm-up must have loaded it."""
+        from ..runtime import compiles_refused
+
         results = []
-        for buf, stream in zip(self.buffers, self.streams, strict=True):
+        for i, (buf, stream) in enumerate(zip(self.buffers, self.streams, strict=True)):
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            refuse = compiles_refused(
+                f"rank {buf.rank} of a loopback call whose earlier ranks' kernels were launched "
+                f"(warm up every kernel with every rank using it first: `Ranks`)") if i else \
+                contextlib.nullcontext()
+            with torch.cuda.stream(stream), refuse:
                 results.append(step(buf))
         for stream in self.streams:
             torch.cuda.current_stream().wait_stream(stream)
