@@ -57,3 +57,19 @@ def test_parse_kernels_keeps_a_demangled_invocation_whole():
             "at::cuda::(anonymous namespace)::spin_kernel(long)")
     assert parse_kernels(line)[0].startswith(
         "at::cuda::(anonymous namespace)::spin_kernel(long) grid (1,1,1) block (1,1,1)")
+
+
+def test_the_cli_takes_a_pid_or_a_command(monkeypatch):
+    import pytest
+
+    from cute_megamoe.testing import gpu_snapshot
+
+    for argv in (["gpu_snapshot"], ["gpu_snapshot", "--pid", "1", "--", "true"]):
+        monkeypatch.setattr("sys.argv", argv)
+        with pytest.raises(SystemExit, match="either --pid or the command"):
+            gpu_snapshot.main()
+    seen = []
+    monkeypatch.setattr(gpu_snapshot, "snapshot", lambda pid, gdb: seen.append(pid) or "report")
+    monkeypatch.setattr("sys.argv", ["gpu_snapshot", "--pid", "4242", "--gdb", "/bin/sh"])
+    gpu_snapshot.main()
+    assert seen == [4242]

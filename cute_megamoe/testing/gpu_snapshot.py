@@ -1,6 +1,7 @@
 """Where every warp of a hung process is: cuda-gdb attached to it, the warps grouped by PC.
 
     python -m cute_megamoe.testing.gpu_snapshot [--busy-s 20] [--wait-s 600] -- COMMAND ...
+    python -m cute_megamoe.testing.gpu_snapshot --pid PID
 
 Starts COMMAND (e.g. a GPU test with ``CUTE_MEGAMOE_SPIN_TIMEOUT_S=0``, so that a stall spins
 instead of trapping), waits until the GPU has been busy for ``--busy-s`` seconds in a row,
@@ -11,7 +12,8 @@ stand out against the many spinning at a barrier), and kills COMMAND (which must
 process that runs the kernels, not a launcher of other processes). A kernel missing from
 the list is as telling: on 2026-12-04 a "stalled" two-rank loopback showed only rank 0's
 combine, so rank 1's host thread had not launched its call (docs/performance.md, "The FP4
-fused experiment's stall explained"). Needs the CUDA toolkit's ``cuda-gdb`` (``--gdb``) and
+fused experiment's stall explained"). ``--pid``: attach to a process that is already hung
+(a job of yours), leaving it running. Needs the CUDA toolkit's ``cuda-gdb`` (``--gdb``) and
 permission to attach (ptrace).
 """
 
@@ -134,13 +136,18 @@ def main() -> None:
                         help="give up when the GPU was not busy that long by then")
     parser.add_argument("--gdb", default=shutil.which("cuda-gdb")
                         or "/usr/local/cuda/bin/cuda-gdb")
+    parser.add_argument("--pid", type=int, default=None,
+                        help="a running process to read (no COMMAND; it is left running)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        raise SystemExit("gpu_snapshot: give the command to run after --")
+    if bool(command) == (args.pid is not None):
+        raise SystemExit("gpu_snapshot: give either --pid or the command to run after --")
     if not os.path.exists(args.gdb):
         raise SystemExit(f"gpu_snapshot: no cuda-gdb at {args.gdb} (--gdb)")
+    if args.pid is not None:
+        print(snapshot(args.pid, args.gdb), flush=True)
+        return
     process = subprocess.Popen(command)
     try:
         start = busy_since = time.monotonic()
