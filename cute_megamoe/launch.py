@@ -41,7 +41,6 @@ from .runtime import (
     sm90_tma_store,
     sm90_transposed,
     sm90_transposed_a_rows,
-    sm90_transposed_decode,
     tile_owner_search,
 )
 
@@ -344,21 +343,13 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (an A/B option of the decode)
         extra["decode_tables"] = sm90_fp4_tables()
     if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
-        from .kernels.sm90_expert_gemm_transposed import (
-            Sm90RegisterDecodeExpertGemmKernel,
-            Sm90TransposedExpertGemmKernel,
-        )
+        from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
-        decode = sm90_transposed_decode() if recipe == "fp8xfp4_sm90" else "warps"
-        if decode != "warps":  # (the consumers decode; no decode warps, no table option)
-            extra.pop("decode_tables")
-            extra["consumer_wgs"] = 2 if decode in ("registers2", "ahead") else 4
-            extra["decode_ahead"] = decode.startswith("ahead")
-        cls = Sm90TransposedExpertGemmKernel if decode == "warps" \
-            else Sm90RegisterDecodeExpertGemmKernel
-        kernel = cls(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
-                     activation_clamp=clamp, fast_math=fast_math, tiled_weights=tiled_weights,
-                     a_rows=sm90_transposed_a_rows(), **extra)
+        kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
+                                                block_m, activation_clamp=clamp,
+                                                fast_math=fast_math,
+                                                tiled_weights=tiled_weights,
+                                                a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
@@ -422,8 +413,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                combine_layout if to_combine else None,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
-                tile_owner_search(),
-                (sm90_fp4_tables(), sm90_transposed_decode()) if fp4 else None, sm90_k_unroll(),
+                tile_owner_search(), sm90_fp4_tables() if fp4 else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}

@@ -239,19 +239,6 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_transposed_decode() -> str:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE``: where the transposed sm_90a grouped GEMMs with
-    MXFP4 weights decode them: ``warps`` (the default: decode warpgroups into the ring's e4m3
-    tile, `Sm90TransposedExpertGemmKernel`), ``registers`` (four consumer warpgroups, each
-    decoding its m64 block into the WGMMA's register operand,
-    `Sm90RegisterDecodeExpertGemmKernel`), ``registers2`` (the same with two consumer
-    warpgroups of two blocks each), ``ahead`` / ``ahead4`` (two / four consumer warpgroups,
-    each decoding the next k-block while the WGMMAs of this one run). An A/B option; part of
-    the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE",
-                      ("warps", "registers", "registers2", "ahead", "ahead4"))
-
-
 def sm90_fp4_tables() -> str:
     """``CUTE_MEGAMOE_SM90_FP4_TABLES``: how the decode warps of the sm_90a grouped GEMMs with
     MXFP4 weights build their tables (`Sm90ExpertGemmKernel`'s ``decode_tables``): ``vote``
@@ -320,7 +307,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
-                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE")
+                      "CUTE_MEGAMOE_SM90_ROW_STORES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

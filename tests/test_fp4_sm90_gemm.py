@@ -123,9 +123,7 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
-                                           (64, "transposed_registers"),
-                                           (64, "transposed_registers2")])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
@@ -188,74 +186,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
                                  64),
             "tables_item": (ITEM, 64),
             "tables_item_128": (ITEM, 128),
-            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),
-            "transposed_registers": ({**TRANSPOSED,
-                                      "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE": "registers"}, 64),
-            "transposed_registers2": ({**TRANSPOSED,
-                                       "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE": "registers2"}, 64),
-            "transposed_ahead": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE": "ahead"},
-                                 64),
-            "transposed_ahead4": ({**TRANSPOSED,
-                                   "CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE": "ahead4"}, 64)}
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("decode,wgs,ahead", [("registers", 4, False), ("registers2", 2, False),
-                                              ("ahead", 2, True), ("ahead4", 4, True)])
-@pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
-                                       ("l2", 1152, 512)])
-def test_register_decode_compiles(decode, wgs, ahead, phase, n, k, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE` "registers" / "registers2" / "ahead" / "ahead4":
-    the consumer threads decode the MXFP4 weights into the register operand of m64n16k32 WGMMAs
-    (``QGMMA`` with A in registers, B by descriptor), four / two consumer warpgroups of an equal
-    share of the m64 blocks (two for a tile of two blocks), no decode warpgroups, no decoded
-    tile in shared memory (no 16-byte stores), every stage of both rings the same count; no
-    spills. "ahead": two k-blocks per loop body, the next k-block's decode (its table vote)
-    between a k-block's WGMMAs and their wait."""
-    import re
-
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm_transposed import (
-        Sm90RegisterDecodeExpertGemmKernel,
-    )
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_DECODE", decode)
-    kernel, dtypes = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, n, k, 64,
-                                 activation_clamp=10.0)
-    assert isinstance(kernel, Sm90RegisterDecodeExpertGemmKernel)
-    wgs = min(wgs, kernel.weight_blocks)
-    assert (kernel.decode_wgs, kernel.num_mma_wgs, kernel.num_threads) == (0, wgs,
-                                                                           128 * (1 + wgs))
-    assert kernel.packed_stages == kernel.num_stages >= 6
-    assert kernel.blocks_per_wg == kernel.weight_blocks // wgs
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in art.ptx
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # per consumer warpgroup: its blocks x 4 k32 x (two sub-blocks + one sub-block paths) x
-    # (1 + 1 with `decode_ahead`: its two loop bodies)
-    assert kernel.decode_ahead == ahead
-    wgmmas = re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", art.sass)
-    assert len(wgmmas) == art.count("QGMMA") == kernel.blocks_per_wg * 4 * 6 * (1 + ahead)
-    if ahead:  # a vote (the next k-block's tables) between QGMMAs and their wait
-        lines = art.sass.splitlines()
-        first = next(i for i, line in enumerate(lines) if "QGMMA" in line)
-        wait = next(i for i in range(first, len(lines)) if "WARPGROUP.DEPBAR" in lines[i])
-        assert any("VOTE.ANY" in line for line in lines[first:wait])
-    assert art.count("STS.128") == 0 and art.count("STL") == 0
-    assert art.resource_usage()["LOCAL"] == 0
-    assert art.count("VOTE.ANY") >= 1
-    with pytest.raises(ValueError, match="fp8xfp4_sm90"):
-        Sm90RegisterDecodeExpertGemmKernel(phase, "fp8xfp8", 32, 8192, n, k, 64)
-    with pytest.raises(ValueError, match="consumer_wgs"):
-        Sm90RegisterDecodeExpertGemmKernel(phase, RECIPE, 32, 8192, n, k, 64, consumer_wgs=3)
+            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64)}
 
 
 @pytest.mark.compile
