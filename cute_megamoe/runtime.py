@@ -197,6 +197,17 @@ def sm90_tma_store() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
+def sm90_fp4_early_tables() -> bool | None:
+    """``CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES``: whether the decode warps of the sm_90a grouped
+    GEMMs with MXFP4 weights load a k-block's first batch of scales and codes and build its
+    tables before they wait for a free MMA stage (`Sm90ExpertGemmKernel`'s ``early_tables``):
+    unset or "auto": None, the default (on in the transposed kernels, off in the staged ones:
+    `sm90_expert_gemm.DEFAULT_EARLY_TABLES`); "1" / "0" force it on / off, for A/B runs. Part of
+    the grouped GEMMs' cache keys."""
+    value = env_choice("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", ("auto", "0", "1"))
+    return None if value == "auto" else value == "1"
+
+
 def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
     send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
@@ -307,7 +318,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
-                      "CUTE_MEGAMOE_SM90_ROW_STORES")
+                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -180,13 +180,54 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 ITEM = {"CUTE_MEGAMOE_SM90_FP4_TABLES": "item"}
+EARLY = {"CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "1"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                                  64),
             "tables_item": (ITEM, 64),
             "tables_item_128": (ITEM, 128),
-            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64)}
+            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),
+            "early_tables": (EARLY, 64),
+            "early_tables_128": (EARLY, 128),
+            "transposed_late_tables": ({**TRANSPOSED,
+                                        "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64)}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("transposed,block_m", [("1", 64), ("0", 64), ("0", 128)])
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_early_tables_compile_before_the_free_stage_wait(transposed, block_m, phase,
+                                                         monkeypatch):
+    """`CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES` "1" (the transposed kernels' default): the decode
+    warps build a k-block's first tables (the vote) once the packed stage is loaded and wait
+    for a free MMA stage after it, before the first decoded store; "0" (the staged kernels'
+    default): that wait comes first. The same permutes, no spills."""
+    from cute_megamoe.launch import gemm_kernel
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
+    # the default: on in the transposed kernels, off in the staged ones
+    kernel, _ = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, 4096, 7168, block_m)
+    assert kernel.early_tables == (transposed == "1")
+    arts = {}
+    for early in ("0", "1"):
+        monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", early)
+        kernel, arts[early] = _compile(phase, block_m)
+        assert kernel.early_tables == (early == "1")
+    if arts["1"].sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+
+    def waits_between_vote_and_store(sass):
+        lines = sass.splitlines()
+        vote = next(i for i, line in enumerate(lines) if "VOTE.ANY" in line)
+        store = next(i for i in range(vote, len(lines)) if "STS.128" in lines[i])
+        return sum("SYNCS.PHASECHK.TRANS64.TRYWAIT" in line for line in lines[vote:store])
+
+    assert waits_between_vote_and_store(arts["0"].sass) == 0
+    assert waits_between_vote_and_store(arts["1"].sass) == 1
+    assert arts["1"].count("PRMT") == arts["0"].count("PRMT")
+    assert arts["1"].count("STL") == 0 and arts["1"].resource_usage()["LOCAL"] == 0
 
 
 @pytest.mark.compile

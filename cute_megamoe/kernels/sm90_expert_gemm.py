@@ -150,6 +150,12 @@ DECODE_TABLES = ("item", "vote")
 # took 0.963-0.977x the time of 2 at 128 x 8 and 0.955-0.978x at 128 x 32 (BLOCK_M 64), 0.987-1.01x
 # at BLOCK_M 128 and 0.999x at 256 x 256; 0 (each item's right before it) 1.05-1.13x, 3 1.01-1.06x
 VOTE_AHEAD = 1
+# FP4 weights: a k-block's first batch of decode inputs before the wait for a free MMA stage
+# (`early_tables` None). Measured interleaved on an H200 (docs/performance.md): at BLOCK_M 128
+# 0.994-0.997x the time at decode sizes but 1.025x / 1.085x at 256 x 256 / 32 x 1024, at
+# BLOCK_M 64 staged 0.994-1.001x; on in the transposed kernel (`sm90_expert_gemm_transposed`:
+# 0.981x / 0.992x at 128 x 8 / 16, the layer 0.990x / 0.993x at 32 / 128 tokens)
+DEFAULT_EARLY_TABLES = False
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -177,7 +183,7 @@ class Sm90ExpertGemmKernel:
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
-                 row_stores: str | None = None):
+                 row_stores: str | None = None, early_tables: bool | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -286,6 +292,11 @@ class Sm90ExpertGemmKernel:
         if decode_tables not in DECODE_TABLES:
             raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
         self.decode_tables = decode_tables
+        # FP4 weights: the decode warps load a k-block's first batch of scales and codes and
+        # build its tables once the packed stage is loaded, before they wait for a free MMA
+        # stage (those loads and tables need only the packed stage; after the wait they were
+        # 18 % of the decode loop's stall samples, the wait itself 11 %: docs/performance.md)
+        self.early_tables = DEFAULT_EARLY_TABLES if early_tables is None else early_tables
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -1125,10 +1136,15 @@ class Sm90ExpertGemmKernel:
                     self.bounded_stage_wait(barrier_slots, packed_pipe.sync_object_full, packed,
                                             "a loaded packed weight stage (decode warps)")
                     packed_pipe.consumer_wait(packed)
+                    first_inputs = None
+                    if cutlass.const_expr(self.early_tables):
+                        first_inputs = self.decode_inputs(raw_b, sfb, sfg, n_block, tid,
+                                                          packed, 0)
                     self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty, state,
                                             "a free ring stage (decode warps)")
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed)
+                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed,
+                                       first_inputs)
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
@@ -1141,67 +1157,89 @@ class Sm90ExpertGemmKernel:
             return state, packed, tile
         return state, packed, first_tile
 
-    @cute.jit
-    def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
-                      sfg: cute.Pointer, n_block: Int32, tid: Int32, state, packed):
-        """One k-block's weight chunks from the packed stage into the MMA stage. An item
-        is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
-        thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
-        (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
-        `decode_batch` items a batch (their scales loaded first; `decode_tables`). The exponent
-        shift of a group is its UE8M0 scale over its 128x128 block's base ``2**b`` (the block
-        scale: L1 row groups of 8 alternate gate and up blocks, the same for all rows of a
-        thread)."""
+    def decode_items(self):
+        """The decode's items of a k-block, ``(chunk, pass)``, and the items per batch."""
         rows_per_pass = 128 * self.decode_wgs // 4
         items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
-        batch = min(len(items), self.decode_batch)
+        return items, rows_per_pass, min(len(items), self.decode_batch)
+
+    @cute.jit
+    def load_item_codes(self, raw_b: cute.Pointer, packed, tile_row: Int32, group: Int32, dst):
+        """An item's 32 codes (16 bytes) from the packed stage of ``packed`` into ``dst``."""
+        cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N + tile_row)
+                                     * (self.block_k // 2) + group * 16), dst)
+
+    @cute.jit
+    def decode_inputs(self, raw_b: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
+                      n_block: Int32, tid: Int32, packed, first: cutlass.Constexpr):
+        """What the batch of items from ``first`` on needs of the packed stage alone (see
+        `decode_chunks`): its items' tile rows, exponent shifts, the codes of the first
+        `VOTE_AHEAD` items ("vote"; all of them with "item" tables) and the tables ("vote";
+        None with "item"), as ``(codes, shifts, rows, tables)``."""
+        items, rows_per_pass, batch = self.decode_items()
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
         # (one ALU op instead of a shift and a mask)
         group_byte = Int32(0x4440) + group
-        # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
-        # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
-        pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
-        chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
-        row_bytes = self.block_k // 2  # packed bytes of a row of a chunk
         words = cute.make_tensor(sfg + packed.index * self.block_n,
                                  cute.make_layout(self.block_n))
         block_scales = cute.make_tensor(sfb + packed.index * self.packed_sfb_stride,
                                         cute.make_layout(self.sfb_len))
+        codes, shifts, rows = [], [], []
+        for chunk, p in items[first:first + batch]:
+            tile_row = chunk * WG_N + row0 + rows_per_pass * p  # (the item's tile row)
+            rows.append(tile_row)
+            codes.append(cute.make_rmem_tensor(4, Int32))
+            # ("vote": the first VOTE_AHEAD items' codes here, each later item's while the
+            # item VOTE_AHEAD before it decodes; loaded all at once, ptxas issued the
+            # batch's loads together and the decode ran slower, docs/performance.md)
+            if cutlass.const_expr(self.decode_tables == "item" or len(codes) <= VOTE_AHEAD):
+                self.load_item_codes(raw_b, packed, tile_row, group, codes[-1])
+            if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
+                block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
+            else:
+                block = self.chunks * n_block + chunk
+            base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
+            ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
+            shifts.append(ue8m0 - base)
+        tables = None
+        if cutlass.const_expr(self.decode_tables != "item"):
+            tables = vote_tables(shifts)
+        return codes, shifts, rows, tables
 
-        def load_codes(dst, tile_row):  # an item's 32 codes (16 bytes) from the packed stage
-            cute.autovec_copy(smem_words(raw_b, (packed.index * self.chunks * WG_N + tile_row)
-                                         * row_bytes + group * 16), dst)
-
+    @cute.jit
+    def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
+                      sfg: cute.Pointer, n_block: Int32, tid: Int32, state, packed,
+                      first_inputs=None):
+        """One k-block's weight chunks from the packed stage into the MMA stage. An item
+        is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
+        thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
+        (``T`` decode threads; consecutive lanes read consecutive 16 bytes: conflict-free),
+        `decode_batch` items a batch (their scales loaded first; `decode_tables`;
+        ``first_inputs``: the first batch's `decode_inputs`, when they were made before the
+        MMA stage was free). The exponent shift of a group is its UE8M0 scale over its 128x128
+        block's base ``2**b`` (the block scale: L1 row groups of 8 alternate gate and up blocks,
+        the same for all rows of a thread)."""
+        items, _rows_per_pass, batch = self.decode_items()
+        row0, group = tid >> 2, tid & 3
+        # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
+        # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
+        pieces = [(2 * group + half) ^ (row0 & 7) for half in range(2)]
+        chunk_bytes = WG_N * self.block_k  # one decoded 128 x 128 e4m3 slot
         for first in cutlass.range_constexpr(0, len(items), batch):
-            codes, shifts, rows = [], [], []
-            for chunk, p in items[first:first + batch]:
-                tile_row = chunk * WG_N + row0 + rows_per_pass * p  # (the item's tile row)
-                rows.append(tile_row)
-                codes.append(cute.make_rmem_tensor(4, Int32))
-                # ("vote": the first VOTE_AHEAD items' codes here, each later item's while the
-                # item VOTE_AHEAD before it decodes; loaded all at once, ptxas issued the
-                # batch's loads together and the decode ran slower, docs/performance.md)
-                if cutlass.const_expr(self.decode_tables == "item"
-                                      or len(codes) <= VOTE_AHEAD):
-                    load_codes(codes[-1], tile_row)
-                if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
-                    block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
-                else:
-                    block = self.chunks * n_block + chunk
-                base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
-                ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
-                shifts.append(ue8m0 - base)
-            tables = None
-            if cutlass.const_expr(self.decode_tables != "item"):
-                tables = vote_tables(shifts)
+            if cutlass.const_expr(first == 0 and first_inputs is not None):
+                codes, shifts, rows, tables = first_inputs
+            else:
+                codes, shifts, rows, tables = self.decode_inputs(raw_b, sfb, sfg, n_block,
+                                                                 tid, packed, first)
             for j in cutlass.range_constexpr(len(rows)):
                 if cutlass.const_expr(tables is None):
                     lut_lo, lut_hi = e2m1_table(shifts[j])
                 else:
                     lut_lo, lut_hi = tables[2 * j], tables[2 * j + 1]
                     if cutlass.const_expr(j + VOTE_AHEAD < len(rows)):
-                        load_codes(codes[j + VOTE_AHEAD], rows[j + VOTE_AHEAD])
+                        self.load_item_codes(raw_b, packed, rows[j + VOTE_AHEAD], group,
+                                             codes[j + VOTE_AHEAD])
                 # word q of the group: columns 4q .. 4q + 3, 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
                 out = [cute.make_rmem_tensor(4, Int32) for _ in range(2)]
                 for q in cutlass.range_constexpr(4):
