@@ -154,7 +154,7 @@ VOTE_AHEAD = 1
 # (`early_tables` None). Measured interleaved on an H200 (docs/performance.md): at BLOCK_M 128
 # 0.994-0.997x the time at decode sizes but 1.025x / 1.085x at 256 x 256 / 32 x 1024, at
 # BLOCK_M 64 staged 0.994-1.001x; on in the transposed kernel (`sm90_expert_gemm_transposed`:
-# 0.981x / 0.992x at 128 x 8 / 16, the layer 0.990x / 0.993x at 32 / 128 tokens)
+# 0.981-1.006x at 128 x 8 / 16 in two runs, the layer 0.989-0.993x at 32 / 128 tokens)
 DEFAULT_EARLY_TABLES = False
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
