@@ -62,7 +62,8 @@ the scale vectors into the MMA stages (which also hold the decoded weight tile),
 packed chunks, the tile rows' scale words and the block scales into packed stages of their own
 (3-5, whatever shared memory leaves beside 3 MMA stages), so the weight loads run ahead of the
 decode. Decode warpgroups (two at BLOCK_M 64, one at 128) wait for a packed stage and for the
-consumers to free its MMA stage (not for A), write the e4m3 weight tile
+consumers to free its MMA stage (not for A; with ``early_tables`` the first batch's scales,
+codes and tables come between the two waits), write the e4m3 weight tile
 ``e4m3(e2m1 * 2**(s - b))`` into the stage's swizzled B slots (`common.fp4_decode`, bit-exact
 with `quant.fp4_weights_to_fp8_blocks`; fixed items per thread, a batch's tables by integer
 adds with the float path behind one warp vote, its later items' codes loaded while earlier ones
