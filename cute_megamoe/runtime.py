@@ -208,14 +208,6 @@ def sm90_fp4_early_tables() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_transposed_ahead() -> bool:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_AHEAD``: "1": the transposed sm_90a grouped GEMMs issue a
-    tile's k-block kb WGMMAs before k-block kb - 1's wait on tiles of at most 16 tokens
-    (`Sm90TransposedExpertGemmKernel`'s ``consumer_ahead``); "0" (the default): one k-block at
-    a time. An A/B option; part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_AHEAD", ("0", "1")) == "1"
-
-
 def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
     send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
@@ -326,8 +318,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
-                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED_AHEAD")
+                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -191,44 +191,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables": (EARLY, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
-                                        "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
-            "transposed_ahead": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_AHEAD": "1"}, 64)}
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-@pytest.mark.parametrize("recipe", ("fp8xfp4_sm90", "fp8xfp8"))
-def test_transposed_ahead_keeps_wgmmas_asynchronous(recipe, phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED_AHEAD` "1": tiles of at most 16 tokens issue a k-block's
-    WGMMAs before the previous k-block's wait (``wait_group(1)``), `AHEAD_RUN` k-blocks per loop
-    body; ptxas keeps the WGMMAs asynchronous (one ``WARPGROUP.DEPBAR`` per wait in the source,
-    not one per WGMMA); no spills."""
-    import re
-
-    from cutlass import Int32
-
-    from cute_megamoe.kernels.sm90_expert_gemm_transposed import AHEAD_RUN
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_AHEAD", "1")
-    n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                 activation_clamp=10.0)
-    assert kernel.consumer_ahead and kernel.num_k_blocks % AHEAD_RUN == 0
-    art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
-                                     for i, d in enumerate(dtypes)),
-                           Int32(132), fake_stream(), arch="sm_90a")
-    assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", art.ptx)
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # the run's waits for all but the newest group, the run's and the one-at-a-time path's
-    # waits for all: a handful, where serialized WGMMAs would have one each (96 or more)
-    assert art.sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == AHEAD_RUN - 1
-    assert art.sass.count("WARPGROUP.DEPBAR") <= 8 < art.count("QGMMA")
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
+                                        "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64)}
 
 
 @pytest.mark.compile

@@ -61,9 +61,6 @@ WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
 # k-block instead of two; each sub-block its own scratch, so the sums and their promotion
 # order are unchanged)
 SUBS_IN_FLIGHT = 2
-# `consumer_ahead`: k-blocks per loop body of `mma_k_blocks_ahead` (within a body each k-block's
-# WGMMAs run under the previous one's promotion; the body's last one is waited for at its end)
-AHEAD_RUN = 4
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -74,8 +71,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None,
-                 consumer_ahead: bool = False):
+                 decode_tables: str = "vote", early_tables: bool | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -88,9 +84,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                          # sm90_expert_gemm.DEFAULT_EARLY_TABLES)
                          early_tables=True if early_tables is None else early_tables)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
-        # tiles of at most 16 tokens issue k-block kb's WGMMAs before k-block kb - 1's wait
-        # (`mma_k_blocks_ahead`); an A/B option until measured
-        self.consumer_ahead = consumer_ahead
         # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
         # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
         # a whole-block box brings through L2 and shared memory for nothing: a third of the
@@ -163,19 +156,21 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             for b in cutlass.range_constexpr(self.weight_blocks):
                 for s in cutlass.range_constexpr(self.token_blocks):
                     accs[b][s].fill(0.0)
-            if cutlass.const_expr(self.consumer_ahead):
-                if num_sub <= 1:  # (uniform per tile)
-                    tiled_mma, state = self.mma_k_blocks_ahead(
-                        tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb, ab_pipe, decoded, state,
-                        n_block, quad)
-                else:
-                    tiled_mma, state = self.mma_k_blocks(
-                        tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb, ab_pipe, decoded, state,
-                        n_block, num_sub, quad)
-            else:
-                tiled_mma, state = self.mma_k_blocks(
-                    tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb, ab_pipe, decoded, state,
-                    n_block, num_sub, quad)
+            for _kb in cutlass.range(self.num_k_blocks):
+                ab_pipe.consumer_wait(state)
+                if cutlass.const_expr(self.fp4_weights):
+                    # the decode warps have written the stage's e4m3 weight tile
+                    cute.arch.mbarrier_wait(decoded + state.index, state.phase)
+                stage = state.index
+                # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
+                row_sb = self.weight_scales(sfb, stage, n_block)
+                tiled_mma = self.mma_token_groups(
+                    tiled_mma, lambda b, kk, stage=stage: t_rw[(None, None, kk,
+                                                                stage * self.weight_blocks + b)],
+                    [row_sb[b // 2] for b in range(self.weight_blocks)], t_rt, parts, accs,
+                    sfa, stage, num_sub, quad)
+                ab_pipe.consumer_release(state)
+                state.advance()
             # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
             self.epilogue_transposed(
                 lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
@@ -187,96 +182,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
         return state, prev, tile
-
-    @cute.jit
-    def wait_stage_ready(self, ab_pipe, decoded: cute.Pointer, state) -> Int32:
-        """Wait until the ring stage of ``state`` is loaded (FP4: and decoded); its index."""
-        ab_pipe.consumer_wait(state)
-        if cutlass.const_expr(self.fp4_weights):
-            # the decode warps have written the stage's e4m3 weight tile
-            cute.arch.mbarrier_wait(decoded + state.index, state.phase)
-        return state.index
-
-    @cute.jit
-    def mma_k_blocks(self, tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb, ab_pipe,
-                     decoded: cute.Pointer, state, n_block: Int32, num_sub: Int32, quad: Int32):
-        """A tile's k-blocks one at a time (`mma_token_groups`). Returns ``(tiled_mma,
-        state)``."""
-        for _kb in cutlass.range(self.num_k_blocks):
-            stage = self.wait_stage_ready(ab_pipe, decoded, state)
-            # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
-            row_sb = self.weight_scales(sfb, stage, n_block)
-            tiled_mma = self.mma_token_groups(
-                tiled_mma, lambda b, kk, stage=stage: t_rw[(None, None, kk,
-                                                            stage * self.weight_blocks + b)],
-                [row_sb[b // 2] for b in range(self.weight_blocks)], t_rt, parts, accs, sfa,
-                stage, num_sub, quad)
-            ab_pipe.consumer_release(state)
-            state.advance()
-        return tiled_mma, state
-
-    @cute.jit
-    def mma_k_blocks_ahead(self, tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb, ab_pipe,
-                           decoded: cute.Pointer, state, n_block: Int32, quad: Int32):
-        """The k-blocks of a tile of at most 16 tokens (one sub-block), `AHEAD_RUN` per loop
-        body: within a run, k-block kb's WGMMAs go into scratch ``parts[kb % 2]`` (the second
-        sub-block's scratch, unused at these sizes) before k-block kb - 1 is waited for
-        (``wait_group(1)``), promoted and its stage freed; the run's last k-block is waited for
-        at its end (ptxas keeps WGMMAs asynchronous only when no group is in flight across a
-        loop's back edge; else it serializes every WGMMA of the kernel, C7514). The same
-        WGMMAs into the same scratch per k-block and the same promotion in k order as
-        `mma_token_groups`, so the same sums. Returns ``(tiled_mma, state)``."""
-        nk = self.num_k_blocks
-        full = nk - nk % AHEAD_RUN
-        for _kb0 in cutlass.range(0, full, AHEAD_RUN):
-            tiled_mma, state = self.mma_run_ahead(tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb,
-                                                  ab_pipe, decoded, state, n_block, quad,
-                                                  AHEAD_RUN)
-        if cutlass.const_expr(full < nk):
-            tiled_mma, state = self.mma_run_ahead(tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb,
-                                                  ab_pipe, decoded, state, n_block, quad,
-                                                  nk - full)
-        return tiled_mma, state
-
-    @cute.jit
-    def mma_run_ahead(self, tiled_mma, t_rw, t_rt, parts, accs, sfa, sfb, ab_pipe,
-                      decoded: cute.Pointer, state, n_block: Int32, quad: Int32,
-                      run: cutlass.Constexpr):
-        """``run`` k-blocks of `mma_k_blocks_ahead`, nothing in flight before or after.
-        Returns ``(tiled_mma, state)`` (the caller rebinds both: a staged loop carries only
-        what its body rebinds)."""
-        prev = state.clone()
-        for u in cutlass.range_constexpr(run):
-            stage = self.wait_stage_ready(ab_pipe, decoded, state)
-            warpgroup.fence()
-            tiled_mma = self.issue_wgmmas(
-                tiled_mma, lambda b, kk, stage=stage: t_rw[(None, None, kk,
-                                                            stage * self.weight_blocks + b)],
-                self.weight_blocks, t_rt, [parts[u % 2]], stage, 0, 1)
-            if cutlass.const_expr(u > 0):  # the previous k-block, while this one runs
-                warpgroup.wait_group(1)
-                self.promote_sub0(parts[(u - 1) % 2], accs, sfa, sfb, prev.index, n_block,
-                                  quad)
-                ab_pipe.consumer_release(prev)
-                prev.advance()
-            state.advance()
-        warpgroup.wait_group(0)
-        self.promote_sub0(parts[(run - 1) % 2], accs, sfa, sfb, prev.index, n_block, quad)
-        ab_pipe.consumer_release(prev)
-        return tiled_mma, state
-
-    @cute.jit
-    def promote_sub0(self, part, accs, sfa, sfb, stage: Int32, n_block: Int32, quad: Int32):
-        """``accs[b][0][v] += part[b][v] * (sa[token] * sb[row])`` for token sub-block 0 of
-        ``stage`` (`mma_token_groups`' promotion, the same arithmetic)."""
-        row_sb = self.weight_scales(sfb, stage, n_block)
-        for j in cutlass.range_constexpr(TOKEN_N // 8):
-            for c in cutlass.range_constexpr(2):
-                sa_tok = sfa[8 * j + 2 * quad + c, stage]
-                for b in cutlass.range_constexpr(self.weight_blocks):
-                    for r in cutlass.range_constexpr(2):
-                        v = c + 2 * r + 4 * j
-                        accs[b][0][v] += part[b][v] * (sa_tok * row_sb[b // 2][r])
 
     @cute.jit
     def mma_token_groups(self, tiled_mma, a_of, block_scales: list, t_rt, parts, accs, sfa,
