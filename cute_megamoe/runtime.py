@@ -250,15 +250,6 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_transposed_widths() -> str:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS``: how the transposed sm_90a grouped GEMMs cover a
-    tile's received tokens with WGMMAs (`Sm90TransposedExpertGemmKernel`'s ``token_widths``):
-    ``16`` (the default: m64n16 sub-blocks, two in flight before one wait) or ``sized`` (one
-    WGMMA per m64 block and k32 step per 32 tokens, m64n8 / m64n16 / m64n32 as the tokens
-    allow). Part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS", ("16", "sized"))
-
-
 def sm90_fp4_tables() -> str:
     """``CUTE_MEGAMOE_SM90_FP4_TABLES``: how the decode warps of the sm_90a grouped GEMMs with
     MXFP4 weights build their tables (`Sm90ExpertGemmKernel`'s ``decode_tables``): ``vote``
@@ -321,7 +312,6 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

@@ -212,50 +212,21 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
         gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
 
 
-def _wgmma_descriptors_from_r2ur(sass: str) -> list:
-    """The WGMMAs of ``sass`` whose descriptor (``gdesc[URn]``: URn .. URn + 3) was last
-    written by an ``R2UR``, i.e. built in vector registers and moved to the uniform datapath
-    (an R2UR of another value, e.g. a uniform scale, does not count)."""
-    import re
-
-    last_writer = {}
-    found = []
-    for line in sass.splitlines():
-        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*)",
-                     line)
-        if not m:
-            continue
-        op, args = m.group(1), m.group(2)
-        desc = re.search(r"gdesc\[UR(\d+)\]", args)
-        if op.startswith(("QGMMA", "HGMMA")) and desc:
-            base = int(desc.group(1))
-            if any(last_writer.get(base + i) == "R2UR" for i in range(4)):
-                found.append(line.strip())
-            continue
-        dest = re.match(r"UR(\d+)\b", args)
-        if dest:
-            last_writer[int(dest.group(1))] = op.split(".")[0]
-    return found
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
                                        ("l2", 1152, 512)])
-@pytest.mark.parametrize("a_rows,widths", [("block", "16"), ("received", "16"),
-                                           ("received", "sized")])
-def test_sm90_transposed_compiles_with_token_wgmmas(recipe, phase, n, k, a_rows, widths,
-                                                    monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, the
-    tokens as its N: with ``widths`` "16" (`CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS`) m64n16k32
-    WGMMAs only, 4 per m64 block of the tile per sub-block (two groups of two sub-blocks, each
-    group built for both and for its first alone); with "sized" each 32-token group built as
-    m64n8, m64n16 and m64n32 (4 WGMMAs per m64 block each); no spills, WGMMAs not serialized,
-    and no WGMMA descriptor moved from a vector register (R2UR) among them (the issue order
-    keeps them on the uniform datapath); BLOCK_M 128 and BF16 are built without it.
-    ``a_rows`` (`CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`): "received" loads the pool block's rows
-    in 16-row TMA boxes, the stage's barrier expecting one box in its transaction count (the
-    others per tile)."""
+@pytest.mark.parametrize("a_rows", ("block", "received"))
+def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
+    sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (two groups
+    of two sub-blocks, each group built for both and for its first alone), no spills, WGMMAs
+    not serialized, and no WGMMA descriptor moved from a vector register (R2UR) among them
+    (the issue order keeps them on the uniform datapath); BLOCK_M 128 and BF16 are built
+    without it. ``a_rows`` (`CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`): "received" loads the pool
+    block's rows in 16-row TMA boxes, the stage's barrier expecting one box in its transaction
+    count (the others per tile)."""
+    import re
 
     from cutlass import Int32
 
@@ -266,11 +237,10 @@ def test_sm90_transposed_compiles_with_token_wgmmas(recipe, phase, n, k, a_rows,
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", a_rows)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS", widths)
     kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
                                  activation_clamp=10.0)
     assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
-    assert kernel.weight_blocks == kernel.block_n // 64 and kernel.token_widths == widths
+    assert (kernel.weight_blocks, kernel.token_blocks) == (kernel.block_n // 64, 4)
     received = a_rows == "received"
     assert kernel.a_rows == a_rows and kernel.a_box_rows == (16 if received else 64)
     assert kernel.stage_tx_bytes - kernel.ring_tx_bytes == (48 * 128 if received else 0)
@@ -284,20 +254,18 @@ def test_sm90_transposed_compiles_with_token_wgmmas(recipe, phase, n, k, a_rows,
                            Int32(132), fake_stream(), arch="sm_90a")
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
-    per_shape = 4 * kernel.weight_blocks * 2  # (per m64 block, per 32-token group)
-    shapes = {"16": {16: 3 * per_shape}, "sized": {8: per_shape, 16: per_shape, 32: per_shape}}
-    assert art.count("QGMMA") == sum(shapes[widths].values())
-    for token_n, count in shapes[widths].items():
-        assert art.count(f"QGMMA.64x{token_n}x32.F32.E4M3.E4M3") == count
+    assert art.count("QGMMA") == art.count("QGMMA.64x16x32.F32.E4M3.E4M3") \
+        == 4 * kernel.weight_blocks * (kernel.token_blocks + kernel.token_blocks // 2)
     assert art.count("HGMMA") == 0  # (no empty WGMMA carrying a group's scoreboard)
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    assert _wgmma_descriptors_from_r2ur(art.sass) == []
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                     art.sass, re.M)
+    wgmmas = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
+    assert "R2UR" not in ops[wgmmas[0] - 40: wgmmas[-1] + 1]
     with pytest.raises(ValueError, match="transposed"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
     with pytest.raises(ValueError, match="a_rows"):
         Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
-    with pytest.raises(ValueError, match="token_widths"):
-        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, token_widths="64")
     assert ptxas_notes_or_skip(art) == []  # (last: skips where ptxas cannot read the PTX)
 
 
@@ -735,14 +703,12 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "transposed"), (64, "transposed_block"),
-                                             (64, "transposed_sized"),
                                              (128, "unroll4")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the consumer loop unrolled by
     4 k-blocks (`CUTE_MEGAMOE_SM90_K_UNROLL`) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block", and with
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS` "sized") compute the same
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
     products and promote them in the same order as "chunk" with one k-block per loop body:
     L2 inputs, their scales and the
     outputs equal bit for bit, pad rows untouched."""
@@ -763,16 +729,12 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"},
-                   "transposed_sized": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                        "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                        "CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS": "sized"}}[variant]
+                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk", "CUTE_MEGAMOE_SM90_K_UNROLL": "1"},
                 variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_WIDTHS"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

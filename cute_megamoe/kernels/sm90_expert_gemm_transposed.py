@@ -55,20 +55,12 @@ from cutlass.cute.nvgpu import warpgroup
 from .common.transposed_epilogue import TransposedEpilogue
 from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
-TOKEN_N = 16  # rows of one TMA box of the pool tile (`a_rows` "received")
+TOKEN_N = 16  # tokens of one transposed WGMMA (m64n16): a sub-block of the pool block
 WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
-GROUP_TOKENS = 32  # tokens of one group of WGMMAs before a wait: the pool block's two halves
-# How a group's WGMMAs cover its received tokens (`token_widths`): per option, the most tokens
-# it takes and (WGMMA N, sub-blocks of N tokens); a group takes the first option whose most
-# is at least its tokens. "16": m64n16 sub-blocks, two in flight before one wait (17-32
-# tokens: one wait per k-block instead of two; each sub-block its own scratch, so the sums and
-# their promotion order are unchanged). "sized": one WGMMA per m64 block and k32 step, as
-# narrow as the tokens allow (m64n8 up to 8, m64n16 up to 16, m64n32 up to 32): half the
-# weight tile's shared-memory reads of two m64n16 at 17-32 tokens, half the promotion FMAs
-# of m64n16 at up to 8
-TOKEN_WIDTHS = {"16": ((16, (16, 1)), (32, (16, 2))),
-                "sized": ((8, (8, 1)), (16, (16, 1)), (32, (32, 1)))}
-DEFAULT_TOKEN_WIDTHS = "16"
+# token sub-blocks whose WGMMAs go out together before one wait (17-32 tokens: one wait per
+# k-block instead of two; each sub-block its own scratch, so the sums and their promotion
+# order are unchanged)
+SUBS_IN_FLIGHT = 2
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -79,8 +71,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None,
-                 token_widths: str | None = None):
+                 decode_tables: str = "vote", early_tables: bool | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -107,32 +98,19 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             self.ring_tx_bytes -= ((block_m - TOKEN_N) * self.block_k
                                    * (self.ab_dtype.width // 8))
         self.weight_blocks = self.block_n // WEIGHT_M
-        token_widths = DEFAULT_TOKEN_WIDTHS if token_widths is None else token_widths
-        if token_widths not in TOKEN_WIDTHS:
-            raise ValueError(f"token_widths: one of {tuple(TOKEN_WIDTHS)}, got {token_widths!r}")
-        self.token_widths = token_widths
-        self.group_options = TOKEN_WIDTHS[token_widths]
+        self.token_blocks = block_m // TOKEN_N
         # L1: per-warp token amaxes, then the tile's
         self.amax_exchange_len = 5 * block_m
 
     # ------------------------------------------------------------------------------ host side
     def mma_and_stage_layouts(self):
-        """The transposed WGMMA of the narrowest token width (m64 weight rows x N tokens, both
-        from shared memory; `token_mma` makes the others) and the staged kernel's ring
-        layouts."""
+        """The transposed WGMMA (m64 weight rows x 16 tokens, both from shared memory) and the
+        staged kernel's ring layouts."""
         _, a_layout, b_layout = super().mma_and_stage_layouts()
-        return self.token_mma(self.token_n_of_widths()[0]), a_layout, b_layout
-
-    def token_n_of_widths(self) -> list:
-        """The WGMMA token widths (N) the groups use, ascending."""
-        return sorted({n for _, (n, _) in self.group_options})
-
-    @staticmethod
-    def token_mma(token_n: int):
-        """The transposed tiled WGMMA: m64 weight rows x ``token_n`` tokens, FP8, K-major."""
-        return sm90_utils.make_trivial_tiled_mma(
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, token_n))
+            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, TOKEN_N))
+        return tiled_mma, a_layout, b_layout
 
     # ---------------------------------------------------------------------------- device side
     def consumer_staging(self, staging: cute.Pointer, consumer_warp):
@@ -151,40 +129,33 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         ``< num_tiles``, transposed (see module doc). Returns ``(state, prev, the first tile
         index past num_tiles)``."""
         # the ring's weight chunks as m64 blocks (block b of stage s: slot 2 chunks s + b) and
-        # its pool tiles as sub-blocks of N tokens (sub-block t of stage s: slot 64 / N s + t):
-        # the same bytes as `sb` / `sa`, smaller tiles of the same swizzle atoms
+        # its pool tiles as 16-row sub-blocks (sub-block t of stage s: slot blocks s + t): the
+        # same bytes as `sb` / `sa`, smaller tiles of the same swizzle atoms
         w_layout = self._smem_layout(WEIGHT_M, self.num_stages * self.weight_blocks)
+        t_layout = self._smem_layout(TOKEN_N, self.num_stages * self.token_blocks)
         sw = cute.make_tensor(sb.iterator, w_layout.outer)
-        ctid = warp_in_wg * 32 + lane
-        # per token width N: the tiled WGMMA, the A (weights) and B (tokens) operands, and
-        # the scratch accumulators of its sub-blocks in flight (one per m64 block)
-        mmas, a_ops, b_ops, parts = {}, {}, {}, {}
-        for token_n in self.token_n_of_widths():
-            mma = tiled_mma if token_n == self.token_n_of_widths()[0] \
-                else self.token_mma(token_n)
-            thr_mma = mma.get_slice(ctid)
-            t_layout = self._smem_layout(token_n, self.num_stages * self.block_m // token_n)
-            st = cute.make_tensor(sa.iterator, t_layout.outer)
-            mmas[token_n] = mma
-            a_ops[token_n] = mma.make_fragment_A(thr_mma.partition_A(sw))  # [.., .., k32, slot]
-            b_ops[token_n] = mma.make_fragment_B(thr_mma.partition_B(st))
-            subs = max(count for _, (n, count) in self.group_options if n == token_n)
-            acc_shape = thr_mma.partition_shape_C((WEIGHT_M, token_n))
-            parts[token_n] = [[cute.make_rmem_tensor(acc_shape, Float32)
-                               for _ in range(self.weight_blocks)] for _ in range(subs)]
-        # the tile's sums per m64 block: value c + 2 r + 4 j is weight row r0 + 8 r and token
-        # 8 j + 2 (lane % 4) + c (the m64nN accumulator's order, over the whole pool block)
-        accs = [cute.make_rmem_tensor(self.block_m // 2, Float32)
+        st = cute.make_tensor(sa.iterator, t_layout.outer)
+        thr_mma = tiled_mma.get_slice(warp_in_wg * 32 + lane)
+        t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(sw))  # [.., .., k32, slot]
+        t_rt = tiled_mma.make_fragment_B(thr_mma.partition_B(st))
+        acc_shape = thr_mma.partition_shape_C((WEIGHT_M, TOKEN_N))
+        accs = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.token_blocks)]
                 for _ in range(self.weight_blocks)]
+        # scratch of SUBS_IN_FLIGHT sub-blocks: their WGMMAs issued together, one wait
+        parts = [[cute.make_rmem_tensor(acc_shape, Float32) for _ in range(self.weight_blocks)]
+                 for _ in range(SUBS_IN_FLIGHT)]
         quad = lane % 4
+        ctid = warp_in_wg * 32 + lane
         tile = first_tile
         owner = Int32(0)
         while tile < num_tiles:
             owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             row_base = pool_block * self.block_m
+            num_sub = (valid_m + TOKEN_N - 1) // TOKEN_N  # sub-blocks with received tokens
             for b in cutlass.range_constexpr(self.weight_blocks):
-                accs[b].fill(0.0)
+                for s in cutlass.range_constexpr(self.token_blocks):
+                    accs[b][s].fill(0.0)
             for _kb in cutlass.range(self.num_k_blocks):
                 ab_pipe.consumer_wait(state)
                 if cutlass.const_expr(self.fp4_weights):
@@ -193,13 +164,16 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 stage = state.index
                 # the weight block scales of the thread's rows, by chunk (r = 0, 1: L1 gate, up)
                 row_sb = self.weight_scales(sfb, stage, n_block)
-                mmas = self.mma_token_groups(
-                    mmas, a_ops, b_ops, [row_sb[b // 2] for b in range(self.weight_blocks)],
-                    parts, accs, sfa, stage, valid_m, quad)
+                tiled_mma = self.mma_token_groups(
+                    tiled_mma, lambda b, kk, stage=stage: t_rw[(None, None, kk,
+                                                                stage * self.weight_blocks + b)],
+                    [row_sb[b // 2] for b in range(self.weight_blocks)], t_rt, parts, accs,
+                    sfa, stage, num_sub, quad)
                 ab_pipe.consumer_release(state)
                 state.advance()
+            # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
             self.epilogue_transposed(
-                lambda b, j, r, c: accs[b][c + 2 * r + 4 * j],
+                lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
                 list(range(self.weight_blocks)), topk_weights, out, out_sf, peer_bases,
                 src_metadata, staging, exchange, row_base, n_block, valid_m, warp_in_wg, 4, lane,
                 ctid)
@@ -210,65 +184,60 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
         return state, prev, tile
 
     @cute.jit
-    def mma_token_groups(self, mmas: dict, a_ops: dict, b_ops: dict, block_scales: list, parts,
-                         accs, sfa, stage: Int32, valid_m: Int32, quad: Int32):
-        """One k-block of the thread's m64 blocks (``len(block_scales)`` of them): for each
-        group of `GROUP_TOKENS` tokens that holds received ones, the WGMMAs of the group's
-        option (`token_widths`: the first whose most tokens is at least the group's; a
-        uniform branch per option) into the scratch ``parts``, one wait, then the promotion
-        ``accs[i][v] += part[v'] * (sa[token] * block_scales[i][r])``. Returns ``mmas`` (their
-        accumulate fields set)."""
-        least = 0
-        for t0 in cutlass.range_constexpr(0, self.block_m, GROUP_TOKENS):
-            tokens = valid_m - t0
-            least = 0
-            for most, (token_n, subs) in self.group_options:
-                if tokens > least:
-                    if cutlass.const_expr(most >= GROUP_TOKENS):
-                        mmas[token_n] = self.mma_group(mmas[token_n], a_ops[token_n],
-                                                       b_ops[token_n], parts[token_n],
-                                                       block_scales, accs, sfa, stage, t0,
-                                                       token_n, subs, quad)
-                    else:
-                        if tokens <= most:
-                            mmas[token_n] = self.mma_group(
-                                mmas[token_n], a_ops[token_n], b_ops[token_n], parts[token_n],
-                                block_scales, accs, sfa, stage, t0, token_n, subs, quad)
-                least = most
-        return mmas
+    def mma_token_groups(self, tiled_mma, a_of, block_scales: list, t_rt, parts, accs, sfa,
+                         stage: Int32, num_sub: Int32, quad: Int32):
+        """One k-block of the thread's m64 blocks (``len(block_scales)`` of them; ``a_of(i,
+        kk)``: block ``i``'s A operand of k32 step ``kk``): for each group of `SUBS_IN_FLIGHT`
+        token sub-blocks with received tokens, their WGMMAs into the scratch ``parts`` (a
+        sub-block past the tokens: nothing issued, nothing promoted), one wait, then the
+        promotion ``accs[i][s][v] += parts[h][i][v] * (sa[token] * block_scales[i][r])``, value
+        ``v = c + 2 r + 4 j``: row ``r0 + 8 r``, token ``16 s + 8 j + 2 quad + c``. Returns
+        ``tiled_mma`` (its accumulate field set)."""
+        nb = len(block_scales)
+        for s0 in cutlass.range_constexpr(0, self.token_blocks, SUBS_IN_FLIGHT):
+            if s0 < num_sub:
+                warpgroup.fence()
+                if s0 + 1 < num_sub:
+                    tiled_mma = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage, s0,
+                                                  SUBS_IN_FLIGHT)
+                else:
+                    tiled_mma = self.issue_wgmmas(tiled_mma, a_of, nb, t_rt, parts, stage, s0,
+                                                  1)
+                warpgroup.wait_group(0)
+                for h in cutlass.range_constexpr(SUBS_IN_FLIGHT):
+                    if s0 + h < num_sub:
+                        s = s0 + h
+                        for j in cutlass.range_constexpr(TOKEN_N // 8):
+                            for c in cutlass.range_constexpr(2):
+                                sa_tok = sfa[TOKEN_N * s + 8 * j + 2 * quad + c, stage]
+                                for i in cutlass.range_constexpr(nb):
+                                    for r in cutlass.range_constexpr(2):
+                                        v = c + 2 * r + 4 * j
+                                        accs[i][s][v] += parts[h][i][v] * (
+                                            sa_tok * block_scales[i][r])
+        return tiled_mma
 
     @cute.jit
-    def mma_group(self, tiled_mma, t_rw, t_rt, parts, block_scales: list, accs, sfa,
-                  stage: Int32, t0: cutlass.Constexpr, token_n: cutlass.Constexpr,
-                  subs: cutlass.Constexpr, quad: Int32):
-        """The WGMMAs of ``subs`` sub-blocks of ``token_n`` tokens from token ``t0`` into their
-        scratch ``parts[h]`` (each accumulates its k32 steps in order; each m64 block's A used
-        by all of them before the next block's: few A descriptors are live at once, so ptxas
-        keeps them on the uniform datapath, where two-sub-block runs issued sub-block by
-        sub-block held all sixteen live and ptxas built every descriptor in vector registers,
-        48 R2UR per k-block), committed as one group (a commit after the paths met made ptxas
-        add an empty WGMMA to carry the group's scoreboard), one wait, then their promotion.
-        Returns ``tiled_mma``, whose accumulate field this sets (the caller rebinds it)."""
-        nb = len(block_scales)
-        slots = self.block_m // token_n
-        warpgroup.fence()
+    def issue_wgmmas(self, tiled_mma, a_of, nb: cutlass.Constexpr, t_rt, parts, stage,
+                     s0: cutlass.Constexpr, subs: cutlass.Constexpr):
+        """The WGMMAs of token sub-blocks ``s0 .. s0 + subs - 1`` of ``stage`` into their
+        scratch ``parts[h]`` (each accumulates its k32 steps in order), each m64 block's A
+        used by all of them before the next block's: few A descriptors are live at once, so
+        ptxas keeps them on the uniform datapath (issued sub-block by sub-block, the
+        two-sub-block runs held all sixteen A descriptors live, and ptxas built every
+        descriptor in vector registers and moved it with an R2UR: 48 per k-block, about 80
+        more instructions in the consumer's serial stream, for every tile). Returns
+        ``tiled_mma``, whose accumulate field this sets (the caller rebinds it), with the
+        WGMMAs committed as one group."""
         for i in cutlass.range_constexpr(nb):
             for kk in cutlass.range_constexpr(self.block_k // 32):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kk > 0)
                 for h in cutlass.range_constexpr(subs):
-                    cute.gemm(tiled_mma, parts[h][i],
-                              t_rw[(None, None, kk, stage * self.weight_blocks + i)],
-                              t_rt[(None, None, kk, stage * slots + t0 // token_n + h)],
+                    cute.gemm(tiled_mma, parts[h][i], a_of(i, kk),
+                              t_rt[(None, None, kk, stage * self.token_blocks + s0 + h)],
                               parts[h][i])
+        # (committed here, after the last WGMMA: a commit after the two paths meet made ptxas
+        # add an empty WGMMA to carry the group's scoreboard)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        for h in cutlass.range_constexpr(subs):
-            for jj in cutlass.range_constexpr(token_n // 8):
-                j = (t0 + token_n * h) // 8 + jj  # the token group of 8 in the pool block
-                for c in cutlass.range_constexpr(2):
-                    sa_tok = sfa[8 * j + 2 * quad + c, stage]
-                    for i in cutlass.range_constexpr(nb):
-                        for r in cutlass.range_constexpr(2):
-                            accs[i][c + 2 * r + 4 * j] += parts[h][i][c + 2 * r + 4 * jj] * (
-                                sa_tok * block_scales[i][r])
         return tiled_mma
+
