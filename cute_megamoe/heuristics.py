@@ -123,7 +123,7 @@ def select_cluster_m(arch: str, phase: str, block_m: int, n: int) -> int:
 
 
 
-#: Largest expected tokens per expert at which the sm_90a FP4 grouped GEMMs run transposed
+#: Largest expected tokens per expert at which the sm_90a FP8 grouped GEMMs run transposed
 #: (`select_sm90_transposed`); +0.5 as in `_BLOCK_M_THRESHOLDS`.
 SM90_TRANSPOSED_MAX_TOKENS = 16.5
 
@@ -133,16 +133,20 @@ def select_sm90_transposed(recipe: str, block_m: int,
     """Whether the sm_90a grouped GEMMs run transposed (`sm90_expert_gemm_transposed`: the
     weight tile as the WGMMA's A, the pool rows in 16-token sub-blocks) rather than staged.
 
-    Only for MXFP4 weights (``fp8xfp4_sm90``) at BLOCK_M 64 with at most 16 expected tokens
-    per expert. Interleaved A/Bs on an H200 since the transposed consumer's uniform WGMMA
-    descriptors (2026-12-02, docs/performance.md): the expert FFN took 0.78x the staged
-    kernels' time at 128 experts x 16 pairs, 1.04x at x 32; the layer 0.935x at 16 expected
-    tokens per expert (random routing), 1.23x at 32. fp8xfp8 gains nothing (1.00x). None (the
-    caller does not know its token count): staged. ``CUTE_MEGAMOE_SM90_TRANSPOSED`` overrides
-    this (`runtime.sm90_transposed`). Ranks may choose differently: the expert GEMMs are
-    rank-local and both kernels write the same bits (GPU-tested).
+    For FP8 activations (``fp8xfp8``, ``fp8xfp4_sm90``) at BLOCK_M 64 with at most 16 expected
+    tokens per expert. Interleaved A/Bs on an H200 (docs/performance.md): MXFP4 weights, since
+    the transposed consumer's uniform WGMMA descriptors (2026-12-02): the expert FFN took 0.78x
+    the staged kernels' time at 128 experts x 16 pairs, 1.04x at x 32; the layer 0.935x at 16
+    expected tokens per expert (random routing), 1.23x at 32. fp8xfp8 since the received-row
+    boxes (2026-12-04, three runs): 0.970-0.979x at 128 x 8 and x 16 (a pool block's A rows
+    come in 16-row boxes of received tokens only: about 15 % fewer bytes per k-block into
+    shared memory), 1.04x at x 32. None (the caller does not know its token count): staged.
+    ``CUTE_MEGAMOE_SM90_TRANSPOSED`` overrides this (`runtime.sm90_transposed`). Ranks may
+    choose differently: the expert GEMMs are rank-local and both kernels write the same bits
+    (GPU-tested).
     """
-    return (recipe == "fp8xfp4_sm90" and block_m == 64 and expected_tokens_per_expert is not None
+    return (recipe in ("fp8xfp8", "fp8xfp4_sm90") and block_m == 64
+            and expected_tokens_per_expert is not None
             and expected_tokens_per_expert <= SM90_TRANSPOSED_MAX_TOKENS)
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:
@@ -166,7 +170,7 @@ def warm_up_token_counts(max_tokens: int) -> tuple[int, ...]:
     """Token counts per rank whose calls, at one BLOCK_M, load every kernel that a call of 0 to
     ``max_tokens`` tokens per rank can pick (for a loopback group's warm-up, where a kernel's
     first launch waits for the running ones: `testing.protocol_checks.Ranks`). The choices
-    that follow the token count are steps over it: the sm_90a MXFP4 GEMMs run transposed up to
+    that follow the token count are steps over it: the sm_90a FP8 GEMMs run transposed up to
     `SM90_TRANSPOSED_MAX_TOKENS` per expert (`select_sm90_transposed`), the combine's rounds
     change at the counts of `select_combine_rounds`; so one token, each step's count in range
     and ``max_tokens`` cover them all."""

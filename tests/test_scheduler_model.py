@@ -252,8 +252,9 @@ def test_heuristics_cluster_m():
 
 
 def test_heuristics_sm90_transposed(monkeypatch):
-    """The transposed sm_90a mainloop: MXFP4 weights at BLOCK_M 64 with at most 16 expected
-    tokens per expert, unless ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces it on or off."""
+    """The transposed sm_90a mainloop: FP8 activations (fp8xfp8, MXFP4 weights) at BLOCK_M 64
+    with at most 16 expected tokens per expert, unless ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces
+    it on or off."""
     from cute_megamoe.heuristics import select_sm90_transposed
     from cute_megamoe.launch import sm90_runs_transposed
 
@@ -263,7 +264,9 @@ def test_heuristics_sm90_transposed(monkeypatch):
     assert not select_sm90_transposed("fp8xfp4_sm90", 64, 17.0)
     assert not select_sm90_transposed("fp8xfp4_sm90", 64, None)  # unknown: staged
     assert not select_sm90_transposed("fp8xfp4_sm90", 128, 1.0)
-    assert not select_sm90_transposed("fp8xfp8", 64, 1.0)
+    assert select_sm90_transposed("fp8xfp8", 64, 1.0)
+    assert not select_sm90_transposed("fp8xfp8", 64, 17.0)
+    assert not select_sm90_transposed("bf16xbf16", 64, 1.0)
     # the 128-token staged layer at R = 1 with 128 experts of top-8: 8 per expert
     assert select_sm90_transposed("fp8xfp4_sm90", select_block_m(8.0, "sm90"),
                                   expected_tokens_per_expert(128, 1, 8, 128))

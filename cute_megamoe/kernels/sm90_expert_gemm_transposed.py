@@ -1,10 +1,10 @@
 """Hopper (sm_90a) grouped GEMMs over the expert pool, transposed for decode sizes: the weight
 tile is the WGMMA's A (M = 64 weight rows, from shared memory), the pool rows its B in 16-token
 sub-blocks (N = 16), and only the sub-blocks that hold received tokens are computed. Recipes
-``fp8xfp8`` and ``fp8xfp4_sm90``, BLOCK_M 64. The default for MXFP4 weights at up to 16
-expected tokens per expert (`heuristics.select_sm90_transposed`: 0.78x the staged kernels' time
-at 8 and 16 pairs per expert on an H200, 0.80x in the layer at 128 tokens); elsewhere an A/B
-variant (`CUTE_MEGAMOE_SM90_TRANSPOSED`).
+``fp8xfp8`` and ``fp8xfp4_sm90``, BLOCK_M 64. The default for both at up to 16 expected
+tokens per expert (`heuristics.select_sm90_transposed`: on an H200 MXFP4 0.78x the staged
+kernels' time at 8 and 16 pairs per expert, 0.80x in the layer at 128 tokens; fp8xfp8
+0.97-0.98x); elsewhere an A/B variant (`CUTE_MEGAMOE_SM90_TRANSPOSED`).
 
 What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes (L1 with the
 SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows into ``out``
