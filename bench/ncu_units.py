@@ -12,7 +12,9 @@ docs/performance.md): one launch per GEMM and build, not a speed comparison.
         [--variant NAME[:VAR=VALUE[,VAR=VALUE...]]]...   # on the GPU machine, ncu on PATH
 
 ``--variant default`` (the default) runs the library's choices; ``--variant
-unroll1:CUTE_MEGAMOE_SM90_K_UNROLL=1`` one with that setting. Writes ``ncu_units-<date>.json``.
+unroll1:CUTE_MEGAMOE_SM90_K_UNROLL=1`` one with that setting; ``--stalls`` adds the issue-slot
+share and the warps stalled per issued instruction by reason (`STALL_METRICS`; e.g. an
+instruction-cache miss shows as ``no_instruction``). Writes ``ncu_units-<date>.json``.
 """
 
 from __future__ import annotations
@@ -34,22 +36,34 @@ METRICS = {
     "dram_pct": ("dram__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
     "lts_pct": ("lts__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
 }
+#: `--stalls`: the share of issue slots taken, and per stall reason the warps stalled on it per
+#: issue-active cycle (Nsight Compute's WarpStateStats ratios; their sum is the warps waiting
+#: per issued instruction)
+STALL_REASONS = ("no_instruction", "barrier", "long_scoreboard", "short_scoreboard", "wait",
+                 "mio_throttle", "math_pipe_throttle", "dispatch_stall", "branch_resolving",
+                 "sleeping", "membar", "lg_throttle", "selected", "not_selected", "misc")
+STALL_METRICS = {
+    "issue_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", 1.0),
+    **{f"stall_{r}": (f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio", 1.0)
+       for r in STALL_REASONS},
+}
 PHASES = ("l1", "l2")  # the profiled call's launches, in order
 
 
-def parse_ncu_csv(text: str) -> list[dict[str, float]]:
-    """The `METRICS` of each kernel launch in ``ncu --csv --metrics ...`` output (one row per
-    launch and metric; ncu's own ``==PROF==`` lines and the program's output skipped), in launch
-    order."""
+def parse_ncu_csv(text: str, metrics: dict | None = None) -> list[dict[str, float]]:
+    """The ``metrics`` (`METRICS` unless given: JSON key -> (ncu metric, factor)) of each
+    kernel launch in ``ncu --csv --metrics ...`` output (one row per launch and metric; ncu's
+    own ``==PROF==`` lines and the program's output skipped), in launch order."""
+    metrics = METRICS if metrics is None else metrics
     lines = [line for line in text.splitlines() if line.startswith('"')]
     if not lines:
         return []
     launches: dict[int, dict[str, float]] = {}
-    names = {metric: key for key, (metric, _f) in METRICS.items()}
+    names = {metric: key for key, (metric, _f) in metrics.items()}
     for row in csv.DictReader(io.StringIO("\n".join(lines))):
         key = names.get(row["Metric Name"])
         if key is not None:
-            value = float(row["Metric Value"].replace(",", "")) * METRICS[key][1]
+            value = float(row["Metric Value"].replace(",", "")) * metrics[key][1]
             launches.setdefault(int(row["ID"]), {})[key] = value
     return [launches[i] for i in sorted(launches)]
 
@@ -91,6 +105,9 @@ def main() -> None:
     p.add_argument("--config", default="32x1024", help="EXPERTSxPAIRS_PER_EXPERT")
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--variant", action="append", default=[])
+    p.add_argument("--stalls", action="store_true",
+                   help="also the issue-slot share and the warps stalled per issued "
+                        "instruction by reason (STALL_METRICS)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     experts, pairs = (int(v) for v in args.config.split("x"))
@@ -103,19 +120,20 @@ def main() -> None:
     from bench.common import Results, gpu_clocks
 
     variants = [parse_variant(v) for v in (args.variant or ["default"])]
+    wanted = {**METRICS, **(STALL_METRICS if args.stalls else {})}
     res = Results("ncu_units", meta={"recipe": args.recipe, "config": args.config,
                                      "block_m": args.block_m, "hidden": 7168,
                                      "intermediate": 2048, "clocks_before": gpu_clocks(),
                                      "variants": dict(variants),
-                                     "metrics": {k: m for k, (m, _f) in METRICS.items()}})
-    metrics = ",".join(m for m, _f in METRICS.values())
+                                     "metrics": {k: m for k, (m, _f) in wanted.items()}})
+    metrics = ",".join(m for m, _f in wanted.values())
     for name, env in variants:
         out = subprocess.run(
             [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv",
              "--metrics", metrics, sys.executable, "-m", "bench.ncu_units", "--child",
              "--recipe", args.recipe, "--config", args.config, "--block-m", str(args.block_m)],
             env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-        launches = parse_ncu_csv(out.stdout)
+        launches = parse_ncu_csv(out.stdout, wanted)
         if len(launches) != len(PHASES):
             raise SystemExit(f"{name}: expected {len(PHASES)} profiled launches, got "
                              f"{len(launches)}\n{out.stderr[-2000:]}")
@@ -123,7 +141,7 @@ def main() -> None:
             res.add(variant=name, phase=phase, **values)
     res.meta["clocks_after"] = gpu_clocks()
     print(f"saved {res.save()}")
-    print(res.table(["variant", "phase", *METRICS]))
+    print(res.table(["variant", "phase", *wanted]))
 
 
 if __name__ == "__main__":

@@ -41,3 +41,21 @@ def test_variant_specs():
     for bad in ("u1:PATH=/tmp", ":CUTE_MEGAMOE_X=1", "u1:CUTE_MEGAMOE_X"):
         with pytest.raises(SystemExit):
             ncu_units.parse_variant(bad)
+
+
+def test_parses_the_stall_metrics_when_asked():
+    wanted = {**ncu_units.METRICS, **ncu_units.STALL_METRICS}
+    text = "\n".join([
+        _HEADER,
+        _row(0, "gpu__time_duration.sum", "ns", "700,000"),
+        _row(0, "smsp__issue_active.avg.pct_of_peak_sustained_active", "%", "48.5"),
+        _row(0, "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio",
+             "ratio", "0.31"),
+        _row(0, "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "ratio",
+             "1.2")])
+    (launch,) = ncu_units.parse_ncu_csv(text, wanted)
+    assert launch == pytest.approx({"us": 700.0, "issue_pct": 48.5, "stall_no_instruction": 0.31,
+                                    "stall_barrier": 1.2})
+    # without the stall metrics asked for, their rows are skipped
+    assert ncu_units.parse_ncu_csv(text) == [pytest.approx({"us": 700.0})]
+    assert len({m for m, _f in wanted.values()}) == len(wanted)
