@@ -42,7 +42,6 @@ from .runtime import (
     sm90_tma_store,
     sm90_transposed,
     sm90_transposed_a_rows,
-    sm90_transposed_early_routing,
     tile_owner_search,
 )
 
@@ -352,9 +351,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
                                                 tiled_weights=tiled_weights,
-                                                a_rows=sm90_transposed_a_rows(),
-                                                early_routing=sm90_transposed_early_routing(),
-                                                **extra)
+                                                a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: no clusters)
         extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
@@ -417,9 +414,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                transposed,
-                (sm90_transposed_a_rows(), sm90_transposed_early_routing())
-                if transposed else None,
+                transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(),
                 (sm90_fp4_tables(), sm90_fp4_early_tables()) if fp4 else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())

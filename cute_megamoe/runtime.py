@@ -250,14 +250,6 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_transposed_early_routing() -> bool:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING``: ``1`` makes the transposed sm_90a L1
-    load a tile's first routing weights before its k-blocks instead of in its epilogue
-    (`Sm90TransposedExpertGemmKernel`'s ``early_routing``); ``0`` (the default) in the
-    epilogue. An A/B option; part of the grouped GEMMs' cache keys."""
-    return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING", ("0", "1")) == "1"
-
-
 def sm90_fp4_tables() -> str:
     """``CUTE_MEGAMOE_SM90_FP4_TABLES``: how the decode warps of the sm_90a grouped GEMMs with
     MXFP4 weights build their tables (`Sm90ExpertGemmKernel`'s ``decode_tables``): ``vote``
@@ -320,7 +312,6 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

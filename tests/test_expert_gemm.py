@@ -703,7 +703,6 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "transposed"), (64, "transposed_block"),
-                                             (64, "transposed_early_routing"),
                                              (128, "unroll4")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the consumer loop unrolled by
@@ -730,16 +729,12 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"},
-                   "transposed_early_routing": {
-                       "CUTE_MEGAMOE_SM90_PROMOTION": "chunk", "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                       "CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING": "1"}}[variant]
+                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk", "CUTE_MEGAMOE_SM90_K_UNROLL": "1"},
                 variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -185,8 +185,6 @@ EARLY = {"CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "1"}
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                                  64),
-            "transposed_early_routing": (
-                {**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING": "1"}, 64),
             "tables_item": (ITEM, 64),
             "tables_item_128": (ITEM, 128),
             "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),

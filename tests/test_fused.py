@@ -196,8 +196,6 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": None, "auto": None, "1": True, "0": False}),
     ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
      {"": "received", "block": "block", "received": "received"}),
-    ("CUTE_MEGAMOE_SM90_TRANSPOSED_EARLY_ROUTING", "sm90_transposed_early_routing",
-     {"": False, "0": False, "1": True}),
     ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
      {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"}),
     ("CUTE_MEGAMOE_SM90_FP4_TABLES", "sm90_fp4_tables",

@@ -61,9 +61,6 @@ WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
 # k-block instead of two; each sub-block its own scratch, so the sums and their promotion
 # order are unchanged)
 SUBS_IN_FLIGHT = 2
-# `early_routing`: token groups of 8 whose L1 routing weights load at the tile start (the
-# decode sizes' tiles: up to 16 tokens; later groups load in the epilogue as before)
-EARLY_ROUTING_GROUPS = 2
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -74,8 +71,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None,
-                 early_routing: bool = False):
+                 decode_tables: str = "vote", early_tables: bool | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -101,11 +97,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             self.a_box_rows = TOKEN_N
             self.ring_tx_bytes -= ((block_m - TOKEN_N) * self.block_k
                                    * (self.ab_dtype.width // 8))
-        # `early_routing` (L1): the routing weights of a tile's first `EARLY_ROUTING_GROUPS`
-        # token groups load before its k-blocks, not in its epilogue, whose global loads
-        # otherwise expose their latency once per tile while the tensor cores and (FP4) the
-        # decode warps wait for the consumer; an A/B option
-        self.early_routing = bool(early_routing) and phase == "l1"
         self.weight_blocks = self.block_n // WEIGHT_M
         self.token_blocks = block_m // TOKEN_N
         # L1: per-warp token amaxes, then the tile's
@@ -165,9 +156,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             for b in cutlass.range_constexpr(self.weight_blocks):
                 for s in cutlass.range_constexpr(self.token_blocks):
                     accs[b][s].fill(0.0)
-            routing = None
-            if cutlass.const_expr(self.early_routing):
-                routing = self.load_routing(topk_weights, row_base, valid_m, quad)
             for _kb in cutlass.range(self.num_k_blocks):
                 ab_pipe.consumer_wait(state)
                 if cutlass.const_expr(self.fp4_weights):
@@ -188,27 +176,12 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
                 list(range(self.weight_blocks)), topk_weights, out, out_sf, peer_bases,
                 src_metadata, staging, exchange, row_base, n_block, valid_m, warp_in_wg, 4, lane,
-                ctid, routing)
+                ctid)
             tile += num_clusters
         if ctid < self.block_m:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
         return state, prev, tile
-
-    @cute.jit
-    def load_routing(self, topk_weights: cute.Pointer, row_base: Int32, valid_m: Int32,
-                     quad: Int32) -> cute.Tensor:
-        """`early_routing`: the routing weights of tokens ``8 j + 2 quad + c`` (value ``2 j +
-        c``) for the tile's first `EARLY_ROUTING_GROUPS` token groups that hold received ones
-        (0 elsewhere)."""
-        weights = cute.make_tensor(topk_weights + row_base, cute.make_layout(self.block_m))
-        routing = cute.make_rmem_tensor(2 * EARLY_ROUTING_GROUPS, Float32)
-        routing.fill(0.0)
-        for j in cutlass.range_constexpr(EARLY_ROUTING_GROUPS):
-            if 8 * j < valid_m:
-                for c in cutlass.range_constexpr(2):
-                    routing[2 * j + c] = weights[8 * j + 2 * quad + c]
-        return routing
 
     @cute.jit
     def mma_token_groups(self, tiled_mma, a_of, block_scales: list, t_rt, parts, accs, sfa,

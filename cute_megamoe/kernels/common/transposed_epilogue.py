@@ -28,14 +28,6 @@ from .quant_math import FP8_E4M3_MAX, requant_exponent
 EPILOGUE_BARRIER = 2  # named barrier of the consumer warps' epilogue (1: the staged skew's)
 
 
-def routing_weight(routing, weights: cute.Tensor, j: int, c: int, quad: Int32):
-    """Token ``8 j + 2 quad + c``'s routing weight: from the early-loaded ``routing`` registers
-    where they hold its group, else from global memory (``weights``) now (traced inline)."""
-    if routing is not None and 2 * j < cute.size(routing):
-        return routing[2 * j + c]
-    return weights[8 * j + 2 * quad + c]
-
-
 class TransposedEpilogue:
     """`epilogue_transposed` for a kernel class that also derives from `Sm90ExpertGemmKernel`
     (its `phase`, `block_m`, staging rows, `silu_mul`, `row_destination`)."""
@@ -46,17 +38,13 @@ class TransposedEpilogue:
                             src_metadata: cute.Pointer, staging: cute.Pointer,
                             exchange: cute.Pointer, row_base: Int32, n_block: Int32,
                             valid_m: Int32, consumer_warp: Int32,
-                            num_warps: cutlass.Constexpr, lane: Int32, ctid: Int32,
-                            routing=None):
+                            num_warps: cutlass.Constexpr, lane: Int32, ctid: Int32):
         """One tile's output rows, one per token (module doc). ``value(i, j, r, c)``: the
         thread's accumulator value of its ``i``-th m64 block, token ``8 j + 2 (lane % 4) + c``,
         row ``r0 + 8 r`` (a trace-time callable); ``blocks``: the tile's m64 block of each (a
         list); ``consumer_warp`` of ``num_warps`` (the amax exchange's column, its rows and the
         features: ``16 (consumer_warp % 4)``); ``ctid``: the consumer thread's index;
-        ``exchange``: ``(num_warps + 1) * BLOCK_M`` floats of shared memory (L1);
-        ``routing``: the L1 routing weights of the first token groups, loaded before the
-        tile's k-blocks (value ``2 j + c``: token ``8 j + 2 (lane % 4) + c``; None: all load
-        here)."""
+        ``exchange``: ``(num_warps + 1) * BLOCK_M`` floats of shared memory (L1)."""
         threads = 32 * num_warps
         quad = lane % 4
         warp_in_wg = consumer_warp % 4
@@ -88,8 +76,7 @@ class TransposedEpilogue:
                         for c in cutlass.range_constexpr(2):
                             gate = Float32(BFloat16(value(i, j, 0, c)))
                             up = Float32(BFloat16(value(i, j, 1, c)))
-                            h[i, c, j] = self.silu_mul(gate, up) * routing_weight(
-                                routing, weights, j, c, quad)
+                            h[i, c, j] = self.silu_mul(gate, up) * weights[8 * j + 2 * quad + c]
             # the token's amax over the thread's blocks, the warp's features (the lanes of one
             # quad position), then the consumer warps
             warp_amax = cute.make_tensor(exchange, cute.make_layout((tokens, num_warps),
