@@ -267,6 +267,10 @@ def test_heuristics_sm90_transposed(monkeypatch):
     assert select_sm90_transposed("fp8xfp8", 64, 1.0)
     assert not select_sm90_transposed("fp8xfp8", 64, 17.0)
     assert not select_sm90_transposed("bf16xbf16", 64, 1.0)
+    # one threshold for both FP8 recipes (a loopback group's warm-up covers both with it)
+    for expected in (0.0, 8.0, 16.0, 16.5, 16.6, 17.0, 100.0, None):
+        assert select_sm90_transposed("fp8xfp8", 64, expected) == \
+            select_sm90_transposed("fp8xfp4_sm90", 64, expected)
     # the 128-token staged layer at R = 1 with 128 experts of top-8: 8 per expert
     assert select_sm90_transposed("fp8xfp4_sm90", select_block_m(8.0, "sm90"),
                                   expected_tokens_per_expert(128, 1, 8, 128))
