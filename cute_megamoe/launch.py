@@ -34,7 +34,6 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
-    sm90_fp4_decode_warps,
     sm90_fp4_early_tables,
     sm90_fp4_tables,
     sm90_k_unroll,
@@ -345,8 +344,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (an A/B option of the decode)
         extra["decode_tables"] = sm90_fp4_tables()
         extra["early_tables"] = sm90_fp4_early_tables()
-        if block_m == 64:
-            extra["decode_wgs"], extra["decode_batch"] = sm90_fp4_decode_warps()
     if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
@@ -419,8 +416,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(),
-                (sm90_fp4_tables(), sm90_fp4_early_tables(), sm90_fp4_decode_warps())
-                if fp4 else None, sm90_k_unroll(),
+                (sm90_fp4_tables(), sm90_fp4_early_tables()) if fp4 else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}

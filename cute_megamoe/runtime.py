@@ -208,17 +208,6 @@ def sm90_fp4_early_tables() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_fp4_decode_warps() -> tuple[int | None, int | None]:
-    """``CUTE_MEGAMOE_SM90_FP4_DECODE_WGS`` and ``CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH``: the
-    decode warpgroups of the sm_90a grouped GEMMs with MXFP4 weights at BLOCK_M 64 (``1``
-    instead of the default two) and the items each thread decodes per batch (``4`` / ``8``),
-    for A/B runs; unset or "auto": None, the kernel's defaults. Part of the grouped GEMMs'
-    cache keys."""
-    wgs = env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", ("auto", "1", "2"))
-    batch = env_choice("CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH", ("auto", "4", "8"))
-    return (None if wgs == "auto" else int(wgs), None if batch == "auto" else int(batch))
-
-
 def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
     send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
@@ -323,7 +312,6 @@ def fused_rows() -> str | None:
 #: plans' keys (`staged`, `fused`), so that changing one between calls builds a new plan
 KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTION",
                       "CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS",
-                      "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH",
                       "CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "CUTE_MEGAMOE_FUSED_ROWS",
                       "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
                       "CUTE_MEGAMOE_ONE_RANK_SCOPE",

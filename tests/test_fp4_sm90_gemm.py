@@ -185,12 +185,6 @@ EARLY = {"CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "1"}
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                                  64),
-            "one_decode_wg": ({"CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "1"}, 64),
-            "transposed_one_decode_wg": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "1"},
-                                         64),
-            "transposed_one_decode_wg_batch8": (
-                {**TRANSPOSED, "CUTE_MEGAMOE_SM90_FP4_DECODE_WGS": "1",
-                 "CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH": "8"}, 64),
             "tables_item": (ITEM, 64),
             "tables_item_128": (ITEM, 128),
             "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),
@@ -198,31 +192,6 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64)}
-
-
-def test_decode_warps_option(monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_DECODE_WGS` / `..._DECODE_BATCH` (A/B options): one decode
-    warpgroup at BLOCK_M 64 (8 items per thread per k-block, 384 threads), refused elsewhere."""
-    from cute_megamoe import runtime
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-
-    for name in ("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH"):
-        monkeypatch.delenv(name, raising=False)
-    assert runtime.sm90_fp4_decode_warps() == (None, None)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_WGS", "1")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH", "8")
-    assert runtime.sm90_fp4_decode_warps() == (1, 8)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH", "3")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_FP4_DECODE_BATCH"):
-        runtime.sm90_fp4_decode_warps()
-    one = Sm90ExpertGemmKernel("l1", RECIPE, 8, 1024, 4096, 7168, 64, activation_clamp=10.0,
-                               decode_wgs=1)
-    two = Sm90ExpertGemmKernel("l1", RECIPE, 8, 1024, 4096, 7168, 64, activation_clamp=10.0)
-    assert (one.decode_wgs, one.num_threads, len(one.decode_items()[0])) == (1, 384, 8)
-    assert (two.decode_wgs, two.num_threads, len(two.decode_items()[0])) == (2, 512, 4)
-    with pytest.raises(ValueError, match="decode_wgs"):
-        Sm90ExpertGemmKernel("l1", RECIPE, 8, 1024, 4096, 7168, 128, activation_clamp=10.0,
-                             decode_wgs=2)
 
 
 @pytest.mark.compile

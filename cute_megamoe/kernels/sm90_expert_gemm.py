@@ -142,9 +142,6 @@ SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: s
 # warpgroup, of a consumer, items decoded per batch); BLOCK_M 64: 128 x (40 + 2 x 112 + 232)
 # = 62K registers; BLOCK_M 128: 128 x (32 + 48) + 256 x 216 = 64K
 FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
-# `decode_wgs` 1 at BLOCK_M 64 (an A/B option): one decode warpgroup, 8 items per thread per
-# k-block; 128 x (40 + 160 + 232) = 54K registers of the 384 threads' 64K
-FP4_ONE_DECODE_WG_64 = (1, 40, 160, 232, 4)
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
@@ -187,8 +184,7 @@ class Sm90ExpertGemmKernel:
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
-                 row_stores: str | None = None, early_tables: bool | None = None,
-                 decode_wgs: int | None = None):
+                 row_stores: str | None = None, early_tables: bool | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -280,15 +276,6 @@ class Sm90ExpertGemmKernel:
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
             config = FP4_WARPGROUPS[self.num_mma_wgs]
-            # `decode_wgs` (None: FP4_WARPGROUPS's): 1 at BLOCK_M 64 halves the decode warps,
-            # each with twice the items per k-block, so that a k-block's fixed per-warp work
-            # (the stage waits, the fence, the arrive, the scale loads) is spread over more
-            # items; an A/B option
-            if decode_wgs is not None and decode_wgs != config[0]:
-                if decode_wgs != 1 or block_m != 64:
-                    raise ValueError(f"decode_wgs: {config[0]} at BLOCK_M {block_m}, or 1 at "
-                                     f"BLOCK_M 64; got {decode_wgs}")
-                config = FP4_ONE_DECODE_WG_64
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
              batch) = config
             self.decode_batch = batch if decode_batch is None else decode_batch
