@@ -149,6 +149,27 @@ def select_sm90_transposed(recipe: str, block_m: int,
             and expected_tokens_per_expert is not None
             and expected_tokens_per_expert <= SM90_TRANSPOSED_MAX_TOKENS)
 
+#: Smallest expected tokens per expert at which the sm_90a MXFP4 grouped GEMMs at BLOCK_M 128
+#: share the decode in 2-CTA clusters (`select_sm90_fp4_cluster`).
+SM90_FP4_CLUSTER_MIN_TOKENS = 192
+
+
+def select_sm90_fp4_cluster(recipe: str, block_m: int,
+                            expected_tokens_per_expert: float | None) -> bool:
+    """Whether the sm_90a grouped GEMMs with MXFP4 weights (``fp8xfp4_sm90``) run in 2-CTA
+    clusters that share the decode of a weight tile (`Sm90ExpertGemmKernel`, ``cluster_m`` 2):
+    at BLOCK_M 128 (256-column tiles) with at least `SM90_FP4_CLUSTER_MIN_TOKENS` expected
+    tokens per expert, or when the caller does not know its count (None: BLOCK_M 128 is a
+    large-M choice). The pair shares only the tiles whose two pool blocks are one expert's;
+    with fewer tokens per expert most pairs hold two experts, decode both chunks each and only
+    add the pair's lockstep. ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` overrides this
+    (`runtime.sm90_fp4_cluster`). Ranks may choose differently: rank-local, the same bits
+    (GPU-tested)."""
+    return (recipe == "fp8xfp4_sm90" and block_m == 128
+            and (expected_tokens_per_expert is None
+                 or expected_tokens_per_expert >= SM90_FP4_CLUSTER_MIN_TOKENS))
+
+
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:
 #: (fewest tokens, rounds), last match wins. Interleaved A/Bs on 2 x H200
 #: (docs/performance.md): one round fastest up to 1024 tokens; 4 equal rounds at 2048 and 4096;

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from .buffer import SymmBuffer
-from .heuristics import get_num_sms, select_cluster_m, select_sm90_transposed
+from .heuristics import (
+    get_num_sms,
+    select_cluster_m,
+    select_sm90_fp4_cluster,
+    select_sm90_transposed,
+)
 from .runtime import (
     LAUNCH_PATHS,
     LaunchPath,
@@ -34,6 +39,7 @@ from .runtime import (
     fused_weights_first,
     get_arch,
     launch_path,
+    sm90_fp4_cluster,
     sm90_fp4_early_tables,
     sm90_fp4_tables,
     sm90_k_unroll,
@@ -297,6 +303,22 @@ def sm90_runs_transposed(arch: str, recipe: str, block_m: int,
     return select_sm90_transposed(recipe, block_m, expected_tokens_per_expert)
 
 
+def sm90_shares_decode(block_m: int, expected_tokens_per_expert: float | None) -> bool:
+    """Whether an sm_90a grouped GEMM with MXFP4 weights runs in 2-CTA clusters that share the
+    decode: as ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` forces it, else as
+    `heuristics.select_sm90_fp4_cluster` chooses for the call's expected tokens per expert; not
+    with the early tables forced on (``CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES=1``: they are every
+    chunk's, a shared decode decodes one)."""
+    forced, early = sm90_fp4_cluster(), sm90_fp4_early_tables()
+    if forced and early:
+        raise ValueError("CUTE_MEGAMOE_SM90_FP4_CLUSTER=1 and CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES=1"
+                         ": a decode shared by a cluster has no early tables")
+    if forced is not None:
+        return forced and block_m == 128
+    return not early and select_sm90_fp4_cluster("fp8xfp4_sm90", block_m,
+                                                 expected_tokens_per_expert)
+
+
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
                 fast_math: bool = True, combine_layout=None, tiled_weights: bool = False,
@@ -353,9 +375,11 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                                 tiled_weights=tiled_weights,
                                                 a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
-    if arch == "sm_90a":  # (FP4 weights: no clusters)
-        extra["cluster_m"] = (1 if recipe == "fp8xfp4_sm90"
-                              else select_cluster_m(arch, phase, block_m, n))
+    if arch == "sm_90a":  # (FP4 weights: clusters only as the shared-decode A/B option)
+        extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
+        if recipe == "fp8xfp4_sm90" and not sm90_shares_decode(block_m,
+                                                               expected_tokens_per_expert):
+            extra["cluster_m"] = 1
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
             extra["k_unroll"] = sm90_k_unroll()
@@ -416,7 +440,9 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(),
-                (sm90_fp4_tables(), sm90_fp4_early_tables()) if fp4 else None, sm90_k_unroll(),
+                (sm90_fp4_tables(), sm90_fp4_early_tables(),
+                 sm90_shares_decode(block_m, expected_tokens_per_expert)) if fp4
+                else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())
                if arch == "sm_90a" else None, weights.tiled)
         plan = {}

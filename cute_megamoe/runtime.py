@@ -208,6 +208,17 @@ def sm90_fp4_early_tables() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
+def sm90_fp4_cluster() -> bool | None:
+    """``CUTE_MEGAMOE_SM90_FP4_CLUSTER``: whether the sm_90a grouped GEMMs with MXFP4 weights at
+    BLOCK_M 128 run in 2-CTA clusters that share the decode of each weight tile (each CTA decodes
+    one 128-row chunk and copies it into the peer's stage by one bulk shared-memory copy:
+    `Sm90ExpertGemmKernel`'s ``cluster_m`` 2 with FP4 weights). Unset or "auto": None, by the
+    call's expected tokens per expert (`heuristics.select_sm90_fp4_cluster`); "1" / "0" force
+    it on / off, for A/B runs. Part of the grouped GEMMs' cache keys; ranks may differ."""
+    value = env_choice("CUTE_MEGAMOE_SM90_FP4_CLUSTER", ("auto", "0", "1"))
+    return None if value == "auto" else value == "1"
+
+
 def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
     send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
@@ -318,7 +329,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_FUSED_STAGING", "CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH",
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
-                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES")
+                      "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -37,7 +37,8 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     kernel, art = _compile(phase, block_m)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in art.ptx
     assert "prmt.b32" in art.ptx and "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
-    assert kernel.cluster_m == 1 and kernel.num_stages >= 3
+    # (BLOCK_M 128 with no token count: the clusters that share the decode)
+    assert kernel.cluster_m == block_m // 64 and kernel.num_stages >= 3
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("QGMMA") > 0
@@ -49,7 +50,9 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     # the signs need no permutes in the sm_90a word order: 2 per word + 1 per scale byte
     assert art.count("IMAD.HI") >= 16
     items = kernel.chunks * 128 * 4 // (128 * kernel.decode_wgs)
-    assert art.count("PRMT") <= 9 * items, art.count("PRMT")
+    # (a cluster's decode has a second path, the shared tiles' one chunk: half the items)
+    shared_items = items // 2 if kernel.cluster_m > 1 else 0
+    assert art.count("PRMT") <= 9 * (items + shared_items) + 1, art.count("PRMT")
     assert art.count("F2FP.SATFINITE.E4M3") > 0
     assert art.count("USETMAXREG") == 3  # producer, decode warpgroup, consumers
     # the packed weights by TMA into their own stages (warp 1), A by warp 0
@@ -61,16 +64,61 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
-def test_fp4_weights_refuse_clusters():
-    """No 2-CTA clusters with FP4 weights (a decode shared by the pair measured 0.96-1.05x the
-    single-CTA time and was removed); the library builds them single-CTA at BLOCK_M 128."""
+def test_fp4_clusters_share_the_decode_by_expected_tokens(monkeypatch):
+    """FP4 weights at BLOCK_M 128 run in the 2-CTA clusters that share the decode where fp8xfp8
+    runs clusters (256-column tiles), from `SM90_FP4_CLUSTER_MIN_TOKENS` expected tokens per
+    expert on (or not knowing the count), single-CTA below and at BLOCK_M 64;
+    `CUTE_MEGAMOE_SM90_FP4_CLUSTER` forces either; the kernel refuses clusters with the early
+    tables (which are every chunk's)."""
+    from cute_megamoe.heuristics import SM90_FP4_CLUSTER_MIN_TOKENS as least
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
     from cute_megamoe.launch import gemm_kernel
 
-    with pytest.raises(ValueError, match="cluster_m"):
-        Sm90ExpertGemmKernel("l1", RECIPE, 8, 4096, 4096, 7168, 128, cluster_m=2)
-    assert gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128)[0].cluster_m == 1
-    assert gemm_kernel("sm_90a", "fp8xfp8", "l1", 8, 4096, 4096, 7168, 128)[0].cluster_m == 2
+    def cluster_m(phase, block_m, expected, recipe=RECIPE):
+        n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
+        return gemm_kernel("sm_90a", recipe, phase, 8, 4096, n, k, block_m,
+                           expected_tokens_per_expert=expected)[0].cluster_m
+
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
+    for phase in ("l1", "l2"):
+        assert cluster_m(phase, 128, None) == cluster_m(phase, 128, least) == 2
+        assert cluster_m(phase, 128, least - 1) == 1
+        assert cluster_m(phase, 64, 1000) == 1
+        assert cluster_m(phase, 128, least - 1, "fp8xfp8") == 2
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "1")
+    assert cluster_m("l1", 128, 1) == 2 and cluster_m("l1", 64, 1000) == 1
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", "1")
+    with pytest.raises(ValueError, match="EARLY_TABLES"):
+        cluster_m("l1", 128, None)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
+    assert cluster_m("l1", 128, None) == 1  # (the early tables are every chunk's)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES")
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "0")
+    assert cluster_m("l1", 128, None) == 1
+    with pytest.raises(ValueError, match="early_tables"):
+        Sm90ExpertGemmKernel("l1", RECIPE, 8, 4096, 4096, 7168, 128, cluster_m=2,
+                             early_tables=True)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("phase", ("l1", "l2"))
+def test_shared_decode_compiles_with_one_bulk_copy_to_the_peer(phase, monkeypatch):
+    """`CUTE_MEGAMOE_SM90_FP4_CLUSTER`: at BLOCK_M 128 the FP4 kernels run in 2-CTA clusters;
+    a decode shared by the pair sends its chunk to the peer's stage with one shared-to-cluster
+    bulk copy (not per-item ``st.async`` stores, which measured 2.4-3.0x slower elsewhere), loads
+    no weight tile by TMA multicast, and spills nothing."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "1")
+    kernel, art = _compile(phase, 128)
+    assert kernel.cluster_m == 2 and kernel.fp4_weights
+    assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in art.ptx
+    assert "st.async" not in art.ptx
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("STAS") == 0
+    assert art.count("UTMALDG.2D.MULTICAST") == 0
+    assert art.count("STL") == 0 and art.count("LDL") == 0
+    usage = art.resource_usage()
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
 def test_fp4_stage_accounting():
@@ -123,13 +171,15 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed")])
+@pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
+                                             (128, "shared_decode_cluster")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
     pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
-    both sides)."""
+    both sides), or in 2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`;
+    the fp8xfp8 side runs in clusters at BLOCK_M 128 anyway)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -191,7 +241,8 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables": (EARLY, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
-                                        "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64)}
+                                        "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
+            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
 @pytest.mark.compile
@@ -207,6 +258,7 @@ def test_early_tables_compile_before_the_free_stage_wait(transposed, block_m, ph
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "0")  # (single-CTA builds alike)
     # the default: on in the transposed kernels, off in the staged ones
     kernel, _ = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, 4096, 7168, block_m)
     assert kernel.early_tables == (transposed == "1")
@@ -277,7 +329,10 @@ def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden,
                                                       monkeypatch):
     """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; by default loading
     only the 16-row boxes of received tokens, with "block" the pool block's 64 rows,
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`) against the staged decode on the same FP4 weights and
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`), the decode tables' and early tables' options, and the
+    2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`, BLOCK_M 128: pool
+    blocks of one expert share it, of two experts each decode their own, a dummy block past the
+    pool) against the staged decode on the same FP4 weights and
     pools: L2 inputs, their scales and the outputs equal bit for bit on every valid row, pad
     rows stay poisoned; with routings that leave experts empty, pair pool blocks of
     different experts in a cluster or give one expert everything, and an L2 of 1152 columns

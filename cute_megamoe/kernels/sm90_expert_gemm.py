@@ -135,6 +135,7 @@ MAX_STAGES = 8
 ROW_STORES = ("bulk", "lanes")
 OUT_BOX_BYTES = 128  # bytes of a row of one TMA store box (`tma_store`): the swizzle's span
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
+DECODE_BARRIER = 3  # named barrier of the decode warps (a cluster's shared decode)
 # FP4 weights: warpgroups of their own decode the weight tiles, each thread a fixed set of
 # items, loaded a batch at a time before any is decoded (one item per thread in flight was
 # latency-bound: 1.7x the fp8xfp8 time at decode sizes with 3 warps, 1.2x with 7).
@@ -298,6 +299,9 @@ class Sm90ExpertGemmKernel:
         # stage (those loads and tables need only the packed stage; after the wait they were
         # 18 % of the decode loop's stall samples, the wait itself 11 %: docs/performance.md)
         self.early_tables = DEFAULT_EARLY_TABLES if early_tables is None else early_tables
+        if self.early_tables and cluster_m > 1:
+            raise ValueError("early_tables: not with clusters (a cluster's shared decode "
+                             "decodes one chunk, the early tables are every chunk's)")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -372,12 +376,10 @@ class Sm90ExpertGemmKernel:
         if not 2 <= self.num_stages <= fit:
             raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
-        # multicasts it to both, when both pool blocks belong to one expert. (FP4 weights: a
-        # decode shared by the pair took 0.96-1.05x the time; removed, docs/performance.md)
-        if cluster_m not in (1, 2) or (cluster_m == 2 and (self.chunks != 2
-                                                           or self.fp4_weights)):
-            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles and FP8 or BF16 "
-                             f"weights, got {cluster_m}")
+        # multicasts it to both, when both pool blocks belong to one expert; with FP4 weights
+        # each decodes one chunk and copies it into the peer's stage (`decode_weights`)
+        if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
+            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
         self.cluster_m = cluster_m
         # (`owner_search`: how the walk finds a tile's expert, `ExpertTileScheduler.owner_of`)
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m,
@@ -669,7 +671,7 @@ class Sm90ExpertGemmKernel:
                                 storage.decoded.data_ptr(), block_start, row_start, num_tiles,
                                 cluster, num_clusters, raster_group,
                                 tidx - 128 * (1 + self.num_mma_wgs), lane,
-                                *self.decode_states())
+                                *self.decode_states(), rank=rank)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -713,7 +715,8 @@ class Sm90ExpertGemmKernel:
                 state, _ = self.produce_packed(
                     tma_b, m_b, sb_load, packed_pipe, b_sf, b_group_sf,
                     storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                    row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state)
+                    row_start, num_tiles, first_tile, num_clusters, raster_group, lane, state,
+                    rank=rank)
                 packed_pipe.producer_tail(state)
 
     def consumer_staging(self, staging: cute.Pointer, consumer_warp):
@@ -998,10 +1001,11 @@ class Sm90ExpertGemmKernel:
                        b_group_sf: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
                        block_start, row_start, num_tiles: Int32, first_tile: Int32,
                        num_clusters: Int32, raster_group: Int32, lane: Int32, state,
-                       barrier_slots: cute.Pointer = None):
+                       barrier_slots: cute.Pointer = None, rank: Int32 = None):
         """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
         words and the k-block's weight block scales of every k-block of tiles ``first_tile``,
-        ``first_tile + num_clusters``, ... ``< num_tiles`` into the packed stages,
+        ``first_tile + num_clusters``, ... ``< num_tiles`` (in a cluster, of this CTA's pool
+        block ``rank``) into the packed stages,
         running up to `packed_stages` k-blocks ahead of the decode (the weights wait for
         nothing). ``state``: the packed stages' producer state; ``barrier_slots``: see
         `bounded_stage_wait`. Returns ``(state, the first tile index past num_tiles)``."""
@@ -1010,11 +1014,13 @@ class Sm90ExpertGemmKernel:
                                            cute.group_modes(raw_b, 0, 2),
                                            cute.group_modes(g_b, 0, 2))
         b_blocks_per_expert = self.n // WG_N
+        if cutlass.const_expr(rank is None):
+            rank = Int32(0)
         tile = first_tile
         owner = Int32(0)
         while tile < num_tiles:
             owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
-                tile, owner, block_start, row_start, raster_group, Int32(0))
+                tile, owner, block_start, row_start, raster_group, rank)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane,
@@ -1118,7 +1124,7 @@ class Sm90ExpertGemmKernel:
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
                        raster_group: Int32, tid: Int32, lane: Int32, state, packed,
-                       barrier_slots: cute.Pointer = None):
+                       barrier_slots: cute.Pointer = None, rank: Int32 = None):
         """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
         k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
         (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
@@ -1126,13 +1132,20 @@ class Sm90ExpertGemmKernel:
         (not waiting for A, whose load overlaps the decode), turn the packed weight chunks into
         the e4m3 tiles the WGMMAs read (`common.fp4_decode`), arrive at the MMA stage's
         ``decoded`` barrier and free the packed stage. See `decode_chunks` for the items
-        (``barrier_slots``: `bounded_stage_wait`)."""
+        (``barrier_slots``: `bounded_stage_wait`). In a cluster (``rank``: this CTA's) whose two
+        pool blocks share the expert, each CTA decodes chunk ``rank`` only and copies it into the
+        peer's stage with one bulk shared-memory copy, counted by the transaction bytes of the
+        peer's ``decoded`` barrier: half the decode per CTA. (Each CTA may write the peer's stage
+        once its own consumers and the peer's freed it: the MMA ring's stages are freed in both
+        CTAs.)"""
         if cutlass.const_expr(self.fp4_weights):
+            if cutlass.const_expr(rank is None):
+                rank = Int32(0)
             tile = first_tile
             owner = Int32(0)
             while tile < num_tiles:
-                owner, _e, _m, n_block, _b, _v = self.scheduler.tile(
-                    tile, owner, block_start, row_start, raster_group, Int32(0))
+                owner, shared, _e, n_block, _b, _v = self.pair_tile(
+                    tile, owner, block_start, row_start, raster_group, rank)
                 for _kb in cutlass.range(self.num_k_blocks):
                     self.bounded_stage_wait(barrier_slots, packed_pipe.sync_object_full, packed,
                                             "a loaded packed weight stage (decode warps)")
@@ -1144,12 +1157,25 @@ class Sm90ExpertGemmKernel:
                     self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty, state,
                                             "a free ring stage (decode warps)")
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed,
-                                       first_inputs)
+                    if cutlass.const_expr(self.cluster_m > 1):
+                        if shared:
+                            self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
+                                               packed, first_inputs, [rank])
+                        else:
+                            self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
+                                               packed, first_inputs)
+                    else:
+                        self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed,
+                                           first_inputs)
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
-                    if lane == 0:
+                    if cutlass.const_expr(self.cluster_m > 1):
+                        if shared:
+                            self.send_decoded_chunk(sb, decoded, state, rank, tid, lane)
+                        elif lane == 0:
+                            cute.arch.mbarrier_arrive(decoded + state.index)
+                    elif lane == 0:
                         cute.arch.mbarrier_arrive(decoded + state.index)
                     packed_pipe.consumer_release(packed)
                     state.advance()
@@ -1158,10 +1184,32 @@ class Sm90ExpertGemmKernel:
             return state, packed, tile
         return state, packed, first_tile
 
-    def decode_items(self):
-        """The decode's items of a k-block, ``(chunk, pass)``, and the items per batch."""
+    @cute.jit
+    def send_decoded_chunk(self, sb: cute.Pointer, decoded: cute.Pointer, state, rank: Int32,
+                           tid: Int32, lane: Int32):
+        """A cluster's shared decode, once every decode thread fenced its stores: thread 0 copies
+        chunk ``rank`` of the MMA stage into the same place of the peer's (one bulk copy,
+        complete on the peer's ``decoded`` barrier) and arrives at its own ``decoded`` barrier
+        expecting the peer's chunk; the other warps arrive."""
+        cute.arch.barrier(barrier_id=DECODE_BARRIER, number_of_threads=128 * self.decode_wgs)
+        chunk_bytes = WG_N * self.block_k
+        if tid == 0:
+            peer = 1 - rank
+            chunk = sb + (state.index * self.chunks + rank) * chunk_bytes
+            prims.cp_async_bulk_shared_cluster_shared_cta(
+                cute.arch.map_dsmem_ptr(chunk, peer),
+                chunk, cute.arch.map_dsmem_ptr(decoded + state.index, peer), Int32(chunk_bytes))
+            cute.arch.mbarrier_arrive_and_expect_tx(decoded + state.index, chunk_bytes)
+        elif lane == 0:
+            cute.arch.mbarrier_arrive(decoded + state.index)
+
+    def decode_items(self, chunks: list = None):
+        """The decode's items of a k-block, ``(chunk, pass)``, and the items per batch
+        (``chunks``: the chunk indices to decode, all by default)."""
         rows_per_pass = 128 * self.decode_wgs // 4
-        items = [(c, p) for c in range(self.chunks) for p in range(WG_N // rows_per_pass)]
+        if chunks is None:
+            chunks = list(range(self.chunks))
+        items = [(c, p) for c in chunks for p in range(WG_N // rows_per_pass)]
         return items, rows_per_pass, min(len(items), self.decode_batch)
 
     @cute.jit
@@ -1172,12 +1220,13 @@ class Sm90ExpertGemmKernel:
 
     @cute.jit
     def decode_inputs(self, raw_b: cute.Pointer, sfb: cute.Pointer, sfg: cute.Pointer,
-                      n_block: Int32, tid: Int32, packed, first: cutlass.Constexpr):
+                      n_block: Int32, tid: Int32, packed, first: cutlass.Constexpr,
+                      chunks: list = None):
         """What the batch of items from ``first`` on needs of the packed stage alone (see
         `decode_chunks`): its items' tile rows, exponent shifts, the codes of the first
         `VOTE_AHEAD` items ("vote"; all of them with "item" tables) and the tables ("vote";
         None with "item"), as ``(codes, shifts, rows, tables)``."""
-        items, rows_per_pass, batch = self.decode_items()
+        items, rows_per_pass, batch = self.decode_items(chunks)
         row0, group = tid >> 2, tid & 3
         # a permute selector that moves byte `group` of a scale word to byte 0, zeros above
         # (one ALU op instead of a shift and a mask)
@@ -1211,7 +1260,7 @@ class Sm90ExpertGemmKernel:
     @cute.jit
     def decode_chunks(self, raw_b: cute.Pointer, sb: cute.Pointer, sfb: cute.Pointer,
                       sfg: cute.Pointer, n_block: Int32, tid: Int32, state, packed,
-                      first_inputs=None):
+                      first_inputs=None, chunks: list = None):
         """One k-block's weight chunks from the packed stage into the MMA stage. An item
         is 32 codes of one weight row (16 bytes in, two 16-byte swizzled pieces out, one scale);
         thread ``tid`` decodes group ``tid % 4`` of rows ``tid / 4 + T / 4 * j`` of every chunk
@@ -1220,8 +1269,9 @@ class Sm90ExpertGemmKernel:
         ``first_inputs``: the first batch's `decode_inputs`, when they were made before the
         MMA stage was free). The exponent shift of a group is its UE8M0 scale over its 128x128
         block's base ``2**b`` (the block scale: L1 row groups of 8 alternate gate and up blocks,
-        the same for all rows of a thread)."""
-        items, _rows_per_pass, batch = self.decode_items()
+        the same for all rows of a thread). ``chunks``: the chunks to decode (all by default; a
+        list of one run-time index in a cluster's shared decode)."""
+        items, _rows_per_pass, batch = self.decode_items(chunks)
         row0, group = tid >> 2, tid & 3
         # the 128-byte swizzle of the WGMMA tile: 16-byte piece j of row r lies at piece
         # j ^ (r % 8), and r % 8 = row0 % 8 for every row of the thread
@@ -1232,7 +1282,7 @@ class Sm90ExpertGemmKernel:
                 codes, shifts, rows, tables = first_inputs
             else:
                 codes, shifts, rows, tables = self.decode_inputs(raw_b, sfb, sfg, n_block,
-                                                                 tid, packed, first)
+                                                                 tid, packed, first, chunks)
             for j in cutlass.range_constexpr(len(rows)):
                 if cutlass.const_expr(tables is None):
                     lut_lo, lut_hi = e2m1_table(shifts[j])
