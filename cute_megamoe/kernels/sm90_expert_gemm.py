@@ -69,13 +69,16 @@ with `quant.fp4_weights_to_fp8_blocks`; fixed items per thread, a batch's tables
 adds with the float path behind one warp vote, its later items' codes loaded while earlier ones
 decode), arrive at the MMA stage's second mbarrier, which the consumers wait for besides the
 TMA's, and free the packed stage; then the FP8 mainloop above runs unchanged, the promotion
-applying ``2**b``. Half the weight bytes of fp8xfp8; no
-clusters.
+applying ``2**b``. Half the weight bytes of fp8xfp8. At BLOCK_M 128 the decode bounds the
+large-M kernels (with it skipped they took 0.67x the time): in 2-CTA clusters whose two pool
+blocks are one expert's, each CTA decodes one 128-row chunk and copies it into the peer's stage
+with one bulk shared-memory copy (`send_decoded_chunk`), half the decode per CTA.
 
 Clusters (``cluster_m`` 2, 256-column tiles): the two CTAs of a cluster take neighbouring pool
 blocks at the same n-block (``ExpertTileScheduler`` with ``cluster_m``); when both blocks
 belong to one expert each CTA TMA-loads one 128-row chunk of the weight tile and multicasts it
-to both (half the weight traffic from L2), else each loads its own. Every consumer warp frees
+to both (half the weight traffic from L2), else each loads its own (FP4 weights: each decodes
+one chunk for both, above). Every consumer warp frees
 its stage in both CTAs, so the two run in lockstep; a block past the pool's last is a dummy
 that computes and writes nothing useful (``valid_m`` 0).
 
