@@ -164,11 +164,11 @@ def select_sm90_fp4_cluster(recipe: str, block_m: int,
     with fewer tokens per expert most pairs hold two experts, decode both chunks each and only
     add the pair's lockstep. Interleaved A/Bs on an H200 (docs/performance.md, 2026-12-04): the
     expert FFN with experts of 192-1024 tokens took 0.79-0.94x the single-CTA time, with one
-    pool block per expert (96, 128 tokens) 1.04-1.05x; the layer with random routing at 192-512
-    expected tokens per expert 0.997-1.003x (pairs straddle experts after one with an odd block
-    count). ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` overrides this
-    (`runtime.sm90_fp4_cluster`). Ranks may choose differently: rank-local, the same bits
-    (GPU-tested)."""
+    pool block per expert (96, 128 tokens) 1.04-1.05x; the layer with random routing 0.883x at
+    192 expected tokens per expert (every expert two blocks; a tie in another process),
+    0.989-1.003x at 256-512 (pairs straddle experts after one with an odd block count).
+    ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` overrides this (`runtime.sm90_fp4_cluster`). Ranks may
+    choose differently: rank-local, the same bits (GPU-tested)."""
     return (recipe == "fp8xfp4_sm90" and block_m == 128
             and (expected_tokens_per_expert is None
                  or expected_tokens_per_expert >= SM90_FP4_CLUSTER_MIN_TOKENS))
