@@ -416,7 +416,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
                out: torch.Tensor | None = None, num_sms: int | None = None,
                validate_counts: bool | None = None,
                combine_buffer=None,
-               expected_tokens_per_expert: float | None = None) -> torch.Tensor | None:
+               expected_tokens_per_expert: float | None = None,
+               pool_block_m: int | None = None) -> torch.Tensor | None:
     """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc),
     or None with ``combine_buffer``.
 
@@ -443,11 +444,15 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             `heuristics.expected_tokens_per_expert`): picks the sm_90a mainloop at BLOCK_M 64
             (`heuristics.select_sm90_transposed`); None: the staged one. Any value gives the
             same outputs.
+        pool_block_m: the block the pool is laid out in (each expert's rows start at
+            ``pool_block_offsets(counts, pool_block_m)[e] * pool_block_m``): ``block_m`` (the
+            default), or on sm_90a ``2 * block_m``, with which the 2-CTA clusters (BLOCK_M
+            128) pair two tiles of one expert only (MXFP4 weights: they share the decode).
     """
     launches, out = _prepare_expert_ffn(
         acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m, activation_clamp,
         fast_math, l2_acts, l2_acts_sf, out, num_sms, validate_counts, combine_buffer,
-        expected_tokens_per_expert)
+        expected_tokens_per_expert, pool_block_m)
     for launch in launches:
         launch()
     return out  # None with combine_buffer
@@ -455,7 +460,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
 
 def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m,
                         activation_clamp, fast_math, l2_acts, l2_acts_sf, out, num_sms,
-                        validate_counts, combine_buffer, expected_tokens_per_expert=None):
+                        validate_counts, combine_buffer, expected_tokens_per_expert=None,
+                        pool_block_m=None):
     """The checks of `expert_ffn` and its two launches (not made yet), and its result."""
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
@@ -469,19 +475,24 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
         raise ValueError(f"weights: prepared for {weights.arch}, this GPU is {arch}")
     e_l, hidden, inter = _check_weights(weights, device)
     check_gemm_block_m(block_m, arch)
+    pool_block_m = block_m if pool_block_m is None else pool_block_m
+    if pool_block_m not in (block_m, 2 * block_m) or (pool_block_m != block_m
+                                                      and arch != "sm_90a"):
+        raise ValueError(f"pool_block_m: block_m ({block_m}), or 2 x block_m on sm_90a; got "
+                         f"{pool_block_m!r} on {arch}")
     act_recipe = activation_recipe(recipe)
     act_dtype, sf_dtype = _ACT_DTYPE[act_recipe], _ACT_SF_DTYPE.get(act_recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:
         raise ValueError(f"acts: expected shape [P, {hidden}], got {tuple(acts.shape)}")
     pool_rows = acts.shape[0]
-    if pool_rows % block_m != 0:
-        raise ValueError(f"acts: pool rows ({pool_rows}) must be a multiple of block_m "
-                         f"({block_m})")
+    if pool_rows % pool_block_m != 0:
+        raise ValueError(f"acts: pool rows ({pool_rows}) must be a multiple of block_m (of "
+                         f"the pool's block, {pool_block_m})")
     check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
     check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
     check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
     if routing_checks_on(validate_counts):
-        check_pool_capacity(expert_recv_tokens, block_m, pool_rows)
+        check_pool_capacity(expert_recv_tokens, pool_block_m, pool_rows)
     if sf_dtype is not None:
         if acts_sf is None:
             raise ValueError(f"acts_sf: required for {recipe}")
@@ -524,7 +535,8 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
                          f"{expected_tokens_per_expert!r}")
     calls = expert_gemm_calls(arch, recipe, block_m, grid, weights, acts, acts_sf, topk_weights,
                               expert_recv_tokens, l2_acts, l2_acts_sf, out, activation_clamp,
-                              fast_math, combine_buffer, expected_tokens_per_expert)
+                              fast_math, combine_buffer, expected_tokens_per_expert,
+                              pool_block_m)
     return calls, out
 
 

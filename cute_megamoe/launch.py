@@ -322,7 +322,7 @@ def sm90_shares_decode(block_m: int, expected_tokens_per_expert: float | None) -
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
                 n: int, k: int, block_m: int, activation_clamp: float | None = None,
                 fast_math: bool = True, combine_layout=None, tiled_weights: bool = False,
-                expected_tokens_per_expert: float | None = None):
+                expected_tokens_per_expert: float | None = None, pool_block_m: int | None = None):
     """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
     pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
     peer_bases, src_metadata)``, on sm_90a then ``b_group_sf`` (the per-32 scales of FP4
@@ -331,7 +331,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     buffers of a symmetric buffer with this `MegaMoELayout`. ``tiled_weights``: the weights are
     stored as `expert_gemm.tile_weight_rows` makes them (sm_90a FP8 / BF16, the staged kernel).
     ``expected_tokens_per_expert``: the call's, for the choice of the sm_90a mainloop
-    (`sm90_runs_transposed`)."""
+    (`sm90_runs_transposed`). ``pool_block_m``: the pool's block when it is not BLOCK_M (sm_90a
+    staged kernels: 2 x BLOCK_M, each expert's rows starting at a multiple of it)."""
     from cutlass import (
         BFloat16,
         Float4E2M1FN,
@@ -366,7 +367,13 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (an A/B option of the decode)
         extra["decode_tables"] = sm90_fp4_tables()
         extra["early_tables"] = sm90_fp4_early_tables()
-    if sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert):
+    if pool_block_m not in (None, block_m) and (arch != "sm_90a"
+                                                or pool_block_m != 2 * block_m):
+        raise ValueError(f"pool_block_m: BLOCK_M, or 2 x BLOCK_M on sm_90a; got {pool_block_m} "
+                         f"at BLOCK_M {block_m} on {arch}")
+    # (a pool in blocks of two tiles: the staged kernels, whose walk skips the empty tiles)
+    if pool_block_m in (None, block_m) and sm90_runs_transposed(arch, recipe, block_m,
+                                                                expected_tokens_per_expert):
         from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
 
         kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
@@ -390,6 +397,8 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         extra["owner_search"] = tile_owner_search()
         if tiled_weights:
             extra["tiled_weights"] = True
+        if pool_block_m not in (None, block_m):
+            extra["pool_block_m"] = pool_block_m
     elif tiled_weights:
         raise ValueError(f"tiled_weights: sm_90a only, not {arch}")
     kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
@@ -403,16 +412,20 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                       l2_acts: torch.Tensor, l2_acts_sf: torch.Tensor | None,
                       out: torch.Tensor | None, activation_clamp: float | None,
                       fast_math: bool, combine_buffer: SymmBuffer | None,
-                      expected_tokens_per_expert: float | None = None) -> list[KernelCall]:
+                      expected_tokens_per_expert: float | None = None,
+                      pool_block_m: int | None = None) -> list[KernelCall]:
     """The L1 (+ SwiGLU + requant into ``l2_acts``) and L2 launches of the expert FFN over a
     pool (`expert_gemm.expert_ffn` checks their inputs). ``combine_buffer``: L2 writes every
     row into its source rank's combine buffer (``out`` unused). ``expected_tokens_per_expert``:
-    the call's (the sm_90a mainloop, `sm90_runs_transposed`); None: not known."""
+    the call's (the sm_90a mainloop, `sm90_runs_transposed`); None: not known.
+    ``pool_block_m``: the pool's block (`gemm_kernel`); None: BLOCK_M."""
+    pool_block_m = block_m if pool_block_m is None else pool_block_m
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     pool_rows = acts.shape[0]
     combine_layout = None if combine_buffer is None else combine_buffer.layout
     path = launch_path()
-    transposed = sm90_runs_transposed(arch, recipe, block_m, expected_tokens_per_expert)
+    transposed = pool_block_m == block_m and sm90_runs_transposed(
+        arch, recipe, block_m, expected_tokens_per_expert)
     calls = []
     for phase in ("l1", "l2"):
         # FP4 weights on sm_90a: the block scales go where the FP8 ones do, the per-32 scales
@@ -444,14 +457,15 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                  sm90_shares_decode(block_m, expected_tokens_per_expert)) if fp4
                 else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())
-               if arch == "sm_90a" else None, weights.tiled)
+               if arch == "sm_90a" else None, weights.tiled, pool_block_m)
         plan = {}
 
         def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):
             plan["kernel"], plan["dtypes"] = gemm_kernel(
                 arch, recipe, phase, e_l, pool_rows, n, k, block_m, activation_clamp, fast_math,
                 combine_layout=combine_layout if to_combine else None,
-                tiled_weights=weights.tiled, expected_tokens_per_expert=expected_tokens_per_expert)
+                tiled_weights=weights.tiled, expected_tokens_per_expert=expected_tokens_per_expert,
+                pool_block_m=pool_block_m)
             return plan
 
         entry = compiled_kernel(key + ("plan",), build)

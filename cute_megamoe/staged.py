@@ -52,6 +52,7 @@ from .launch import (
     dispatch_call,
     existing_buffer_state,
     sm90_runs_transposed,
+    sm90_shares_decode,
     staging_call,
 )
 from .runtime import kernel_variant_env, launch_path
@@ -445,9 +446,30 @@ def _check_kernel_weights(sym_buffer: SymmBuffer, weights: ExpertWeights) -> Non
                          f"{sym_buffer.recipe!r}")
 
 
+def layer_pool_block_m(layout, weights, num_tokens: int) -> int | None:
+    """The pool block of a whole layer on our kernels when the caller gives no BLOCK_M: 256
+    where the sm_90a MXFP4 GEMMs run BLOCK_M 128 in the 2-CTA clusters that share the decode
+    (`launch.sm90_shares_decode`), so that each expert's rows start at an even 128-row block
+    and no cluster pairs two experts' blocks (a pool in 128-row blocks paired them after every
+    expert with an odd block count: the layer gained 0.99-1.0x where the bench, whose experts
+    hold whole pairs, gained 0.79-0.87x; docs/performance.md); None otherwise (the BLOCK_M of
+    `heuristics.block_m_for_call`). Ranks may differ (each lays out its own pool)."""
+    if weights.arch != "sm_90a" or weights.recipe != "fp8xfp4_sm90" or num_tokens < 0:
+        return None
+    args = (num_tokens, layout.num_ranks, layout.num_topk, layout.num_experts)
+    block_m = block_m_for_call(*args, weights.arch)
+    if block_m == 128 and sm90_shares_decode(block_m, expected_tokens_per_expert(*args)):
+        return 2 * block_m
+    return None
+
+
 def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
                             send_to_combine) -> tuple[list[KernelCall], torch.Tensor | None]:
     _check_kernel_weights(sym_buffer, weights)
+    # (an sm_90a pool in 256-row blocks: the GEMMs run 128-row tiles, two per block)
+    block_m, pool_block_m = dispatched.block_m, None
+    if weights.arch == "sm_90a" and block_m == 256:
+        block_m, pool_block_m = 128, 256
     state = buffer_state(sym_buffer)
     if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
@@ -455,12 +477,12 @@ def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, f
     layout = sym_buffer.layout
     return _prepare_expert_ffn(
         dispatched.l1_acts, dispatched.l1_acts_sf, dispatched.l1_topk_weights,
-        dispatched.expert_recv_tokens, weights, dispatched.block_m, activation_clamp, fast_math,
+        dispatched.expert_recv_tokens, weights, block_m, activation_clamp, fast_math,
         sym_buffer.l2_acts, sym_buffer.l2_acts_sf if layout.has_sf else None,
         None if send_to_combine else state.expert_out, state.num_sms, False,
         sym_buffer if send_to_combine else None,
         expected_tokens_per_expert(dispatched.num_tokens, layout.num_ranks, layout.num_topk,
-                                   layout.num_experts))
+                                   layout.num_experts), pool_block_m)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -519,6 +541,8 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
             _combine_rounds(send_mode, rounds, n, epilogue)
         if y is not None and isinstance(n, int):
             check_tensor("y", y, torch.bfloat16, (n, sym_buffer.hidden), sym_buffer.device)
+        if on_kernels and block_m is None and isinstance(n, int):
+            block_m = layer_pool_block_m(sym_buffer.layout, weights, n)
         launches, dispatched = _prepare_dispatch(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
             cumulative_local_expert_recv_stats, validate_routing, transfer)
@@ -673,6 +697,7 @@ def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, ac
                # the weights' arch is the GPU's)
                block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
                                 weights.arch) if block_m is None and n >= 0 else None,
+               layer_pool_block_m(layout, weights, n) if block_m is None else None,
                select_combine_rounds(n) if rounds is None and not epilogue and n >= 0
                and send_mode == "registers" else None,
                # the expert GEMMs' mainloop (by the expected tokens per expert)

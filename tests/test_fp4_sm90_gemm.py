@@ -389,3 +389,81 @@ def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
                        experts="kernels")
     assert gemm_kernels() == {Sm90TransposedExpertGemmKernel.__name__,
                               Sm90ExpertGemmKernel.__name__}
+
+
+def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
+    """`staged.layer_pool_block_m`: the whole MXFP4 layer on sm_90a lays its pool out in 256-row
+    blocks where the GEMMs share the decode in clusters (BLOCK_M 128, from 192 expected tokens
+    per expert), so that no cluster pairs two experts' tiles; 128-row blocks below that, with
+    the clusters forced off, at other recipes or arches."""
+    from types import SimpleNamespace
+
+    from cute_megamoe.layout import MegaMoELayout
+    from cute_megamoe.staged import layer_pool_block_m
+
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", raising=False)
+    layout = MegaMoELayout(1, 8, 1024, 2, 512, 256, RECIPE)
+    fp4 = SimpleNamespace(arch="sm_90a", recipe=RECIPE)
+    assert layer_pool_block_m(layout, fp4, 1024) == 256  # 256 expected tokens per expert
+    assert layer_pool_block_m(layout, fp4, 768) == 256  # 192
+    assert layer_pool_block_m(layout, fp4, 700) is None  # 175: no clusters
+    assert layer_pool_block_m(layout, fp4, 200) is None  # BLOCK_M 64
+    assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_90a", recipe="fp8xfp8"),
+                              1024) is None
+    assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_100a", recipe=RECIPE),
+                              1024) is None
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "0")
+    assert layer_pool_block_m(layout, fp4, 1024) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ("random", "skewed"))
+def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
+    """The staged MXFP4 layer at 256 expected tokens per expert (8 experts, top-2, 1024 tokens):
+    by default its pool in 256-row blocks (two 128-row tiles of one expert per cluster, the
+    second empty for an expert with an odd number of tiles), the same outputs bit for bit as
+    with 128-row blocks and the shared decode (``block_m=128``: clusters may pair two experts'
+    tiles) and as single-CTA (`CUTE_MEGAMOE_SM90_FP4_CLUSTER=0`), and the 256-row build is the
+    one that ran."""
+    from cute_megamoe import runtime, staged
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.expert_gemm import ExpertWeights
+
+    _gpu()
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
+    device = torch.device("cuda")
+    buf = get_symm_buffer_for_mega_moe(None, 8, 1024, 2, 512, 256, mma_type=RECIPE)
+    gen = torch.Generator().manual_seed(11 if pattern == "random" else 12)
+    n = 1024
+    x = torch.randn(n, 512, generator=gen).to(torch.bfloat16).to(device)
+    scores = torch.rand(n, 8, generator=gen)
+    if pattern == "skewed":  # expert 0 takes most, expert 7 a handful
+        scores[:, 0] += 0.5
+        scores[:, 7] -= 0.9
+    idx = scores.topk(2, dim=1).indices.to(torch.int64).to(device)
+    w = torch.rand(n, 2, generator=gen).to(device)
+    w1 = (torch.randn(8, 512, 512, generator=gen) / 512**0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(8, 512, 256, generator=gen) / 256**0.5).to(torch.bfloat16).to(device)
+    weights = ExpertWeights.from_bf16(w1, w2, RECIPE)
+    pool_rows = buf.layout.num_pool_rows
+
+    def pool_blocks_compiled():
+        return {key[-2] for (key, *_), _plan in runtime._COMPILED.items()
+                if isinstance(key, tuple) and key[:4] == ("expert_gemm", "sm_90a", "l1", RECIPE)
+                and key[5] == pool_rows and key[-1] == "plan"}
+
+    ys = []
+    for block_m, cluster in ((None, None), (128, None), (None, "0")):
+        if cluster is None:
+            monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
+        else:
+            monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", cluster)
+        y = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
+                                   block_m=block_m)
+        ys.append(y.clone())
+    torch.cuda.synchronize()
+    assert 256 in pool_blocks_compiled()
+    assert bool(torch.isfinite(ys[0].float()).all())
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+    assert torch.equal(ys[0].view(torch.int16), ys[2].view(torch.int16))

@@ -188,7 +188,8 @@ class Sm90ExpertGemmKernel:
                  tiled_weights: bool = False,
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
-                 row_stores: str | None = None, early_tables: bool | None = None):
+                 row_stores: str | None = None, early_tables: bool | None = None,
+                 pool_block_m: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -384,9 +385,18 @@ class Sm90ExpertGemmKernel:
         if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
             raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
         self.cluster_m = cluster_m
+        # the pool's block (how the caller laid out the rows: each expert's rows start at a
+        # multiple of it): BLOCK_M, or 2 x BLOCK_M, with which the pairs of tiles of 2-CTA
+        # clusters never straddle two experts (an expert's last block may hold a tile of no
+        # rows)
+        pool_block_m = block_m if pool_block_m is None else pool_block_m
+        if pool_block_m not in (block_m, 2 * block_m):
+            raise ValueError(f"pool_block_m: BLOCK_M or 2 x BLOCK_M ({block_m}), got "
+                             f"{pool_block_m}")
+        self.pool_block_m = pool_block_m
         # (`owner_search`: how the walk finds a tile's expert, `ExpertTileScheduler.owner_of`)
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m,
-                                             owner_search)
+                                             owner_search, empty_tiles=pool_block_m != block_m)
         # Tiles walk in raster bands of `raster_group` cluster groups of pool blocks (see
         # scheduler.device): the tiles of one n-block of a band are neighbours, so a weight
         # tile comes from DRAM once per band, and a band's activation rows (read once per
@@ -648,7 +658,7 @@ class Sm90ExpertGemmKernel:
         packed_pipe = self.packed_pipeline(storage.packed_mbar.data_ptr())
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
-                              self.block_m)
+                              self.pool_block_m, self.pool_block_m // self.block_m)
         if cutlass.const_expr(self.fp4_weights):
             self.init_decoded_barriers(storage.decoded.data_ptr(), tidx)
         cute.arch.mbarrier_init_fence()
