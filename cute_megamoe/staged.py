@@ -452,7 +452,8 @@ def layer_pool_block_m(layout, weights, num_tokens: int) -> int | None:
     (`launch.sm90_shares_decode`), so that each expert's rows start at an even 128-row block
     and no cluster pairs two experts' blocks (a pool in 128-row blocks paired them after every
     expert with an odd block count: the layer gained 0.99-1.0x where the bench, whose experts
-    hold whole pairs, gained 0.79-0.87x; docs/performance.md); None otherwise (the BLOCK_M of
+    hold whole pairs, gained 0.79-0.87x; in 256-row blocks 0.978x / 0.942x at 4096 / 8192
+    tokens on an H200, docs/performance.md); None otherwise (the BLOCK_M of
     `heuristics.block_m_for_call`). Ranks may differ (each lays out its own pool)."""
     if weights.arch != "sm_90a" or weights.recipe != "fp8xfp4_sm90" or num_tokens < 0:
         return None
@@ -506,7 +507,9 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     epilogue sends the rows to the source ranks' combine buffers, so the combine only reduces;
     False: L2 writes pool order and the combine kernel sends (the torch experts always do
     that; `send_mode` and `rounds` apply then). Every rank must pass the same `l2_sends` and
-    `transfer`; `block_m` (default: the heuristics), `send_mode` and `rounds` may differ.
+    `transfer`; `block_m` (the pool's block; default: the heuristics, and on sm_90a with
+    MXFP4 weights 256-row blocks of two GEMM tiles where the GEMMs share the decode,
+    `layer_pool_block_m`), `send_mode` and `rounds` may differ.
     Every check runs before the first launch; one that fails gives the call up on this rank
     (`gives_up_call_on_error`). The torch experts read the pool size back to the host, so only
     the kernel path can be captured in a CUDA graph (with `validate_routing=False`).
