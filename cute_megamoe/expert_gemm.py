@@ -446,8 +446,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             same outputs.
         pool_block_m: the block the pool is laid out in (each expert's rows start at
             ``pool_block_offsets(counts, pool_block_m)[e] * pool_block_m``): ``block_m`` (the
-            default), or on sm_90a ``2 * block_m``, with which the 2-CTA clusters (BLOCK_M
-            128) pair two tiles of one expert only (MXFP4 weights: they share the decode).
+            default), or 256 with ``block_m`` 128 for ``fp8xfp4_sm90`` on sm_90a, with which
+            the 2-CTA clusters that share the decode pair two tiles of one expert only.
     """
     launches, out = _prepare_expert_ffn(
         acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m, activation_clamp,
@@ -476,10 +476,10 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
     e_l, hidden, inter = _check_weights(weights, device)
     check_gemm_block_m(block_m, arch)
     pool_block_m = block_m if pool_block_m is None else pool_block_m
-    if pool_block_m not in (block_m, 2 * block_m) or (pool_block_m != block_m
-                                                      and arch != "sm_90a"):
-        raise ValueError(f"pool_block_m: block_m ({block_m}), or 2 x block_m on sm_90a; got "
-                         f"{pool_block_m!r} on {arch}")
+    if pool_block_m != block_m and (arch, recipe, block_m, pool_block_m) != (
+            "sm_90a", "fp8xfp4_sm90", 128, 256):
+        raise ValueError(f"pool_block_m: block_m ({block_m}), or 256 with block_m 128 for "
+                         f"fp8xfp4_sm90 on sm_90a; got {pool_block_m!r} for {recipe} on {arch}")
     act_recipe = activation_recipe(recipe)
     act_dtype, sf_dtype = _ACT_DTYPE[act_recipe], _ACT_SF_DTYPE.get(act_recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:

@@ -417,6 +417,20 @@ def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
     assert layer_pool_block_m(layout, fp4, 1024) is None
 
 
+def test_pool_in_256_row_blocks_only_where_gpu_tested():
+    """``pool_block_m`` 256: the MXFP4 GEMMs at BLOCK_M 128 on sm_90a (the kernel counts each
+    block as two tiles); anything else is refused before a kernel is built."""
+    from cute_megamoe.launch import gemm_kernel
+
+    kernel, _ = gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128, pool_block_m=256)
+    assert kernel.pool_block_m == 256 and kernel.scheduler.empty_tiles
+    assert not gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128)[0].scheduler \
+        .empty_tiles
+    for recipe, block_m, pool in (("fp8xfp8", 128, 256), (RECIPE, 64, 128), (RECIPE, 128, 512)):
+        with pytest.raises(ValueError, match="pool_block_m"):
+            gemm_kernel("sm_90a", recipe, "l1", 8, 4096, 4096, 7168, block_m, pool_block_m=pool)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ("random", "skewed"))
 def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
