@@ -447,7 +447,8 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
         pool_block_m: the block the pool is laid out in (each expert's rows start at
             ``pool_block_offsets(counts, pool_block_m)[e] * pool_block_m``): ``block_m`` (the
             default), or 256 with ``block_m`` 128 for ``fp8xfp4_sm90`` on sm_90a, with which
-            the 2-CTA clusters that share the decode pair two tiles of one expert only.
+            the 2-CTA clusters that share the decode pair two tiles of one expert only
+            (refused where those clusters do not run: `launch.sm90_shares_decode`).
     """
     launches, out = _prepare_expert_ffn(
         acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m, activation_clamp,

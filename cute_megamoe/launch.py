@@ -400,6 +400,10 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if tiled_weights:
             extra["tiled_weights"] = True
         if pool_block_m not in (None, block_m):
+            if extra["cluster_m"] != 2:
+                raise ValueError("pool_block_m 256: with the 2-CTA clusters that share the "
+                                 "decode only (CUTE_MEGAMOE_SM90_FP4_CLUSTER forced off, or too "
+                                 "few expected tokens per expert)")
             extra["pool_block_m"] = pool_block_m
     elif tiled_weights:
         raise ValueError(f"tiled_weights: sm_90a only, not {arch}")

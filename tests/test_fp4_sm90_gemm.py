@@ -417,11 +417,13 @@ def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
     assert layer_pool_block_m(layout, fp4, 1024) is None
 
 
-def test_pool_in_256_row_blocks_only_where_gpu_tested():
-    """``pool_block_m`` 256: the MXFP4 GEMMs at BLOCK_M 128 on sm_90a (the kernel counts each
-    block as two tiles); anything else is refused before a kernel is built."""
+def test_pool_in_256_row_blocks_only_where_gpu_tested(monkeypatch):
+    """``pool_block_m`` 256: the MXFP4 GEMMs at BLOCK_M 128 on sm_90a in the clusters that
+    share the decode (the kernel counts each block as two tiles); anything else is refused
+    before a kernel is built."""
     from cute_megamoe.launch import gemm_kernel
 
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
     kernel, _ = gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128, pool_block_m=256)
     assert kernel.pool_block_m == 256 and kernel.scheduler.empty_tiles
     assert not gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128)[0].scheduler \
@@ -429,6 +431,9 @@ def test_pool_in_256_row_blocks_only_where_gpu_tested():
     for recipe, block_m, pool in (("fp8xfp8", 128, 256), (RECIPE, 64, 128), (RECIPE, 128, 512)):
         with pytest.raises(ValueError, match="pool_block_m"):
             gemm_kernel("sm_90a", recipe, "l1", 8, 4096, 4096, 7168, block_m, pool_block_m=pool)
+    with pytest.raises(ValueError, match="pool_block_m"):  # single-CTA at 100 tokens per expert
+        gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128, pool_block_m=256,
+                    expected_tokens_per_expert=100)
 
 
 @pytest.mark.gpu
