@@ -112,6 +112,9 @@ def test_shared_decode_compiles_with_one_bulk_copy_to_the_peer(phase, monkeypatc
     assert kernel.cluster_m == 2 and kernel.fp4_weights
     assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in art.ptx
     assert "st.async" not in art.ptx
+    # (a pair that shares the decode loads only its own chunk's codes: the other chunk's bytes
+    # come off the packed stage's transaction count)
+    assert "mbarrier.complete_tx" in art.ptx
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("STAS") == 0

@@ -1018,8 +1018,8 @@ class Sm90ExpertGemmKernel:
         """Warp 1 (FP4 weights): TMA-load the packed weight chunks, their rows' per-32 scale
         words and the k-block's weight block scales of every k-block of tiles ``first_tile``,
         ``first_tile + num_clusters``, ... ``< num_tiles`` (in a cluster, of this CTA's pool
-        block ``rank``) into the packed stages,
-        running up to `packed_stages` k-blocks ahead of the decode (the weights wait for
+        block ``rank``; of a pair that shares the decode, chunk ``rank`` only) into the packed
+        stages, running up to `packed_stages` k-blocks ahead of the decode (the weights wait for
         nothing). ``state``: the packed stages' producer state; ``barrier_slots``: see
         `bounded_stage_wait`. Returns ``(state, the first tile index past num_tiles)``."""
         g_b = cute.local_tile(m_b, (WG_N, self.b_load_k()), (None, None))
@@ -1029,17 +1029,31 @@ class Sm90ExpertGemmKernel:
         b_blocks_per_expert = self.n // WG_N
         if cutlass.const_expr(rank is None):
             rank = Int32(0)
+        # (a cluster's shared decode reads chunk `rank` only: the other chunk's codes are not
+        # loaded, and their bytes are taken off the stage's transaction count; 0.98-0.995x the
+        # time of loading both, docs/performance.md)
+        chunk_bytes = WG_N * self.block_k // 2
         tile = first_tile
         owner = Int32(0)
         while tile < num_tiles:
-            owner, expert, _m, n_block, _b, _v = self.scheduler.tile(
+            owner, shared, expert, n_block, _b, _v = self.pair_tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
             for kb in cutlass.range(self.num_k_blocks):
                 bar = self.acquire_stage(packed_pipe, state, self.extra_packed_tx_bytes, lane,
                                          barrier_slots,
                                          "a free packed weight stage (packed loads)")
-                self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    if shared:
+                        cute.copy(tma_b, t_gb[(None, b_block + rank, kb)],
+                                  t_sb[(None, state.index * self.chunks + rank)],
+                                  tma_bar_ptr=bar)
+                        if lane == 0:
+                            prims.mbarrier_complete_tx(bar, Int32(chunk_bytes))
+                    else:
+                        self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
+                else:
+                    self.load_b(tma_b, t_gb, t_sb, b_block, kb, state.index, bar)
                 if lane == 0:
                     prims.cp_async_bulk_shared_cluster_global(
                         sfg + state.index * self.block_n,
