@@ -489,3 +489,18 @@ def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
     assert bool(torch.isfinite(ys[0].float()).all())
     assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
     assert torch.equal(ys[0].view(torch.int16), ys[2].view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_layer_pool_blocks_may_differ_between_ranks():
+    """Two ranks, the staged MXFP4 layer with no BLOCK_M: rank 0 lays out its pool in 256-row
+    blocks (the shared-decode clusters), rank 1 in decode-size blocks; every rank's rows land in
+    the other's pool, and the outputs equal bit for bit those with BLOCK_M 64 on both
+    (`dispatch_checks.check_pool_blocks_per_rank`)."""
+    from cute_megamoe.testing.dispatch_checks import run_multiprocess
+
+    _gpu()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_multiprocess(2, RECIPE, 8, 2, 512, 64, port=29931, mode="pool_blocks")
