@@ -382,8 +382,9 @@ def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
                                             ("fp8xfp4_sm90", 128)])
 def test_sm90_k_unroll(recipe, block_m, monkeypatch):
     """The FP8 consumer loop's k-blocks per body (`DEFAULT_K_UNROLL`: 4 for fp8xfp8 at BLOCK_M
-    128, else 1; `CUTE_MEGAMOE_SM90_K_UNROLL` forces it): that many k-blocks' WGMMAs in the
-    SASS (8 per k-block: two chunks of four k32 steps), no spills."""
+    128, else 1; MXFP4 weights in the clusters that share the decode, BLOCK_M 128 with no token
+    count: `SHARED_DECODE_K_UNROLL`; `CUTE_MEGAMOE_SM90_K_UNROLL` forces it): that many
+    k-blocks' WGMMAs in the SASS (8 per k-block: two chunks of four k32 steps), no spills."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
@@ -392,9 +393,13 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_K_UNROLL", raising=False)
-    want = 4 if (recipe, block_m) == ("fp8xfp8", 128) else 1
+    from cute_megamoe.kernels.sm90_expert_gemm import SHARED_DECODE_K_UNROLL
+
+    want = {("fp8xfp8", 128): 4, ("fp8xfp4_sm90", 128): SHARED_DECODE_K_UNROLL}.get(
+        (recipe, block_m), 1)
     # (forced: with the chunk promotion; the quarter one's scratch pairs spill when unrolled)
-    for forced in (None, "2") if (recipe, block_m) != ("fp8xfp8", 64) else (None,):
+    forcings = {("fp8xfp8", 64): (None,), ("fp8xfp4_sm90", 128): (None, "1")}
+    for forced in forcings.get((recipe, block_m), (None, "2")):
         if forced:
             monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", forced)
             want = int(forced)
@@ -703,10 +708,11 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "transposed"), (64, "transposed_block"),
-                                             (128, "unroll4")])
+                                             (128, "unroll4"), (128, "unroll2")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the consumer loop unrolled by
-    4 k-blocks (`CUTE_MEGAMOE_SM90_K_UNROLL`) and the transposed kernels
+    4 or 2 k-blocks (`CUTE_MEGAMOE_SM90_K_UNROLL`; at BLOCK_M 128 MXFP4 weights run in the
+    clusters that share the decode, whose default is 2) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
     `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
     products and promote them in the same order as "chunk" with one k-block per loop body:
@@ -725,6 +731,8 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
                    "unroll4": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                "CUTE_MEGAMOE_SM90_K_UNROLL": "4"},
+                   "unroll2": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
+                               "CUTE_MEGAMOE_SM90_K_UNROLL": "2"},
                    "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},

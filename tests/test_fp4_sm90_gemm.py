@@ -52,7 +52,8 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     items = kernel.chunks * 128 * 4 // (128 * kernel.decode_wgs)
     # (a cluster's decode has a second path, the shared tiles' one chunk: half the items)
     shared_items = items // 2 if kernel.cluster_m > 1 else 0
-    assert art.count("PRMT") <= 9 * (items + shared_items) + 1, art.count("PRMT")
+    # (+ one per k-block of the consumer loop body, `k_unroll`)
+    assert art.count("PRMT") <= 9 * (items + shared_items) + kernel.k_unroll, art.count("PRMT")
     assert art.count("F2FP.SATFINITE.E4M3") > 0
     assert art.count("USETMAXREG") == 3  # producer, decode warpgroup, consumers
     # the packed weights by TMA into their own stages (warp 1), A by warp 0

@@ -124,6 +124,10 @@ PROMOTIONS = ("chunk", "quarter")
 # MXFP4 weights 1.03-1.09x. The fused kernel takes the same (its layer at R = 1: 0.968-0.971x
 # the time of 1 at 4096-8192 tokens, BLOCK_M 128)
 DEFAULT_K_UNROLL = {("fp8xfp8", 128): 4}
+# MXFP4 weights in the 2-CTA clusters that share the decode (BLOCK_M 128): 2, measured in three
+# processes on an H200: 0.955-0.975x the time of 1 at 256 x 256, 0.963-1.009x at 64 x 512 and
+# 0.977-1.009x at 32 x 1024 (4: 1.04-1.10x; docs/performance.md)
+SHARED_DECODE_K_UNROLL = 2
 K_UNROLLS = (1, 2, 4)
 # fp8xfp8 rows into `out` by TMA tensor stores of swizzled boxes (`tma_store` None). Measured
 # interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): 0.952-0.960x the
@@ -279,6 +283,8 @@ class Sm90ExpertGemmKernel:
         # by 8 likewise)
         if k_unroll is None:
             k_unroll = DEFAULT_K_UNROLL.get((recipe, block_m), 1) if promotion == "chunk" else 1
+            if self.fp4_weights and cluster_m == 2 and promotion == "chunk":
+                k_unroll = SHARED_DECODE_K_UNROLL
         if k_unroll not in K_UNROLLS:
             raise ValueError(f"k_unroll: one of {K_UNROLLS}, got {k_unroll}")
         self.k_unroll = k_unroll
