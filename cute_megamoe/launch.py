@@ -40,7 +40,6 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_cluster,
-    sm90_fp4_codes,
     sm90_fp4_early_tables,
     sm90_fp4_tables,
     sm90_k_unroll,
@@ -390,8 +389,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if recipe == "fp8xfp4_sm90" and not sm90_shares_decode(block_m,
                                                                expected_tokens_per_expert):
             extra["cluster_m"] = 1
-        if recipe == "fp8xfp4_sm90" and extra["cluster_m"] == 2:
-            extra["fp4_codes"] = sm90_fp4_codes()
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
             extra["k_unroll"] = sm90_k_unroll()
@@ -463,8 +460,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(),
                 (sm90_fp4_tables(), sm90_fp4_early_tables(),
-                 sm90_shares_decode(block_m, expected_tokens_per_expert),
-                 sm90_fp4_codes()) if fp4
+                 sm90_shares_decode(block_m, expected_tokens_per_expert)) if fp4
                 else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())
                if arch == "sm_90a" else None, weights.tiled, pool_block_m)

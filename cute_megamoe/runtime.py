@@ -219,18 +219,6 @@ def sm90_fp4_cluster() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_fp4_codes() -> str | None:
-    """``CUTE_MEGAMOE_SM90_FP4_CODES``: where the decode warps of the sm_90a grouped GEMMs with
-    MXFP4 weights in 2-CTA clusters (the shared decode) read the packed codes and their scales
-    (`Sm90ExpertGemmKernel`'s ``fp4_codes``): unset or "auto": None, the default
-    (``smem``: TMA-loaded packed stages); ``global``: each decode thread loads its items from
-    global memory itself, and the packed stages' room holds a fourth MMA stage, for A/B runs.
-    Single-CTA kernels keep the packed stages. Part of the grouped GEMMs' cache keys; ranks
-    may differ."""
-    value = env_choice("CUTE_MEGAMOE_SM90_FP4_CODES", ("auto", "smem", "global"))
-    return None if value == "auto" else value
-
-
 def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
     send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
@@ -342,7 +330,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_FP4_CODES")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -125,44 +125,6 @@ def test_shared_decode_compiles_with_one_bulk_copy_to_the_peer(phase, monkeypatc
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_shared_decode_with_global_codes_compiles_without_packed_stages(phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_CODES=global` (the shared-decode clusters only): each decode
-    thread loads its items' codes (16 bytes each), scale words and block scales from global
-    memory before it waits for a free MMA stage; no packed stages (no codes by TMA, none read
-    from shared memory), a fourth MMA stage in their room, the same bulk copy to the peer, the
-    same permutes per item, no spills. Single-CTA kernels refuse it."""
-    from cute_megamoe.kernels.sm90_expert_gemm import FP4_GLOBAL_MMA_STAGES, Sm90ExpertGemmKernel
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "1")
-    base_kernel, base = _compile(phase, 128)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CODES", "global")
-    kernel, art = _compile(phase, 128)
-    assert not base_kernel.global_codes and base_kernel.packed_stages >= 2
-    assert kernel.global_codes and kernel.cluster_m == 2
-    assert kernel.packed_stages == 0 and kernel.packed_tx_bytes == 0
-    assert kernel.num_stages == FP4_GLOBAL_MMA_STAGES == base_kernel.num_stages + 1
-    assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in art.ptx
-    with pytest.raises(ValueError, match="fp4_codes"):
-        Sm90ExpertGemmKernel(phase, RECIPE, 8, 4096, 4096, 7168, 128, fp4_codes="global")
-    if art.sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-    # the weights come by no TMA (A and its scales only); no code is read from shared memory
-    assert art.count("LDS.128") == 0 < base.count("LDS.128")
-    # a shared chunk's 4 items and a pair of two experts' (one chunk at a time): 16-byte loads
-    assert art.count("LDG.E.128") == 8
-    lines = art.sass.splitlines()
-    first_load = next(i for i, line in enumerate(lines) if "LDG.E.128" in line)
-    wait = next(i for i in range(first_load, len(lines)) if "SYNCS.PHASECHK" in lines[i])
-    assert sum("LDG.E.128" in line for line in lines[first_load:wait]) == 4
-    assert art.count("STS.128") >= 8 and art.count("UBLKCP") >= 1
-    assert art.count("STL") == 0 and art.count("LDL") == 0
-    usage = art.resource_usage()
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-
-
 def test_fp4_stage_accounting():
     """What the mbarriers expect per stage: the MMA stage A and the scale vectors, the packed
     stage the packed weight bytes, the tile rows' per-32 scale words and the block scales (the
@@ -214,16 +176,14 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
-                                             (128, "shared_decode_cluster"),
-                                             (128, "shared_decode_global_codes")])
+                                             (128, "shared_decode_cluster")])
 @pytest.mark.parametrize("spread", (False, True))
 def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
     pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
     both sides), or in 2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`;
-    the fp8xfp8 side runs in clusters at BLOCK_M 128 anyway), also with the codes loaded from
-    global memory by the decode threads (`CUTE_MEGAMOE_SM90_FP4_CODES`)."""
+    the fp8xfp8 side runs in clusters at BLOCK_M 128 anyway)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -286,9 +246,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
-            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128),
-            "shared_decode_global_codes": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1",
-                                            "CUTE_MEGAMOE_SM90_FP4_CODES": "global"}, 128)}
+            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
 @pytest.mark.compile
@@ -483,23 +441,20 @@ def test_pool_in_256_row_blocks_only_where_gpu_tested(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codes", ("smem", "global"))
 @pytest.mark.parametrize("pattern", ("random", "skewed"))
-def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, codes, monkeypatch):
+def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
     """The staged MXFP4 layer at 256 expected tokens per expert (8 experts, top-2, 1024 tokens):
     by default its pool in 256-row blocks (two 128-row tiles of one expert per cluster, the
     second empty for an expert with an odd number of tiles), the same outputs bit for bit as
     with 128-row blocks and the shared decode (``block_m=128``: clusters may pair two experts'
     tiles) and as single-CTA (`CUTE_MEGAMOE_SM90_FP4_CLUSTER=0`), and the 256-row build is the
-    one that ran. ``codes``: where the shared decode reads the packed codes
-    (`CUTE_MEGAMOE_SM90_FP4_CODES`; the single-CTA build reads them from its packed stages)."""
+    one that ran."""
     from cute_megamoe import runtime, staged
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.expert_gemm import ExpertWeights
 
     _gpu()
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CODES", codes)
     device = torch.device("cuda")
     buf = get_symm_buffer_for_mega_moe(None, 8, 1024, 2, 512, 256, mma_type=RECIPE)
     gen = torch.Generator().manual_seed(11 if pattern == "random" else 12)

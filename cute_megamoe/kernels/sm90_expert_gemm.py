@@ -153,16 +153,6 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
-# FP4 weights in a 2-CTA cluster: where the decode warps take the packed codes and their scales
-# from. "smem": warp 1 TMA-loads them into packed stages of their own; "global": each decode
-# thread loads its items' codes and scales from global memory itself, before it waits for a
-# free MMA stage (no packed stages: 16 KB less shared-memory traffic per k-block, and their
-# room holds a fourth MMA stage, FP4_GLOBAL_MMA_STAGES)
-FP4_CODES = ("smem", "global")
-FP4_GLOBAL_MMA_STAGES = 4
-# ("global": k-blocks ahead whose codes and scale words the decode threads prefetch into L2;
-# their own loads come one wait before their use)
-GLOBAL_CODES_PREFETCH = 4
 DECODE_TABLES = ("item", "vote")
 # "vote" tables: items whose codes load before the batch's vote, each later item's while the
 # item VOTE_AHEAD before it decodes. Measured interleaved on an H200 (docs/performance.md): 1
@@ -203,7 +193,7 @@ class Sm90ExpertGemmKernel:
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
                  row_stores: str | None = None, early_tables: bool | None = None,
-                 pool_block_m: int | None = None, fp4_codes: str | None = None):
+                 pool_block_m: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -322,15 +312,6 @@ class Sm90ExpertGemmKernel:
         if self.early_tables and cluster_m > 1:
             raise ValueError("early_tables: not with clusters (a cluster's shared decode "
                              "decodes one chunk, the early tables are every chunk's)")
-        # FP4 weights: where the decode warps read the packed codes (`FP4_CODES`; None: smem)
-        fp4_codes = "smem" if fp4_codes is None else fp4_codes
-        if fp4_codes not in FP4_CODES or (fp4_codes == "global" and not (
-                self.fp4_weights and cluster_m == 2)):
-            raise ValueError(f"fp4_codes: one of {FP4_CODES}, 'global' with FP4 weights in "
-                             f"2-CTA clusters only; got {fp4_codes!r}")
-        self.global_codes = fp4_codes == "global"
-        if self.global_codes and self.decode_batch < WG_N * 4 // (128 * self.decode_wgs):
-            raise ValueError("fp4_codes 'global': a chunk's items in one decode batch")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -357,15 +338,13 @@ class Sm90ExpertGemmKernel:
         # a packed stage: the codes, their rows' per-32 scale words and the k-block's weight
         # block scales (the decode's base exponents; the MMA stage has its own copy)
         self.packed_tx_bytes = (self.block_n * (self.block_k // 2 + 4) + self.sfb_len * 4
-                                if self.fp4_weights and not self.global_codes else 0)
+                                if self.fp4_weights else 0)
 
         # `smem_reserved`: bytes a fused kernel's other phases take from the budget
         self.smem_budget = SMEM_BUDGET - smem_reserved
 
         def stages_fit(parts):  # pipeline stages left beside staging rows of 1/parts tile row
             left = self.smem_budget - self.staging_layout(parts)[1]
-            if self.global_codes:  # (no packed stages)
-                return min(FP4_GLOBAL_MMA_STAGES, left // (stage_bytes + 64)), 0
             if self.fp4_weights:  # (MMA stages, packed stages), two packed stages at least
                 mma = min(FP4_MMA_STAGES, (left - 2 * (self.packed_tx_bytes + 16))
                           // (stage_bytes + 64))
@@ -395,12 +374,7 @@ class Sm90ExpertGemmKernel:
         fit = (self.smem_budget - self.staging_bytes) // (stage_bytes + 64)
         self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
         self.packed_stages = 0
-        if self.global_codes:
-            self.num_stages = stages_fit(self.staging_parts)[0] if num_stages is None \
-                else num_stages
-            if packed_stages not in (None, 0):
-                raise ValueError("packed_stages: none with fp4_codes 'global'")
-        elif self.fp4_weights:
+        if self.fp4_weights:
             mma_fit, packed_fit = stages_fit(self.staging_parts)
             self.num_stages = mma_fit if num_stages is None else num_stages
             left = self.smem_budget - self.staging_bytes - self.num_stages * (stage_bytes + 64)
@@ -482,15 +456,14 @@ class Sm90ExpertGemmKernel:
 
     def raw_b_bytes(self) -> int:
         """Shared-memory bytes of the packed FP4 weight chunks' stages (a token 128 else)."""
-        if not self.fp4_weights or self.global_codes:
+        if not self.fp4_weights:
             return 128
         return self.packed_stages * self.chunks * WG_N * self.b_load_k()
 
     def sfg_len(self) -> int:
         """Int32 words of the ring's per-32 weight scales: a word (four groups) per weight row
         of the tile per packed stage (FP4; a token 4 else)."""
-        return self.packed_stages * self.block_n if self.fp4_weights and not self.global_codes \
-            else 4
+        return self.packed_stages * self.block_n if self.fp4_weights else 4
 
     def staging_layout(self, parts: int) -> tuple[int, int]:
         """(row stride, total bytes) of the consumer warps' staging rows when they hold
@@ -552,8 +525,8 @@ class Sm90ExpertGemmKernel:
         """FP4 weights: the packed weight chunks as TMA writes them, ``[128 rows, 64 bytes,
         packed stage * chunks + chunk]`` (no swizzle: the decode reads 16 bytes per lane, rows
         of 64 bytes, conflict-free)."""
-        k2 = self.b_load_k()  # (`global_codes`: one slot for the unused TMA atom's box)
-        return cute.make_layout((WG_N, k2, max(1, self.packed_stages) * self.chunks),
+        k2 = self.b_load_k()
+        return cute.make_layout((WG_N, k2, self.packed_stages * self.chunks),
                                 stride=(k2, 1, WG_N * k2))
 
     def tma_loads(self, a: cute.Pointer, b: cute.Pointer, a_layout, b_layout):
@@ -648,7 +621,7 @@ class Sm90ExpertGemmKernel:
                     a_sf, b_sf,
                     cute.make_tensor(expert_recv_tokens, cute.make_layout(self.num_experts)),
                     topk_weights, out, out_sf, peer_bases, src_metadata, b_group_sf, tma_out,
-                    tma_m_out, (b,) if self.global_codes else ()).launch(
+                    tma_m_out).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
             cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -660,8 +633,7 @@ class Sm90ExpertGemmKernel:
                b_layout: cute.ComposedLayout, a_sf: cute.Pointer, b_sf: cute.Pointer,
                expert_recv_tokens: cute.Tensor, topk_weights: cute.Pointer, out: cute.Pointer,
                out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
-               b_group_sf: cute.Pointer, tma_out: cute.CopyAtom, m_out: cute.Tensor,
-               b_codes: tuple):
+               b_group_sf: cute.Pointer, tma_out: cute.CopyAtom, m_out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -685,7 +657,7 @@ class Sm90ExpertGemmKernel:
         staging = storage.staging.data_ptr()
         # what the TMA writes the weights into: the MMA's tiles, or the packed FP4 chunks
         sb_load = sb
-        if cutlass.const_expr(self.fp4_weights):  # (`global_codes`: a view nothing loads into)
+        if cutlass.const_expr(self.fp4_weights):
             sb_load = storage.raw_b.get_tensor(self.raw_b_layout())
 
         ab_pipe = self.mma_pipeline(storage.mbar.data_ptr())
@@ -718,8 +690,7 @@ class Sm90ExpertGemmKernel:
                                 storage.decoded.data_ptr(), block_start, row_start, num_tiles,
                                 cluster, num_clusters, raster_group,
                                 tidx - 128 * (1 + self.num_mma_wgs), lane,
-                                *self.decode_states(), rank=rank,
-                                global_codes=(*b_codes, b_sf, b_group_sf))
+                                *self.decode_states(), rank=rank)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -756,7 +727,7 @@ class Sm90ExpertGemmKernel:
                                     a_sf, b_sf, ab_pipe, block_start, row_start, num_tiles,
                                     first_tile, num_clusters, raster_group, rank, lane, state)
             ab_pipe.producer_tail(state)
-        elif cutlass.const_expr(self.fp4_weights and not self.global_codes):
+        elif cutlass.const_expr(self.fp4_weights):
             if warp == 1:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.packed_stages)
@@ -1134,8 +1105,8 @@ class Sm90ExpertGemmKernel:
 
     def packed_pipeline(self, barriers: cute.Pointer):
         """FP4 weights: the packed stages' pipeline (TMA in, the decode warps free them); None
-        else (and with `global_codes`)."""
-        if not self.fp4_weights or self.global_codes:
+        else."""
+        if not self.fp4_weights:
             return None
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=self.packed_stages,
@@ -1151,7 +1122,7 @@ class Sm90ExpertGemmKernel:
         return (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.num_stages),
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                             max(1, self.packed_stages)))
+                                             self.packed_stages))
 
     @cute.jit
     def log_tile(self, tile_log: cute.Pointer, ordinal: Int32, pool_block: Int32,
@@ -1186,8 +1157,7 @@ class Sm90ExpertGemmKernel:
                        sfb: cute.Pointer, sfg: cute.Pointer, decoded: cute.Pointer, block_start,
                        row_start, num_tiles: Int32, first_tile: Int32, num_clusters: Int32,
                        raster_group: Int32, tid: Int32, lane: Int32, state, packed,
-                       barrier_slots: cute.Pointer = None, rank: Int32 = None,
-                       global_codes: tuple = None):
+                       barrier_slots: cute.Pointer = None, rank: Int32 = None):
         """The decode warpgroups (FP4 weights), ``tid`` in [0, 128 x decode_wgs): for every
         k-block of tiles ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``
         (``state``, ``packed``: see `decode_states`; returns them and the first tile index past
@@ -1200,66 +1170,36 @@ class Sm90ExpertGemmKernel:
         peer's stage with one bulk shared-memory copy, counted by the transaction bytes of the
         peer's ``decoded`` barrier: half the decode per CTA. (Each CTA may write the peer's stage
         once its own consumers and the peer's freed it: the MMA ring's stages are freed in both
-        CTAs.) With `global_codes` the threads load their items from global memory,
-        ``global_codes`` = ``(packed codes, block scales, per-32 scale words)``, before the wait
-        for a free MMA stage, and no packed stage is involved."""
+        CTAs.)"""
         if cutlass.const_expr(self.fp4_weights):
             if cutlass.const_expr(rank is None):
                 rank = Int32(0)
             tile = first_tile
             owner = Int32(0)
             while tile < num_tiles:
-                owner, shared, expert, n_block, _b, _v = self.pair_tile(
+                owner, shared, _e, n_block, _b, _v = self.pair_tile(
                     tile, owner, block_start, row_start, raster_group, rank)
-                if cutlass.const_expr(self.global_codes):
-                    if shared:
-                        for kb in cutlass.range_constexpr(GLOBAL_CODES_PREFETCH - 1):
-                            self.global_decode_prefetch(global_codes, expert, n_block,
-                                                        Int32(kb), tid, rank)
-                for kb in cutlass.range(self.num_k_blocks):
-                    if cutlass.const_expr(self.global_codes):
+                for _kb in cutlass.range(self.num_k_blocks):
+                    self.bounded_stage_wait(barrier_slots, packed_pipe.sync_object_full, packed,
+                                            "a loaded packed weight stage (decode warps)")
+                    packed_pipe.consumer_wait(packed)
+                    first_inputs = None
+                    if cutlass.const_expr(self.early_tables):
+                        first_inputs = self.decode_inputs(raw_b, sfb, sfg, n_block, tid,
+                                                          packed, 0)
+                    self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty, state,
+                                            "a free ring stage (decode warps)")
+                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                    if cutlass.const_expr(self.cluster_m > 1):
                         if shared:
-                            self.global_decode_prefetch(global_codes, expert, n_block,
-                                                        kb + GLOBAL_CODES_PREFETCH - 1, tid, rank)
-                            loads = self.global_decode_loads(global_codes, expert, n_block, kb,
-                                                             tid, [rank])
-                            self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty,
-                                                    state, "a free ring stage (decode warps)")
-                            ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                            self.decode_chunks(None, sb, None, None, n_block, tid, state, None,
-                                               self.global_decode_inputs(loads, tid), [rank])
-                        else:  # (a pair of two experts: both chunks, one after the other)
-                            self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty,
-                                                    state, "a free ring stage (decode warps)")
-                            ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                            for c in cutlass.range(self.chunks, unroll=1):
-                                loads = self.global_decode_loads(global_codes, expert, n_block,
-                                                                 kb, tid, [c])
-                                self.decode_chunks(None, sb, None, None, n_block, tid, state,
-                                                   None, self.global_decode_inputs(loads, tid),
-                                                   [c])
-                    else:
-                        self.bounded_stage_wait(barrier_slots, packed_pipe.sync_object_full,
-                                                packed,
-                                                "a loaded packed weight stage (decode warps)")
-                        packed_pipe.consumer_wait(packed)
-                        first_inputs = None
-                        if cutlass.const_expr(self.early_tables):
-                            first_inputs = self.decode_inputs(raw_b, sfb, sfg, n_block, tid,
-                                                              packed, 0)
-                        self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty, state,
-                                                "a free ring stage (decode warps)")
-                        ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                        if cutlass.const_expr(self.cluster_m > 1):
-                            if shared:
-                                self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
-                                                   packed, first_inputs, [rank])
-                            else:
-                                self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
-                                                   packed, first_inputs)
+                            self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
+                                               packed, first_inputs, [rank])
                         else:
-                            self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed,
-                                               first_inputs)
+                            self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
+                                               packed, first_inputs)
+                    else:
+                        self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed,
+                                           first_inputs)
                     # the generic-proxy writes, then the WGMMAs' (async proxy) reads
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
@@ -1270,11 +1210,9 @@ class Sm90ExpertGemmKernel:
                             cute.arch.mbarrier_arrive(decoded + state.index)
                     elif lane == 0:
                         cute.arch.mbarrier_arrive(decoded + state.index)
-                    if cutlass.const_expr(not self.global_codes):
-                        packed_pipe.consumer_release(packed)
+                    packed_pipe.consumer_release(packed)
                     state.advance()
-                    if cutlass.const_expr(not self.global_codes):
-                        packed.advance()
+                    packed.advance()
                 tile += num_clusters
             return state, packed, tile
         return state, packed, first_tile
@@ -1340,95 +1278,13 @@ class Sm90ExpertGemmKernel:
             # batch's loads together and the decode ran slower, docs/performance.md)
             if cutlass.const_expr(self.decode_tables == "item" or len(codes) <= VOTE_AHEAD):
                 self.load_item_codes(raw_b, packed, tile_row, group, codes[-1])
-            base = (block_scales[self.item_block(n_block, row0, chunk)].bitcast(Int32)
-                    >> 23) & 0xFF
+            if cutlass.const_expr(self.phase == "l1"):  # gate / up groups of 8
+                block = n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
+            else:
+                block = self.chunks * n_block + chunk
+            base = (block_scales[block].bitcast(Int32) >> 23) & 0xFF
             ue8m0 = prmt(words[tile_row], Int32(0), group_byte)
             shifts.append(ue8m0 - base)
-        tables = None
-        if cutlass.const_expr(self.decode_tables != "item"):
-            tables = vote_tables(shifts)
-        return codes, shifts, rows, tables
-
-    def item_block(self, n_block: Int32, row0: Int32, chunk):
-        """The index of a decode item's 128 x 128 weight block among the k-block's block scales
-        (L1 row groups of 8 alternate gate and up blocks: the same for all rows of a thread)."""
-        if self.phase == "l1":  # gate / up groups of 8
-            return n_block + ((row0 >> 3) & 1) * (self.n // (2 * SF_BLOCK))
-        return self.chunks * n_block + chunk
-
-    @cute.jit
-    def global_decode_loads(self, global_codes: tuple, expert: Int32, n_block: Int32,
-                            kb: Int32, tid: Int32, chunks: list):
-        """`global_codes`: the items of k-block ``kb`` of chunks ``chunks`` (see `decode_chunks`)
-        straight from global memory: their codes (16 bytes each), scale words and block scales,
-        as ``(codes, words, block scales, rows)``; nothing of them is used before the caller's
-        wait for a free MMA stage, which hides the loads' latency."""
-        _codes, b_sf, _words = global_codes
-        _items, rows_per_pass, _batch = self.decode_items(chunks)
-        row0 = tid >> 2
-        k_block = Int64(expert) * self.num_k_blocks + kb
-        codes, words, blocks, rows = [], [], [], []
-        for chunk in chunks:
-            code_ptr, word_ptr, row_step = self.global_item_pointers(global_codes, expert,
-                                                                     n_block, kb, tid, chunk)
-            blocks.append(cute.make_tensor(
-                b_sf + (k_block * self.sfb_len + self.item_block(n_block, row0, chunk)),
-                cute.make_layout(1))[0])
-            for p in cutlass.range_constexpr(WG_N // rows_per_pass):
-                rows.append(chunk * WG_N + row0 + rows_per_pass * p)
-                codes.append(cute.make_rmem_tensor(4, Int32))
-                cute.autovec_copy(cute.make_tensor(code_ptr + p * row_step // 4,
-                                                   cute.make_layout(4)), codes[-1])
-                words.append(cute.make_tensor(word_ptr + rows_per_pass * p,
-                                              cute.make_layout(1))[0])
-        return codes, words, blocks, rows
-
-    def global_item_pointers(self, global_codes: tuple, expert: Int32, n_block: Int32,
-                             kb: Int32, tid: Int32, chunk):
-        """`global_codes`: where thread ``tid``'s first item of chunk ``chunk`` of k-block ``kb``
-        lies, as ``(its 16 codes, its row's scale word, the bytes from an item's codes to the
-        next item's)``: each item's a constant offset from the first (fewer registers)."""
-        b_codes, _b_sf, b_group_sf = global_codes
-        row0, group = tid >> 2, tid & 3
-        k_bytes, box_k = self.k // 2, self.block_k // 2
-        rows_per_pass = 128 * self.decode_wgs // 4
-        # the chunk's 128-row block of weight rows, and this thread's first row in it
-        row_block = Int64(expert * (self.n // WG_N) + n_block * self.chunks + chunk)
-        if cutlass.const_expr(self.tiled_weights):  # contiguous [128 rows, k-block] boxes
-            first = row_block * (WG_N * k_bytes) + kb * (WG_N * box_k) + row0 * box_k
-        else:
-            first = (row_block * WG_N + row0) * k_bytes + kb * box_k
-        code_ptr = cute.make_ptr(Int32, b_codes.toint() + first + group * 16,
-                                 cute.AddressSpace.gmem, assumed_align=16)
-        k_block = Int64(expert) * self.num_k_blocks + kb
-        word_ptr = b_group_sf + (k_block * self.n + n_block * self.block_n + chunk * WG_N + row0)
-        return code_ptr, word_ptr, rows_per_pass * (box_k if self.tiled_weights else k_bytes)
-
-    @cute.jit
-    def global_decode_prefetch(self, global_codes: tuple, expert: Int32, n_block: Int32,
-                               kb: Int32, tid: Int32, chunk: Int32):
-        """`global_codes`: pull k-block ``kb`` (if any) of chunk ``chunk`` into L2, its codes
-        (the first thread of each row, a 128-byte line per row and item) and its rows' scale
-        words (four threads, a line each), so that `global_decode_loads` finds them there."""
-        if kb < self.num_k_blocks:
-            code_ptr, word_ptr, row_step = self.global_item_pointers(global_codes, expert,
-                                                                     n_block, kb, tid, chunk)
-            if (tid & 3) == 0:
-                for p in cutlass.range_constexpr(WG_N * 4 // (128 * self.decode_wgs)):
-                    prims.prefetch_l2(code_ptr + p * row_step // 4)
-            if tid < 4:  # (row 0's thread: the chunk's words from its own on)
-                prims.prefetch_l2(word_ptr + tid * 32)
-
-    @cute.jit
-    def global_decode_inputs(self, loads: tuple, tid: Int32):
-        """`decode_inputs` of one batch from `global_decode_loads`' ``loads``."""
-        codes, words, blocks, rows = loads
-        group_byte = Int32(0x4440) + (tid & 3)
-        per_block = len(rows) // len(blocks)  # (items of one chunk share its block scale)
-        shifts = []
-        for j in cutlass.range_constexpr(len(rows)):
-            base = (blocks[j // per_block].bitcast(Int32) >> 23) & 0xFF
-            shifts.append(prmt(words[j], Int32(0), group_byte) - base)
         tables = None
         if cutlass.const_expr(self.decode_tables != "item"):
             tables = vote_tables(shifts)
@@ -1465,7 +1321,7 @@ class Sm90ExpertGemmKernel:
                     lut_lo, lut_hi = e2m1_table(shifts[j])
                 else:
                     lut_lo, lut_hi = tables[2 * j], tables[2 * j + 1]
-                    if cutlass.const_expr(j + VOTE_AHEAD < len(rows) and not self.global_codes):
+                    if cutlass.const_expr(j + VOTE_AHEAD < len(rows)):
                         self.load_item_codes(raw_b, packed, rows[j + VOTE_AHEAD], group,
                                              codes[j + VOTE_AHEAD])
                 # word q of the group: columns 4q .. 4q + 3, 16 + 4q .. (`quant.SM90_GROUP_ORDER`)
