@@ -34,6 +34,7 @@ from .runtime import (
     LaunchPath,
     as_ptr,
     compiled_kernel,
+    fused_cluster,
     fused_local_dispatch,
     fused_rows,
     fused_weights_first,
@@ -496,8 +497,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
                extra_warpgroups: int = 0, row_transfer: str | None = None,
                weights_first: bool | None = None,
-               inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-               ) -> KernelCall:
+               inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               cluster_m: int | None = None) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -514,7 +515,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ready load their first stages' weights before they wait (with counted rows, the first L1
     tile's right after the counts). ``inputs`` (sm_90a): the caller's ``(x, topk_idx,
     topk_weights)``, which the kernel stages into the buffer itself (`sm90_mega_moe`'s
-    ``stages_inputs``) instead of a staging launch before it."""
+    ``stages_inputs``) instead of a staging launch before it. ``cluster_m`` (None:
+    2 where ``CUTE_MEGAMOE_FUSED_CLUSTER=1`` and the kernel can run clusters, BLOCK_M 128 with
+    FP8 or BF16 weights on sm_90a, else 1): 2-CTA clusters multicasting the weight tile."""
     tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
@@ -528,6 +531,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     if weights_first is None and state.arch == "sm_90a":
         weights_first = fused_weights_first()
     stages = inputs is not None
+    if cluster_m is None:
+        cluster_m = 2 if (fused_cluster() and state.arch == "sm_90a" and block_m == 128
+                          and layout.recipe != "fp8xfp4_sm90") else 1
     search = tile_owner_search() if state.arch == "sm_90a" else "linear"
     local = fused_local_dispatch() if state.arch == "sm_90a" else None
     if local:  # (forced on: only where the kernel can run it)
@@ -539,7 +545,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, k_unroll, row_transfer,
-           weights_first, tiled, stages, local, search, row_stores)
+           weights_first, tiled, stages, local, search, row_stores, cluster_m)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -562,7 +568,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  row_transfer=row_transfer, weights_first=weights_first,
                                  tiled_weights=tiled, stages_inputs=stages,
                                  local_dispatch=local, owner_search=search,
-                                 k_unroll=k_unroll, row_stores=row_stores)
+                                 k_unroll=k_unroll, row_stores=row_stores,
+                                 cluster_m=cluster_m)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf

@@ -190,6 +190,8 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": "gallop", "linear": "linear", "gallop": "gallop"}),
     ("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "fused_local_dispatch",
      {"": None, "auto": None, "0": False, "1": True}),
+    ("CUTE_MEGAMOE_FUSED_CLUSTER", "fused_cluster",
+     {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
      {"": "auto", "launch": "launch", "kernel": "kernel"}),
     ("CUTE_MEGAMOE_SM90_TRANSPOSED", "sm90_transposed",
@@ -344,13 +346,18 @@ def test_compiles_with_unrolled_gemm_loops(monkeypatch):
 
 
 @pytest.mark.compile
-def test_compiles_in_2_cta_clusters_with_weight_multicast(monkeypatch):
+@pytest.mark.parametrize("row_transfer,tiled", [("barrier", False), ("counted", True)])
+def test_compiles_in_2_cta_clusters_with_weight_multicast(row_transfer, tiled, monkeypatch):
+    """``cluster_m`` 2 (`CUTE_MEGAMOE_FUSED_CLUSTER`): both GEMM phases multicast the weight
+    tile (row-order weights by 2-D boxes, TMA-box weights by 4-D ones), with either row
+    protocol, no spills; BLOCK_M 64 refuses it."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile("fp8xfp8", 128, cluster_m=2)
+    kernel, art = _compile("fp8xfp8", 128, cluster_m=2, row_transfer=row_transfer,
+                           tiled_weights=tiled)
     assert kernel.l1.cluster_m == kernel.l2.cluster_m == 2
     if art.sass is None:
         pytest.skip("nvdisasm not available")
-    assert art.count("UTMALDG.2D.MULTICAST") > 0
+    assert art.count(f"UTMALDG.{4 if tiled else 2}D.MULTICAST") > 0
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
@@ -1088,11 +1095,14 @@ def test_weights_first_variant_compiles(monkeypatch):
 @pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
                                      dict(row_transfer="barrier"), dict(row_transfer="counted"),
                                      dict(row_transfer="with_gemm"),
-                                     dict(row_transfer="counted", weights_first=False)])
+                                     dict(row_transfer="counted", weights_first=False),
+                                     dict(cluster_m=2, row_transfer="barrier"),
+                                     dict(cluster_m=2, row_transfer="counted")])
 def test_fused_ab_variants_match_staged(variant, monkeypatch):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
     combine at BLOCK_M 64; each way of moving the rows; with counted rows, weights loaded
-    before a tile's wait or not) give the same bits."""
+    before a tile's wait or not; 2-CTA clusters multicasting the weight tile at BLOCK_M 128,
+    `CUTE_MEGAMOE_FUSED_CLUSTER`) give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call
@@ -1101,6 +1111,7 @@ def test_fused_ab_variants_match_staged(variant, monkeypatch):
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
     (buf,) = layer.ranks.buffers
     cases = ((300, 64), (1, 64)) if "extra_warpgroups" in variant else \
+        ((300, 128), (129, 128), (0, 128), (1, 128)) if "cluster_m" in variant else \
         ((300, 128), (77, 64), (0, 64), (1, 128))
     for n, block_m in cases:
         _, _, _, inputs = layer.inputs((n,), "skewed", seed=n)
