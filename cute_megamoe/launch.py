@@ -34,7 +34,6 @@ from .runtime import (
     LaunchPath,
     as_ptr,
     compiled_kernel,
-    fused_cluster,
     fused_local_dispatch,
     fused_rows,
     fused_weights_first,
@@ -498,7 +497,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                extra_warpgroups: int = 0, row_transfer: str | None = None,
                weights_first: bool | None = None,
                inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               cluster_m: int | None = None) -> KernelCall:
+               cluster_m: int = 1) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -515,9 +514,10 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ready load their first stages' weights before they wait (with counted rows, the first L1
     tile's right after the counts). ``inputs`` (sm_90a): the caller's ``(x, topk_idx,
     topk_weights)``, which the kernel stages into the buffer itself (`sm90_mega_moe`'s
-    ``stages_inputs``) instead of a staging launch before it. ``cluster_m`` (None:
-    2 where ``CUTE_MEGAMOE_FUSED_CLUSTER=1`` and the kernel can run clusters, BLOCK_M 128 with
-    FP8 or BF16 weights on sm_90a, else 1): 2-CTA clusters multicasting the weight tile."""
+    ``stages_inputs``) instead of a staging launch before it. ``cluster_m`` 2 (sm_90a, BLOCK_M
+    128, FP8 or BF16 weights; tests only): 2-CTA clusters multicasting the weight tile,
+    bit-identical but 1.20x the fused layer's time at 4096 / 8192 tokens on an H200
+    (docs/performance.md)."""
     tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
@@ -531,9 +531,6 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     if weights_first is None and state.arch == "sm_90a":
         weights_first = fused_weights_first()
     stages = inputs is not None
-    if cluster_m is None:
-        cluster_m = 2 if (fused_cluster() and state.arch == "sm_90a" and block_m == 128
-                          and layout.recipe != "fp8xfp4_sm90") else 1
     search = tile_owner_search() if state.arch == "sm_90a" else "linear"
     local = fused_local_dispatch() if state.arch == "sm_90a" else None
     if local:  # (forced on: only where the kernel can run it)

@@ -291,16 +291,6 @@ def fused_staging() -> str:
     return env_choice("CUTE_MEGAMOE_FUSED_STAGING", ("auto", "launch", "kernel"))
 
 
-def fused_cluster() -> bool | None:
-    """``CUTE_MEGAMOE_FUSED_CLUSTER``: ``1`` runs the sm_90a fused kernel at BLOCK_M 128 with
-    FP8 or BF16 weights in 2-CTA clusters that multicast the weight tile (`sm90_mega_moe`'s
-    ``cluster_m`` 2), ``0`` or unset (``auto``) without, for A/B runs; elsewhere ``1`` changes
-    nothing. Only where no two ranks share a GPU (a cooperative cluster grid needs its SM pairs
-    free). Part of the fused kernel's cache key."""
-    return {"auto": None, "0": False, "1": True}[
-        env_choice("CUTE_MEGAMOE_FUSED_CLUSTER", ("auto", "0", "1"))]
-
-
 def fused_local_dispatch() -> bool | None:
     """``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH``: ``1`` / ``0`` force the sm_90a fused kernel's
     one-rank dispatch (`sm90_mega_moe`'s ``local_dispatch``: every CTA counts all pairs itself
@@ -340,7 +330,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_FUSED_CLUSTER")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

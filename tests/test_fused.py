@@ -190,8 +190,6 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": "gallop", "linear": "linear", "gallop": "gallop"}),
     ("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "fused_local_dispatch",
      {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_FUSED_CLUSTER", "fused_cluster",
-     {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
      {"": "auto", "launch": "launch", "kernel": "kernel"}),
     ("CUTE_MEGAMOE_SM90_TRANSPOSED", "sm90_transposed",
@@ -348,7 +346,7 @@ def test_compiles_with_unrolled_gemm_loops(monkeypatch):
 @pytest.mark.compile
 @pytest.mark.parametrize("row_transfer,tiled", [("barrier", False), ("counted", True)])
 def test_compiles_in_2_cta_clusters_with_weight_multicast(row_transfer, tiled, monkeypatch):
-    """``cluster_m`` 2 (`CUTE_MEGAMOE_FUSED_CLUSTER`): both GEMM phases multicast the weight
+    """``cluster_m`` 2 (`launch.fused_call`'s, tests only): both GEMM phases multicast the weight
     tile (row-order weights by 2-D boxes, TMA-box weights by 4-D ones), with either row
     protocol, no spills; BLOCK_M 64 refuses it."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
@@ -1101,8 +1099,8 @@ def test_weights_first_variant_compiles(monkeypatch):
 def test_fused_ab_variants_match_staged(variant, monkeypatch):
     """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
     combine at BLOCK_M 64; each way of moving the rows; with counted rows, weights loaded
-    before a tile's wait or not; 2-CTA clusters multicasting the weight tile at BLOCK_M 128,
-    `CUTE_MEGAMOE_FUSED_CLUSTER`) give the same bits."""
+    before a tile's wait or not; 2-CTA clusters multicasting the weight tile at BLOCK_M 128)
+    give the same bits."""
     _gpu()
     from cute_megamoe import staged
     from cute_megamoe.launch import buffer_state, fused_call

@@ -237,8 +237,9 @@ class Sm90MegaMoEKernel:
         self.num_local_experts = layout.num_local_experts
         self.num_pool_blocks = layout.num_pool_rows // block_m
         # `cluster_m` 2 (BLOCK_M 128): CTA pairs walk neighbouring pool blocks in lockstep and
-        # multicast the weight tile, as the staged GEMMs do. Off by default: interleaved on an
-        # H200 it changed the fused layer by -2 to +3 % (docs/performance.md), and ranks that
+        # multicast the weight tile, as the staged GEMMs do. Off: bit-identical, but 1.20x the
+        # fused layer's time at 4096 / 8192 tokens on an H200 (R = 1, 2026-12-04; pairs of
+        # 128-row blocks often straddle two experts there, docs/performance.md); and ranks that
         # share a GPU (loopback tests) can leave a cooperative grid no room for its SM pairs
         if cluster_m not in (1, 2) or (cluster_m == 2 and (block_m != 128 or self.fp4_weights)):
             raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128 (not with FP4 weights); got "
