@@ -1,7 +1,9 @@
 """The whole layer on R GPUs, same inputs, same run:
 
 * `ours`: every step on our kernels (staging, dispatch, L1 + SwiGLU + requant, L2, combine;
-  `staged_mega_moe` with `ExpertWeights`, BLOCK_M from the heuristics), eager and CUDA graph;
+  `staged_mega_moe` with `ExpertWeights`, BLOCK_M and pool block as the library picks them:
+  `block_m` the heuristics', `pool_block_m` 256 where its 2-CTA clusters pair two tiles of one
+  expert, `staged.layer_pool_block_m`), eager and CUDA graph;
   the L2 epilogue sends the rows to the source ranks (`l2_sends`), and
   `ours_pool_order` is the same layer with L2 writing pool order and the combine kernel sending
   (graph; the two graphs alternate, median over rounds); and the steps of `ours` alone
@@ -116,7 +118,13 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         block_m = select_block_m(expected_tokens_per_expert(n, num_ranks, topk, experts),
                                  "sm90")
 
-        def ours(x=x, idx=idx, w=w, block_m=block_m, l2_sends=True, wts=kernel_weights):
+        # (ours: the BLOCK_M and pool block the library picks, `block_m=None`: the heuristics'
+        # BLOCK_M, and 256-row pool blocks where its clusters pair tiles,
+        # `staged.layer_pool_block_m`; until 2026-12-04T13:10Z the bench passed BLOCK_M, so its
+        # pools were in BLOCK_M blocks)
+        pool_block_m = staged.layer_pool_block_m(buf.layout, kernel_weights, n) or block_m
+
+        def ours(x=x, idx=idx, w=w, block_m=None, l2_sends=True, wts=kernel_weights):
             return staged.staged_mega_moe(buf, x, idx, w, wts, activation_clamp=10.0,
                                           block_m=block_m, validate_routing=False,
                                           l2_sends=l2_sends)
@@ -145,7 +153,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                         os.environ[name] = value
 
         def ours_pool_order(x=x, idx=idx, w=w, block_m=block_m):
-            ours(x, idx, w, block_m, l2_sends=False)
+            ours(x, idx, w, None, l2_sends=False)
 
         def staged_torch(x=x, idx=idx, w=w):
             staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
@@ -219,7 +227,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                     fused_cols[f"fused_{rows}_over_floor"] = t_rows / weight_floor
         if quick:
             best = min(t_ours, t_graph or t_ours)
-            res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
+            res.add(tokens=n, block_m=block_m, pool_block_m=pool_block_m, ours_us=t_ours * 1e6,
                     ours_graph_us=None if t_graph is None else t_graph * 1e6,
                     ours_tflops=flops / best / 1e12, **fused_cols)
             continue
@@ -241,7 +249,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             step_us[f"{name}_graph_us"] = None if t is None else t * 1e6
         t_staged, t_base = _time(staged_torch, 5), _time(base, 5)
         best = min(t_ours, t_graph or t_ours)
-        res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
+        res.add(tokens=n, block_m=block_m, pool_block_m=pool_block_m, ours_us=t_ours * 1e6,
                 ours_graph_us=None if t_graph is None else t_graph * 1e6,
                 ours_pool_order_graph_us=None if t_pool is None else t_pool * 1e6, **step_us,
                 staged_torch_us=t_staged * 1e6, torch_baseline_us=t_base * 1e6,
@@ -250,9 +258,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     res.meta["clocks_after"] = gpu_clocks()
     if rank == 0:
         print(f"saved {res.save(out_dir or None)}")
-        cols = ["tokens", "block_m", "ours_us", "ours_graph_us", "fused_us", "fused_graph_us",
-                "staged_over_fused", "ours_tflops", "fused_tflops", "weight_floor_us",
-                "fused_over_floor", "fp8_weight_floor_us", "ours_over_fp8_floor"]
+        cols = ["tokens", "block_m", "pool_block_m", "ours_us", "ours_graph_us", "fused_us",
+                "fused_graph_us", "staged_over_fused", "ours_tflops", "fused_tflops",
+                "weight_floor_us", "fused_over_floor", "fp8_weight_floor_us",
+                "ours_over_fp8_floor"]
         for rows in fused_rows:
             cols += [f"fused_{rows}_graph_us", f"fused_{rows}_over_floor"]
         for layer, settings in (("ours", staged_env), ("fused", fused_env)):

@@ -477,10 +477,11 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
     e_l, hidden, inter = _check_weights(weights, device)
     check_gemm_block_m(block_m, arch)
     pool_block_m = block_m if pool_block_m is None else pool_block_m
-    if pool_block_m != block_m and (arch, recipe, block_m, pool_block_m) != (
-            "sm_90a", "fp8xfp4_sm90", 128, 256):
+    if pool_block_m != block_m and ((arch, block_m, pool_block_m) != ("sm_90a", 128, 256)
+                                    or recipe not in ("fp8xfp4_sm90", "fp8xfp8")):
         raise ValueError(f"pool_block_m: block_m ({block_m}), or 256 with block_m 128 for "
-                         f"fp8xfp4_sm90 on sm_90a; got {pool_block_m!r} for {recipe} on {arch}")
+                         f"fp8xfp4_sm90 or fp8xfp8 on sm_90a; got {pool_block_m!r} for {recipe} "
+                         f"on {arch}")
     act_recipe = activation_recipe(recipe)
     act_dtype, sf_dtype = _ACT_DTYPE[act_recipe], _ACT_SF_DTYPE.get(act_recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:

@@ -166,9 +166,10 @@ def select_sm90_fp4_cluster(recipe: str, block_m: int,
     expert FFN with experts of 192-1024 tokens took 0.79-0.94x the single-CTA time, with one
     pool block per expert (96, 128 tokens) 1.04-1.05x; the layer with random routing 0.883x at
     192 expected tokens per expert (every expert two blocks; a tie in another process),
-    0.989-1.003x at 256-512 (pairs straddle experts after one with an odd block count), so the
-    layer lays its pool out in 256-row blocks there (`staged.layer_pool_block_m`: 0.978x /
-    0.942x at 256 / 512).
+    0.989-1.003x at 256-512 (pairs straddle experts after one with an odd block count; 0.978x /
+    0.942x at 256 / 512 in a later process). Laying the pool out in 256-row blocks, so that no
+    pair straddles, took 1.19x / 1.07x the layer's time at 256 / 512 (12-04T13:10Z: the empty
+    tiles cost more than the pairs gain), so it is opt-in (`staged.layer_pool_block_m`).
     ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` overrides this (`runtime.sm90_fp4_cluster`). Ranks may
     choose differently: rank-local, the same bits (GPU-tested)."""
     return (recipe == "fp8xfp4_sm90" and block_m == 128

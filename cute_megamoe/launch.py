@@ -369,10 +369,12 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         extra["early_tables"] = sm90_fp4_early_tables()
     if pool_block_m not in (None, block_m) and (
             arch != "sm_90a" or pool_block_m != 2 * block_m or block_m != 128
-            or recipe != "fp8xfp4_sm90"):
-        # (where the GPU tests ran it: the MXFP4 layer's clusters that share the decode)
-        raise ValueError(f"pool_block_m: BLOCK_M, or 256 with BLOCK_M 128 for fp8xfp4_sm90 on "
-                         f"sm_90a; got {pool_block_m} at BLOCK_M {block_m}, {recipe} on {arch}")
+            or recipe not in ("fp8xfp4_sm90", "fp8xfp8")):
+        # (where the GPU tests ran it: the MXFP4 layer's clusters that share the decode, the
+        # fp8xfp8 layer's multicast clusters)
+        raise ValueError(f"pool_block_m: BLOCK_M, or 256 with BLOCK_M 128 for fp8xfp4_sm90 or "
+                         f"fp8xfp8 on sm_90a; got {pool_block_m} at BLOCK_M {block_m}, {recipe} "
+                         f"on {arch}")
     # (a pool in blocks of two tiles: the staged kernels, whose walk skips the empty tiles)
     if pool_block_m in (None, block_m) and sm90_runs_transposed(arch, recipe, block_m,
                                                                 expected_tokens_per_expert):

@@ -219,6 +219,17 @@ def sm90_fp4_cluster() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
+def sm90_paired_pool() -> bool:
+    """``CUTE_MEGAMOE_SM90_PAIRED_POOL``: whether the staged layer on sm_90a lays its pool out in
+    256-row blocks where its grouped GEMMs run BLOCK_M 128 in 2-CTA clusters
+    (`staged.layer_pool_block_m`: every cluster's two tiles one expert's, so that the pair
+    shares its weight tile: the fp8xfp8 multicast, the MXFP4 shared decode). Unset, "auto" or
+    "0": off, BLOCK_M blocks (pairs may straddle two experts): the 256-row blocks took
+    1.07-1.19x the layer's time on an H200 (docs/performance.md); "1": on, for A/B runs. Part
+    of the layer plans' keys; ranks may differ (each lays out its own pool)."""
+    return env_choice("CUTE_MEGAMOE_SM90_PAIRED_POOL", ("auto", "0", "1")) == "1"
+
+
 def sm90_row_stores() -> str | None:
     """``CUTE_MEGAMOE_SM90_ROW_STORES``: how the sm_90a L2 grouped GEMM and the fused kernel's L2
     send their rows to the combine buffers (`Sm90ExpertGemmKernel`'s ``row_stores``): unset or
@@ -330,7 +341,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

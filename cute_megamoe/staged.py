@@ -40,7 +40,12 @@ from .checks import (
     routing_checks_on,
 )
 from .expert_gemm import ExpertWeights, _prepare_expert_ffn, weights_recipe
-from .heuristics import block_m_for_call, expected_tokens_per_expert, select_combine_rounds
+from .heuristics import (
+    block_m_for_call,
+    expected_tokens_per_expert,
+    select_cluster_m,
+    select_combine_rounds,
+)
 from .launch import (
     COMBINE_SLOTS,
     DISPATCH_SLOTS,
@@ -55,7 +60,7 @@ from .launch import (
     sm90_shares_decode,
     staging_call,
 )
-from .runtime import kernel_variant_env, launch_path
+from .runtime import kernel_variant_env, launch_path, sm90_paired_pool
 from .tables import check_recipe
 
 #: How dispatched rows cross to the expert's rank (`kernels.dispatch`); ranks must agree.
@@ -447,21 +452,28 @@ def _check_kernel_weights(sym_buffer: SymmBuffer, weights: ExpertWeights) -> Non
 
 
 def layer_pool_block_m(layout, weights, num_tokens: int) -> int | None:
-    """The pool block of a whole layer on our kernels when the caller gives no BLOCK_M: 256
-    where the sm_90a MXFP4 GEMMs run BLOCK_M 128 in the 2-CTA clusters that share the decode
-    (`launch.sm90_shares_decode`), so that each expert's rows start at an even 128-row block
-    and no cluster pairs two experts' blocks (a pool in 128-row blocks paired them after every
-    expert with an odd block count: the layer gained 0.99-1.0x where the bench, whose experts
-    hold whole pairs, gained 0.79-0.87x; in 256-row blocks 0.978x / 0.942x at 4096 / 8192
-    tokens on an H200, docs/performance.md); None otherwise (the BLOCK_M of
-    `heuristics.block_m_for_call`). Ranks may differ (each lays out its own pool)."""
-    if weights.arch != "sm_90a" or weights.recipe != "fp8xfp4_sm90" or num_tokens < 0:
+    """The pool block of a whole layer on our kernels when the caller gives no BLOCK_M, with
+    ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` (opt-in): 256 where the sm_90a GEMMs run BLOCK_M 128 in
+    2-CTA clusters (MXFP4: those that share the decode, `launch.sm90_shares_decode`; fp8xfp8:
+    the weight multicast), so that each expert's rows start at an even 128-row block and no
+    cluster pairs two experts' blocks. None otherwise and by default (the BLOCK_M of
+    `heuristics.block_m_for_call`): on an H200 (R = 1, 128 experts, random routing,
+    docs/performance.md) the 256-row blocks took 1.19x / 1.07x the MXFP4 layer's time at 4096 /
+    8192 tokens and 1.17x / 1.07x the fp8xfp8 one's (0.99x at 3072): an expert of 257-384 rows
+    then holds an empty tile, whose cluster runs at a single CTA's pace, and the pool grows.
+    Ranks may differ (each lays out its own pool)."""
+    if weights.arch != "sm_90a" or num_tokens < 0 or not sm90_paired_pool():
         return None
     args = (num_tokens, layout.num_ranks, layout.num_topk, layout.num_experts)
     block_m = block_m_for_call(*args, weights.arch)
-    if block_m == 128 and sm90_shares_decode(block_m, expected_tokens_per_expert(*args)):
-        return 2 * block_m
-    return None
+    if block_m != 128:
+        return None
+    if weights.recipe == "fp8xfp4_sm90":
+        shares = sm90_shares_decode(block_m, expected_tokens_per_expert(*args))
+        return 2 * block_m if shares else None
+    clusters = all(select_cluster_m(weights.arch, phase, block_m, n) == 2 for phase, n in
+                   (("l1", 2 * layout.intermediate_hidden), ("l2", layout.hidden)))
+    return 2 * block_m if weights.recipe == "fp8xfp8" and clusters else None
 
 
 def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
@@ -507,9 +519,9 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     epilogue sends the rows to the source ranks' combine buffers, so the combine only reduces;
     False: L2 writes pool order and the combine kernel sends (the torch experts always do
     that; `send_mode` and `rounds` apply then). Every rank must pass the same `l2_sends` and
-    `transfer`; `block_m` (the pool's block; default: the heuristics, and on sm_90a with
-    MXFP4 weights 256-row blocks of two GEMM tiles where the GEMMs share the decode,
-    `layer_pool_block_m`), `send_mode` and `rounds` may differ.
+    `transfer`; `block_m` (the pool's block; default: the heuristics, or with
+    ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` 256-row blocks of two GEMM tiles where the sm_90a GEMMs
+    run in clusters, `layer_pool_block_m`), `send_mode` and `rounds` may differ.
     Every check runs before the first launch; one that fails gives the call up on this rank
     (`gives_up_call_on_error`). The torch experts read the pool size back to the host, so only
     the kernel path can be captured in a CUDA graph (with `validate_routing=False`).

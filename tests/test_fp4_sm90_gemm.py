@@ -396,10 +396,12 @@ def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
 
 
 def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
-    """`staged.layer_pool_block_m`: the whole MXFP4 layer on sm_90a lays its pool out in 256-row
-    blocks where the GEMMs share the decode in clusters (BLOCK_M 128, from 192 expected tokens
-    per expert), so that no cluster pairs two experts' tiles; 128-row blocks below that, with
-    the clusters forced off, at other recipes or arches."""
+    """`staged.layer_pool_block_m`: with ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` (opt-in: it lost
+    in the layer) the whole layer on sm_90a lays its pool out in 256-row blocks where the GEMMs
+    run BLOCK_M 128 in clusters (MXFP4: those that share the decode, from 192 expected tokens per
+    expert; fp8xfp8: the multicast ones), so that no cluster pairs two experts' tiles; BLOCK_M
+    blocks by default, below that, with the MXFP4 clusters forced off, for BF16 or on
+    sm_100a."""
     from types import SimpleNamespace
 
     from cute_megamoe.layout import MegaMoELayout
@@ -407,13 +409,21 @@ def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
 
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", raising=False)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_PAIRED_POOL", raising=False)
     layout = MegaMoELayout(1, 8, 1024, 2, 512, 256, RECIPE)
     fp4 = SimpleNamespace(arch="sm_90a", recipe=RECIPE)
+    fp8 = SimpleNamespace(arch="sm_90a", recipe="fp8xfp8")
+    assert layer_pool_block_m(layout, fp4, 1024) is None  # (the default)
+    assert layer_pool_block_m(layout, fp8, 1024) is None
+    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PAIRED_POOL", "1")
     assert layer_pool_block_m(layout, fp4, 1024) == 256  # 256 expected tokens per expert
     assert layer_pool_block_m(layout, fp4, 768) == 256  # 192
     assert layer_pool_block_m(layout, fp4, 700) is None  # 175: no clusters
     assert layer_pool_block_m(layout, fp4, 200) is None  # BLOCK_M 64
-    assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_90a", recipe="fp8xfp8"),
+    # (fp8xfp8: its multicast clusters; BF16 keeps BLOCK_M)
+    assert layer_pool_block_m(layout, fp8, 1024) == 256
+    assert layer_pool_block_m(layout, fp8, 200) is None
+    assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_90a", recipe="bf16xbf16"),
                               1024) is None
     assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_100a", recipe=RECIPE),
                               1024) is None
@@ -423,8 +433,8 @@ def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
 
 def test_pool_in_256_row_blocks_only_where_gpu_tested(monkeypatch):
     """``pool_block_m`` 256: the MXFP4 GEMMs at BLOCK_M 128 on sm_90a in the clusters that
-    share the decode (the kernel counts each block as two tiles); anything else is refused
-    before a kernel is built."""
+    share the decode, and the fp8xfp8 ones in their multicast clusters (the kernel counts each
+    block as two tiles); anything else is refused before a kernel is built."""
     from cute_megamoe.launch import gemm_kernel
 
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
@@ -432,7 +442,10 @@ def test_pool_in_256_row_blocks_only_where_gpu_tested(monkeypatch):
     assert kernel.pool_block_m == 256 and kernel.scheduler.empty_tiles
     assert not gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128)[0].scheduler \
         .empty_tiles
-    for recipe, block_m, pool in (("fp8xfp8", 128, 256), (RECIPE, 64, 128), (RECIPE, 128, 512)):
+    assert gemm_kernel("sm_90a", "fp8xfp8", "l1", 8, 4096, 4096, 7168, 128,
+                       pool_block_m=256)[0].scheduler.empty_tiles
+    for recipe, block_m, pool in (("bf16xbf16", 128, 256), (RECIPE, 64, 128),
+                                  (RECIPE, 128, 512)):
         with pytest.raises(ValueError, match="pool_block_m"):
             gemm_kernel("sm_90a", recipe, "l1", 8, 4096, 4096, 7168, block_m, pool_block_m=pool)
     with pytest.raises(ValueError, match="pool_block_m"):  # single-CTA at 100 tokens per expert
@@ -441,14 +454,15 @@ def test_pool_in_256_row_blocks_only_where_gpu_tested(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", (RECIPE, "fp8xfp8"))
 @pytest.mark.parametrize("pattern", ("random", "skewed"))
-def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
-    """The staged MXFP4 layer at 256 expected tokens per expert (8 experts, top-2, 1024 tokens):
-    by default its pool in 256-row blocks (two 128-row tiles of one expert per cluster, the
-    second empty for an expert with an odd number of tiles), the same outputs bit for bit as
-    with 128-row blocks and the shared decode (``block_m=128``: clusters may pair two experts'
-    tiles) and as single-CTA (`CUTE_MEGAMOE_SM90_FP4_CLUSTER=0`), and the 256-row build is the
-    one that ran."""
+def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, recipe, monkeypatch):
+    """The staged layer at 256 expected tokens per expert (8 experts, top-2, 1024 tokens) with
+    its pool in 256-row blocks (`CUTE_MEGAMOE_SM90_PAIRED_POOL=1`: two 128-row tiles of one
+    expert per cluster, the second empty for an expert with an odd number of tiles): the same
+    outputs bit for bit as with 128-row blocks (``block_m=128``: clusters may pair two experts'
+    tiles) and as the default (MXFP4: here single-CTA, `CUTE_MEGAMOE_SM90_FP4_CLUSTER=0`), and
+    the 256-row build is the one that ran."""
     from cute_megamoe import runtime, staged
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.expert_gemm import ExpertWeights
@@ -456,7 +470,7 @@ def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
     _gpu()
     monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
     device = torch.device("cuda")
-    buf = get_symm_buffer_for_mega_moe(None, 8, 1024, 2, 512, 256, mma_type=RECIPE)
+    buf = get_symm_buffer_for_mega_moe(None, 8, 1024, 2, 512, 256, mma_type=recipe)
     gen = torch.Generator().manual_seed(11 if pattern == "random" else 12)
     n = 1024
     x = torch.randn(n, 512, generator=gen).to(torch.bfloat16).to(device)
@@ -468,20 +482,22 @@ def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, monkeypatch):
     w = torch.rand(n, 2, generator=gen).to(device)
     w1 = (torch.randn(8, 512, 512, generator=gen) / 512**0.5).to(torch.bfloat16).to(device)
     w2 = (torch.randn(8, 512, 256, generator=gen) / 256**0.5).to(torch.bfloat16).to(device)
-    weights = ExpertWeights.from_bf16(w1, w2, RECIPE)
+    weights = ExpertWeights.from_bf16(w1, w2, recipe)
     pool_rows = buf.layout.num_pool_rows
 
     def pool_blocks_compiled():
         return {key[-2] for (key, *_), _plan in runtime._COMPILED.items()
-                if isinstance(key, tuple) and key[:4] == ("expert_gemm", "sm_90a", "l1", RECIPE)
+                if isinstance(key, tuple) and key[:4] == ("expert_gemm", "sm_90a", "l1", recipe)
                 and key[5] == pool_rows and key[-1] == "plan"}
 
     ys = []
-    for block_m, cluster in ((None, None), (128, None), (None, "0")):
-        if cluster is None:
-            monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
-        else:
-            monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", cluster)
+    single = {"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "0"} if recipe == RECIPE else {}
+    for block_m, env in ((None, {"CUTE_MEGAMOE_SM90_PAIRED_POOL": "1"}), (128, {}),
+                         (None, single)):
+        for name in ("CUTE_MEGAMOE_SM90_PAIRED_POOL", "CUTE_MEGAMOE_SM90_FP4_CLUSTER"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         y = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
                                    block_m=block_m)
         ys.append(y.clone())

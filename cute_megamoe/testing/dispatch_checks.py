@@ -386,18 +386,20 @@ def run_layer_cases(num_ranks: int, recipe: str, num_experts: int, num_topk: int
 
 def check_pool_blocks_per_rank(rank: int, num_ranks: int, group=None) -> list[int | None]:
     """The staged MXFP4 layer on our kernels (sm_90a) when the ranks lay out their pools in
-    different blocks: with no BLOCK_M given each rank picks its own from its token count
-    (`staged.layer_pool_block_m`), so rank 0 (1024 tokens, 256 expected pairs per expert) lays
-    its pool out in 256-row blocks for the clusters that share the decode, the others (24
-    tokens) in the small blocks of decode sizes, and every rank's dispatch writes rows into
-    every other's pool. On random, skewed, masked and one-expert routings, the outputs equal bit
-    for bit those with BLOCK_M 64 on every rank, are finite, and every token row is written.
+    different blocks: with no BLOCK_M given and ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` (set here)
+    each rank picks its own from its token count (`staged.layer_pool_block_m`), so rank 0 (1024
+    tokens, 256 expected pairs per expert) lays its pool out in 256-row blocks for the clusters
+    that share the decode, the others (24 tokens) in the small blocks of decode sizes, and every
+    rank's dispatch writes rows into every other's pool. On random, skewed, masked and
+    one-expert routings, the outputs equal bit for bit those with BLOCK_M 64 on every rank, are
+    finite, and every token row is written.
     Returns this rank's pool blocks (the chosen ones, per case)."""
     from .. import staged
     from ..buffer import get_symm_buffer_for_mega_moe
     from ..expert_gemm import ExpertWeights
 
     recipe, num_experts, num_topk, hidden, intermediate = "fp8xfp4_sm90", 8, 2, 512, 256
+    os.environ["CUTE_MEGAMOE_SM90_PAIRED_POOL"] = "1"  # (this rank's process only)
     device = torch.device("cuda", torch.cuda.current_device())
     buf = get_symm_buffer_for_mega_moe(group, num_experts, 1024, num_topk, hidden, intermediate,
                                        mma_type=recipe, device=device)
