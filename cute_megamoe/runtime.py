@@ -213,7 +213,8 @@ def sm90_fp4_deferred_publish() -> bool | None:
     grouped GEMMs with MXFP4 weights (not in clusters) publish a k-block (proxy fence, arrive,
     free its packed stage) only after loading the next k-block's first inputs
     (`Sm90ExpertGemmKernel`'s ``deferred_publish``): unset or "auto": None, the default
-    (`sm90_expert_gemm.DEFAULT_DEFERRED_PUBLISH`); "1" / "0" force it on / off, for A/B runs.
+    (`sm90_expert_gemm.DEFAULT_DEFERRED_PUBLISH`: the staged kernels at BLOCK_M 64; off in the
+    transposed ones and in clusters); "1" / "0" force it on / off, for A/B runs.
     Part of the grouped GEMMs' cache keys."""
     value = env_choice("CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH", ("auto", "0", "1"))
     return None if value == "auto" else value == "1"

@@ -248,7 +248,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
             "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128),
-            "deferred_publish": (DEFERRED, 64),
+            "late_publish": ({"CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH": "0"}, 64),
             "deferred_publish_128": ({**DEFERRED, "CUTE_MEGAMOE_SM90_FP4_CLUSTER": "0"}, 128),
             "transposed_deferred_publish": ({**TRANSPOSED, **DEFERRED}, 64)}
 
@@ -294,13 +294,19 @@ def test_early_tables_compile_before_the_free_stage_wait(transposed, block_m, ph
 @pytest.mark.parametrize("transposed", ("0", "1"))
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_deferred_publish_fences_after_the_next_stage_waits(transposed, phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH` "1" (BLOCK_M 64, staged and transposed): a
+    """`CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH` "1" (the staged kernels' default at BLOCK_M 64;
+    here BLOCK_M 64, staged and transposed): a
     decode warp fences and announces k-block ``kb`` after it waited for ``kb + 1``'s packed and
     free MMA stages, so the loop's proxy fence follows a stage wait, and one more fence
-    publishes a tile's last k-block; the same permutes, no spills. "0" (the default): every
-    decode fence follows the k-block's stores. Clusters refuse it."""
+    publishes a tile's last k-block; the same permutes, no spills. "0" (the transposed kernels'
+    default): every decode fence follows the k-block's stores. Clusters refuse it."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
+    from cute_megamoe.launch import gemm_kernel
+
+    # the default: on in the staged kernels at BLOCK_M 64, off in the transposed ones
+    kernel, _ = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, 4096, 7168, 64)
+    assert kernel.deferred_publish == (transposed == "0")
     arts = {}
     for deferred in ("0", "1"):
         monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH", deferred)

@@ -165,9 +165,12 @@ VOTE_AHEAD = 1
 # BLOCK_M 64 staged 0.994-1.001x; on in the transposed kernel (`sm90_expert_gemm_transposed`:
 # 0.981-1.006x at 128 x 8 / 16 in two runs, the layer 0.989-0.993x at 32 / 128 tokens)
 DEFAULT_EARLY_TABLES = False
-# FP4 weights: a decode warp's k-block published after the next one's first inputs
-# (`deferred_publish` None; an A/B option, `CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH`)
-DEFAULT_DEFERRED_PUBLISH = False
+# FP4 weights: a decode warp's k-block published once the next one's stages are ready, by
+# BLOCK_M (`deferred_publish` None; single-CTA kernels; False where not listed). Measured
+# interleaved on an H200 (docs/performance.md): staged at BLOCK_M 64, 0.968x / 0.984x the time
+# at 128 x 32 in two processes, the layer at 512 tokens 0.979x; the transposed kernels 0.96-1.02x
+# at 128 x 8 / 16 (the layer at 128 tokens 1.024x), so they keep it off
+DEFAULT_DEFERRED_PUBLISH = {64: True}
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -320,8 +323,9 @@ class Sm90ExpertGemmKernel:
         # inputs): the fence then finds the k-block's stores drained instead of waiting for them (the fence and the wait
         # behind it were 10-22 % of the decode loop's stall samples at 128 x 8 / 128 x 32: docs/
         # performance.md). The consumers see each k-block that much later
-        self.deferred_publish = (DEFAULT_DEFERRED_PUBLISH if deferred_publish is None
-                                 else bool(deferred_publish)) and self.fp4_weights
+        if deferred_publish is None:
+            deferred_publish = DEFAULT_DEFERRED_PUBLISH.get(block_m, False) and cluster_m == 1
+        self.deferred_publish = bool(deferred_publish) and self.fp4_weights
         if self.deferred_publish and cluster_m > 1:
             raise ValueError("deferred_publish: not with clusters (a cluster's shared decode "
                              "copies each chunk to the peer once it is fenced)")
