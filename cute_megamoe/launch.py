@@ -40,7 +40,6 @@ from .runtime import (
     get_arch,
     launch_path,
     sm90_fp4_cluster,
-    sm90_fp4_deferred_publish,
     sm90_fp4_early_tables,
     sm90_fp4_tables,
     sm90_k_unroll,
@@ -368,7 +367,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (an A/B option of the decode)
         extra["decode_tables"] = sm90_fp4_tables()
         extra["early_tables"] = sm90_fp4_early_tables()
-        extra["deferred_publish"] = sm90_fp4_deferred_publish()
     if pool_block_m not in (None, block_m) and (
             arch != "sm_90a" or pool_block_m != 2 * block_m or block_m != 128
             or recipe not in ("fp8xfp4_sm90", "fp8xfp8")):
@@ -393,8 +391,6 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         if recipe == "fp8xfp4_sm90" and not sm90_shares_decode(block_m,
                                                                expected_tokens_per_expert):
             extra["cluster_m"] = 1
-        if recipe == "fp8xfp4_sm90" and extra["cluster_m"] > 1:
-            extra["deferred_publish"] = False  # (a shared decode publishes as it copies)
         if recipe != "bf16xbf16":
             extra["promotion"] = sm90_promotion()
             extra["k_unroll"] = sm90_k_unroll()
@@ -465,7 +461,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                (sm90_promotion(),
                 transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(),
-                (sm90_fp4_tables(), sm90_fp4_early_tables(), sm90_fp4_deferred_publish(),
+                (sm90_fp4_tables(), sm90_fp4_early_tables(),
                  sm90_shares_decode(block_m, expected_tokens_per_expert)) if fp4
                 else None, sm90_k_unroll(),
                 sm90_tma_store() if not to_combine else sm90_row_stores())

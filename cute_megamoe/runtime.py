@@ -208,18 +208,6 @@ def sm90_fp4_early_tables() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_fp4_deferred_publish() -> bool | None:
-    """``CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH``: whether the decode warps of the sm_90a
-    grouped GEMMs with MXFP4 weights (not in clusters) publish a k-block (proxy fence, arrive,
-    free its packed stage) only after loading the next k-block's first inputs
-    (`Sm90ExpertGemmKernel`'s ``deferred_publish``): unset or "auto": None, the default
-    (`sm90_expert_gemm.DEFAULT_DEFERRED_PUBLISH`: the staged kernels at BLOCK_M 64; off in the
-    transposed ones and in clusters); "1" / "0" force it on / off, for A/B runs.
-    Part of the grouped GEMMs' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH", ("auto", "0", "1"))
-    return None if value == "auto" else value == "1"
-
-
 def sm90_fp4_cluster() -> bool | None:
     """``CUTE_MEGAMOE_SM90_FP4_CLUSTER``: whether the sm_90a grouped GEMMs with MXFP4 weights at
     BLOCK_M 128 run in 2-CTA clusters that share the decode of each weight tile (each CTA decodes
@@ -353,8 +341,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL",
-                      "CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -235,7 +235,6 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
 TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
 ITEM = {"CUTE_MEGAMOE_SM90_FP4_TABLES": "item"}
 EARLY = {"CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "1"}
-DEFERRED = {"CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH": "1"}
 # variant: (its settings, BLOCK_M)
 VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
@@ -247,10 +246,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
-            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128),
-            "late_publish": ({"CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH": "0"}, 64),
-            "deferred_publish_128": ({**DEFERRED, "CUTE_MEGAMOE_SM90_FP4_CLUSTER": "0"}, 128),
-            "transposed_deferred_publish": ({**TRANSPOSED, **DEFERRED}, 64)}
+            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
 @pytest.mark.compile
@@ -288,52 +284,6 @@ def test_early_tables_compile_before_the_free_stage_wait(transposed, block_m, ph
     assert waits_between_vote_and_store(arts["1"].sass) == 1
     assert arts["1"].count("PRMT") == arts["0"].count("PRMT")
     assert arts["1"].count("STL") == 0 and arts["1"].resource_usage()["LOCAL"] == 0
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("transposed", ("0", "1"))
-@pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_deferred_publish_fences_after_the_next_stage_waits(transposed, phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH` "1" (the staged kernels' default at BLOCK_M 64;
-    here BLOCK_M 64, staged and transposed): a
-    decode warp fences and announces k-block ``kb`` after it waited for ``kb + 1``'s packed and
-    free MMA stages, so the loop's proxy fence follows a stage wait, and one more fence
-    publishes a tile's last k-block; the same permutes, no spills. "0" (the transposed kernels'
-    default): every decode fence follows the k-block's stores. Clusters refuse it."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
-    from cute_megamoe.launch import gemm_kernel
-
-    # the default: on in the staged kernels at BLOCK_M 64, off in the transposed ones
-    kernel, _ = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, 4096, 7168, 64)
-    assert kernel.deferred_publish == (transposed == "0")
-    arts = {}
-    for deferred in ("0", "1"):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH", deferred)
-        kernel, arts[deferred] = _compile(phase, 64)
-        assert kernel.deferred_publish == (deferred == "1")
-    if arts["1"].sass is None:
-        pytest.skip("nvdisasm not available: PTX only")
-
-    def fences_after_a_wait(sass):
-        """Proxy fences with a barrier wait (a ``SYNCS.PHASECHK``) among the 12 instructions
-        before them (the decode's fence otherwise follows its stores)."""
-        lines = sass.splitlines()
-        return sum("FENCE.VIEW.ASYNC.S" in line and "MEMBAR.ALL.CTA" in lines[i - 1]
-                   and any("SYNCS.PHASECHK" in lines[j] for j in range(i - 12, i))
-                   for i, line in enumerate(lines))
-
-    assert arts["1"].count("FENCE.VIEW.ASYNC.S") == arts["0"].count("FENCE.VIEW.ASYNC.S") + 1
-    assert fences_after_a_wait(arts["0"].sass) == 0
-    assert fences_after_a_wait(arts["1"].sass) == 1
-    assert arts["1"].count("PRMT") == arts["0"].count("PRMT")
-    assert arts["1"].count("STL") == 0 and arts["1"].resource_usage()["LOCAL"] == 0
-    with pytest.raises(ValueError, match="deferred_publish"):
-        from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-
-        Sm90ExpertGemmKernel(phase, RECIPE, 32, 8192, 4096 if phase == "l1" else 7168,
-                             7168 if phase == "l1" else 2048, 128, cluster_m=2,
-                             deferred_publish=True)
 
 
 @pytest.mark.compile

@@ -202,8 +202,6 @@ def test_owner_searches_compile(recipe, monkeypatch):
      {"": "vote", "item": "item", "vote": "vote"}),
     ("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", "sm90_fp4_early_tables",
      {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_SM90_FP4_DEFERRED_PUBLISH", "sm90_fp4_deferred_publish",
-     {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "sm90_fp4_cluster",
      {"": None, "auto": None, "0": False, "1": True}),
     ("CUTE_MEGAMOE_SM90_K_UNROLL", "sm90_k_unroll",

@@ -165,12 +165,6 @@ VOTE_AHEAD = 1
 # BLOCK_M 64 staged 0.994-1.001x; on in the transposed kernel (`sm90_expert_gemm_transposed`:
 # 0.981-1.006x at 128 x 8 / 16 in two runs, the layer 0.989-0.993x at 32 / 128 tokens)
 DEFAULT_EARLY_TABLES = False
-# FP4 weights: a decode warp's k-block published once the next one's stages are ready, by
-# BLOCK_M (`deferred_publish` None; single-CTA kernels; False where not listed). Measured
-# interleaved on an H200 (docs/performance.md): staged at BLOCK_M 64, 0.968x / 0.984x the time
-# at 128 x 32 in two processes, the layer at 512 tokens 0.979x; the transposed kernels 0.96-1.02x
-# at 128 x 8 / 16 (the layer at 128 tokens 1.024x), so they keep it off
-DEFAULT_DEFERRED_PUBLISH = {64: True}
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -199,7 +193,7 @@ class Sm90ExpertGemmKernel:
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
                  row_stores: str | None = None, early_tables: bool | None = None,
-                 pool_block_m: int | None = None, deferred_publish: bool | None = None):
+                 pool_block_m: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -318,17 +312,6 @@ class Sm90ExpertGemmKernel:
         if self.early_tables and cluster_m > 1:
             raise ValueError("early_tables: not with clusters (a cluster's shared decode "
                              "decodes one chunk, the early tables are every chunk's)")
-        # FP4 weights: each decode warp fences, announces and frees a k-block's stages only
-        # once it holds the next k-block's packed stage and free MMA stage (and its early
-        # inputs): the fence then finds the k-block's stores drained instead of waiting for them (the fence and the wait
-        # behind it were 10-22 % of the decode loop's stall samples at 128 x 8 / 128 x 32: docs/
-        # performance.md). The consumers see each k-block that much later
-        if deferred_publish is None:
-            deferred_publish = DEFAULT_DEFERRED_PUBLISH.get(block_m, False) and cluster_m == 1
-        self.deferred_publish = bool(deferred_publish) and self.fp4_weights
-        if self.deferred_publish and cluster_m > 1:
-            raise ValueError("deferred_publish: not with clusters (a cluster's shared decode "
-                             "copies each chunk to the peer once it is fenced)")
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -1196,11 +1179,7 @@ class Sm90ExpertGemmKernel:
             while tile < num_tiles:
                 owner, shared, _e, n_block, _b, _v = self.pair_tile(
                     tile, owner, block_start, row_start, raster_group, rank)
-                # (`deferred_publish`: the stages of the k-block decoded last, published once
-                # the next k-block's stages are ready)
-                if cutlass.const_expr(self.deferred_publish):
-                    last_state, last_packed = state.clone(), packed.clone()
-                for kb in cutlass.range(self.num_k_blocks):
+                for _kb in cutlass.range(self.num_k_blocks):
                     self.bounded_stage_wait(barrier_slots, packed_pipe.sync_object_full, packed,
                                             "a loaded packed weight stage (decode warps)")
                     packed_pipe.consumer_wait(packed)
@@ -1211,10 +1190,6 @@ class Sm90ExpertGemmKernel:
                     self.bounded_stage_wait(barrier_slots, ab_pipe.sync_object_empty, state,
                                             "a free ring stage (decode warps)")
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    if cutlass.const_expr(self.deferred_publish):
-                        if kb > 0:
-                            self.publish_decoded(packed_pipe, decoded, last_state, last_packed,
-                                                 lane)
                     if cutlass.const_expr(self.cluster_m > 1):
                         if shared:
                             self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state,
@@ -1225,37 +1200,22 @@ class Sm90ExpertGemmKernel:
                     else:
                         self.decode_chunks(raw_b, sb, sfb, sfg, n_block, tid, state, packed,
                                            first_inputs)
-                    if cutlass.const_expr(self.deferred_publish):
-                        last_state, last_packed = state.clone(), packed.clone()
-                    elif cutlass.const_expr(self.cluster_m > 1):
-                        # the generic-proxy writes, then the WGMMAs' (async proxy) reads
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.sync_warp()
+                    # the generic-proxy writes, then the WGMMAs' (async proxy) reads
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    if cutlass.const_expr(self.cluster_m > 1):
                         if shared:
                             self.send_decoded_chunk(sb, decoded, state, rank, tid, lane)
                         elif lane == 0:
                             cute.arch.mbarrier_arrive(decoded + state.index)
-                        packed_pipe.consumer_release(packed)
-                    else:
-                        self.publish_decoded(packed_pipe, decoded, state, packed, lane)
+                    elif lane == 0:
+                        cute.arch.mbarrier_arrive(decoded + state.index)
+                    packed_pipe.consumer_release(packed)
                     state.advance()
                     packed.advance()
-                if cutlass.const_expr(self.deferred_publish):
-                    self.publish_decoded(packed_pipe, decoded, last_state, last_packed, lane)
                 tile += num_clusters
             return state, packed, tile
         return state, packed, first_tile
-
-    @cute.jit
-    def publish_decoded(self, packed_pipe, decoded: cute.Pointer, state, packed, lane: Int32):
-        """A decode warp's k-block is in the MMA stage of ``state``: fence its generic-proxy
-        stores before the WGMMAs' (async proxy) reads, arrive at the stage's ``decoded``
-        barrier and free the packed stage of ``packed``."""
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(decoded + state.index)
-        packed_pipe.consumer_release(packed)
 
     @cute.jit
     def send_decoded_chunk(self, sb: cute.Pointer, decoded: cute.Pointer, state, rank: Int32,

@@ -301,7 +301,7 @@ class Sm90MegaMoEKernel:
                                        promotion=promotion,
                                        tiled_weights=tiled_weights, owner_search=owner_search,
                                        decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
-                                       tma_store=False, deferred_publish=False)
+                                       tma_store=False)
         self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
                                        fast_math=fast_math, combine_layout=layout,
                                        smem_reserved=reserved, staging_parts=l2_staging_parts,
@@ -309,7 +309,7 @@ class Sm90MegaMoEKernel:
                                        tiled_weights=tiled_weights, owner_search=owner_search,
                                        decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
                                        row_stores=(FUSED_ROW_STORES if row_stores is None
-                                                   else row_stores), deferred_publish=False)
+                                                   else row_stores))
         # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
         # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
         if l2_gate not in ("pool_block", "all_l1"):
