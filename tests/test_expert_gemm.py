@@ -135,7 +135,7 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
     from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
 
     art = _compile(phase, recipe, block_m)
-    # (fp8xfp8 at BLOCK_M 64 promotes by 64-column quarters: m64n64 WGMMAs)
+    # (FP8 at BLOCK_M 64 promotes by 64-column quarters: m64n64 WGMMAs)
     n = 64 if DEFAULT_PROMOTION.get((recipe, block_m)) == "quarter" else 128
     shape = f"m64n{n}k32.f32.e4m3.e4m3" if recipe == "fp8xfp8" else "m64n128k16.f32.bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.{shape}" in art.ptx
@@ -172,7 +172,7 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monkeypatch):
-    """The "quarter" promotion (fp8xfp8's default at BLOCK_M 64, forced by
+    """The "quarter" promotion (both FP8 recipes' default at BLOCK_M 64, forced by
     `CUTE_MEGAMOE_SM90_PROMOTION`): m64n64 WGMMAs into two scratch accumulators, three waits
     that leave one group in flight per k-block (the promotion of a quarter runs beside the next
     quarter's WGMMAs), no spills; FP8 only."""
@@ -188,7 +188,7 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
     for recipe in ("fp8xfp8", "fp8xfp4_sm90"):
         default, _ = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
                                  activation_clamp=10.0)
-        want = "quarter" if (recipe, block_m) == ("fp8xfp8", 64) else "chunk"
+        want = "quarter" if block_m == 64 else "chunk"
         assert default.promotion == want, recipe
     assert gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, block_m)[0].promotion \
         == "chunk"
@@ -398,7 +398,8 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
     want = {("fp8xfp8", 128): 4, ("fp8xfp4_sm90", 128): SHARED_DECODE_K_UNROLL}.get(
         (recipe, block_m), 1)
     # (forced: with the chunk promotion; the quarter one's scratch pairs spill when unrolled)
-    forcings = {("fp8xfp8", 64): (None,), ("fp8xfp4_sm90", 128): (None, "1")}
+    forcings = {("fp8xfp8", 64): (None,), ("fp8xfp4_sm90", 64): (None,),
+                ("fp8xfp4_sm90", 128): (None, "1")}
     for forced in forcings.get((recipe, block_m), (None, "2")):
         if forced:
             monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", forced)

@@ -35,7 +35,10 @@ def _compile(phase: str, block_m: int, hidden: int = 7168, inter: int = 2048):
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     kernel, art = _compile(phase, block_m)
-    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in art.ptx
+    # (BLOCK_M 64: the quarter promotion's m64n64 WGMMAs, `DEFAULT_PROMOTION`)
+    assert kernel.promotion == ("quarter" if block_m == 64 else "chunk")
+    wgmma_n = 64 if block_m == 64 else 128
+    assert f"wgmma.mma_async.sync.aligned.m64n{wgmma_n}k32.f32.e4m3.e4m3" in art.ptx
     assert "prmt.b32" in art.ptx and "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
     # (BLOCK_M 128 with no token count: the clusters that share the decode)
     assert kernel.cluster_m == block_m // 64 and kernel.num_stages >= 3

@@ -38,7 +38,7 @@ scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the 
 a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
 one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
 quarters into two 32-register scratch accumulators instead, each promoted while the next
-quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: fp8xfp8 only); fp8xfp8 at
+quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: both FP8 recipes); fp8xfp8 at
 BLOCK_M 128 runs four k-blocks per loop body (``k_unroll``, `DEFAULT_K_UNROLL`), so that the
 next k-block's stage wait and WGMMAs are scheduled beside a promotion. BF16 keeps one
 k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
@@ -112,9 +112,12 @@ QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
 # interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): fp8xfp8 "quarter"
 # 0.93-0.97x the time of "chunk" at BLOCK_M 64 (one consumer warpgroup: nothing else fills the
 # tensor cores while it promotes), 0.98-1.06x at 128 (the second warpgroup already does; m64n64
-# WGMMAs cost more issue); fp8xfp4_sm90 1.20-1.29x at 64 (the decode warpgroups need the issue
-# slots the quarters take)
-DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter"}
+# WGMMAs cost more issue); fp8xfp4_sm90 at 64 (the staged kernels, 32-64 pairs per expert;
+# the transposed ones at decode sizes keep chunk) 0.940-0.972x the time in two processes on
+# 2026-12-04, the layer at 512 / 1024 tokens 0.984-0.991x / 0.987x: there the consumer paces the
+# kernel, the decode warps waiting for its free stages (on 12-01, with a slower decode that set
+# the pace, quarter took 1.20-1.29x: its issue slots were the decode's)
+DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter", ("fp8xfp4_sm90", 64): "quarter"}
 PROMOTIONS = ("chunk", "quarter")
 # k-blocks per body of the FP8 consumer loop by (recipe, BLOCK_M) (`k_unroll` None; 1 where not
 # listed). Measured interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md):

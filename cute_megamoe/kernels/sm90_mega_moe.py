@@ -295,6 +295,10 @@ class Sm90MegaMoEKernel:
         # (the GEMM phases' k-blocks per consumer loop body: the grouped GEMMs' default,
         # `sm90_expert_gemm.DEFAULT_K_UNROLL`, unless forced; the L1 rows go to the L2 pool by
         # row copies: the TMA store is not built into the fused kernel)
+        if promotion is None and self.fp4_weights:
+            # (the grouped GEMMs' quarter promotion for MXFP4 at BLOCK_M 64, 12-04, was not
+            # measured in this experiment: it keeps chunk)
+            promotion = "chunk"
         self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
                                        activation_clamp=activation_clamp, fast_math=fast_math,
                                        smem_reserved=reserved, cluster_m=self.cluster_m,
