@@ -32,7 +32,10 @@ Needs a Hopper GPU and an importable `deep_gemm` (on the GPU machine:
 `--power SECONDS`: after the timing, each of ours, DeepGEMM (its faster layout) and torch runs
 back to back for SECONDS while nvidia-smi samples board power and SM clock
 (`bench.common.power_during`): watts, MHz and the energy per useful GFLOP (uJ), which at the
-power limit sets the speed.
+power limit sets the speed, and the sustained TFLOPS of those runs (``<key>_sustained_tflops``,
+``ours_vs_deepgemm_sustained``: the speed a server sees under a steady load at the power
+limit, where the interleaved graphs above alternate short bursts). `--power-rounds N` repeats
+the three runs N times in turn and keeps the medians.
 
     python -m bench.compare_deepgemm [--hidden 7168] [--inter 2048] [--configs 256x256,...]
 """
@@ -40,6 +43,7 @@ power limit sets the speed.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -136,7 +140,10 @@ def main() -> None:
                    help="also run ours, the faster DeepGEMM layout and torch back to back for "
                         "SECONDS each, alternating, sampling board power and SM clock "
                         "(nvidia-smi): <key>_watts, <key>_mhz, <key>_uj_per_gflop (energy per "
-                        "useful FLOP: at the power limit it sets the speed)")
+                        "useful FLOP: at the power limit it sets the speed), "
+                        "<key>_sustained_tflops")
+    p.add_argument("--power-rounds", type=int, default=1, metavar="N",
+                   help="with --power: the three back-to-back runs N times in turn, medians")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("compare_deepgemm: needs a CUDA GPU")
@@ -178,14 +185,24 @@ def main() -> None:
                        torch_tflops=flops / t["torch"] / 1e12,
                        ours_vs_deepgemm=t_dg / t["ours"], ours_vs_torch=t["torch"] / t["ours"])
             if args.power > 0:  # (after the timing rounds: the GPU is at its power limit)
-                for key in ("ours", f"deepgemm_{best}", "torch"):
-                    name = "deepgemm" if key.startswith("deepgemm") else key
-                    power = power_during(runs[key], args.power)
-                    if power:
-                        row.update({f"{name}_watts": power["watts"],
-                                    f"{name}_mhz": power["sm_mhz"],
-                                    f"{name}_uj_per_gflop": power["watts"]
-                                    * power["seconds_per_call"] / flops * 1e15})
+                keys = {"ours": "ours", f"deepgemm_{best}": "deepgemm", "torch": "torch"}
+                readings = {name: [] for name in keys.values()}
+                for _ in range(args.power_rounds):  # (in turn: each sees the same drift)
+                    for key, name in keys.items():
+                        power = power_during(runs[key], args.power)
+                        if power:
+                            readings[name].append(power)
+                for name, got in readings.items():
+                    if got:
+                        watts = statistics.median(p["watts"] for p in got)
+                        seconds = statistics.median(p["seconds_per_call"] for p in got)
+                        row.update({f"{name}_watts": watts,
+                                    f"{name}_mhz": statistics.median(p["sm_mhz"] for p in got),
+                                    f"{name}_uj_per_gflop": watts * seconds / flops * 1e15,
+                                    f"{name}_sustained_tflops": flops / seconds / 1e12})
+                if "ours_sustained_tflops" in row and "deepgemm_sustained_tflops" in row:
+                    row["ours_vs_deepgemm_sustained"] = (row["ours_sustained_tflops"]
+                                                         / row["deepgemm_sustained_tflops"])
             res.add(**row)
             print(f"{recipe} {e}x{m}: ours {row['ours_us']:.1f} us, DeepGEMM "
                   f"{row['deepgemm_us']:.1f} us ({best}), torch {row['torch_us']:.1f} us",
@@ -200,7 +217,8 @@ def main() -> None:
                      *(f"deepgemm_{x}_us" for x in layouts), "torch_us", "ours_tflops",
                      "deepgemm_tflops", "torch_tflops", "ours_vs_deepgemm", "ours_vs_torch",
                      *([f"{k}_{v}" for k in ("ours", "deepgemm", "torch")
-                        for v in ("watts", "mhz", "uj_per_gflop")] if args.power > 0 else [])]))
+                        for v in ("watts", "mhz", "uj_per_gflop", "sustained_tflops")]
+                       + ["ours_vs_deepgemm_sustained"] if args.power > 0 else [])]))
 
 
 if __name__ == "__main__":
