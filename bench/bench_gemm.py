@@ -24,7 +24,11 @@ VAR=VALUE[,VAR=VALUE...]` (repeatable) both BLOCK_Ms with those settings, the i-
 `env<i>_us`, `env<i>_over_default` of each row (and `env<i>_ratio_to_fp8`; with `--storage-ab`
 also BLOCK_M 64 on the other storage order, `env<i>_storage_us`, `env<i>_storage_over_default`),
 the settings in the JSON's meta. Every variant's outputs must equal its BLOCK_M's default's bit
-for bit (else the run stops).
+for bit (else the run stops). `--power SECONDS` (`fp8xfp4_sm90` rows): after the timing, the
+picked MXFP4 run and the faster fp8xfp8 one back to back for SECONDS each, in turn
+`--power-rounds` times (`bench.common.sustained_power`): the picked row's
+`sustained_ratio_to_fp8` (time over fp8xfp8's under a steady load at the power limit), `watts`,
+`mhz`, `fp8_watts`, `fp8_mhz`.
 
     python -m bench.bench_gemm [--hidden 7168] [--inter 2048] [--configs 256x256,128x8,...]
 """
@@ -36,7 +40,14 @@ import os
 
 import torch
 
-from bench.common import Peaks, Results, copy_ceiling, gpu_clocks, time_cuda_graphs_interleaved
+from bench.common import (
+    Peaks,
+    Results,
+    copy_ceiling,
+    gpu_clocks,
+    sustained_power,
+    time_cuda_graphs_interleaved,
+)
 from cute_megamoe.expert_gemm import (
     TILEABLE_RECIPES,
     ExpertWeights,
@@ -183,6 +194,11 @@ def main() -> None:
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="also time both BLOCK_Ms with these settings (repeatable; outputs checked "
                         "bit-exact; env<i>_us, env<i>_over_default)")
+    p.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
+                   help="fp8xfp4_sm90: also run the picked MXFP4 run and the faster fp8xfp8 run "
+                        "back to back for SECONDS each, sampling power (sustained_ratio_to_fp8)")
+    p.add_argument("--power-rounds", type=int, default=1, metavar="N",
+                   help="with --power: the two runs N times in turn, medians")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
     env_abs = [_parse_env(spec) for spec in args.env_ab]
@@ -243,6 +259,11 @@ def main() -> None:
             times = time_cuda_graphs_interleaved(runs, calls_per_replay=5,
                                                  replays=5 * args.rounds)
             picked = select_block_m(m, "sm90")
+            sustained = {}
+            if fp4 and args.power > 0:  # (after the timing rounds: at the power limit)
+                fp8_key = min(("fp8_64", "fp8_128"), key=lambda key: times[key])
+                sustained = sustained_power({"fp4": runs[picked], "fp8": runs[fp8_key]},
+                                            args.power, args.power_rounds)
             for block_m in (64, 128):
                 t = times[block_m]
                 if quarter:
@@ -282,6 +303,12 @@ def main() -> None:
                         t_env = times[f"env{i}_storage_64"]
                         base.update({f"env{i}_storage_us": t_env * 1e6,
                                      f"env{i}_storage_over_default": t_env / t})
+                if block_m == picked and len(sustained) == 2:
+                    fp4_run, fp8_run = sustained["fp4"], sustained["fp8"]
+                    base.update(sustained_ratio_to_fp8=fp4_run["seconds_per_call"]
+                                / fp8_run["seconds_per_call"], watts=fp4_run["watts"],
+                                mhz=fp4_run["sm_mhz"], fp8_watts=fp8_run["watts"],
+                                fp8_mhz=fp8_run["sm_mhz"])
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
@@ -297,7 +324,7 @@ def main() -> None:
                      "storage_us", "storage_over_default", "storage_ratio_to_fp8",
                      "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",
-                     "quarter_over_chunk",
+                     "quarter_over_chunk", "sustained_ratio_to_fp8",
                      *(f"env{i}_{c}" for i in range(len(env_abs))
                        for c in ("us", "over_default", "ratio_to_fp8", "storage_us",
                                  "storage_over_default")), "ours_tflops",

@@ -237,6 +237,22 @@ def power_during(fn: Callable[[], None], seconds: float, calls_per_replay: int =
             "samples": len(keep)}
 
 
+def sustained_power(runs: dict, seconds: float, rounds: int = 1) -> dict:
+    """`power_during` for each ``name: fn`` of ``runs``, the runs in turn ``rounds`` times (each
+    sees the same drift), as ``name: {"watts", "sm_mhz", "seconds_per_call"}`` (medians over
+    the rounds; names nvidia-smi could not sample are left out). At the power limit this is the
+    speed under a steady load, where interleaved graph replays alternate short bursts."""
+    readings = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            got = power_during(fn, seconds)
+            if got:
+                readings[name].append(got)
+    return {name: {key: statistics.median(r[key] for r in got)
+                   for key in ("watts", "sm_mhz", "seconds_per_call")}
+            for name, got in readings.items() if got}
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -43,13 +43,12 @@ the three runs N times in turn and keeps the medians.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 from bench.bench_gemm import DEFAULT_CONFIGS, _ours, _random_weights, _torch
-from bench.common import Results, gpu_clocks, power_during, time_cuda_graphs_interleaved
+from bench.common import Results, gpu_clocks, sustained_power, time_cuda_graphs_interleaved
 from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.heuristics import select_block_m
 from cute_megamoe.utils import align, ceil_div
@@ -185,21 +184,15 @@ def main() -> None:
                        torch_tflops=flops / t["torch"] / 1e12,
                        ours_vs_deepgemm=t_dg / t["ours"], ours_vs_torch=t["torch"] / t["ours"])
             if args.power > 0:  # (after the timing rounds: the GPU is at its power limit)
-                keys = {"ours": "ours", f"deepgemm_{best}": "deepgemm", "torch": "torch"}
-                readings = {name: [] for name in keys.values()}
-                for _ in range(args.power_rounds):  # (in turn: each sees the same drift)
-                    for key, name in keys.items():
-                        power = power_during(runs[key], args.power)
-                        if power:
-                            readings[name].append(power)
-                for name, got in readings.items():
-                    if got:
-                        watts = statistics.median(p["watts"] for p in got)
-                        seconds = statistics.median(p["seconds_per_call"] for p in got)
-                        row.update({f"{name}_watts": watts,
-                                    f"{name}_mhz": statistics.median(p["sm_mhz"] for p in got),
-                                    f"{name}_uj_per_gflop": watts * seconds / flops * 1e15,
-                                    f"{name}_sustained_tflops": flops / seconds / 1e12})
+                power = sustained_power({"ours": runs["ours"],
+                                         "deepgemm": runs[f"deepgemm_{best}"],
+                                         "torch": runs["torch"]}, args.power, args.power_rounds)
+                for name, got in power.items():
+                    row.update({f"{name}_watts": got["watts"], f"{name}_mhz": got["sm_mhz"],
+                                f"{name}_uj_per_gflop": got["watts"] * got["seconds_per_call"]
+                                / flops * 1e15,
+                                f"{name}_sustained_tflops": flops / got["seconds_per_call"]
+                                / 1e12})
                 if "ours_sustained_tflops" in row and "deepgemm_sustained_tflops" in row:
                     row["ours_vs_deepgemm_sustained"] = (row["ours_sustained_tflops"]
                                                          / row["deepgemm_sustained_tflops"])

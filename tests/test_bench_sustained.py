@@ -1,0 +1,27 @@
+"""`bench.common.sustained_power`: the runs in turn, medians over the rounds (CPU: the
+sampler is replaced)."""
+
+import bench.common as common
+
+
+def test_sustained_power_takes_runs_in_turn_and_medians(monkeypatch):
+    calls = []
+    # per name, the readings of its successive rounds (the median of three is the middle one)
+    readings = {"a": [(700.0, 1300.0, 3e-3), (690.0, 1400.0, 1e-3), (695.0, 1350.0, 2e-3)],
+                "b": [(600.0, 1500.0, 5e-3), (620.0, 1600.0, 4e-3), (610.0, 1550.0, 6e-3)],
+                "c": []}
+
+    def fake_power_during(fn, seconds):
+        name = fn()
+        calls.append((name, seconds))
+        if not readings[name]:
+            return {}  # (nvidia-smi could not sample: the name is left out)
+        watts, mhz, spc = readings[name].pop(0)
+        return {"watts": watts, "sm_mhz": mhz, "seconds_per_call": spc, "samples": 9}
+
+    monkeypatch.setattr(common, "power_during", fake_power_during)
+    runs = {name: (lambda name=name: name) for name in ("a", "b", "c")}
+    got = common.sustained_power(runs, 2.5, rounds=3)
+    assert calls == [(name, 2.5) for _ in range(3) for name in ("a", "b", "c")]
+    assert got == {"a": {"watts": 695.0, "sm_mhz": 1350.0, "seconds_per_call": 2e-3},
+                   "b": {"watts": 610.0, "sm_mhz": 1550.0, "seconds_per_call": 5e-3}}
