@@ -208,17 +208,6 @@ def sm90_fp4_early_tables() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def sm90_fp4_mma_stages() -> int | None:
-    """``CUTE_MEGAMOE_SM90_FP4_MMA_STAGES``: the MMA stages (the token rows and the decoded e4m3
-    tile a WGMMA reads) of the sm_90a grouped GEMMs with MXFP4 weights, the rest of shared
-    memory going to packed stages (`Sm90ExpertGemmKernel`'s ``fp4_mma_stages``): unset or
-    "auto": None, the default (three, `sm90_expert_gemm.FP4_MMA_STAGES`); "4": at most four, as
-    many as leave two packed stages (four at BLOCK_M 64 but in the transposed L2, three
-    elsewhere), for A/B runs. Part of the grouped GEMMs' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", ("auto", "4"))
-    return None if value == "auto" else int(value)
-
-
 def sm90_fp4_cluster() -> bool | None:
     """``CUTE_MEGAMOE_SM90_FP4_CLUSTER``: whether the sm_90a grouped GEMMs with MXFP4 weights at
     BLOCK_M 128 run in 2-CTA clusters that share the decode of each weight tile (each CTA decodes
@@ -352,8 +341,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL",
-                      "CUTE_MEGAMOE_SM90_FP4_MMA_STAGES")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -249,33 +249,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
-            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128),
-            "mma_stages4": ({"CUTE_MEGAMOE_SM90_FP4_MMA_STAGES": "4"}, 64),
-            "transposed_mma_stages4": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_FP4_MMA_STAGES": "4"},
-                                       64)}
-
-
-@pytest.mark.parametrize("transposed", ("0", "1"))
-def test_mma_stages_option_takes_what_fits(transposed, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_MMA_STAGES=4`: four MMA stages and two packed ones where two
-    still fit (BLOCK_M 64; not the transposed L2 beside its token staging rows), else the three
-    of the default; anything but "auto" or "4" is refused."""
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
-    shapes = {"l1": (4096, 7168), "l2": (7168, 2048)}
-    for value, expected in (("auto", {"l1": (3, 5), "l2": (3, 5 if transposed == "0" else 3)}),
-                            ("4", {"l1": (4, 2), "l2": (4, 2) if transposed == "0" else (3, 3)})):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", value)
-        for phase, (n, k) in shapes.items():
-            kernel, _ = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, n, k, 64)
-            assert (kernel.num_stages, kernel.packed_stages) == expected[phase], (value, phase)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_MMA_STAGES", "5")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_FP4_MMA_STAGES"):
-        gemm_kernel("sm_90a", RECIPE, "l1", 32, 8192, 4096, 7168, 64)
-    with pytest.raises(ValueError, match="fp4_mma_stages"):
-        Sm90ExpertGemmKernel("l1", RECIPE, 32, 8192, 4096, 7168, 64, fp4_mma_stages=1)
+            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
 @pytest.mark.compile

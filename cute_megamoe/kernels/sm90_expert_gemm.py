@@ -196,7 +196,7 @@ class Sm90ExpertGemmKernel:
                  owner_search: str = "gallop", decode_tables: str = "vote",
                  k_unroll: int | None = None, tma_store: bool | None = None,
                  row_stores: str | None = None, early_tables: bool | None = None,
-                 pool_block_m: int | None = None, fp4_mma_stages: int | None = None):
+                 pool_block_m: int | None = None):
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -346,16 +346,10 @@ class Sm90ExpertGemmKernel:
         # `smem_reserved`: bytes a fused kernel's other phases take from the budget
         self.smem_budget = SMEM_BUDGET - smem_reserved
 
-        # FP4 weights: the most MMA stages (`fp4_mma_stages`; an A/B option), fewer where two
-        # packed stages would not fit beside them
-        most_mma = FP4_MMA_STAGES if fp4_mma_stages is None else fp4_mma_stages
-        if not 2 <= most_mma <= MAX_STAGES:
-            raise ValueError(f"fp4_mma_stages must be in [2, {MAX_STAGES}], got {fp4_mma_stages}")
-
         def stages_fit(parts):  # pipeline stages left beside staging rows of 1/parts tile row
             left = self.smem_budget - self.staging_layout(parts)[1]
             if self.fp4_weights:  # (MMA stages, packed stages), two packed stages at least
-                mma = min(most_mma, (left - 2 * (self.packed_tx_bytes + 16))
+                mma = min(FP4_MMA_STAGES, (left - 2 * (self.packed_tx_bytes + 16))
                           // (stage_bytes + 64))
                 left -= mma * (stage_bytes + 64)
                 return mma, min(MAX_STAGES, left // (self.packed_tx_bytes + 16))

@@ -71,8 +71,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None,
-                 fp4_mma_stages: int | None = None):
+                 decode_tables: str = "vote", early_tables: bool | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
@@ -83,8 +82,7 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                          tiled_weights=tiled_weights, decode_tables=decode_tables,
                          # (FP4: the decode warps' first tables before the free-stage wait,
                          # sm90_expert_gemm.DEFAULT_EARLY_TABLES)
-                         early_tables=True if early_tables is None else early_tables,
-                         fp4_mma_stages=fp4_mma_stages)
+                         early_tables=True if early_tables is None else early_tables)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
         # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
         # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
