@@ -272,6 +272,15 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
+def sm90_transposed_l2_passes() -> int:
+    """``CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES``: the transposed sm_90a L2's staging rows
+    (`Sm90TransposedExpertGemmKernel`'s ``l2_staging_passes``): "1" (the default: one row per
+    token of the pool block) or "2" (half of them, the tile's rows sent in two passes; the
+    shared memory freed goes to the rings: a fourth packed stage for MXFP4 weights). An A/B
+    option; part of the grouped GEMMs' cache keys."""
+    return int(env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES", ("1", "2")))
+
+
 def sm90_fp4_tables() -> str:
     """``CUTE_MEGAMOE_SM90_FP4_TABLES``: how the decode warps of the sm_90a grouped GEMMs with
     MXFP4 weights build their tables (`Sm90ExpertGemmKernel`'s ``decode_tables``): ``vote``
@@ -341,7 +350,8 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL",
+                      "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -71,10 +71,17 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None):
+                 decode_tables: str = "vote", early_tables: bool | None = None,
+                 l2_staging_passes: int = 1):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
+        # L2's staging rows: all BLOCK_M tokens' (1), or half of them, sent in two passes (2;
+        # an A/B option: the 17 KB freed hold a fourth packed stage of MXFP4 weights, a fifth
+        # MMA stage of FP8 ones). Set before the base class sizes its rings (`staging_layout`)
+        if l2_staging_passes not in (1, 2):
+            raise ValueError(f"l2_staging_passes: 1 or 2, got {l2_staging_passes}")
+        self.staging_passes = l2_staging_passes if phase == "l2" else 1
         super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
@@ -111,6 +118,11 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, TOKEN_N))
         return tiled_mma, a_layout, b_layout
+
+    def staging_layout(self, parts: int) -> tuple[int, int]:
+        """The base class's staging rows, one per token of a pass (`l2_staging_passes`)."""
+        stride, total = super().staging_layout(parts)
+        return stride, total // self.staging_passes
 
     # ---------------------------------------------------------------------------- device side
     def consumer_staging(self, staging: cute.Pointer, consumer_warp):

@@ -44,7 +44,25 @@ class TransposedEpilogue:
         row ``r0 + 8 r`` (a trace-time callable); ``blocks``: the tile's m64 block of each (a
         list); ``consumer_warp`` of ``num_warps`` (the amax exchange's column, its rows and the
         features: ``16 (consumer_warp % 4)``); ``ctid``: the consumer thread's index;
-        ``exchange``: ``(num_warps + 1) * BLOCK_M`` floats of shared memory (L1)."""
+        ``exchange``: ``(num_warps + 1) * BLOCK_M`` floats of shared memory (L1). L2 with
+        ``staging_passes`` 2: `epilogue_l2_in_passes`."""
+        if cutlass.const_expr(self.phase == "l2" and self.staging_passes > 1):
+            self.epilogue_l2_in_passes(value, blocks, out, peer_bases, src_metadata, staging,
+                                       row_base, n_block, valid_m, consumer_warp,
+                                       32 * num_warps, lane, ctid)
+        else:
+            self.epilogue_one_pass(value, blocks, topk_weights, out, out_sf, peer_bases,
+                                   src_metadata, staging, exchange, row_base, n_block, valid_m,
+                                   consumer_warp, num_warps, lane, ctid)
+
+    @cute.jit
+    def epilogue_one_pass(self, value, blocks, topk_weights: cute.Pointer, out: cute.Pointer,
+                          out_sf: cute.Pointer, peer_bases: cute.Pointer,
+                          src_metadata: cute.Pointer, staging: cute.Pointer,
+                          exchange: cute.Pointer, row_base: Int32, n_block: Int32,
+                          valid_m: Int32, consumer_warp: Int32,
+                          num_warps: cutlass.Constexpr, lane: Int32, ctid: Int32):
+        """`epilogue_transposed` with staging rows for all the tile's tokens."""
         threads = 32 * num_warps
         quad = lane % 4
         warp_in_wg = consumer_warp % 4
@@ -139,3 +157,45 @@ class TransposedEpilogue:
                     cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
                     staging + ctid * self.staging_stride, Int32(self.tile_row_bytes))
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def epilogue_l2_in_passes(self, value, blocks, out: cute.Pointer, peer_bases: cute.Pointer,
+                              src_metadata: cute.Pointer, staging: cute.Pointer,
+                              row_base: Int32, n_block: Int32, valid_m: Int32,
+                              consumer_warp: Int32, threads: cutlass.Constexpr, lane: Int32,
+                              ctid: Int32):
+        """L2's rows through staging rows for ``BLOCK_M / staging_passes`` tokens at a time
+        (`Sm90TransposedExpertGemmKernel`'s ``l2_staging_passes``): per pass holding received
+        tokens, the previous copies' reads of the staging rows awaited, the pass's values
+        written, one bulk copy per valid token. The same rows as `epilogue_transposed`'s single
+        pass; half the staging rows leave room for more packed stages."""
+        quad = lane % 4
+        warp_in_wg = consumer_warp % 4
+        rows_per_pass = self.block_m // self.staging_passes
+        rows = cute.make_tensor(cute.recast_ptr(staging, dtype=BFloat16),
+                                cute.make_layout((rows_per_pass, self.staging_stride // 2),
+                                                 stride=(self.staging_stride // 2, 1)))
+        for p in cutlass.range_constexpr(self.staging_passes):
+            first = p * rows_per_pass
+            if first < valid_m:  # (uniform: passes past the received tokens are skipped)
+                if ctid < rows_per_pass:  # (the previous pass's or tile's copies have read)
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+                for j in cutlass.range_constexpr(first // 8, (first + rows_per_pass) // 8):
+                    if 8 * j < valid_m:
+                        for i in cutlass.range_constexpr(len(blocks)):
+                            col0 = 64 * blocks[i] + 16 * warp_in_wg + lane // 4
+                            for r in cutlass.range_constexpr(2):
+                                for c in cutlass.range_constexpr(2):
+                                    rows[8 * j - first + 2 * quad + c, col0 + 8 * r] = \
+                                        BFloat16(value(i, j, r, c))
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+                if ctid < rows_per_pass:
+                    if first + ctid < valid_m:
+                        dst = self.row_destination(out, peer_bases, src_metadata, row_base,
+                                                   first + ctid, valid_m, n_block, Int32(0))
+                        prims.cp_async_bulk_global_shared_cta(
+                            cute.make_ptr(Uint8, dst, cute.AddressSpace.gmem, assumed_align=16),
+                            staging + ctid * self.staging_stride, Int32(self.tile_row_bytes))
+                    cute.arch.cp_async_bulk_commit_group()
