@@ -184,11 +184,16 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 ab_pipe.consumer_release(state)
                 state.advance()
             # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
-            self.epilogue_transposed(
-                lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
-                list(range(self.weight_blocks)), topk_weights, out, out_sf, peer_bases,
-                src_metadata, staging, exchange, row_base, n_block, valid_m, warp_in_wg, 4, lane,
-                ctid)
+            value = (lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)])
+            blocks = list(range(self.weight_blocks))
+            if cutlass.const_expr(self.staging_passes > 1):  # (L2 only)
+                self.epilogue_l2_in_passes(value, blocks, out, peer_bases, src_metadata,
+                                           staging, row_base, n_block, valid_m, warp_in_wg,
+                                           128, lane, ctid)
+            else:
+                self.epilogue_transposed(value, blocks, topk_weights, out, out_sf, peer_bases,
+                                         src_metadata, staging, exchange, row_base, n_block,
+                                         valid_m, warp_in_wg, 4, lane, ctid)
             tile += num_clusters
         if ctid < self.block_m:
             cute.arch.cp_async_bulk_wait_group(0)

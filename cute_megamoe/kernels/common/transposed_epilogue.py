@@ -44,25 +44,7 @@ class TransposedEpilogue:
         row ``r0 + 8 r`` (a trace-time callable); ``blocks``: the tile's m64 block of each (a
         list); ``consumer_warp`` of ``num_warps`` (the amax exchange's column, its rows and the
         features: ``16 (consumer_warp % 4)``); ``ctid``: the consumer thread's index;
-        ``exchange``: ``(num_warps + 1) * BLOCK_M`` floats of shared memory (L1). L2 with
-        ``staging_passes`` 2: `epilogue_l2_in_passes`."""
-        if cutlass.const_expr(self.phase == "l2" and self.staging_passes > 1):
-            self.epilogue_l2_in_passes(value, blocks, out, peer_bases, src_metadata, staging,
-                                       row_base, n_block, valid_m, consumer_warp,
-                                       32 * num_warps, lane, ctid)
-        else:
-            self.epilogue_one_pass(value, blocks, topk_weights, out, out_sf, peer_bases,
-                                   src_metadata, staging, exchange, row_base, n_block, valid_m,
-                                   consumer_warp, num_warps, lane, ctid)
-
-    @cute.jit
-    def epilogue_one_pass(self, value, blocks, topk_weights: cute.Pointer, out: cute.Pointer,
-                          out_sf: cute.Pointer, peer_bases: cute.Pointer,
-                          src_metadata: cute.Pointer, staging: cute.Pointer,
-                          exchange: cute.Pointer, row_base: Int32, n_block: Int32,
-                          valid_m: Int32, consumer_warp: Int32,
-                          num_warps: cutlass.Constexpr, lane: Int32, ctid: Int32):
-        """`epilogue_transposed` with staging rows for all the tile's tokens."""
+        ``exchange``: ``(num_warps + 1) * BLOCK_M`` floats of shared memory (L1)."""
         threads = 32 * num_warps
         quad = lane % 4
         warp_in_wg = consumer_warp % 4
@@ -168,7 +150,8 @@ class TransposedEpilogue:
         (`Sm90TransposedExpertGemmKernel`'s ``l2_staging_passes``): per pass holding received
         tokens, the previous copies' reads of the staging rows awaited, the pass's values
         written, one bulk copy per valid token. The same rows as `epilogue_transposed`'s single
-        pass; half the staging rows leave room for more packed stages."""
+        pass; half the staging rows leave room for more packed stages. ``threads``: the
+        consumer threads (32 x their warps)."""
         quad = lane % 4
         warp_in_wg = consumer_warp % 4
         rows_per_pass = self.block_m // self.staging_passes
