@@ -272,13 +272,15 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_transposed_l2_passes() -> int:
+def sm90_transposed_l2_passes() -> int | None:
     """``CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES``: the transposed sm_90a L2's staging rows
-    (`Sm90TransposedExpertGemmKernel`'s ``l2_staging_passes``): "1" (the default: one row per
-    token of the pool block) or "2" (half of them, the tile's rows sent in two passes; the
-    shared memory freed goes to the rings: a fourth packed stage for MXFP4 weights). An A/B
-    option; part of the grouped GEMMs' cache keys."""
-    return int(env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES", ("1", "2")))
+    (`Sm90TransposedExpertGemmKernel`'s ``l2_staging_passes``): "1" (one row per token of the
+    pool block) or "2" (half of them, the tile's rows sent in two passes; the shared memory
+    freed goes to the rings: a fourth packed stage for MXFP4 weights) force it, for A/Bs; unset
+    or "auto": None, by recipe (`sm90_expert_gemm_transposed.DEFAULT_L2_STAGING_PASSES`: two for
+    MXFP4 weights, one for FP8). Part of the grouped GEMMs' cache keys."""
+    value = env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES", ("auto", "1", "2"))
+    return None if value == "auto" else int(value)
 
 
 def sm90_fp4_tables() -> str:

@@ -364,7 +364,8 @@ def test_sm90_transposed_l2_in_two_passes_compiles(recipe, to_combine, monkeypat
     """`CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES=2`: the transposed L2 keeps staging rows for
     half the pool block's tokens and sends the tile's rows in two passes (one more bulk-copy
     site, no spills); the shared memory freed goes to the rings (MXFP4: a fourth packed stage
-    at H 7168, I 2048); L1 is built as without it, and other values are refused."""
+    at H 7168, I 2048); L1 is built as without it, and other values are refused. Unset, the
+    recipe picks: two passes for MXFP4 weights, one for FP8."""
     from cute_megamoe.kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
     from cute_megamoe.launch import gemm_kernel
     from cute_megamoe.layout import MegaMoELayout
@@ -379,6 +380,9 @@ def test_sm90_transposed_l2_in_two_passes_compiles(recipe, to_combine, monkeypat
             kernels[passes, phase] = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
                                                  activation_clamp=10.0)[0]
         arts[passes] = _compile("l2", recipe, 64, combine_layout=layout)
+    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES")
+    default = gemm_kernel("sm_90a", recipe, "l2", 32, 8192, 7168, 2048, 64)[0]
+    assert default.staging_passes == (2 if recipe == "fp8xfp4_sm90" else 1)
     one, two = kernels["1", "l2"], kernels["2", "l2"]
     assert isinstance(two, Sm90TransposedExpertGemmKernel)
     assert (one.staging_passes, two.staging_passes) == (1, 2)

@@ -250,8 +250,8 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
             "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128),
-            "transposed_l2_passes": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES": "2"},
-                                     64)}
+            "transposed_l2_one_pass": ({**TRANSPOSED,
+                                        "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES": "1"}, 64)}
 
 
 @pytest.mark.compile

@@ -61,6 +61,10 @@ WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
 # k-block instead of two; each sub-block its own scratch, so the sums and their promotion
 # order are unchanged)
 SUBS_IN_FLIGHT = 2
+# L2 staging passes by recipe (two: staging rows for half the pool block's tokens, sent in two
+# passes). MXFP4: the 17 KB freed hold a fourth packed stage, 0.967-1.001x the FFN's time at
+# 8-16 pairs per expert on an H200 (docs/performance.md); fp8xfp8: 1.001-1.003x, so one
+DEFAULT_L2_STAGING_PASSES = {"fp8xfp8": 1, "fp8xfp4_sm90": 2}
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -72,13 +76,15 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
                  decode_tables: str = "vote", early_tables: bool | None = None,
-                 l2_staging_passes: int = 1):
+                 l2_staging_passes: int | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
-        # L2's staging rows: all BLOCK_M tokens' (1), or half of them, sent in two passes (2;
-        # an A/B option: the 17 KB freed hold a fourth packed stage of MXFP4 weights, a fifth
-        # MMA stage of FP8 ones). Set before the base class sizes its rings (`staging_layout`)
+        # L2's staging rows: all BLOCK_M tokens' (1), or half of them, sent in two passes (2:
+        # the 17 KB freed hold a fourth packed stage of MXFP4 weights, a fifth MMA stage of FP8
+        # ones); None: by recipe. Set before the base class sizes its rings (`staging_layout`)
+        if l2_staging_passes is None:
+            l2_staging_passes = DEFAULT_L2_STAGING_PASSES[recipe]
         if l2_staging_passes not in (1, 2):
             raise ValueError(f"l2_staging_passes: 1 or 2, got {l2_staging_passes}")
         self.staging_passes = l2_staging_passes if phase == "l2" else 1
