@@ -68,6 +68,10 @@ def _block_weight_sf(rows_sf: torch.Tensor, name: str, gate_up: bool) -> torch.T
     blocks of ``[gate | up]``), each row padded to ``weight_sf_row_len(N)`` entries. Raises
     unless the rows of every 128-row block agree."""
     num_experts, n, kb = rows_sf.shape
+    if n % SF_BLOCK:
+        raise ValueError(f"{name}: {n} weight rows are not whole blocks of {SF_BLOCK} (fp8xfp8 "
+                         f"weights have one scale per {SF_BLOCK}x{SF_BLOCK} block: hidden and "
+                         f"2 * intermediate must be multiples of {SF_BLOCK})")
     if gate_up:
         rows_sf = quant.deinterleave_gate_up(rows_sf)
     blocks = rows_sf.reshape(num_experts, n // SF_BLOCK, SF_BLOCK, kb)
@@ -276,6 +280,12 @@ class ExpertWeights:
         else:
             rows1 = check_tensor("l1_weights[1]", l1_weights[1], torch.int32, for_kernel=False)
             rows2 = check_tensor("l2_weights[1]", l2_weights[1], torch.int32, for_kernel=False)
+            for name, packed, size in (("hidden", w1, "l1_weights[0].shape[2] * 2"),
+                                       ("intermediate", w2, "l2_weights[0].shape[2] * 2")):
+                if packed.dim() != 3 or packed.shape[2] % 16:
+                    raise ValueError(f"{recipe} weights: {name} ({size} = "
+                                     f"{2 * packed.shape[-1]}) must be a multiple of 32 (whole "
+                                     f"groups of 32 codes with one UE8M0 scale each)")
             w1 = quant.fp4_words_for_sm90_decode(w1)
             w2 = quant.fp4_words_for_sm90_decode(w2)
             return cls(recipe, w1, w2, rows1.transpose(1, 2).contiguous(),

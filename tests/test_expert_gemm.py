@@ -68,6 +68,20 @@ def test_weights_reject_per_row_scales_and_other_recipes():
         ExpertWeights.from_quantized(None, None, "fp8xfp8", arch="sm_100a")
 
 
+@pytest.mark.parametrize("recipe,hidden,inter,match", [
+    ("fp8xfp8", 1000, 512, "not whole blocks of 128.*hidden and 2 \\* intermediate"),
+    ("fp8xfp8", 1024, 200, "not whole blocks of 128"),
+    ("fp8xfp4_sm90", 1000, 512, "hidden .* must be a multiple of 32"),
+    ("fp8xfp4_sm90", 1024, 520, "intermediate .* must be a multiple of 32")])
+def test_weights_reject_sizes_their_scales_cannot_cover(recipe, hidden, inter, match):
+    """Sizes the recipe's scale blocks do not tile raise a `ValueError` naming the sizes when
+    the weights are made (a reshape error deep in the conversion before)."""
+    w1 = torch.randn(2, 2 * inter, hidden).to(torch.bfloat16)
+    w2 = torch.randn(2, hidden, inter).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        ExpertWeights.from_bf16(w1, w2, recipe, arch="sm_90a")
+
+
 def test_weights_fp4_for_sm100():
     gen = torch.Generator().manual_seed(1)
     e, inter, hidden = 2, 128, 256
