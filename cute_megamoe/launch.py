@@ -48,7 +48,6 @@ from .runtime import (
     sm90_tma_store,
     sm90_transposed,
     sm90_transposed_a_rows,
-    sm90_transposed_l2_passes,
     tile_owner_search,
 )
 
@@ -385,9 +384,7 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
                                                 block_m, activation_clamp=clamp,
                                                 fast_math=fast_math,
                                                 tiled_weights=tiled_weights,
-                                                a_rows=sm90_transposed_a_rows(),
-                                                l2_staging_passes=sm90_transposed_l2_passes(),
-                                                **extra)
+                                                a_rows=sm90_transposed_a_rows(), **extra)
         return kernel, dtypes
     if arch == "sm_90a":  # (FP4 weights: clusters only as the shared-decode A/B option)
         extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
@@ -462,8 +459,7 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                activation_clamp if phase == "l1" else None, bool(fast_math),
                combine_layout if to_combine else None,
                (sm90_promotion(),
-                transposed,
-                (sm90_transposed_a_rows(), sm90_transposed_l2_passes()) if transposed else None,
+                transposed, sm90_transposed_a_rows() if transposed else None,
                 tile_owner_search(),
                 (sm90_fp4_tables(), sm90_fp4_early_tables(),
                  sm90_shares_decode(block_m, expected_tokens_per_expert)) if fp4

@@ -272,17 +272,6 @@ def sm90_transposed_a_rows() -> str:
     return env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", ("received", "block"))
 
 
-def sm90_transposed_l2_passes() -> int | None:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES``: the transposed sm_90a L2's staging rows
-    (`Sm90TransposedExpertGemmKernel`'s ``l2_staging_passes``): "1" (one row per token of the
-    pool block) or "2" (half of them, the tile's rows sent in two passes; the shared memory
-    freed goes to the rings: a fourth packed stage for MXFP4 weights) force it, for A/Bs; unset
-    or "auto": None, by recipe (`sm90_expert_gemm_transposed.DEFAULT_L2_STAGING_PASSES`: two for
-    MXFP4 weights, one for FP8). Part of the grouped GEMMs' cache keys."""
-    value = env_choice("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES", ("auto", "1", "2"))
-    return None if value == "auto" else int(value)
-
-
 def sm90_fp4_tables() -> str:
     """``CUTE_MEGAMOE_SM90_FP4_TABLES``: how the decode warps of the sm_90a grouped GEMMs with
     MXFP4 weights build their tables (`Sm90ExpertGemmKernel`'s ``decode_tables``): ``vote``
@@ -352,8 +341,7 @@ KERNEL_VARIANT_ENV = ("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "CUTE_MEGAMOE_SM90_PROMOTIO
                       "CUTE_MEGAMOE_TILE_SEARCH", "CUTE_MEGAMOE_SM90_FP4_TABLES",
                       "CUTE_MEGAMOE_SM90_K_UNROLL", "CUTE_MEGAMOE_SM90_TMA_STORE",
                       "CUTE_MEGAMOE_SM90_ROW_STORES", "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES",
-                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL",
-                      "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES")
+                      "CUTE_MEGAMOE_SM90_FP4_CLUSTER", "CUTE_MEGAMOE_SM90_PAIRED_POOL")
 
 
 def kernel_variant_env() -> tuple[str | None, ...]:

@@ -372,55 +372,6 @@ def test_sm90_clusters_need_256_column_tiles():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
-@pytest.mark.parametrize("to_combine", (False, True))
-def test_sm90_transposed_l2_in_two_passes_compiles(recipe, to_combine, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES=2`: the transposed L2 keeps staging rows for
-    half the pool block's tokens and sends the tile's rows in two passes (one more bulk-copy
-    site, no spills); the shared memory freed goes to the rings (MXFP4: a fourth packed stage
-    at H 7168, I 2048); L1 is built as without it, and other values are refused. Unset, the
-    recipe picks: two passes for MXFP4 weights, one for FP8."""
-    from cute_megamoe.kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.layout import MegaMoELayout
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe) if to_combine else None
-    kernels, arts = {}, {}
-    for passes in ("1", "2"):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES", passes)
-        for phase, (n, k) in (("l1", (4096, 7168)), ("l2", (7168, 2048))):
-            kernels[passes, phase] = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                                 activation_clamp=10.0)[0]
-        arts[passes] = _compile("l2", recipe, 64, combine_layout=layout)
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES")
-    default = gemm_kernel("sm_90a", recipe, "l2", 32, 8192, 7168, 2048, 64)[0]
-    assert default.staging_passes == (2 if recipe == "fp8xfp4_sm90" else 1)
-    one, two = kernels["1", "l2"], kernels["2", "l2"]
-    assert isinstance(two, Sm90TransposedExpertGemmKernel)
-    assert (one.staging_passes, two.staging_passes) == (1, 2)
-    assert two.staging_bytes == one.staging_bytes // 2
-    if recipe == "fp8xfp4_sm90":
-        assert (one.num_stages, one.packed_stages, two.num_stages, two.packed_stages) == (3, 3,
-                                                                                          3, 4)
-    l1_one, l1_two = kernels["1", "l1"], kernels["2", "l1"]
-    assert l1_two.staging_passes == 1
-    assert (l1_one.staging_bytes, l1_one.num_stages) == (l1_two.staging_bytes,
-                                                         l1_two.num_stages)
-    if arts["2"].sass is None:
-        pytest.skip("nvdisasm not available")
-    assert arts["2"].count("UBLKCP.G.S") == arts["1"].count("UBLKCP.G.S") + 1
-    assert arts["2"].count("STL") == 0 and arts["2"].resource_usage()["LOCAL"] == 0
-    with pytest.raises(ValueError, match="l2_staging_passes"):
-        Sm90TransposedExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, 64,
-                                       l2_staging_passes=4)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES", "3")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES"):
-        gemm_kernel("sm_90a", recipe, "l2", 32, 8192, 7168, 2048, 64)
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
@@ -772,15 +723,13 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
                                              (64, "transposed"), (64, "transposed_block"),
-                                             (64, "transposed_l2_passes"),
                                              (128, "unroll4"), (128, "unroll2")])
 def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
     """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the consumer loop unrolled by
     4 or 2 k-blocks (`CUTE_MEGAMOE_SM90_K_UNROLL`; at BLOCK_M 128 MXFP4 weights run in the
     clusters that share the decode, whose default is 2) and the transposed kernels
     (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block", and the L2 rows
-    in two passes, `CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES`) compute the same
+    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
     products and promote them in the same order as "chunk" with one k-block per loop body:
     L2 inputs, their scales and the
     outputs equal bit for bit, pad rows untouched."""
@@ -803,17 +752,12 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
                                         "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
                    "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"},
-                   "transposed_l2_passes": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                            "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                            "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES": "2"}
-                   }[variant]
+                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
     results = []
     for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk", "CUTE_MEGAMOE_SM90_K_UNROLL": "1"},
                 variant_env):
         for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES"):
+                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

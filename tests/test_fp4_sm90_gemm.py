@@ -249,9 +249,7 @@ VARIANTS = {"transposed": (TRANSPOSED, 64),
             "early_tables_128": (EARLY, 128),
             "transposed_late_tables": ({**TRANSPOSED,
                                         "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
-            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128),
-            "transposed_l2_one_pass": ({**TRANSPOSED,
-                                        "CUTE_MEGAMOE_SM90_TRANSPOSED_L2_PASSES": "1"}, 64)}
+            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
 
 
 @pytest.mark.compile

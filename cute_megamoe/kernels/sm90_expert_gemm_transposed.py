@@ -61,10 +61,6 @@ WEIGHT_M = 64  # weight rows of one transposed WGMMA (an m64 block of the tile)
 # k-block instead of two; each sub-block its own scratch, so the sums and their promotion
 # order are unchanged)
 SUBS_IN_FLIGHT = 2
-# L2 staging passes by recipe (two: staging rows for half the pool block's tokens, sent in two
-# passes). MXFP4: the 17 KB freed hold a fourth packed stage, 0.967-1.001x the FFN's time at
-# 8-16 pairs per expert on an H200 (docs/performance.md); fp8xfp8: 1.001-1.003x, so one
-DEFAULT_L2_STAGING_PASSES = {"fp8xfp8": 1, "fp8xfp4_sm90": 2}
 
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
@@ -75,19 +71,10 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                  k: int, block_m: int, activation_clamp: float | None = None,
                  fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
                  tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None,
-                 l2_staging_passes: int | None = None):
+                 decode_tables: str = "vote", early_tables: bool | None = None):
         if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
             raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
                              f"got {recipe!r} at {block_m}")
-        # L2's staging rows: all BLOCK_M tokens' (1), or half of them, sent in two passes (2:
-        # the 17 KB freed hold a fourth packed stage of MXFP4 weights, a fifth MMA stage of FP8
-        # ones); None: by recipe. Set before the base class sizes its rings (`staging_layout`)
-        if l2_staging_passes is None:
-            l2_staging_passes = DEFAULT_L2_STAGING_PASSES[recipe]
-        if l2_staging_passes not in (1, 2):
-            raise ValueError(f"l2_staging_passes: 1 or 2, got {l2_staging_passes}")
-        self.staging_passes = l2_staging_passes if phase == "l2" else 1
         super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
                          activation_clamp=activation_clamp, fast_math=fast_math,
                          raster_group=raster_group, combine_layout=combine_layout,
@@ -124,11 +111,6 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
             Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K,
             warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(WEIGHT_M, TOKEN_N))
         return tiled_mma, a_layout, b_layout
-
-    def staging_layout(self, parts: int) -> tuple[int, int]:
-        """The base class's staging rows, one per token of a pass (`l2_staging_passes`)."""
-        stride, total = super().staging_layout(parts)
-        return stride, total // self.staging_passes
 
     # ---------------------------------------------------------------------------- device side
     def consumer_staging(self, staging: cute.Pointer, consumer_warp):
@@ -190,16 +172,11 @@ class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
                 ab_pipe.consumer_release(state)
                 state.advance()
             # (token 8 j + 2 quad + c of block b: sub-block j / 2, its value c + 2 r + 4 (j % 2))
-            value = (lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)])
-            blocks = list(range(self.weight_blocks))
-            if cutlass.const_expr(self.staging_passes > 1):  # (L2 only)
-                self.epilogue_l2_in_passes(value, blocks, out, peer_bases, src_metadata,
-                                           staging, row_base, n_block, valid_m, warp_in_wg,
-                                           128, lane, ctid)
-            else:
-                self.epilogue_transposed(value, blocks, topk_weights, out, out_sf, peer_bases,
-                                         src_metadata, staging, exchange, row_base, n_block,
-                                         valid_m, warp_in_wg, 4, lane, ctid)
+            self.epilogue_transposed(
+                lambda b, j, r, c: accs[b][j // 2][c + 2 * r + 4 * (j % 2)],
+                list(range(self.weight_blocks)), topk_weights, out, out_sf, peer_bases,
+                src_metadata, staging, exchange, row_base, n_block, valid_m, warp_in_wg, 4, lane,
+                ctid)
             tile += num_clusters
         if ctid < self.block_m:
             cute.arch.cp_async_bulk_wait_group(0)
