@@ -893,6 +893,35 @@ def test_choose_runs_the_fused_kernel_by_default_where_it_ran(monkeypatch):
         fused.choose(None, *_choose_case(monkeypatch, env="sometimes"))
 
 
+def test_supports_refuses_groups_of_several_gpus_outside_the_experiment(monkeypatch):
+    """A group of one process per GPU (a process group, R > 1) runs the fused kernel only with
+    ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1`` (its one-rank-per-GPU test failed on 2026-12-04);
+    one-rank groups and loopback groups (no process group) are not held back by that."""
+    from types import SimpleNamespace
+
+    from cute_megamoe import fused
+    from cute_megamoe.expert_gemm import ExpertWeights
+
+    weights = object.__new__(ExpertWeights)
+    object.__setattr__(weights, "arch", "sm_90a")
+    monkeypatch.setattr(fused, "buffer_state", lambda buf: SimpleNamespace(arch="sm_90a"))
+
+    def buffer(num_ranks, group):
+        layout = SimpleNamespace(num_ranks=num_ranks, recipe="fp8xfp8", hidden=512,
+                                 intermediate_hidden=256)
+        return SimpleNamespace(layout=layout, group=group)
+
+    monkeypatch.delenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", raising=False)
+    reason = fused.supports(buffer(2, object()), weights)
+    assert reason is not None and "CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1" in reason
+    with pytest.raises(ValueError, match="several GPUs only as an experiment"):
+        fused.choose(True, buffer(2, object()), weights)
+    assert fused.supports(buffer(2, None), weights) is None  # loopback
+    assert fused.supports(buffer(1, object()), weights) is None
+    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
+    assert fused.supports(buffer(2, object()), weights) is None
+
+
 def test_module_on_the_cpu_runs_the_reference_by_default():
     """The CPU layer is the reference: ``fused`` None or False is that, not an error."""
     import cute_megamoe as cm
@@ -955,13 +984,15 @@ def test_module_and_api_run_the_fused_kernel(recipe):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
-def test_fused_one_rank_per_gpu(num_ranks, recipe):
-    """200 calls (R = 2; 50 at 4 and 8), one process per GPU, each against the staged layer."""
+def test_fused_one_rank_per_gpu(num_ranks, recipe, monkeypatch):
+    """200 calls (R = 2; 50 at 4 and 8), one process per GPU, each against the staged layer
+    (across GPUs the fused kernel runs only as an experiment: `fused.supports`)."""
     _gpu()
     from cute_megamoe.testing.fused_checks import run_multiprocess
 
     if torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs, {torch.cuda.device_count()} present")
+    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")  # (the spawned ranks inherit it)
     run_multiprocess(num_ranks, recipe, 200 if num_ranks == 2 else 50,
                      port=29961 + 10 * num_ranks + RECIPES.index(recipe))
 
