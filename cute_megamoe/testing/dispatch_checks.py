@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant, reference
+from .spawn import record_failure, spawn_ranks
 
 ROUTINGS = ("random", "masked", "one_expert", "skewed")
 
@@ -253,14 +254,15 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_experts: int,
         print(f"rank {rank}: {check_transfer_mismatch(rank, num_ranks, recipe, dist.group.WORLD)}")
         os._exit(0)  # the CUDA context is dead: no NCCL teardown
     try:
-        if mode == "dispatch":
-            run_cases(rank, num_ranks, default_cases(num_ranks, seed), recipe, num_experts,
-                      num_topk, hidden, block_m, group=dist.group.WORLD)
-        else:
-            run_layer_cases(num_ranks, recipe, num_experts, num_topk, hidden, block_m, seed,
-                            group=dist.group.WORLD,
-                            experts="kernels" if mode == "layer_kernels" else "torch")
-        dist.barrier()
+        with record_failure(rank):
+            if mode == "dispatch":
+                run_cases(rank, num_ranks, default_cases(num_ranks, seed), recipe, num_experts,
+                          num_topk, hidden, block_m, group=dist.group.WORLD)
+            else:
+                run_layer_cases(num_ranks, recipe, num_experts, num_topk, hidden, block_m, seed,
+                                group=dist.group.WORLD,
+                                experts="kernels" if mode == "layer_kernels" else "torch")
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -271,10 +273,8 @@ def run_multiprocess(num_ranks: int, recipe: str, num_experts: int, num_topk: in
     """Spawn one process per GPU; `mode` is "dispatch" (exact kernel checks), "layer" (the
     staged layer on torch GEMMs against the reference), "layer_kernels" (the layer on our
     grouped-GEMM kernels) or "transfer_mismatch" (`check_transfer_mismatch`)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(num_ranks, port, recipe, num_experts, num_topk, hidden, block_m,
-                            seed, mode), nprocs=num_ranks, join=True)
+    spawn_ranks(_worker, num_ranks, num_ranks, port, recipe, num_experts, num_topk, hidden,
+                block_m, seed, mode)
 
 
 def main() -> None:
@@ -470,20 +470,18 @@ def _baseline_worker(rank: int, num_ranks: int, port: int, recipe: str, backend:
         device = torch.device("cuda", rank)
     dist.init_process_group(backend, rank=rank, world_size=num_ranks)
     try:
-        cases = (Case((37,) * num_ranks, "random", 21),
-                 Case((0,) + (50,) * (num_ranks - 1), "masked", 22),
-                 Case((64,) * num_ranks, "one_expert", 23))
-        for case in cases:
-            check_baseline_layer(rank, num_ranks, case, recipe, 8, 2, 256, 128, device,
-                                 group=dist.group.WORLD)
-        dist.barrier()
+        with record_failure(rank):
+            cases = (Case((37,) * num_ranks, "random", 21),
+                     Case((0,) + (50,) * (num_ranks - 1), "masked", 22),
+                     Case((64,) * num_ranks, "one_expert", 23))
+            for case in cases:
+                check_baseline_layer(rank, num_ranks, case, recipe, 8, 2, 256, 128, device,
+                                     group=dist.group.WORLD)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def run_baseline_multiprocess(num_ranks: int, recipe: str, backend: str = "gloo",
                               port: int = 29577) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_baseline_worker, args=(num_ranks, port, recipe, backend), nprocs=num_ranks,
-             join=True)
+    spawn_ranks(_baseline_worker, num_ranks, num_ranks, port, recipe, backend)

@@ -31,6 +31,7 @@ import torch
 
 from .. import quant, reference
 from .dispatch_checks import make_routing
+from .spawn import record_failure, spawn_ranks
 
 BLOCK_MS = (32, 64, 96, 128)  # BLOCK_M drawn per rank and call by `check_calls`
 
@@ -475,22 +476,23 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_calls: int) -
 
     init_rank_process(rank, num_ranks, port)
     try:
-        buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, 8 * num_ranks, 300, 4, 512, 256,
-                                           mma_type=recipe)
-        ranks = Ranks([buf], [torch.cuda.Stream()])
-        check_calls(ranks, num_calls, seed=3)
-        for calls_made in ((1 << 31) - 3, (1 << 32) - 3):
-            dist.barrier()  # no peer is still in a call while the counters are rewritten
-            set_counters_near_wrap(ranks, calls_made)
-            dist.barrier()
-            check_calls(ranks, 6, seed=calls_made % 1000)
-        layer = [(1000, 1100), (0, 300), (1, 77)]
-        if recipe != "fp8xfp4" and torch.cuda.get_device_capability()[0] == 9:
-            big = get_symm_buffer_for_mega_moe(dist.group.WORLD, 256, 1100, 8, 512, 256,
+        with record_failure(rank):
+            buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, 8 * num_ranks, 300, 4, 512, 256,
                                                mma_type=recipe)
-            check_layer_calls(Ranks([big], [torch.cuda.Stream()]),
-                              [tuple(t[r % 2] for r in range(num_ranks)) for t in layer])
-        dist.barrier()
+            ranks = Ranks([buf], [torch.cuda.Stream()])
+            check_calls(ranks, num_calls, seed=3)
+            for calls_made in ((1 << 31) - 3, (1 << 32) - 3):
+                dist.barrier()  # no peer is still in a call while the counters are rewritten
+                set_counters_near_wrap(ranks, calls_made)
+                dist.barrier()
+                check_calls(ranks, 6, seed=calls_made % 1000)
+            layer = [(1000, 1100), (0, 300), (1, 77)]
+            if recipe != "fp8xfp4" and torch.cuda.get_device_capability()[0] == 9:
+                big = get_symm_buffer_for_mega_moe(dist.group.WORLD, 256, 1100, 8, 512, 256,
+                                                   mma_type=recipe)
+                check_layer_calls(Ranks([big], [torch.cuda.Stream()]),
+                                  [tuple(t[r % 2] for r in range(num_ranks)) for t in layer])
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -498,6 +500,4 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_calls: int) -
 def run_multiprocess(num_ranks: int, recipe: str, num_calls: int, port: int = 29917) -> None:
     """`check_calls` (random calls, then across the counter wraps) and `check_layer_calls`
     with one process per GPU (needs `num_ranks` GPUs)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(num_ranks, port, recipe, num_calls), nprocs=num_ranks, join=True)
+    spawn_ranks(_worker, num_ranks, num_ranks, port, recipe, num_calls)
