@@ -73,8 +73,9 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
         # (one process per GPU; a loopback group, every rank's buffer in one process, has no
         # process group and runs it)
         return ("the fused kernel runs groups of several GPUs only as an experiment "
-                "(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): its one-rank-per-GPU test failed on two "
-                "H200s on 2026-12-04 and is not diagnosed (one-rank and loopback groups pass)")
+                "(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): its one-rank-per-GPU test has not passed "
+                "on two GPUs yet (it failed on 2026-12-04 by the test's CPU reference, since "
+                "fixed; one-rank and loopback groups pass)")
     arch = buffer_state(sym_buffer).arch
     if layout.recipe not in FUSED_RECIPES[arch]:
         return f"the {arch} fused kernel runs {FUSED_RECIPES[arch]}, not {layout.recipe!r}"
@@ -95,8 +96,8 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
 #: ``CUTE_MEGAMOE_FUSED``: what ``fused=None`` (the entry points' default) picks. "auto": the
 #: fused kernel for one-rank groups on sm_90a (fp8xfp8, bf16xbf16: GPU-tested, bit-identical
 #: to the staged kernels and as fast or faster at 1-8192 tokens, docs/performance.md), the
-#: staged kernels for larger groups (across GPUs the fused kernel failed its test on
-#: 2026-12-04: `supports` refuses it there without ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``) and
+#: staged kernels for larger groups (across GPUs the fused kernel's test has not passed yet:
+#: `supports` refuses it there without ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``) and
 #: on sm_100a (compiled, never run); "1": the fused kernel wherever `supports` allows it;
 #: "0": the staged kernels. Every
 #: rank of a group should see the same value: a staged rank and a fused rank that counts its
