@@ -23,7 +23,7 @@ import time
 import torch
 
 from .quant import dequantize_weights_for_recipe, quantize_weights_for_recipe
-from .reference import mega_moe_reference
+from .reference import expert_ffn_float64, mega_moe_reference
 from .tables import RECIPES
 
 # Where each recipe's error comes from (printed next to the reference's error).
@@ -38,17 +38,12 @@ ERROR_SOURCE = {
 def float64_layer(x, topk_idx, topk_weights, w1, w2, clamp):
     """The layer in float64 with no quantization and no intermediate rounding (one rank)."""
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    inter = w1.shape[1] // 2
     for e in range(w1.shape[0]):
         tok, slot = (topk_idx == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        acc = x[tok].double() @ w1[e].double().T
-        gate, up = acc[:, :inter], acc[:, inter:]
-        if clamp is not None:
-            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
-        h = gate * torch.sigmoid(gate) * up * topk_weights[tok, slot].double()[:, None]
-        y.index_add_(0, tok, h @ w2[e].double().T)
+        y.index_add_(0, tok, expert_ffn_float64(x[tok], topk_weights[tok, slot], w1[e], w2[e],
+                                                clamp))
     return y
 
 

@@ -101,6 +101,7 @@ __all__ = [
     "MegaMoEReferenceResult",
     "combine_reference",
     "dispatch_reference",
+    "expert_ffn_float64",
     "expert_ffn_reference",
     "l2_input_reference",
     "mega_moe_reference",
@@ -270,6 +271,30 @@ def expert_ffn_reference(
     l2_in = l2_input_reference(h, recipe)
     o = (l2_in.double() @ w2_deq.double().T).float().to(torch.bfloat16)
     return h, l2_in, o
+
+
+def expert_ffn_float64(
+    x: torch.Tensor,
+    topk_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    activation_clamp: float | None = None,
+) -> torch.Tensor:
+    """One expert's FFN in float64 with no quantization and no intermediate rounding: the
+    yardstick for what a recipe's quantization costs (each recipe's reference and its kernels
+    are measured against it; they should be equally far from it).
+
+    ``o = (silu(g) * u * w) @ w2.T`` with ``[g | u] = x @ w1.T``, the clamp as in
+    ``swiglu_reference`` but on unrounded values. Any float dtype in, float64 ``[m, H]`` out.
+    """
+    clamp = check_activation_clamp(activation_clamp)
+    acc = x.double() @ w1.double().T
+    inter = acc.shape[1] // 2
+    gate, up = acc[:, :inter], acc[:, inter:]
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    h = gate * torch.sigmoid(gate) * up * topk_weight.double()[:, None]
+    return h @ w2.double().T
 
 
 def combine_reference(expert_outputs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ from cute_megamoe.reference import (
     MegaMoEReferenceResult,
     combine_reference,
     dispatch_reference,
+    expert_ffn_float64,
     expert_ffn_reference,
     mega_moe_reference,
     swiglu_reference,
@@ -438,6 +439,29 @@ def test_swiglu_reference_clamp_is_asymmetric() -> None:
     unclamped = swiglu_reference(acc, w, None)
     assert torch.allclose(unclamped.double(), want(gate, up), rtol=1e-6, atol=0)
     assert float(unclamped[0, 0]) != float(clamped[0, 0])
+
+
+def test_expert_ffn_float64_is_the_unrounded_ffn() -> None:
+    # one row whose gate and up hit the clamp from both sides, checked by hand in float64
+    x = torch.tensor([[1.0, -2.0]], dtype=torch.bfloat16)
+    w1 = torch.tensor([[20.0, 0.0], [-1.5, 0.25], [0.0, -9.0], [2.0, 0.0]])  # [gate | up] rows
+    w2 = torch.tensor([[1.0, 0.5], [-2.0, 3.0]])
+    g = torch.tensor([min(20.0, 10.0), -2.0], dtype=torch.float64)
+    u = torch.tensor([min(18.0, 10.0), 2.0], dtype=torch.float64)
+    h = g * torch.sigmoid(g) * u * 0.75
+    got = expert_ffn_float64(x, torch.tensor([0.75]), w1, w2, 10.0)
+    assert got.dtype == torch.float64 and got.shape == (1, 2)
+    assert torch.allclose(got[0], w2.double() @ h, rtol=1e-15, atol=0)
+    # on BF16-exact operands the BF16 recipe's reference sits within its roundings of it
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    w1 = (torch.randn(128, 256, generator=gen) / 16).to(torch.bfloat16).float()
+    w2 = (torch.randn(256, 64, generator=gen) / 8).to(torch.bfloat16).float()
+    tw = torch.rand(16, generator=gen)
+    exact = expert_ffn_float64(x, tw, w1, w2, 7.0)
+    _, _, o = expert_ffn_reference(x.float(), tw, w1, w2, "bf16xbf16", 7.0)
+    err = float((o.double() - exact).norm() / exact.norm())
+    assert 0 < err < 1e-2
 
 
 def test_swiglu_reference_rounds_accumulator_to_bf16_first() -> None:
