@@ -66,6 +66,10 @@ REPORT_NAMES = (
     "the consumers' next stage, not decoded (watchdog)",
     "the consumers, past a loaded and decoded stage (watchdog)",
     "the consumers, after their last k-block (watchdog)",
+    # the fused kernel's loads at the end of their walk (`Sm90ExpertGemmKernel.producer_tail`;
+    # value: the stage, target: the phase parity awaited)
+    "the ring's last stages, freed (loads)",
+    "the last packed weight stages, freed (packed loads)",
 )
 
 

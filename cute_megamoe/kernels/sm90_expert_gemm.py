@@ -861,7 +861,8 @@ class Sm90ExpertGemmKernel:
                                                  scope="gpu") - target < 0:
                     n_pre = Int32(prefill)
                 for kb in cutlass.range(n_loaded, n_pre):
-                    bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
+                    bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane,
+                                             barrier_slots)
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
                                       multicast, b_block, expert, rank, kb, state.index, bar,
                                       lane)
@@ -889,7 +890,8 @@ class Sm90ExpertGemmKernel:
                     ab_pipe.producer_commit(a_state)
                     a_state.advance()
             for kb in cutlass.range(n_pre, self.num_k_blocks):
-                bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane)
+                bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane,
+                                         barrier_slots)
                 self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
                                state.index, bar, lane, valid_m)
                 if cutlass.const_expr(not self.fp4_weights):
@@ -1093,6 +1095,18 @@ class Sm90ExpertGemmKernel:
                 cute.arch.mbarrier_expect_tx(bar, extra_tx_bytes)
             cute.arch.sync_warp()
         return bar
+
+    @cute.jit
+    def producer_tail(self, pipe, state, barrier_slots: cute.Pointer = None,
+                      what: cutlass.Constexpr = "the ring's last stages, freed (loads)"):
+        """The producer's end of its walk: wait until the consumers have freed every stage (as
+        ``pipe.producer_tail``), with `stage_reports` each wait bounded and named
+        (`bounded_stage_wait`)."""
+        st = state.clone()
+        for _ in cutlass.range(pipe.num_stages):  # (one report site, not one per stage)
+            self.bounded_stage_wait(barrier_slots, pipe.sync_object_empty, st, what)
+            st.advance()
+        pipe.producer_tail(state)
 
     @cute.jit
     def bounded_stage_wait(self, barrier_slots: cute.Pointer, mbars, state,

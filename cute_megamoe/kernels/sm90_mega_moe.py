@@ -334,12 +334,13 @@ class Sm90MegaMoEKernel:
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
         share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
         self.l1.sync_scope = self.l2.sync_scope = self.dispatch.scope
-        # the FP4 experiment's loads and decode warps wait for their stages with time limits
-        # and stall reports (which wait, CTA and thread), as the cross-rank waits do: its
-        # intermittent stalls otherwise showed up only at the combine's barrier
-        # (docs/performance.md). Not the consumers: a report's registers in their loop made
-        # ptxas spill the accumulators
-        self.l1.stage_reports = self.l2.stage_reports = self.fp4_weights
+        # the loads (and the FP4 decode warps) wait for their stages with time limits and
+        # stall reports (which wait, CTA and thread), as the cross-rank waits do: a CTA whose
+        # consumers stop otherwise shows up only as the other CTAs' stall at the combine's
+        # barrier, since the first wait to time out is the rank's one report
+        # (docs/performance.md, "a loopback stall of the fused kernel"). Not the consumers: a
+        # report's registers in their loop made ptxas spill the accumulators
+        self.l1.stage_reports = self.l2.stage_reports = True
         # and instead a watchdog warp over the consumers' k-blocks, which reports which state
         # of their next stage they stopped at (`watch_consumers`; the producer warpgroup's
         # warp 2, idle while the GEMMs run when the rows move before them)
@@ -639,7 +640,7 @@ class Sm90MegaMoEKernel:
                     num_clusters, Int32(self.l2.raster_group), cta_rank, lane, state,
                     pool_block_ready, barrier, tile_log=log, log_first=l1_count,
                     ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
-                ring.producer_tail(state)
+                self.l2.producer_tail(ring, state, barrier)
                 self.stamp(stamps, "loads_done", lane == 0)
             elif cutlass.const_expr(self.fp4_weights):
                 if warp == 1:  # the packed weights of both walks (they wait for nothing)
@@ -655,7 +656,8 @@ class Sm90MegaMoEKernel:
                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
                         row_start, l2_tiles, tile - l1_tiles, num_clusters,
                         Int32(self.l2.raster_group), lane, state, barrier)
-                    packed_pipe.producer_tail(state)
+                    self.l2.producer_tail(packed_pipe, state, barrier,
+                                          "the last packed weight stages, freed (packed loads)")
                     self.stamp(stamps, "packed_done", lane == 0)
                 if cutlass.const_expr(self.watchdog):
                     if warp == 2:
