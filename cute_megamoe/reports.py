@@ -32,6 +32,9 @@ class ReportKind:
     DISAGREE = 2  # a peer's setting `value` differs from this rank's `target`
     OUT_OF_STEP = 3  # rank `source` published call `value` of `expert`; this rank is at `target`
     NOT_PUBLISHED = 4  # timed out waiting for rank `source`'s word of `expert` for call `target`
+    # a split barrier's wait timed out: `value` seen, `target` awaited, at barrier `expert`, of
+    # which `source` of this rank's CTAs had arrived (0: all, the last reset the count)
+    SPLIT_STALL = 5
 
 
 #: how a recipe disagreement names the codes of `layout.CountWord`'s recipe field
@@ -84,6 +87,11 @@ def format_report(words, rank: int) -> str | None:
     if f["kind"] == ReportKind.STALL:
         return (f"cute_megamoe: wait on {name} stalled ({where}): value {f['value']}, "
                 f"target {f['target']}")
+    if f["kind"] == ReportKind.SPLIT_STALL:
+        arrived = (f"{f['source']} of this rank's CTAs have arrived" if f["source"] else
+                   "every CTA of this rank has arrived")
+        return (f"cute_megamoe: wait on {name} {f['expert']} stalled ({where}): value "
+                f"{f['value']}, target {f['target']}; {arrived}")
     if f["kind"] == ReportKind.DISAGREE:
         return (f"cute_megamoe: ranks disagree on {name} ({where}): a peer's {f['value']}, "
                 f"this rank's {f['target']}")

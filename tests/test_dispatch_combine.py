@@ -127,13 +127,15 @@ def test_combine_compiles_with_wide_accesses(arch, send_mode, rounds, monkeypatc
 
 
 @pytest.mark.compile
-def test_stall_report_is_compiled_in_by_default():
+@pytest.mark.parametrize("kind", ("dispatch", "combine"))
+def test_stall_report_is_compiled_in_by_default(kind):
     """The waits time out and report through the pinned record (`reports`): the record's
-    system-scope fence and the trap, no printf, no stack."""
-    art = _compile("dispatch", "sm_90a", "bf16xbf16")
+    system-scope fence and the trap, no printf, no stack (the combine's split-barrier report
+    also reads the rank's arrival count)."""
+    art = _compile(kind, "sm_90a", "bf16xbf16")
     assert "trap;" in art.ptx and "globaltimer" in art.ptx and "vprintf" not in art.ptx
     if art.sass is not None:
-        assert art.resource_usage()["STACK"] == 0
+        assert art.resource_usage()["STACK"] == 0 and art.resource_usage()["LOCAL"] == 0
 
 
 @pytest.mark.gpu

@@ -29,12 +29,21 @@ def test_an_empty_record_is_no_report():
      "cute_megamoe: ranks are out of step (rank 1, cta 3, thread 70): rank 1 published "
      "expert_recv_count of expert 12 for call 5, this rank is at call 9; a rank skipped a call "
      "the others made"),
+    (ReportKind.SPLIT_STALL, "split barrier signal",
+     "cute_megamoe: wait on split barrier signal 12 stalled (rank 1, cta 3, thread 70): value "
+     "5, target 9; 1 of this rank's CTAs have arrived"),
     (ReportKind.NOT_PUBLISHED, "expert_recv_count",
      "cute_megamoe: wait on expert_recv_count stalled (rank 1, cta 3, thread 70): rank 1 has "
      "not published expert 12 for call 9 (its word holds call 5)"),
 ])
 def test_messages(kind, name, message):
     assert format_report(_record(kind, name), 1) == message
+
+
+def test_a_split_barrier_stall_names_whether_this_rank_is_complete():
+    text = format_report(_record(ReportKind.SPLIT_STALL, "split barrier signal", source=0,
+                                 expert=3), 0)
+    assert text.endswith("value 5, target 9; every CTA of this rank has arrived")
 
 
 def test_the_recipe_field_names_every_recipe_code():

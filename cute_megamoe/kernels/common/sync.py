@@ -155,9 +155,12 @@ def wait_eq(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
 @cute.jit
 def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
                  scope: cutlass.Constexpr, what: cutlass.Constexpr,
-                 timeout_ns: cutlass.Constexpr):
+                 timeout_ns: cutlass.Constexpr, arrivals: cute.Pointer = None,
+                 barrier: Int32 = 0):
     """Spin until the int32 counter at `ptr` has reached `target` (acquire at `scope`), for
-    counters that only grow and may wrap: `value - target >= 0` in 32-bit arithmetic."""
+    counters that only grow and may wrap: `value - target >= 0` in 32-bit arithmetic. With
+    ``arrivals`` (a split barrier's: `split_barrier_wait`), a stall report also carries this
+    rank's arrival count at split barrier ``barrier`` (`reports.ReportKind.SPLIT_STALL`)."""
     value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
     if value - target < 0:
         start = cute.arch.globaltimer()
@@ -165,7 +168,12 @@ def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
             value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    _report_stall(barrier_slots, what, value, target)
+                    if cutlass.const_expr(arrivals is None):
+                        _report_stall(barrier_slots, what, value, target)
+                    else:
+                        report(barrier_slots, ReportKind.SPLIT_STALL, what, value, target,
+                               cute.arch.load(arrivals, Int32, sem="relaxed", scope="gpu"),
+                               barrier)
 
 
 @cute.jit
@@ -366,8 +374,13 @@ def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass
     `group_scope`)."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < count:
+        # (a stall report also says how many of this rank's CTAs have arrived at the run,
+        # counted in its first barrier's slot by `split_barrier_arrive`: the rank whose count
+        # is short is the one a CTA of which never reached the barrier)
         wait_reached(barrier_slots, barrier_slots + BarrierSlots.SPLIT_SIGNAL + first + tidx,
-                     target, scope, "split barrier signal", timeout_ns)
+                     target, scope, "split barrier signal", timeout_ns,
+                     arrivals=barrier_slots + BarrierSlots.SPLIT_ARRIVAL + first,
+                     barrier=first + tidx)
         fence_acq_rel(scope)
     cute.arch.sync_threads()
 
