@@ -1,8 +1,9 @@
 """The package's import graph (read from the source with `ast`) and its one set of tables.
 
 Module-level imports must form no cycle (a cycle makes import order matter and hides
-half-initialized modules); function-level imports among the host layer must not either (they
-are only for optional or heavy dependencies, not for breaking cycles). Each table (recipes,
+half-initialized modules); function-level imports among the host layer and among the test
+support (`cute_megamoe.testing`) must not either (they are only for optional or heavy
+dependencies, not for breaking cycles). Each table (recipes,
 architectures, BLOCK_M choices, kernels per arch) is defined once, in `cute_megamoe.tables`.
 """
 
@@ -20,7 +21,7 @@ import cute_megamoe
 PACKAGE_DIR = Path(cute_megamoe.__file__).parent
 PACKAGE = "cute_megamoe"
 #: The host layer: the public entry points and what they are built from.
-HOST_LAYER = ("api", "staged", "expert_gemm", "launch", "checks", "tables", "module",
+HOST_LAYER = ("api", "staged", "fused", "expert_gemm", "launch", "checks", "tables", "module",
               "deepgemm_api", "heuristics", "runtime", "buffer", "utils", "quant", "reference")
 
 
@@ -111,6 +112,15 @@ def test_module_level_imports_have_no_cycle():
 def test_host_layer_has_no_cycle_through_function_level_imports():
     host = {f"{PACKAGE}.{name}" for name in HOST_LAYER}
     graph = {m: _imports(m, module_level_only=False) & host for m in host}
+    assert _find_cycle(graph) is None, f"import cycle: {' -> '.join(_find_cycle(graph))}"
+
+
+def test_test_support_has_no_cycle_through_function_level_imports():
+    """`cute_megamoe.testing`: the protocol checks and the fused layer's checks share their
+    ranks (`testing.ranks`) rather than importing each other."""
+    support = {m for m in MODULES if m.startswith(f"{PACKAGE}.testing.")}
+    graph = {m: _imports(m, module_level_only=False) & support for m in support}
+    assert len(graph) >= 10
     assert _find_cycle(graph) is None, f"import cycle: {' -> '.join(_find_cycle(graph))}"
 
 

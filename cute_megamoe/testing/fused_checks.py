@@ -16,7 +16,7 @@ import torch
 
 from .. import reference
 from .dispatch_checks import LAYER_TOLERANCE
-from .protocol_checks import Ranks, init_rank_process, make_call
+from .ranks import Ranks, init_rank_process, make_call
 from .spawn import record_failure, spawn_ranks
 
 ROUTINGS = ("random", "masked", "one_expert", "skewed")
