@@ -52,18 +52,43 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def _positive(value: str) -> int:
+    """An argparse type: an int >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return number
+
+
+def _multiple_of_128(value: str) -> int:
+    """An argparse type: a positive multiple of 128 (the recipes' scale blocks)."""
+    number = _positive(value)
+    if number % 128:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 128, got {value}")
+    return number
+
+
+def _clamp(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return number
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default=None, choices=RECIPES,
                    help="default: fp8xfp8 on a Hopper GPU, else fp8xfp4")
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--clamp", type=float, default=10.0)
+    p.add_argument("--tokens", type=_positive, default=512)
+    p.add_argument("--experts", type=_positive, default=16)
+    p.add_argument("--topk", type=_positive, default=4, help="at most --experts")
+    p.add_argument("--hidden", type=_multiple_of_128, default=1024)
+    p.add_argument("--intermediate", type=_multiple_of_128, default=512)
+    p.add_argument("--clamp", type=_clamp, default=10.0)
     p.add_argument("--cpu", action="store_true", help="run the reference even if a GPU exists")
     args = p.parse_args(argv)
+    if args.topk > args.experts:
+        p.error(f"argument --topk: at most --experts ({args.experts}), got {args.topk}")
 
     use_gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if use_gpu else "cpu")

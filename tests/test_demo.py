@@ -42,6 +42,20 @@ def test_demo_on_cpu_says_it_ran_the_reference(recipe, monkeypatch, capsys):
             assert ref_err > 0.1 and weights_err > 0.8 * ref_err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--tokens", "-5"], "argument --tokens: expected an integer >= 1, got -5"),
+    (["--topk", "20"], "argument --topk: at most --experts (16), got 20"),
+    (["--hidden", "100"], "argument --hidden: expected a multiple of 128, got 100"),
+    (["--experts", "x"], "argument --experts: invalid _positive value"),
+    (["--clamp", "-1"], "argument --clamp: expected a number >= 0, got -1")])
+def test_demo_refuses_bad_arguments_as_usage_errors(args, message, capsys):
+    """A bad argument is a usage error naming it (exit status 2), not a traceback."""
+    with pytest.raises(SystemExit) as info:
+        demo.main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_demo_cpu_flag_is_named(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --cpu wins over a GPU
     demo.main(["--cpu", "--recipe", "bf16xbf16", *SMALL])
