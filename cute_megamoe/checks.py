@@ -109,12 +109,27 @@ def check_routing(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_id
         raise ValueError(
             f"{name}: expert index {bad} is out of range (valid: -1 for a masked slot, "
             f"or 0..{num_experts - 1})")
+    check_distinct_experts(topk_idx, name)
+
+
+def check_distinct_experts(topk_idx: torch.Tensor, name: str = "topk_idx") -> None:
+    """Raise `ValueError` naming the token, the two slots and the expert where a token of
+    ``topk_idx`` (int64 ``[n, K]``) names one expert twice (-1, a masked slot, may repeat).
+    Synchronizes with the GPU."""
+    if topk_idx.numel() == 0:
+        return
     ordered = topk_idx.sort(dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     if bool(repeated.any()):
         token = int(repeated.any(dim=1).nonzero()[0])
-        raise ValueError(f"{name}: token {token} names the same expert in two slots "
-                         f"({topk_idx[token].tolist()}); mask repeats with -1")
+        row = topk_idx[token].tolist()
+        first: dict[int, int] = {}
+        for slot, expert in enumerate(row):
+            if expert >= 0 and expert in first:
+                raise ValueError(f"{name}: token {token} names the same expert {expert} in "
+                                 f"slots {first[expert]} and {slot} ({row}); a token names an "
+                                 f"expert once (mask repeats with -1)")
+            first.setdefault(expert, slot)
 
 
 def check_sym_buffer(sym_buffer: object) -> SymmBuffer:

@@ -85,7 +85,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_activation_clamp, check_fast_math, check_tensor
+from .checks import (
+    check_activation_clamp,
+    check_distinct_experts,
+    check_fast_math,
+    check_tensor,
+)
 from .quant import (
     cast_back_from_fp8,
     check_recipe,
@@ -606,6 +611,8 @@ def _check_inputs(
                     f"topk_idx[{r}] must have K >= 1 columns, got shape {tuple(topk_idx[r].shape)}"
                 )
         _check_topk_idx(topk_idx[r], r, num_ranks * num_local_experts, "topk_idx")
+        # (as the layer: the buffer holds one slot per token per expert)
+        check_distinct_experts(topk_idx[r], f"topk_idx[{r}]")
         _check_rank_tensor("topk_weights", r, topk_weights[r], torch.float32, (n, num_topk), device)
         if stats is not None:
             _check_rank_tensor(

@@ -98,7 +98,8 @@ def make_problem(
     mask_prob: float = 0.25,
 ) -> Problem:
     """Random inputs. Token 1 of every rank with >= 2 tokens has all its slots masked; with
-    ``one_expert`` every valid slot goes to the last expert (so duplicates within a token)."""
+    ``one_expert`` every token names the last expert only (in slot 0; a token names an expert
+    once, its other slots masked)."""
     assert len(tokens) == num_ranks and num_experts % num_ranks == 0
     g = torch.Generator().manual_seed(seed)
     num_local = num_experts // num_ranks
@@ -109,7 +110,8 @@ def make_problem(
         for t in range(n):  # K distinct experts per token
             idx[t] = torch.randperm(num_experts, generator=g)[:num_topk]
         if one_expert:
-            idx = torch.full_like(idx, num_experts - 1)
+            idx = torch.full_like(idx, -1)
+            idx[:, 0] = num_experts - 1
         idx[torch.rand(n, num_topk, generator=g) < mask_prob] = -1
         if n >= 2:
             idx[1] = -1
@@ -628,6 +630,22 @@ def test_bad_inputs_raise_with_argument_name(mutation: tuple) -> None:
     with pytest.raises(exc, match=None) as info:
         mega_moe_reference(**kw)
     assert text in str(info.value)
+
+
+def test_a_token_naming_one_expert_twice_is_refused() -> None:
+    """As the layer (`checks.check_routing`): a token names an expert once (its buffer holds
+    one slot per token per expert); the error names the rank, token, slots and expert, and
+    masked slots (-1) may repeat."""
+    p = make_problem(13, 2, 8, 3, 128, 128, [5, 7])
+    idx = [t.clone() for t in p.topk_idx]
+    idx[1][4] = torch.tensor([6, -1, 6])
+    kw = dict(x=p.x, topk_weights=p.topk_weights, l1_weights=p.l1, l2_weights=p.l2,
+              recipe="bf16xbf16")
+    with pytest.raises(ValueError, match=r"topk_idx\[1\]: token 4 names the same expert 6 in "
+                                         r"slots 0 and 2"):
+        mega_moe_reference(topk_idx=idx, **kw)
+    idx[1][4] = torch.tensor([6, -1, -1])
+    mega_moe_reference(topk_idx=idx, **kw)
 
 
 def test_fp8_recipes_need_128_aligned_dims() -> None:
