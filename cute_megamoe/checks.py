@@ -160,12 +160,13 @@ def check_cuda_device(name: str, device: torch.device) -> torch.device:
 
 
 def check_token_count(name: str, n: int, num_tokens: int) -> int:
-    """``n`` if ``0 <= n <= num_tokens`` (the buffer's token rows)."""
+    """``n`` if ``0 <= n <= num_tokens`` (the buffer's token rows: its
+    ``num_max_tokens_per_rank`` rounded up to a multiple of 128)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"{name}: expected an int token count, got {type(n).__name__}")
     if not 0 <= n <= num_tokens:
-        raise ValueError(f"{name}: {n} tokens; the buffer holds 0..{num_tokens} per rank "
-                         f"(num_max_tokens_per_rank)")
+        raise ValueError(f"{name}: {n} tokens; the buffer holds 0..{num_tokens} token rows per "
+                         f"rank (its num_max_tokens_per_rank rounded up to a multiple of 128)")
     return n
 
 

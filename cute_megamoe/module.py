@@ -48,7 +48,6 @@ from .checks import (
     check_gemm_block_m,
     check_routing,
     check_tensor,
-    check_token_count,
     routing_checks_on,
 )
 from .deepgemm_api import get_symm_buffer_for_mega_moe
@@ -262,6 +261,11 @@ class MegaMoE(torch.nn.Module):
     def _forward_impl(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        # the layer's own limit (the buffer rounds it up to a multiple of 128)
+        limit = self.layout.num_max_tokens_per_rank
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > limit:
+            raise ValueError(f"x: {x.shape[0]} tokens; this layer takes 0..{limit} per rank "
+                             f"(num_max_tokens_per_rank={limit})")
         if cfg.path == "reference":
             self._check_inputs(x, topk_idx, topk_weights)
             if cfg.validate_routing:
@@ -300,7 +304,7 @@ class MegaMoE(torch.nn.Module):
         lay = self.layout
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise TypeError("x: expected a 2-D BF16 tensor [num_tokens, hidden]")
-        n = check_token_count("x.shape[0]", x.shape[0], lay.num_tokens)
+        n = x.shape[0]
         check_tensor("x", x, torch.bfloat16, (n, lay.hidden), self.device)
         check_tensor("topk_idx", topk_idx, torch.int64, (n, lay.num_topk), self.device)
         check_tensor("topk_weights", topk_weights, torch.float32, (n, lay.num_topk), self.device)

@@ -159,7 +159,9 @@ def _prepare_staging(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
     n = x.shape[0]
     if n > layout.num_tokens:
         raise ValueError(
-            f"x: {n} tokens exceed the buffer's num_max_tokens_per_rank ({layout.num_tokens})")
+            f"x: {n} tokens exceed the buffer's {layout.num_tokens} token rows per rank "
+            f"(num_max_tokens_per_rank={layout.num_max_tokens_per_rank}, rounded up to a "
+            f"multiple of 128)")
     device = check_cuda_buffer(sym_buffer)
     check_tensor("x", x, torch.bfloat16, (n, layout.hidden), device)
     check_tensor("topk_idx", topk_idx, torch.int64, (n, layout.num_topk), device)

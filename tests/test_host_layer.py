@@ -136,9 +136,12 @@ def test_module_rejects_bad_inputs_on_cpu():
     x, idx, w = _inputs(8, e, k, h, 11)
     with pytest.raises(TypeError, match="x: expected dtype"):
         moe(x.float(), idx, w)
-    with pytest.raises(ValueError, match="x.shape\\[0\\]: 200 tokens"):
-        moe(torch.zeros(200, h, dtype=torch.bfloat16), torch.zeros(200, k, dtype=torch.int64),
-            torch.zeros(200, k))
+    # (the layer's own limit, not the buffer's rows: 64 rounded up to 128)
+    for n in (65, 200):
+        with pytest.raises(ValueError, match=f"x: {n} tokens; this layer takes 0..64 per rank "
+                                             r"\(num_max_tokens_per_rank=64\)"):
+            moe(torch.zeros(n, h, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int64),
+                torch.zeros(n, k))
     with pytest.raises(ValueError, match="topk_idx: expected shape"):
         moe(x, idx[:, :1], w)
     with pytest.raises(ValueError, match="names the same expert"):
