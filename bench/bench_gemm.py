@@ -12,21 +12,21 @@ the order rotating; `bench.common.time_cuda_graphs_interleaved`): at its power l
 lowers its clock within milliseconds, so back-to-back runs are not comparable); each time the
 median of its replays.
 
-`fp8xfp4_sm90` rows (MXFP4 weights decoded on chip, issue 19) have no torch baseline; they
-alternate with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`,
-`ratio_to_fp8`), and their weight floor is the FP4 bytes (codes and scales). `--quarter-ab`
-times the FP8 promotions `chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`);
-`--transposed-ab` (FP8 recipes) BLOCK_M 64 with the
-weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
-`transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage
-order (`ExpertWeights.tiled`; `storage_us`, `storage_over_default`); `--env-ab
-VAR=VALUE[,VAR=VALUE...]` (repeatable) both BLOCK_Ms with those settings, the i-th as
-`env<i>_us`, `env<i>_over_default` of each row (and `env<i>_ratio_to_fp8`; with `--storage-ab`
-also BLOCK_M 64 on the other storage order, `env<i>_storage_us`, `env<i>_storage_over_default`),
-the settings in the JSON's meta. Every variant's outputs must equal its BLOCK_M's default's bit
-for bit (else the run stops). `--power SECONDS` (`fp8xfp4_sm90` rows): after the timing, the
-picked MXFP4 run and the faster fp8xfp8 one back to back for SECONDS each, in turn
-`--power-rounds` times (`bench.common.sustained_power`): the picked row's
+`fp8xfp4_sm90` rows (MXFP4 weights decoded on chip, issue 19) have no torch baseline; they alternate
+with our fp8xfp8 kernels on FP8 weights of the same shape instead (`fp8_us`, `ratio_to_fp8`), and
+their weight floor is the FP4 bytes (codes and scales). `--quarter-ab` times the FP8 promotions
+`chunk` and `quarter` of every BLOCK_M (`chunk_us`, `quarter_us`); `--transposed-ab` (FP8 recipes)
+BLOCK_M 64 with the weight tile as the WGMMA's A and 16-token sub-blocks (`transposed_us`,
+`transposed_ratio_to_fp8`); `--storage-ab` both BLOCK_Ms on the weights in the other storage order
+(`ExpertWeights.tiled`; `storage_us`, `storage_over_default`). `--config KEY=VALUE` (repeatable):
+the GEMMs' configuration of every run (`config.Sm90GemmConfig` fields, `bench.common.parse_config`);
+`--config-ab KEY=VALUE[,KEY=VALUE...]` (repeatable) both BLOCK_Ms with those settings too, the i-th
+as `config<i>_us`, `config<i>_over_default` of each row (and `config<i>_ratio_to_fp8`; with
+`--storage-ab` also BLOCK_M 64 on the other storage order, `config<i>_storage_us`,
+`config<i>_storage_over_default`), the settings in the JSON's meta. Every variant's outputs must
+equal its BLOCK_M's default's bit for bit (else the run stops). `--power SECONDS` (`fp8xfp4_sm90`
+rows): after the timing, the picked MXFP4 run and the faster fp8xfp8 one back to back for SECONDS
+each, in turn `--power-rounds` times (`bench.common.sustained_power`): the picked row's
 `sustained_ratio_to_fp8` (time over fp8xfp8's under a steady load at the power limit), `watts`,
 `mhz`, `fp8_watts`, `fp8_mhz`.
 
@@ -36,7 +36,7 @@ picked MXFP4 run and the faster fp8xfp8 one back to back for SECONDS each, in tu
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 
 import torch
 
@@ -45,22 +45,20 @@ from bench.common import (
     Results,
     copy_ceiling,
     gpu_clocks,
+    parse_config,
     sustained_power,
     time_cuda_graphs_interleaved,
 )
+from cute_megamoe.config import Sm90GemmConfig
 from cute_megamoe.expert_gemm import (
     TILEABLE_RECIPES,
     ExpertWeights,
     expert_ffn,
     tiles_weights,
 )
-from cute_megamoe.heuristics import select_block_m
+from cute_megamoe.heuristics import DEFAULT_PROMOTION, select_block_m
 from cute_megamoe.kernels.common.gemm_config import weight_sf_row_len
-from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
 from cute_megamoe.utils import ceil_div
-
-PROMOTION_ENV = "CUTE_MEGAMOE_SM90_PROMOTION"
-TRANSPOSED_ENV = "CUTE_MEGAMOE_SM90_TRANSPOSED"
 
 DEFAULT_CONFIGS = "256x256,64x512,32x1024,128x8,128x32,32x64"
 
@@ -94,9 +92,9 @@ def _library_storage(w: ExpertWeights) -> ExpertWeights:
     return w.tiled_copy() if tiles_weights(w.recipe, w.arch, w.w1, w.w2) else w
 
 
-def _ours(recipe, w: ExpertWeights, m: int, block_m: int, env: dict | None = None):
+def _ours(recipe, w: ExpertWeights, m: int, block_m: int, config: Sm90GemmConfig | None = None):
     """Our expert FFN on random pools (the same for every variant of a ``block_m``: the A/Bs
-    compare the outputs), with the variables ``env`` set (A/B variants; none: the library's
+    compare the outputs), with the GEMMs' ``config`` (A/B variants; None: the library's
     choices); ``run.outputs``: its L2 inputs and outputs."""
     e, hidden, inter = w.num_experts, w.hidden, w.intermediate
     p_rows = e * ceil_div(m, block_m) * block_m
@@ -113,19 +111,9 @@ def _ours(recipe, w: ExpertWeights, m: int, block_m: int, env: dict | None = Non
     out = torch.zeros(p_rows, hidden, device="cuda", dtype=torch.bfloat16)
 
     def run():
-        # (the variants are read when the call looks its kernels up: see runtime)
-        before = {name: os.environ.get(name) for name in env or {}}
-        os.environ.update(env or {})
-        try:
-            expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
-                       l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False,
-                       expected_tokens_per_expert=m)
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        expert_ffn(acts, acts_sf, topk, counts, w, block_m=block_m, activation_clamp=10.0,
+                   l2_acts=l2, l2_acts_sf=l2_sf, out=out, validate_counts=False,
+                   expected_tokens_per_expert=m, config=config)
 
     run.outputs = (l2, out)
     return run
@@ -160,16 +148,9 @@ def _torch(recipe, w: ExpertWeights, m: int):
     return run
 
 
-def _parse_env(spec: str) -> dict[str, str]:
-    """``VAR=VALUE[,VAR=VALUE...]`` (`--env-ab`) as a dict; CUTE_MEGAMOE_* variables only."""
-    env = {}
-    for item in spec.split(","):
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("CUTE_MEGAMOE_"):
-            raise SystemExit(f"--env-ab: VAR=VALUE pairs of CUTE_MEGAMOE_* variables, got "
-                             f"{spec!r}")
-        env[name] = value
-    return env
+def _parse_config_ab(spec: str, base: Sm90GemmConfig) -> Sm90GemmConfig:
+    """``KEY=VALUE[,KEY=VALUE...]`` (`--config-ab`) on top of ``base``."""
+    return parse_config(spec.split(","), base, "--config-ab")
 
 
 def main() -> None:
@@ -179,8 +160,11 @@ def main() -> None:
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="EXPERTSxPAIRS_PER_EXPERT,...")
     p.add_argument("--recipes", default="fp8xfp8,bf16xbf16")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="the GEMMs' configuration of every run (repeatable; "
+                        "config.Sm90GemmConfig fields, e.g. k_unroll=1)")
     p.add_argument("--quarter-ab", action="store_true",
-                   help="FP8 recipes: time both promotions, 'chunk' and 'quarter', forced "
+                   help="FP8 recipes: time both promotions, 'chunk' and 'quarter' "
                         "(interleaved, outputs checked bit-exact; ours_us: the default's)")
     p.add_argument("--storage-ab", action="store_true",
                    help="also time both BLOCK_Ms on the weights in the other storage order "
@@ -189,11 +173,11 @@ def main() -> None:
                         "bit-exact; other_storage, storage_over_default)")
     p.add_argument("--transposed-ab", action="store_true",
                    help="FP8 recipes: also time BLOCK_M 64 transposed, the weight tile as the "
-                        "WGMMA's A and 16-token sub-blocks (CUTE_MEGAMOE_SM90_TRANSPOSED; outputs "
-                        "checked bit-exact; transposed_over_default: against the default build)")
-    p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                        "WGMMA's A and 16-token sub-blocks (transposed=1; outputs checked "
+                        "bit-exact; transposed_over_default: against the default build)")
+    p.add_argument("--config-ab", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also time both BLOCK_Ms with these settings (repeatable; outputs checked "
-                        "bit-exact; env<i>_us, env<i>_over_default)")
+                        "bit-exact; config<i>_us, config<i>_over_default)")
     p.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                    help="fp8xfp4_sm90: also run the picked MXFP4 run and the faster fp8xfp8 run "
                         "back to back for SECONDS each, sampling power (sustained_ratio_to_fp8)")
@@ -201,10 +185,12 @@ def main() -> None:
                    help="with --power: the two runs N times in turn, medians")
     args = p.parse_args()
     hidden, inter = args.hidden, args.inter
-    env_abs = [_parse_env(spec) for spec in args.env_ab]
+    base = parse_config(args.config, Sm90GemmConfig())
+    config_abs = [_parse_config_ab(spec, base) for spec in args.config_ab]
     peaks = Peaks()
     res = Results("gemm", meta={"hidden": hidden, "intermediate": inter,
-                                "clocks_before": gpu_clocks(), "env_ab": args.env_ab,
+                                "clocks_before": gpu_clocks(), "config": args.config,
+                                "config_ab": args.config_ab,
                                 "note": "torch runs only the two GEMMs (no SwiGLU/requant)"})
     for recipe in args.recipes.split(","):
         fp8 = recipe != "bf16xbf16"
@@ -218,36 +204,36 @@ def main() -> None:
             flops = 6 * e * m * hidden * inter
             quarter = args.quarter_ab and fp8
             # (with --quarter-ab: both promotions forced, `ours` the one the library picks)
-            runs = {bm: _ours(recipe, w, m, bm, {PROMOTION_ENV: "chunk"} if quarter else None)
-                    for bm in (64, 128)}
+            runs = {bm: _ours(recipe, w, m, bm, dataclasses.replace(base, promotion="chunk")
+                              if quarter else base) for bm in (64, 128)}
             if fp4:  # the baseline: our fp8xfp8 kernels on FP8 weights of the same shape
                 w_fp8 = _random_weights("fp8xfp8", e, hidden, inter)
-                runs["fp8_64"] = _ours("fp8xfp8", w_fp8, m, 64)
-                runs["fp8_128"] = _ours("fp8xfp8", w_fp8, m, 128)
+                runs["fp8_64"] = _ours("fp8xfp8", w_fp8, m, 64, base)
+                runs["fp8_128"] = _ours("fp8xfp8", w_fp8, m, 128, base)
             else:
                 runs["torch"] = _torch(recipe, w, m)
-            variants = {}  # run key: (BLOCK_M, variables)
+            variants = {}  # run key: (BLOCK_M, configuration)
             if quarter:
-                variants.update({f"quarter_{bm}": (bm, {PROMOTION_ENV: "quarter"})
-                                 for bm in (64, 128)})
+                variants.update({f"quarter_{bm}": (bm, dataclasses.replace(
+                    base, promotion="quarter")) for bm in (64, 128)})
             transposed = args.transposed_ab and fp8
             if transposed:
-                variants["transposed_64"] = (64, {TRANSPOSED_ENV: "1"})
-            for i, env in enumerate(env_abs):
+                variants["transposed_64"] = (64, dataclasses.replace(base, transposed=True))
+            for i, config in enumerate(config_abs):
                 for bm in (64, 128):
-                    variants[f"env{i}_{bm}"] = (bm, env)
+                    variants[f"config{i}_{bm}"] = (bm, config)
             storage = args.storage_ab and recipe in TILEABLE_RECIPES
             variant_weights = {}
             if storage:  # the same weights in the other storage order (`ExpertWeights.tiled`)
                 w_other = w.untiled_copy() if w.tiled else w.tiled_copy()
                 for bm in (64, 128):
-                    variants[f"storage_{bm}"] = (bm, None)
+                    variants[f"storage_{bm}"] = (bm, base)
                     variant_weights[f"storage_{bm}"] = w_other
-                for i, env in enumerate(env_abs):  # (each --env-ab variant on them too)
-                    variants[f"env{i}_storage_64"] = (64, env)
-                    variant_weights[f"env{i}_storage_64"] = w_other
-            for key, (block_m, env) in variants.items():
-                runs[key] = _ours(recipe, variant_weights.get(key, w), m, block_m, env)
+                for i, config in enumerate(config_abs):  # (each --config-ab variant on them)
+                    variants[f"config{i}_storage_64"] = (64, config)
+                    variant_weights[f"config{i}_storage_64"] = w_other
+            for key, (block_m, config) in variants.items():
+                runs[key] = _ours(recipe, variant_weights.get(key, w), m, block_m, config)
                 for fn in (runs[block_m], runs[key]):
                     fn()
                 torch.cuda.synchronize()
@@ -274,45 +260,46 @@ def main() -> None:
                 roof = peaks.roofline_s(flops=flops, hbm_bytes=weight_bytes, fp8=fp8)
                 if fp4:
                     t_fp8 = min(times["fp8_64"], times["fp8_128"])
-                    base = dict(fp8_us=t_fp8 * 1e6, ratio_to_fp8=t / t_fp8)
+                    cols = dict(fp8_us=t_fp8 * 1e6, ratio_to_fp8=t / t_fp8)
                 else:
                     t_torch = times["torch"]
-                    base = dict(torch_us=t_torch * 1e6, speedup=t_torch / t,
+                    cols = dict(torch_us=t_torch * 1e6, speedup=t_torch / t,
                                 torch_tflops=flops / t_torch / 1e12)
                 if quarter:
-                    base.update(chunk_us=t_chunk * 1e6, quarter_us=t_q * 1e6,
+                    cols.update(chunk_us=t_chunk * 1e6, quarter_us=t_q * 1e6,
                                 quarter_over_chunk=t_q / t_chunk,
                                 promotion=default)
                 if transposed and block_m == 64:
-                    base.update(transposed_us=times["transposed_64"] * 1e6,
+                    cols.update(transposed_us=times["transposed_64"] * 1e6,
                                 transposed_over_default=times["transposed_64"] / t)
                     if fp4:
-                        base["transposed_ratio_to_fp8"] = times["transposed_64"] / t_fp8
+                        cols["transposed_ratio_to_fp8"] = times["transposed_64"] / t_fp8
                 if storage:
-                    base.update(other_storage="rows" if w.tiled else "boxes",
+                    cols.update(other_storage="rows" if w.tiled else "boxes",
                                 storage_us=times[f"storage_{block_m}"] * 1e6,
                                 storage_over_default=times[f"storage_{block_m}"] / t)
                     if fp4:
-                        base["storage_ratio_to_fp8"] = times[f"storage_{block_m}"] / t_fp8
-                for i in range(len(env_abs)):
-                    t_env = times[f"env{i}_{block_m}"]
-                    base.update({f"env{i}_us": t_env * 1e6, f"env{i}_over_default": t_env / t})
+                        cols["storage_ratio_to_fp8"] = times[f"storage_{block_m}"] / t_fp8
+                for i in range(len(config_abs)):
+                    t_ab = times[f"config{i}_{block_m}"]
+                    cols.update({f"config{i}_us": t_ab * 1e6,
+                                 f"config{i}_over_default": t_ab / t})
                     if fp4:
-                        base[f"env{i}_ratio_to_fp8"] = t_env / t_fp8
+                        cols[f"config{i}_ratio_to_fp8"] = t_ab / t_fp8
                     if storage and block_m == 64:
-                        t_env = times[f"env{i}_storage_64"]
-                        base.update({f"env{i}_storage_us": t_env * 1e6,
-                                     f"env{i}_storage_over_default": t_env / t})
+                        t_ab = times[f"config{i}_storage_64"]
+                        cols.update({f"config{i}_storage_us": t_ab * 1e6,
+                                     f"config{i}_storage_over_default": t_ab / t})
                 if block_m == picked and len(sustained) == 2:
                     fp4_run, fp8_run = sustained["fp4"], sustained["fp8"]
-                    base.update(sustained_ratio_to_fp8=fp4_run["seconds_per_call"]
+                    cols.update(sustained_ratio_to_fp8=fp4_run["seconds_per_call"]
                                 / fp8_run["seconds_per_call"], watts=fp4_run["watts"],
                                 mhz=fp4_run["sm_mhz"], fp8_watts=fp8_run["watts"],
                                 fp8_mhz=fp8_run["sm_mhz"])
                 res.add(recipe=recipe, experts=e, pairs_per_expert=m, block_m=block_m,
                         picked=block_m == picked, ours_us=t * 1e6, ours_tflops=flops / t / 1e12,
                         weight_floor_us=floor * 1e6, ratio_to_floor=t / floor,
-                        ratio_to_roofline=t / roof, **base)
+                        ratio_to_roofline=t / roof, **cols)
             del w, runs
             torch.cuda.empty_cache()
     res.meta["clocks_after"] = gpu_clocks()
@@ -325,7 +312,7 @@ def main() -> None:
                      "transposed_us",
                      "transposed_over_default", "transposed_ratio_to_fp8",
                      "quarter_over_chunk", "sustained_ratio_to_fp8",
-                     *(f"env{i}_{c}" for i in range(len(env_abs))
+                     *(f"config{i}_{c}" for i in range(len(config_abs))
                        for c in ("us", "over_default", "ratio_to_fp8", "storage_us",
                                  "storage_over_default")), "ours_tflops",
                      "torch_tflops", "weight_floor_us", "ratio_to_floor"]))

@@ -1,9 +1,8 @@
 """The whole layer on R GPUs, same inputs, same run:
 
 * `ours`: every step on our kernels (staging, dispatch, L1 + SwiGLU + requant, L2, combine;
-  `staged_mega_moe` with `ExpertWeights`, BLOCK_M and pool block as the library picks them:
-  `block_m` the heuristics', `pool_block_m` 256 where its 2-CTA clusters pair two tiles of one
-  expert, `staged.layer_pool_block_m`), eager and CUDA graph;
+  `staged_mega_moe` with `ExpertWeights`, BLOCK_M as the library picks it), eager and CUDA
+  graph;
   the L2 epilogue sends the rows to the source ranks (`l2_sends`), and
   `ours_pool_order` is the same layer with L2 writing pool order and the combine kernel sending
   (graph; the two graphs alternate, median over rounds); and the steps of `ours` alone
@@ -20,11 +19,13 @@ they cannot be graph-captured), median of repeats, max over ranks.
 
     python -m bench.bench_layer [--tokens 128,1024,4096] [--recipe fp8xfp8] [--quick]
 
-`--quick`: only `ours` and `fused` (no steps, no torch paths). `--fused-rows barrier,counted`:
-the fused layer with each of those row transfers forced too (graph, alternating with the rest);
-`--staged-env CUTE_MEGAMOE_SM90_TRANSPOSED=1` / `--fused-env ...`: the staged / fused layer with
-that variable set too (`A=1+B=4`: both in one variant; outputs checked equal to the default's
-before timing).
+`--quick`: only `ours` and `fused` (no steps, no torch paths). `--config KEY=VALUE`
+(repeatable): the configuration of every layer run (`config.LayerConfig`, `bench.common.
+parse_config`: ``gemm.promotion=chunk``, ``fused_kernel.row_transfer=barrier``,
+``experimental_fused_fp4=1``). `--fused-rows barrier,counted`: the fused layer with each of
+those row transfers too (graph, alternating with the rest); `--staged-config
+gemm.transposed=1` / `--fused-config ...`: the staged / fused layer with those settings too
+(`A=1+B=4`: both in one variant; outputs checked equal to the default's before timing).
 """
 
 from __future__ import annotations
@@ -37,36 +38,19 @@ import torch
 import torch.distributed as dist
 
 from bench.bench_dispatch import _time, _time_graph, _time_graphs_interleaved
-from bench.common import Results, copy_ceiling, gpu_clocks
+from bench.common import Results, config_label, copy_ceiling, gpu_clocks, parse_config
 
 
-def _env_pairs(setting: str) -> list[tuple[str, str]]:
-    """``A=1+B=4`` (one variant of `--staged-env` / `--fused-env`) -> ``[(A, 1), (B, 4)]``."""
-    from cute_megamoe.runtime import KERNEL_VARIANT_ENV
-
-    pairs = []
-    for item in setting.split("+"):
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("CUTE_MEGAMOE_"):
-            raise SystemExit(f"--staged-env / --fused-env: NAME=VALUE[+NAME=VALUE] of "
-                             f"CUTE_MEGAMOE_* variables, got {setting!r}")
-        # a variable outside the layer plans' keys would time the default's kernels again
-        if name not in KERNEL_VARIANT_ENV:
-            raise SystemExit(f"--staged-env / --fused-env: {name} is not one of the variables "
-                             f"that key the layer plans (runtime.KERNEL_VARIANT_ENV)")
-        pairs.append((name, value))
-    return pairs
-
-
-def _env_column(setting: str) -> str:
-    """``CUTE_MEGAMOE_SM90_TRANSPOSED=1`` -> ``sm90_transposed_1`` (a column name part; several
-    variables joined by ``__``)."""
-    return "__".join(f"{name.removeprefix('CUTE_MEGAMOE_').lower()}_{value.lower()}"
-                     for name, value in _env_pairs(setting))
+def _variant(setting: str, base, option: str):
+    """``A=1+B=4`` (one variant of `--staged-config` / `--fused-config`) -> (its configuration
+    on top of ``base``, its column name part)."""
+    settings = setting.split("+")
+    return parse_config(settings, base, option), config_label(settings)
 
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
-            quick=False, fused_rows=(), staged_env=(), fused_env=(), storage_ab=False):
+            quick=False, fused_rows=(), staged_configs=(), fused_configs=(), storage_ab=False,
+            settings=()):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -79,6 +63,11 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     from cute_megamoe.heuristics import expected_tokens_per_expert, select_block_m
     from cute_megamoe.testing.dispatch_checks import make_routing
 
+    base = parse_config(settings)
+    staged_variants = dict(_variant(v, base, "--staged-config")[::-1] for v in staged_configs)
+    fused_variants = dict(_variant(v, base, "--fused-config")[::-1] for v in fused_configs)
+    rows_configs = {rows: parse_config([f"fused_kernel.row_transfer={rows}"], base,
+                                       "--fused-rows") for rows in fused_rows}
     e_l = experts // num_ranks
     gen = torch.Generator().manual_seed(rank)
     wgen = torch.Generator(device="cuda").manual_seed(rank)
@@ -106,10 +95,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     fp8_bytes = e_l * 3 * hidden * inter
     fp8_floor = fp8_bytes / copy_ceiling(min(fp8_bytes, 2 << 30))
     # the fused kernel where it runs this recipe (else its columns stay empty)
-    fused_ok = fused.supports(buf, kernel_weights) is None
+    fused_ok = fused.supports(buf, kernel_weights, base) is None
     res = Results("layer", meta={"ranks": num_ranks, "recipe": recipe, "experts": experts,
                                  "topk": topk, "hidden": hidden, "intermediate": inter,
-                                 "clocks_before": gpu_clocks()})
+                                 "config": list(settings), "clocks_before": gpu_clocks()})
     for n in tokens:
         idx, w = make_routing(n, experts, topk, "random", gen)
         x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).cuda()
@@ -118,39 +107,17 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         block_m = select_block_m(expected_tokens_per_expert(n, num_ranks, topk, experts),
                                  "sm90")
 
-        # (ours: the BLOCK_M and pool block the library picks, `block_m=None`: the heuristics'
-        # BLOCK_M, and 256-row pool blocks where its clusters pair tiles,
-        # `staged.layer_pool_block_m`; until 2026-12-04T13:10Z the bench passed BLOCK_M, so its
-        # pools were in BLOCK_M blocks)
-        pool_block_m = staged.layer_pool_block_m(buf.layout, kernel_weights, n) or block_m
-
-        def ours(x=x, idx=idx, w=w, block_m=None, l2_sends=True, wts=kernel_weights):
+        # (ours: the BLOCK_M the library picks, `block_m=None`; the configuration is part of
+        # the layer plans' keys: a variant's call builds its kernels, and a graph captures them)
+        def ours(x=x, idx=idx, w=w, block_m=None, l2_sends=True, wts=kernel_weights,
+                 config=base):
             return staged.staged_mega_moe(buf, x, idx, w, wts, activation_clamp=10.0,
                                           block_m=block_m, validate_routing=False,
-                                          l2_sends=l2_sends)
+                                          l2_sends=l2_sends, config=config)
 
-        def fused_layer(x=x, idx=idx, w=w, block_m=block_m, wts=kernel_weights):
+        def fused_layer(x=x, idx=idx, w=w, block_m=block_m, wts=kernel_weights, config=base):
             return fused.fused_mega_moe(buf, x, idx, w, wts, activation_clamp=10.0,
-                                        block_m=block_m, validate_routing=False)
-
-        def fused_rows_layer(rows, x=x, idx=idx, w=w, block_m=block_m):
-            fused.fused_mega_moe(buf, x, idx, w, kernel_weights, activation_clamp=10.0,
-                                 block_m=block_m, validate_routing=False, row_transfer=rows)
-
-        def with_env(layer, setting):
-            # (the variables are part of the layer plans' keys: the call builds that variant's
-            # kernels, and a graph captures them)
-            pairs = _env_pairs(setting)
-            old = {name: os.environ.get(name) for name, _ in pairs}
-            os.environ.update(pairs)
-            try:
-                return layer()
-            finally:
-                for name, value in old.items():
-                    if value is None:
-                        del os.environ[name]
-                    else:
-                        os.environ[name] = value
+                                        block_m=block_m, validate_routing=False, config=config)
 
         def ours_pool_order(x=x, idx=idx, w=w, block_m=block_m):
             ours(x, idx, w, None, l2_sends=False)
@@ -165,10 +132,11 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
 
         t_ours = _time(ours, 5)
         t_fused = _time(fused_layer, 5) if fused_ok else None
-        env_fns = {("ours", setting): partial(with_env, ours, setting) for setting in staged_env}
+        env_fns = {("ours", label): partial(ours, config=config)
+                   for label, config in staged_variants.items()}
         if fused_ok:
-            env_fns.update({("fused", setting): partial(with_env, fused_layer, setting)
-                            for setting in fused_env})
+            env_fns.update({("fused", label): partial(fused_layer, config=config)
+                            for label, config in fused_variants.items()})
         storage_fns = {}  # the layers on the weights in the other storage order
         if other_weights is not None:
             storage_fns["ours"] = partial(ours, wts=other_weights)
@@ -178,18 +146,18 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 y_default = default().clone()  # (the same outputs on either storage)
                 if not torch.equal(y_default.view(torch.int16), fn().view(torch.int16)):
                     raise SystemExit(f"{n} tokens: the layer on the other storage differs")
-        for (layer, setting), fn in env_fns.items():  # a kernel variant gives the default's bits
+        for (layer, label), fn in env_fns.items():  # a kernel variant gives the default's bits
             y_default = (ours if layer == "ours" else fused_layer)().clone()
             if not torch.equal(y_default.view(torch.int16), fn().view(torch.int16)):
-                raise SystemExit(f"{n} tokens: the {layer} layer with {setting} differs")
+                raise SystemExit(f"{n} tokens: the {layer} layer with {label} differs")
         # every variant's graph replayed in turn, the order rotating: at the power limit the
         # clock drops within milliseconds, and a variant timed in a block after another would
         # inherit its power state (docs/performance.md, Method)
         variants = {"sends": ours}
         if fused_ok:
             variants["fused"] = fused_layer
-            variants.update({("rows", rows): partial(fused_rows_layer, rows)
-                             for rows in fused_rows})
+            variants.update({("rows", rows): partial(fused_layer, config=config)
+                             for rows, config in rows_configs.items()})
         variants.update({("env", key): fn for key, fn in env_fns.items()})
         variants.update({("storage", layer): fn for layer, fn in storage_fns.items()})
         if not quick:
@@ -200,10 +168,10 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         ours_best = min(t_ours, t_graph or t_ours)
         fused_cols = dict(weight_floor_us=weight_floor * 1e6, fp8_weight_floor_us=fp8_floor * 1e6,
                           ours_over_fp8_floor=ours_best / fp8_floor)
-        for layer, setting in env_fns:  # a layer with that variable set
-            t_env = times[("env", (layer, setting))]
+        for layer, label in env_fns:  # a layer with that configuration
+            t_env = times[("env", (layer, label))]
             if t_env is not None:
-                name = f"{layer}_{_env_column(setting)}"
+                name = f"{layer}_{label}"
                 fused_cols[f"{name}_graph_us"] = t_env * 1e6
                 fused_cols[f"{name}_over_fp8_floor"] = t_env / fp8_floor
         for layer in storage_fns:
@@ -227,7 +195,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                     fused_cols[f"fused_{rows}_over_floor"] = t_rows / weight_floor
         if quick:
             best = min(t_ours, t_graph or t_ours)
-            res.add(tokens=n, block_m=block_m, pool_block_m=pool_block_m, ours_us=t_ours * 1e6,
+            res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
                     ours_graph_us=None if t_graph is None else t_graph * 1e6,
                     ours_tflops=flops / best / 1e12, **fused_cols)
             continue
@@ -249,7 +217,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             step_us[f"{name}_graph_us"] = None if t is None else t * 1e6
         t_staged, t_base = _time(staged_torch, 5), _time(base, 5)
         best = min(t_ours, t_graph or t_ours)
-        res.add(tokens=n, block_m=block_m, pool_block_m=pool_block_m, ours_us=t_ours * 1e6,
+        res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
                 ours_graph_us=None if t_graph is None else t_graph * 1e6,
                 ours_pool_order_graph_us=None if t_pool is None else t_pool * 1e6, **step_us,
                 staged_torch_us=t_staged * 1e6, torch_baseline_us=t_base * 1e6,
@@ -258,16 +226,15 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     res.meta["clocks_after"] = gpu_clocks()
     if rank == 0:
         print(f"saved {res.save(out_dir or None)}")
-        cols = ["tokens", "block_m", "pool_block_m", "ours_us", "ours_graph_us", "fused_us",
+        cols = ["tokens", "block_m", "ours_us", "ours_graph_us", "fused_us",
                 "fused_graph_us", "staged_over_fused", "ours_tflops", "fused_tflops",
                 "weight_floor_us", "fused_over_floor", "fp8_weight_floor_us",
                 "ours_over_fp8_floor"]
         for rows in fused_rows:
             cols += [f"fused_{rows}_graph_us", f"fused_{rows}_over_floor"]
-        for layer, settings in (("ours", staged_env), ("fused", fused_env)):
-            for setting in settings:
-                cols += [f"{layer}_{_env_column(setting)}_graph_us",
-                         f"{layer}_{_env_column(setting)}_over_fp8_floor"]
+        for layer, variants in (("ours", staged_variants), ("fused", fused_variants)):
+            for label in variants:
+                cols += [f"{layer}_{label}_graph_us", f"{layer}_{label}_over_fp8_floor"]
         if storage_ab:
             cols += ["ours_other_storage_graph_us", "ours_other_storage_over_fp8_floor",
                      "fused_other_storage_graph_us", "fused_other_storage_over_fp8_floor"]
@@ -294,18 +261,21 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--port", type=int, default=29544)
     p.add_argument("--quick", action="store_true", help="only ours and fused")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="the configuration of every layer run (repeatable; config.LayerConfig "
+                        "fields, dotted for nested ones: gemm.promotion=chunk)")
     p.add_argument("--fused-rows", default="",
-                   help="row transfers of the fused kernel to time too, forced, alternating "
-                        "with the default in the graph rounds (e.g. barrier,counted; columns "
+                   help="row transfers of the fused kernel to time too, alternating with the "
+                        "default in the graph rounds (e.g. barrier,counted; columns "
                         "fused_<rows>_graph_us)")
-    p.add_argument("--staged-env", default="",
-                   help="NAME=VALUE[,NAME=VALUE]: the staged layer also with each of these "
-                        "variables set (kernel variants; NAME=VALUE+NAME=VALUE: several in one "
+    p.add_argument("--staged-config", default="",
+                   help="KEY=VALUE[,KEY=VALUE]: the staged layer also with each of these "
+                        "settings (kernel variants; KEY=VALUE+KEY=VALUE: several in one "
                         "variant), outputs checked equal, graph, alternating in the rounds "
-                        "(columns ours_<name>_<value>_graph_us, ..._over_fp8_floor)")
-    p.add_argument("--fused-env", default="",
-                   help="NAME=VALUE[,...]: the fused layer also with each of these variables set "
-                        "(columns fused_<name>_<value>_graph_us, ..._over_fp8_floor)")
+                        "(columns ours_<key>_<value>_graph_us, ..._over_fp8_floor)")
+    p.add_argument("--fused-config", default="",
+                   help="KEY=VALUE[,...]: the fused layer also with each of these settings "
+                        "(columns fused_<key>_<value>_graph_us, ..._over_fp8_floor)")
     p.add_argument("--storage-ab", action="store_true",
                    help="the staged and fused layers also on the weights in the other storage "
                         "order (`ExpertWeights.tiled`: fp8xfp8 / bf16xbf16 default to TMA "
@@ -313,12 +283,18 @@ def main() -> None:
                         "outputs checked equal (columns ours_other_storage_graph_us, "
                         "fused_other_storage_graph_us)")
     a = p.parse_args()
+    # (every setting read here first: a bad one stops before any GPU work)
+    base = parse_config(a.config)
+    staged = tuple(e for e in a.staged_config.split(",") if e)
+    fused = tuple(e for e in a.fused_config.split(",") if e)
+    for option, variants in (("--staged-config", staged), ("--fused-config", fused)):
+        for variant in variants:
+            _variant(variant, base, option)
     mp.spawn(_worker, args=(a.ranks, a.port, [int(t) for t in a.tokens.split(",")], a.recipe,
                             a.experts, a.topk, a.hidden, a.intermediate,
                             os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick,
-                            tuple(r for r in a.fused_rows.split(",") if r),
-                            tuple(e for e in a.staged_env.split(",") if e),
-                            tuple(e for e in a.fused_env.split(",") if e), a.storage_ab),
+                            tuple(r for r in a.fused_rows.split(",") if r), staged, fused,
+                            a.storage_ab, tuple(a.config)),
              nprocs=a.ranks, join=True)
 
 

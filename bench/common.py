@@ -8,6 +8,7 @@ ceilings (a device-to-device copy, dense GEMMs) in the same run as the thing com
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -15,7 +16,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -316,3 +317,68 @@ def random_expert_weights(num_experts: int, hidden: int, intermediate: int, reci
     w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen, device="cuda")
           / intermediate**0.5).to(torch.bfloat16)
     return ExpertWeights.from_bf16(w1, w2, recipe)
+
+
+# ----------------------------------------------------------------------------- configurations
+
+_NONE = ("none", "auto")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_config(settings: Iterable[str], base=None, option: str = "--config"):
+    """``KEY=VALUE`` settings (a bench's ``--config``, repeatable) applied to the configuration
+    ``base`` (a `cute_megamoe.config` value; default `LayerConfig()`): a dotted key names a
+    field of a nested configuration (``gemm.promotion=chunk``,
+    ``fused_kernel.row_transfer=barrier``), VALUE is read as the field's type (an integer,
+    ``1`` / ``0`` / ``true`` / ``false``, a name; ``none`` or ``auto`` for None: the
+    heuristics'). Anything else exits naming ``option`` and the setting."""
+    from cute_megamoe.config import LayerConfig
+
+    config = LayerConfig() if base is None else base
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{option}: KEY=VALUE, got {setting!r}")
+        try:
+            config = _with_setting(config, key.strip().split("."), value.strip())
+        except (ValueError, TypeError) as error:
+            raise SystemExit(f"{option} {setting}: {error}") from None
+    return config
+
+
+def _with_setting(config, path: list[str], value: str):
+    """``config`` with the field at ``path`` set to ``value`` (read as its type)."""
+    fields = {f.name: f for f in dataclasses.fields(config) if not f.name.startswith("_")}
+    name = path[0]
+    if name not in fields:
+        raise ValueError(f"{type(config).__name__} has no field {name!r} (fields: "
+                         f"{', '.join(fields)})")
+    current = getattr(config, name)
+    if dataclasses.is_dataclass(current):
+        if len(path) == 1:
+            raise ValueError(f"{name} is a {type(current).__name__}: name one of its fields "
+                             f"({name}.FIELD=VALUE)")
+        return dataclasses.replace(config, **{name: _with_setting(current, path[1:], value)})
+    if len(path) > 1:
+        raise ValueError(f"{name} has no fields")
+    kind = str(fields[name].type)
+    lower = value.lower()
+    if "None" in kind and lower in _NONE:
+        parsed = None
+    elif "bool" in kind:
+        if lower not in _TRUE + _FALSE:
+            raise ValueError(f"{name}: one of {_TRUE + _FALSE}, got {value!r}")
+        parsed = lower in _TRUE
+    elif "int" in kind:
+        parsed = int(value)
+    else:
+        parsed = value
+    return dataclasses.replace(config, **{name: parsed})
+
+
+def config_label(settings: Iterable[str]) -> str:
+    """A column-name part for ``KEY=VALUE`` settings: ``gemm.promotion=chunk`` ->
+    ``gemm_promotion_chunk`` (several joined by ``__``)."""
+    return "__".join(setting.replace(".", "_").replace("=", "_").lower()
+                     for setting in settings)
+

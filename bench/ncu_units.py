@@ -2,17 +2,19 @@
 GEMM: time, SM clock, tensor-pipe use per active cycle, instructions, DRAM and L2 throughput.
 
 Each variant runs in a process of its own under ``ncu --clock-control none`` (the clocks as the
-power state sets them, as in the timed runs) with its ``CUTE_MEGAMOE_*`` settings: two warm-up
+power state sets them, as in the timed runs) with its GEMM configuration: two warm-up
 calls of `expert_ffn` on random pools (the `bench_gemm` pools, every expert with the same pairs),
 then one profiled call (between ``cudaProfilerStart`` / ``Stop``), so the profile holds exactly
 its L1 and its L2 launch. A diagnostic beside the interleaved timers (Method in
 docs/performance.md): one launch per GEMM and build, not a speed comparison.
 
-    python -m bench.ncu_units [--recipe fp8xfp8] [--config 32x1024] [--block-m 128] \\
-        [--variant NAME[:VAR=VALUE[,VAR=VALUE...]]]...   # on the GPU machine, ncu on PATH
+    python -m bench.ncu_units [--recipe fp8xfp8] [--shape 32x1024] [--block-m 128] \\
+        [--config KEY=VALUE]... [--variant NAME[:KEY=VALUE[,KEY=VALUE...]]]...
 
-``--variant default`` (the default) runs the library's choices; ``--variant
-unroll1:CUTE_MEGAMOE_SM90_K_UNROLL=1`` one with that setting; ``--stalls`` adds the issue-slot
+(on the GPU machine, ncu on PATH). ``--config`` (repeatable): every variant's GEMM configuration
+(`config.Sm90GemmConfig` fields, `bench.common.parse_config`); ``--variant default`` (the
+default) runs it as it is; ``--variant unroll1:k_unroll=1`` one with that setting too;
+``--stalls`` adds the issue-slot
 share and the warps stalled per issued instruction by reason (`STALL_METRICS`; e.g. an
 instruction-cache miss shows as ``no_instruction``). Writes ``ncu_units-<date>.json``.
 """
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -68,28 +69,31 @@ def parse_ncu_csv(text: str, metrics: dict | None = None) -> list[dict[str, floa
     return [launches[i] for i in sorted(launches)]
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
-    """``NAME[:VAR=VALUE[,VAR=VALUE...]]`` -> (name, settings); CUTE_MEGAMOE_* variables only."""
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``NAME[:KEY=VALUE[,KEY=VALUE...]]`` -> (name, settings), the settings checked
+    (`config.Sm90GemmConfig` fields)."""
+    from bench.common import parse_config
+    from cute_megamoe.config import Sm90GemmConfig
+
     name, _, settings = spec.partition(":")
-    env = {}
-    for pair in filter(None, settings.split(",")):
-        var, sep, value = pair.partition("=")
-        if not sep or not var.startswith("CUTE_MEGAMOE_"):
-            raise SystemExit(f"--variant: NAME[:VAR=VALUE,...] with CUTE_MEGAMOE_* variables, "
-                             f"got {spec!r}")
-        env[var] = value
     if not name:
         raise SystemExit(f"--variant: a name first, got {spec!r}")
-    return name, env
+    pairs = [pair for pair in settings.split(",") if pair]
+    parse_config(pairs, Sm90GemmConfig(), "--variant")
+    return name, pairs
 
 
-def _profiled_call(recipe: str, experts: int, pairs: int, block_m: int) -> None:
+def _profiled_call(recipe: str, experts: int, pairs: int, block_m: int,
+                   settings: list[str]) -> None:
     """The child process: two warm-up calls, then one between the profiler's start and stop."""
     import torch
 
     from bench.bench_gemm import _ours, _random_weights
+    from bench.common import parse_config
+    from cute_megamoe.config import Sm90GemmConfig
 
-    run = _ours(recipe, _random_weights(recipe, experts, 7168, 2048), pairs, block_m)
+    config = parse_config(settings, Sm90GemmConfig())
+    run = _ours(recipe, _random_weights(recipe, experts, 7168, 2048), pairs, block_m, config)
     run()
     run()
     torch.cuda.synchronize()
@@ -102,37 +106,43 @@ def _profiled_call(recipe: str, experts: int, pairs: int, block_m: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="fp8xfp8")
-    p.add_argument("--config", default="32x1024", help="EXPERTSxPAIRS_PER_EXPERT")
+    p.add_argument("--shape", default="32x1024", help="EXPERTSxPAIRS_PER_EXPERT")
     p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="every variant's GEMM configuration (repeatable)")
     p.add_argument("--variant", action="append", default=[])
     p.add_argument("--stalls", action="store_true",
                    help="also the issue-slot share and the warps stalled per issued "
                         "instruction by reason (STALL_METRICS)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    experts, pairs = (int(v) for v in args.config.split("x"))
+    experts, pairs = (int(v) for v in args.shape.split("x"))
     if args.child:
-        _profiled_call(args.recipe, experts, pairs, args.block_m)
+        _profiled_call(args.recipe, experts, pairs, args.block_m, args.config)
         return
     ncu = shutil.which("ncu")
     if ncu is None:
         raise SystemExit("ncu (Nsight Compute) is not on PATH")
     from bench.common import Results, gpu_clocks
 
+    parse_variant("config:" + ",".join(args.config))  # (checked before any GPU work)
     variants = [parse_variant(v) for v in (args.variant or ["default"])]
     wanted = {**METRICS, **(STALL_METRICS if args.stalls else {})}
-    res = Results("ncu_units", meta={"recipe": args.recipe, "config": args.config,
+    res = Results("ncu_units", meta={"recipe": args.recipe, "shape": args.shape,
+                                     "config": args.config,
                                      "block_m": args.block_m, "hidden": 7168,
                                      "intermediate": 2048, "clocks_before": gpu_clocks(),
                                      "variants": dict(variants),
                                      "metrics": {k: m for k, (m, _f) in wanted.items()}})
     metrics = ",".join(m for m, _f in wanted.values())
-    for name, env in variants:
+    for name, settings in variants:
+        config_args = [arg for setting in (*args.config, *settings)
+                       for arg in ("--config", setting)]
         out = subprocess.run(
             [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv",
              "--metrics", metrics, sys.executable, "-m", "bench.ncu_units", "--child",
-             "--recipe", args.recipe, "--config", args.config, "--block-m", str(args.block_m)],
-            env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+             "--recipe", args.recipe, "--shape", args.shape, "--block-m", str(args.block_m),
+             *config_args], capture_output=True, text=True, timeout=600)
         launches = parse_ncu_csv(out.stdout, wanted)
         if len(launches) != len(PHASES):
             raise SystemExit(f"{name}: expected {len(PHASES)} profiled launches, got "

@@ -16,6 +16,7 @@ import torch
 
 from .buffer import SymmBuffer
 from .checks import check_cuda_buffer, check_layer_output, check_routing, check_sym_buffer
+from .config import LayerConfig
 from .expert_gemm import ExpertWeights
 from .fused import choose as choose_fused
 from .fused import fused_mega_moe
@@ -30,7 +31,8 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
              activation_clamp: float | None = None, fast_math: bool = True,
              block_m: int | None = None, num_sms: int | None = None, transfer: str = "push",
-             l2_sends: bool = True, fused: bool | None = None) -> torch.Tensor:
+             l2_sends: bool = True, fused: bool | None = None,
+             config: LayerConfig | None = None) -> torch.Tensor:
     """One MoE layer on every rank of the buffer's group (collective), any recipe.
 
     The inputs are what `stage_inputs` (or the caller, DeepGEMM style) put into `sym_buffer`
@@ -47,12 +49,14 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
     one (the kernels trap naming the call numbers instead). ``fused``: the whole layer as one
     persistent kernel (`fused.fused_mega_moe`; sm_90a, fp8xfp8 / bf16xbf16, push and L2
     sends, bit-identical to the staged kernels): True raises before any launch where it cannot
-    run, False runs the staged kernels, None (default) `fused.choose`: the fused kernel for
-    one-rank groups on sm_90a, else the staged kernels (``CUTE_MEGAMOE_FUSED``).
+    run, False runs the staged kernels, None (default) ``config.fused``, else `fused.choose`:
+    the fused kernel for one-rank groups on sm_90a, else the staged kernels
+    (``CUTE_MEGAMOE_FUSED``). ``config``: the kernels' configuration (`config.LayerConfig`;
+    None: the heuristics'); any value gives the same outputs.
     """
     return _mega_moe(None, "mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
-                     num_sms, transfer, l2_sends, fused)
+                     num_sms, transfer, l2_sends, fused, config)
 
 
 def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
@@ -60,33 +64,34 @@ def fp8_mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer
                  activation_clamp: float | None = None, fast_math: bool = True,
                  block_m: int | None = None, num_sms: int | None = None,
                  transfer: str = "push", l2_sends: bool = True,
-                 fused: bool | None = None) -> torch.Tensor:
+                 fused: bool | None = None, config: LayerConfig | None = None) -> torch.Tensor:
     """`mega_moe` for the FP8-activation recipes (``fp8xfp8``, ``fp8xfp4``, ``fp8xfp4_sm90``)
     only."""
     return _mega_moe(_FP8_RECIPES, "fp8_mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
-                     num_sms, transfer, l2_sends, fused)
+                     num_sms, transfer, l2_sends, fused, config)
 
 
 def _mega_moe(recipes: tuple[str, ...] | None, name: str, y, weights, sym_buffer,
               cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m, num_sms,
-              transfer, l2_sends, fused=None) -> torch.Tensor:
+              transfer, l2_sends, fused=None, config=None) -> torch.Tensor:
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         n = _check_layer_call(recipes, name, y, weights, sym_buffer)
         check_cuda_buffer(sym_buffer)  # (before `choose_fused` asks the GPU)
-        fused = choose_fused(fused, sym_buffer, weights, transfer, l2_sends)
+        fused = choose_fused(fused, sym_buffer, weights, transfer, l2_sends, config)
     if fused:
         return fused_mega_moe(
             sym_buffer, None, None, None, weights, num_tokens=n, y=y,
             activation_clamp=activation_clamp, fast_math=fast_math, block_m=block_m,
-            num_sms=num_sms, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+            num_sms=num_sms, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            config=config)
     # (staged_mega_moe checks the rest inside its own give-up block, before its first launch)
     return staged_mega_moe(
         sym_buffer, None, None, None, weights, num_tokens=n, y=y,
         activation_clamp=activation_clamp, fast_math=fast_math, block_m=block_m,
         num_sms=num_sms, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-        l2_sends=l2_sends, transfer=transfer)
+        l2_sends=l2_sends, transfer=transfer, config=config)
 
 
 def _check_layer_call(recipes: tuple[str, ...] | None, name: str, y, weights,

@@ -92,7 +92,8 @@ def check_mn_major(name: str, t: object, dtype: torch.dtype, rows: int, cols: in
 
 
 def routing_checks_on(validate_routing: bool | None) -> bool:
-    """``validate_routing``, or the ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (on) when None."""
+    """``validate_routing``, or the ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (`runtime.env_flag`:
+    on unless set false) when None."""
     if validate_routing is None:
         return env_flag("CUTE_MEGAMOE_CHECK_ROUTING", default=True)
     return bool(validate_routing)

@@ -42,6 +42,7 @@ from .checks import (
     check_layer_output,
     check_sym_buffer,
 )
+from .config import LayerConfig
 from .expert_gemm import ExpertWeights, _block_weight_sf, weights_recipe
 from .fused import choose as choose_fused
 from .fused import fused_mega_moe
@@ -69,7 +70,8 @@ def fp8_fp4_mega_moe(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tens
                      cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                      recipe: tuple[int, int, int] = (1, 1, 32), activation: str = "swiglu",
                      activation_clamp: float | None = None,
-                     fast_math: bool = True) -> torch.Tensor:
+                     fast_math: bool = True, *,
+                     config: LayerConfig | None = None) -> torch.Tensor:
     """DeepGEMM's ``fp8_fp4_mega_moe``: one MoE layer with FP8 activations (collective).
 
     Reads the ``n = len(y)`` tokens the caller copied into ``sym_buffer.x`` / ``x_sf`` /
@@ -80,7 +82,8 @@ def fp8_fp4_mega_moe(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tens
     an ``fp8xfp8`` one (ours; ``recipe=(1, 128, 128)``). ``recipe`` must be the buffer recipe's
     (`RECIPE_SF_GRANULARITY`); ``activation`` ``'swiglu'``; ``activation_clamp`` None or
     ``>= 0``; ``cumulative_local_expert_recv_stats``: optional int32 ``[E_l]``, incremented by
-    this call's received tokens per local expert.
+    this call's received tokens per local expert. ``config`` (ours, not DeepGEMM's): the
+    kernels' configuration (`config.LayerConfig`; None: the heuristics').
 
     Runs our kernels where the GPU has grouped-GEMM kernels for the recipe (Blackwell:
     fp8xfp4; Hopper: fp8xfp8). **On Hopper, fp8xfp4 has no grouped-GEMM kernel**: the layer
@@ -91,14 +94,15 @@ def fp8_fp4_mega_moe(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tens
     """
     return _layer("fp8_fp4_mega_moe", ("fp8xfp4", "fp8xfp8"), y, l1_weights, l2_weights,
                   sym_buffer, cumulative_local_expert_recv_stats, recipe, activation,
-                  activation_clamp, fast_math)
+                  activation_clamp, fast_math, config)
 
 
 def bf16_mega_moe(y: torch.Tensor, l1_weights: torch.Tensor, l2_weights: torch.Tensor,
                   sym_buffer: SymmBuffer,
                   cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                   activation: str = "swiglu", activation_clamp: float | None = None,
-                  fast_math: bool = True) -> torch.Tensor:
+                  fast_math: bool = True, *,
+                  config: LayerConfig | None = None) -> torch.Tensor:
     """DeepGEMM's ``bf16_mega_moe``: `fp8_fp4_mega_moe` for a ``bf16xbf16`` buffer, with the
     BF16 weights `transform_weights_for_mega_moe` returned (L1 ``[E_l, 2I, H]`` interleaved,
     L2 ``[E_l, H, I]``); the caller fills ``sym_buffer.x`` (BF16), ``topk_idx`` and
@@ -106,11 +110,11 @@ def bf16_mega_moe(y: torch.Tensor, l1_weights: torch.Tensor, l2_weights: torch.T
     never run). For our weights object use `api.mega_moe`."""
     return _layer("bf16_mega_moe", ("bf16xbf16",), y, l1_weights, l2_weights, sym_buffer,
                   cumulative_local_expert_recv_stats, None, activation, activation_clamp,
-                  fast_math)
+                  fast_math, config)
 
 
 def _layer(name: str, recipes: tuple[str, ...], y, l1_weights, l2_weights, sym_buffer,
-           stats, recipe, activation, activation_clamp, fast_math) -> torch.Tensor:
+           stats, recipe, activation, activation_clamp, fast_math, config) -> torch.Tensor:
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         check_activation(activation)
@@ -127,12 +131,12 @@ def _layer(name: str, recipes: tuple[str, ...], y, l1_weights, l2_weights, sym_b
         device = check_cuda_buffer(sym_buffer)
         n = check_layer_output(y, sym_buffer)
         weights = _weights_for(l1_weights, l2_weights, buffer_recipe, get_arch(device))
-        fused = choose_fused(None, sym_buffer, weights)
+        fused = choose_fused(None, sym_buffer, weights, config=config)
     # (the layers check the rest inside their own give-up blocks, before their first launch)
     layer = fused_mega_moe if fused else staged_mega_moe
     return layer(sym_buffer, None, None, None, weights, num_tokens=n, y=y,
                  activation_clamp=activation_clamp, fast_math=fast_math,
-                 cumulative_local_expert_recv_stats=stats)
+                 cumulative_local_expert_recv_stats=stats, config=config)
 
 
 # ----------------------------------------------------------------------------- weight cache

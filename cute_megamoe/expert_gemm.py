@@ -18,6 +18,7 @@ run: no Blackwell GPU was available). The launches themselves are built in `laun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +31,8 @@ from .checks import (
     check_tensor,
     routing_checks_on,
 )
-from .heuristics import get_num_sms
+from .config import Sm90GemmConfig, Sm100GemmConfig
+from .heuristics import default_gemm_config, get_num_sms
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
 from .launch import expert_gemm_calls, gemm_kernel
 from .runtime import get_arch
@@ -427,7 +429,7 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
                validate_counts: bool | None = None,
                combine_buffer=None,
                expected_tokens_per_expert: float | None = None,
-               pool_block_m: int | None = None) -> torch.Tensor | None:
+               config: Sm90GemmConfig | Sm100GemmConfig | None = None) -> torch.Tensor | None:
     """L1 + SwiGLU + L2 over the pool on our kernels; returns BF16 ``[P, H]`` (see module doc),
     or None with ``combine_buffer``.
 
@@ -451,19 +453,17 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
             Collective in effect: the source ranks' combine reads these rows after its
             cross-rank barrier (`staged.combine` with ``expert_out=None``).
         expected_tokens_per_expert: the rows per expert the caller expects (e.g.
-            `heuristics.expected_tokens_per_expert`): picks the sm_90a mainloop at BLOCK_M 64
-            (`heuristics.select_sm90_transposed`); None: the staged one. Any value gives the
-            same outputs.
-        pool_block_m: the block the pool is laid out in (each expert's rows start at
-            ``pool_block_offsets(counts, pool_block_m)[e] * pool_block_m``): ``block_m`` (the
-            default), or 256 with ``block_m`` 128 for ``fp8xfp4_sm90`` on sm_90a, with which
-            the 2-CTA clusters that share the decode pair two tiles of one expert only
-            (refused where those clusters do not run: `launch.sm90_shares_decode`).
+            `heuristics.expected_tokens_per_expert`): the heuristics pick the sm_90a mainloop
+            and clusters by it (`heuristics.default_gemm_config`); None: not known. Any value
+            gives the same outputs.
+        config: the GEMMs' configuration for this GPU's arch (`config.Sm90GemmConfig`,
+            `config.Sm100GemmConfig`; its ``block_m`` None or ``block_m``); fields left None
+            (None: all of them) are the heuristics' choice. Any value gives the same outputs.
     """
     launches, out = _prepare_expert_ffn(
         acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m, activation_clamp,
         fast_math, l2_acts, l2_acts_sf, out, num_sms, validate_counts, combine_buffer,
-        expected_tokens_per_expert, pool_block_m)
+        expected_tokens_per_expert, config)
     for launch in launches:
         launch()
     return out  # None with combine_buffer
@@ -472,7 +472,7 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
 def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights, block_m,
                         activation_clamp, fast_math, l2_acts, l2_acts_sf, out, num_sms,
                         validate_counts, combine_buffer, expected_tokens_per_expert=None,
-                        pool_block_m=None):
+                        config=None):
     """The checks of `expert_ffn` and its two launches (not made yet), and its result."""
     if not isinstance(acts, torch.Tensor):
         raise TypeError(f"acts: expected a torch.Tensor, got {type(acts).__name__}")
@@ -486,25 +486,19 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
         raise ValueError(f"weights: prepared for {weights.arch}, this GPU is {arch}")
     e_l, hidden, inter = _check_weights(weights, device)
     check_gemm_block_m(block_m, arch)
-    pool_block_m = block_m if pool_block_m is None else pool_block_m
-    if pool_block_m != block_m and ((arch, block_m, pool_block_m) != ("sm_90a", 128, 256)
-                                    or recipe not in ("fp8xfp4_sm90", "fp8xfp8")):
-        raise ValueError(f"pool_block_m: block_m ({block_m}), or 256 with block_m 128 for "
-                         f"fp8xfp4_sm90 or fp8xfp8 on sm_90a; got {pool_block_m!r} for {recipe} "
-                         f"on {arch}")
     act_recipe = activation_recipe(recipe)
     act_dtype, sf_dtype = _ACT_DTYPE[act_recipe], _ACT_SF_DTYPE.get(act_recipe)
     if acts.dim() != 2 or acts.shape[1] != hidden:
         raise ValueError(f"acts: expected shape [P, {hidden}], got {tuple(acts.shape)}")
     pool_rows = acts.shape[0]
-    if pool_rows % pool_block_m != 0:
-        raise ValueError(f"acts: pool rows ({pool_rows}) must be a multiple of block_m (of "
-                         f"the pool's block, {pool_block_m})")
+    if pool_rows % block_m != 0:
+        raise ValueError(f"acts: pool rows ({pool_rows}) must be a multiple of block_m "
+                         f"({block_m})")
     check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
     check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
     check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
     if routing_checks_on(validate_counts):
-        check_pool_capacity(expert_recv_tokens, pool_block_m, pool_rows)
+        check_pool_capacity(expert_recv_tokens, block_m, pool_rows)
     if sf_dtype is not None:
         if acts_sf is None:
             raise ValueError(f"acts_sf: required for {recipe}")
@@ -545,14 +539,33 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
             and expected_tokens_per_expert >= 0):
         raise ValueError(f"expected_tokens_per_expert: a number >= 0 or None, got "
                          f"{expected_tokens_per_expert!r}")
-    calls = expert_gemm_calls(arch, recipe, block_m, grid, weights, acts, acts_sf, topk_weights,
+    if config is not None and not isinstance(config, (Sm90GemmConfig, Sm100GemmConfig)):
+        raise TypeError(f"config: None, an Sm90GemmConfig or an Sm100GemmConfig, got "
+                        f"{type(config).__name__}")
+    configs = expert_ffn_configs(arch, recipe, block_m, hidden, inter,
+                                 expected_tokens_per_expert, combine_buffer is not None, config)
+    calls = expert_gemm_calls(arch, recipe, grid, weights, acts, acts_sf, topk_weights,
                               expert_recv_tokens, l2_acts, l2_acts_sf, out, activation_clamp,
-                              fast_math, combine_buffer, expected_tokens_per_expert,
-                              pool_block_m)
+                              fast_math, combine_buffer, configs)
     return calls, out
 
 
+@functools.lru_cache(maxsize=4096)
+def expert_ffn_configs(arch: str, recipe: str, block_m: int, hidden: int, inter: int,
+                       expected_tokens_per_expert: float | None, to_combine: bool,
+                       config: Sm90GemmConfig | Sm100GemmConfig | None
+                       ) -> tuple[Sm90GemmConfig | Sm100GemmConfig, ...]:
+    """The complete configurations of the expert FFN's L1 and L2 (`heuristics.default_gemm_config`;
+    remembered: a layer call's plan lookup asks for them every call). ``to_combine``: L2 sends
+    its rows to the combine buffers."""
+    return (default_gemm_config(arch, recipe, "l1", 2 * inter, block_m,
+                                expected_tokens_per_expert, False, config),
+            default_gemm_config(arch, recipe, "l2", hidden, block_m, expected_tokens_per_expert,
+                                to_combine, config))
+
+
 __all__ = ["BLOCK_MS", "SUPPORTED_RECIPES", "ExpertWeights", "check_pool_capacity", "expert_ffn",
+           "expert_ffn_configs",
            "tile_weight_rows", "untile_weight_rows", "tiles_weights", "TILED_RECIPES",
            "TILEABLE_RECIPES",
            "gemm_kernel", "weights_recipe"]

@@ -3,19 +3,20 @@
     y = fused.fused_mega_moe(buf, x, topk_idx, topk_weights, weights)   # collective
 
 One launch per call on sm_90a: the fused kernel quantizes the caller's activations itself
-(`runtime.fused_staging`; the FP4 experiment and sm_100a launch the input staging,
-`kernels/staging.py`, first; with ``x=None`` the caller filled the buffer, as DeepGEMM's users
-do). The fused kernel of the GPU's arch (`launch.fused_call`): `kernels/sm90_mega_moe.py`
-(fp8xfp8, bf16xbf16; GPU-tested, bit-identical to `staged.staged_mega_moe(...,
-l2_sends=True)` on the same inputs) or
-`kernels/sm100_mega_moe.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked, never run: no
-Blackwell GPU here). The push transfer; `supports` says whether a buffer and weights can run
-it. The entry points (`MegaMoE`, `api.mega_moe` / `fp8_mega_moe`, DeepGEMM's
-`fp8_fp4_mega_moe` / `bf16_mega_moe`) run it by default where it ran on the GPU as the group
-runs (`choose`: sm_90a, fp8xfp8 / bf16xbf16, one rank); ``fused=False`` keeps the staged kernels.
+(`config.Sm90FusedConfig.stages_inputs`; the FP4 experiment and sm_100a launch the input staging,
+`kernels/staging.py`, first; with ``x=None`` the caller filled the buffer, as DeepGEMM's users do).
+The fused kernel of the GPU's arch (`launch.fused_call`): `kernels/sm90_mega_moe.py` (fp8xfp8,
+bf16xbf16; GPU-tested, bit-identical to `staged.staged_mega_moe(..., l2_sends=True)` on the same
+inputs) or `kernels/sm100_mega_moe.py` (fp8xfp4, bf16xbf16; compiled and SASS-checked, never run: no
+Blackwell GPU here). The push transfer; `supports` says whether a buffer and weights can run it. The
+entry points (`MegaMoE`, `api.mega_moe` / `fp8_mega_moe`, DeepGEMM's `fp8_fp4_mega_moe` /
+`bf16_mega_moe`) run it by default where it ran on the GPU as the group runs (`choose`: sm_90a,
+fp8xfp8 / bf16xbf16, one rank); ``fused=False`` keeps the staged kernels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -30,8 +31,9 @@ from .checks import (
     check_tensor,
     routing_checks_on,
 )
+from .config import LayerConfig, Sm90FusedConfig, Sm100GemmConfig
 from .expert_gemm import ExpertWeights
-from .heuristics import block_m_for_call
+from .heuristics import block_m_for_call, default_fused_config
 from .launch import (
     FUSED_INPUT_SLOTS,
     FUSED_SLOTS,
@@ -40,14 +42,17 @@ from .launch import (
     buffer_state,
     existing_buffer_state,
     fused_call,
+    staging_call,
 )
-from .runtime import env_choice, env_flag, fused_staging, kernel_variant_env, launch_path
+from .runtime import env_choice, launch_path, spin_timeout_ns
 from .staged import (
     _MAX_PLANS,
     _LayerPlan,
     _weight_addresses,
+    configured_block_m,
     gives_up_call_on_error,
     grid_size,
+    layer_config,
     prepare_layer_call,
 )
 from .tables import EXPERIMENTAL_FUSED_RECIPES, FUSED_RECIPES
@@ -58,32 +63,34 @@ __all__ = ["choose", "fused_mega_moe", "supports"]
 _SM90_TILE_N = 256
 
 
-def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
+def supports(sym_buffer: SymmBuffer, weights: object,
+             config: LayerConfig | None = None) -> str | None:
     """None when the fused kernel can run this buffer and these weights on the current GPU,
     else why not (for the entry points' errors). sm_90a: fp8xfp8 and bf16xbf16 (GPU-tested at
-    R = 1 and on loopback groups; groups of several GPUs and fp8xfp4_sm90 only with
-    ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``, `tables.EXPERIMENTAL_FUSED_RECIPES`);
-    sm_100a: fp8xfp4 and bf16xbf16 (compiled and SASS-checked, never run)
-    (`tables.FUSED_RECIPES`)."""
+    R = 1 and on loopback groups; groups of several GPUs and fp8xfp4_sm90 only as experiments,
+    `config.LayerConfig.experimental_fused_multi_gpu` / ``experimental_fused_fp4``,
+    `tables.EXPERIMENTAL_FUSED_RECIPES`); sm_100a: fp8xfp4 and bf16xbf16 (compiled and
+    SASS-checked, never run) (`tables.FUSED_RECIPES`)."""
+    config = layer_config(config)
     layout = sym_buffer.layout
     if not isinstance(weights, ExpertWeights):
         return "the fused kernel runs our grouped-GEMM weights (ExpertWeights)"
     if (layout.num_ranks > 1 and sym_buffer.group is not None
-            and not env_flag("CUTE_MEGAMOE_EXPERIMENTAL_FUSED")):
+            and not config.experimental_fused_multi_gpu):
         # (one process per GPU; a loopback group, every rank's buffer in one process, has no
         # process group and runs it)
         return ("the fused kernel runs groups of several GPUs only as an experiment "
-                "(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): its one-rank-per-GPU test has not passed "
-                "on two GPUs yet (it failed on 2026-12-04 by the test's CPU reference, since "
-                "fixed; one-rank and loopback groups pass)")
+                "(LayerConfig(experimental_fused_multi_gpu=True)): its one-rank-per-GPU test has "
+                "not passed on two GPUs yet (it failed on 2026-12-04 by the test's CPU "
+                "reference, since fixed; one-rank and loopback groups pass)")
     arch = buffer_state(sym_buffer).arch
     if layout.recipe not in FUSED_RECIPES[arch]:
         return f"the {arch} fused kernel runs {FUSED_RECIPES[arch]}, not {layout.recipe!r}"
     if (layout.recipe in EXPERIMENTAL_FUSED_RECIPES[arch]
-            and not env_flag("CUTE_MEGAMOE_EXPERIMENTAL_FUSED")):
+            and not config.experimental_fused_fp4):
         return (f"the {arch} fused kernel runs {layout.recipe!r} only as an experiment "
-                f"(CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1): slower than the staged layer, and one-rank "
-                f"stalls seen on the H200 are not explained")
+                f"(LayerConfig(experimental_fused_fp4=True)): slower than the staged layer, and "
+                f"one-rank stalls seen on the H200 are not explained")
     if weights.arch != arch:
         return f"the weights are prepared for {weights.arch}, this GPU is {arch}"
     if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N
@@ -97,7 +104,7 @@ def supports(sym_buffer: SymmBuffer, weights: object) -> str | None:
 #: fused kernel for one-rank groups on sm_90a (fp8xfp8, bf16xbf16: GPU-tested, bit-identical
 #: to the staged kernels and as fast or faster at 1-8192 tokens, docs/performance.md), the
 #: staged kernels for larger groups (across GPUs the fused kernel's test has not passed yet:
-#: `supports` refuses it there without ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``) and
+#: `supports` refuses it there unless the configuration asks for the experiment) and
 #: on sm_100a (compiled, never run); "1": the fused kernel wherever `supports` allows it;
 #: "0": the staged kernels. Every
 #: rank of a group should see the same value: a staged rank and a fused rank that counts its
@@ -106,19 +113,25 @@ FUSED_DEFAULTS = ("auto", "1", "0")
 
 
 def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
-           transfer: str = "push", l2_sends: bool = True) -> bool:
-    """Whether an entry point runs the fused kernel. ``fused`` True: it must (raises
-    `ValueError` naming why it cannot: push, L2 sends, `supports`); False: the staged kernels;
-    None: `FUSED_DEFAULTS` (``CUTE_MEGAMOE_FUSED``), quietly staged where the fused kernel
-    cannot run these arguments."""
+           transfer: str = "push", l2_sends: bool = True,
+           config: LayerConfig | None = None) -> bool:
+    """Whether an entry point runs the fused kernel. ``fused`` (else ``config.fused``) True: it
+    must (raises `ValueError` naming why it cannot: push, L2 sends, `supports`); False: the
+    staged kernels; None: `FUSED_DEFAULTS` (``CUTE_MEGAMOE_FUSED``), quietly staged where the
+    fused kernel cannot run these arguments."""
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: expected None or a bool, got {type(fused).__name__}")
+    config = layer_config(config)
+    if fused is None:
+        fused = config.fused
+    elif config.fused is not None and config.fused != fused:
+        raise ValueError(f"fused: {fused}, but config.fused is {config.fused}")
     pushes = transfer == "push" and l2_sends is True
     if fused:
         if not pushes:
             raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
                              "the L2 epilogue (transfer='push', l2_sends=True)")
-        reason = supports(sym_buffer, weights)
+        reason = supports(sym_buffer, weights, config)
         if reason is not None:
             raise ValueError(f"fused: {reason}")
         return True
@@ -132,7 +145,7 @@ def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
         if (layout.num_ranks != 1 or weights.arch != "sm_90a"
                 or layout.recipe in EXPERIMENTAL_FUSED_RECIPES["sm_90a"]):
             return False
-    return supports(sym_buffer, weights) is None
+    return supports(sym_buffer, weights, config) is None
 
 
 def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
@@ -143,21 +156,19 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                    num_sms: int | None = None,
                    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                    validate_routing: bool | None = None,
-                   row_transfer: str | None = None) -> torch.Tensor:
+                   config: LayerConfig | None = None) -> torch.Tensor:
     """One whole layer in one persistent kernel (see the module doc). Collective: every
     rank of the buffer's group calls it once per call, also with 0 tokens. Arguments as
     `staged.staged_mega_moe` (``x=None``: ``num_tokens`` rows were staged into the buffer
-    already); ``block_m`` 64 or 128 (default: the heuristics; ranks may differ).
-    ``row_transfer`` (sm_90a, for A/Bs): how the rows move, `sm90_mega_moe.ROW_TRANSFERS`
-    (None: ``CUTE_MEGAMOE_FUSED_ROWS``, else the kernel's default); "barrier" and the counted
-    ones are different row protocols that ranks must not mix (a mismatch traps). Every check
-    runs before the first launch; one that fails gives the call up on this rank
+    already); ``block_m`` 64 or 128 (default: ``config.fused_kernel.block_m``, else the
+    heuristics; ranks may differ). ``config``: its experimental flags and ``fused_kernel``
+    (sm_90a, `config.Sm90FusedConfig`; None fields: `heuristics.default_fused_config`); its
+    row transfer, "barrier" or "counted", must be the same on every rank (a mismatch traps).
+    Every check runs before the first launch; one that fails gives the call up on this rank
     (`staged.gives_up_call_on_error`). No host synchronization with
     ``validate_routing=False``: CUDA-graph capturable."""
     key = _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math,
-                    block_m, num_sms, cumulative_local_expert_recv_stats)
-    if key is not None:
-        key += (row_transfer,)
+                    block_m, num_sms, cumulative_local_expert_recv_stats, config)
     state = existing_buffer_state(sym_buffer) if key is not None else None
     plan = None if state is None else state.plans.get(key)
     n = None
@@ -169,31 +180,36 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                            cumulative_local_expert_recv_stats, validate_routing)
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
+        config = layer_config(config)
         layout = sym_buffer.layout
         device = check_cuda_buffer(sym_buffer)
-        reason = supports(sym_buffer, weights)
+        reason = supports(sym_buffer, weights, config)
         if reason is not None:
             raise ValueError(f"fused_mega_moe: {reason}")
         _check_weights_fit(sym_buffer, weights)
         activation_clamp = check_activation_clamp(activation_clamp)
         check_fast_math(fast_math)
         arch = buffer_state(sym_buffer).arch
-        # sm_90a: the fused kernel stages x itself (`runtime.fused_staging`)
-        staging = fused_staging()
-        if staging == "auto":
-            staging = "launch" if layout.recipe == "fp8xfp4_sm90" else "kernel"
-        in_kernel = x is not None and arch == "sm_90a" and staging == "kernel"
+        block_m = configured_block_m(block_m, config.fused_kernel.block_m,
+                                     "config.fused_kernel.block_m")
+        # (sm_90a: the kernel may stage x itself, `Sm90FusedConfig.stages_inputs`: the
+        # inputs' checks here, the staging launch below where it does not)
         launches, n, block_m = prepare_layer_call(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m,
-            cumulative_local_expert_recv_stats, validate_routing, stage=not in_kernel)
+            cumulative_local_expert_recv_stats, validate_routing, stage=arch != "sm_90a")
         check_gemm_block_m(block_m, arch)
+        kernel_config = fused_kernel_config(arch, layout, block_m, x is not None,
+                                            config.fused_kernel)
+        in_kernel = bool(getattr(kernel_config, "stages_inputs", False))
+        if x is not None and arch == "sm_90a" and not in_kernel and n > 0:
+            launches.append(staging_call(sym_buffer, x, topk_idx, topk_weights))
         grid = grid_size(sym_buffer, num_sms)
         stats = cumulative_local_expert_recv_stats
         if y is None:
             y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=device)
         check_tensor("y", y, torch.bfloat16, (n, layout.hidden), device)
-        launches.append(fused_call(sym_buffer, weights, n, block_m, y, grid, stats,
-                                   activation_clamp, fast_math, row_transfer=row_transfer,
+        launches.append(fused_call(sym_buffer, weights, n, y, grid, stats, activation_clamp,
+                                   fast_math, kernel_config,
                                    inputs=(x, topk_idx, topk_weights) if in_kernel else None))
     if key is not None and n > 0:
         plans = buffer_state(sym_buffer).plans
@@ -203,6 +219,21 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
     for launch in launches:
         launch()
     return y
+
+
+@functools.lru_cache(maxsize=4096)
+def fused_kernel_config(arch: str, layout, block_m: int, given_x: bool,
+                        config: Sm90FusedConfig) -> Sm90FusedConfig | Sm100GemmConfig:
+    """The fused kernel's complete configuration on ``arch`` for the buffer ``layout`` at
+    ``block_m``, for calls that give ``x`` or not (sm_90a: `heuristics.default_fused_config`;
+    sm_100a: its GEMMs' `Sm100GemmConfig`, whose only setting is BLOCK_M: ``config`` leaves
+    every other field None). Remembered: a layer call's plan lookup asks for it every call."""
+    if arch == "sm_90a":
+        return default_fused_config(layout, block_m, given_x, config)
+    if config != Sm90FusedConfig(block_m=config.block_m):
+        raise ValueError(f"config.fused_kernel: sm_90a options ({config}); the {arch} fused "
+                         f"kernel takes none")
+    return Sm100GemmConfig(block_m)
 
 
 class _FusedPlan(_LayerPlan):
@@ -243,7 +274,7 @@ class _FusedPlan(_LayerPlan):
 
 
 def _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math, block_m,
-              num_sms, stats) -> tuple | None:
+              num_sms, stats, config) -> tuple | None:
     """The configuration of a call (None where a call is too odd to have one: then the full
     checks run and name what is wrong)."""
     try:
@@ -258,13 +289,21 @@ def _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math
         else:
             return None
         layout = sym_buffer.layout
+        config = layer_config(config)
+        block_m = configured_block_m(block_m, config.fused_kernel.block_m,
+                                     "config.fused_kernel.block_m")
+        if type(block_m) not in (int, type(None)) or n < 0:
+            return None
+        if block_m is None:  # (a plan exists only where the weights' arch is the GPU's)
+            block_m = block_m_for_call(n, layout.num_ranks, layout.num_topk,
+                                       layout.num_experts, weights.arch)
         return ("fused", x is not None, y is not None, stats is not None, weights.recipe,
                 weights.arch, *_weight_addresses(weights), type(activation_clamp),
-                activation_clamp, type(fast_math), fast_math, type(block_m), block_m,
-                type(num_sms), num_sms,
-                block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
-                                 weights.arch) if block_m is None and n >= 0 else None,
-                *kernel_variant_env(), launch_path().name)
+                activation_clamp, type(fast_math), fast_math, type(num_sms), num_sms,
+                config.experimental_fused_multi_gpu, config.experimental_fused_fp4,
+                fused_kernel_config(weights.arch, layout, block_m, x is not None,
+                                    config.fused_kernel),
+                spin_timeout_ns(), launch_path().name)
     except (TypeError, AttributeError, ValueError, KeyError):
         return None
 

@@ -1,20 +1,23 @@
 """Launch heuristics: SM count, BLOCK_M and experts per wave. PROVISIONAL.
 
-These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp``,
-summarised in ``docs/reference-deepgemm-megamoe.md`` section 7) in spirit, restricted to the
-block sizes our kernels implement. The thresholds are starting points, not measurements: they
-are to be re-tuned with the benchmarks once the kernels run. All functions are pure except
-:func:`get_num_sms`, which reads the CUDA device when there is one (the arch comes from
-`runtime.get_arch`). Architectures may be given in any spelling `tables.normalize_arch` takes;
-the block sizes come from `tables.BLOCK_MS`.
+These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp``: a
+config struct that is the compile key) in spirit, restricted to the block sizes our kernels
+implement. The BLOCK_M thresholds are starting points; the kernel defaults below are measured
+(docs/performance.md). `default_gemm_config` and `default_fused_config` fill in the fields a
+caller's config (`config`) leaves None for a call's shapes: the complete value a kernel is
+built from. All functions are pure except :func:`get_num_sms`, which reads the CUDA device
+when there is one (the arch comes from `runtime.get_arch`). Architectures may be given in any
+spelling `tables.normalize_arch` takes; the block sizes come from `tables.BLOCK_MS`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
+from .config import Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
 from .tables import BLOCK_MS, normalize_arch
 from .utils import ceil_div
 
@@ -22,6 +25,9 @@ __all__ = [
     "BLOCK_M_CANDIDATES",
     "DEFAULT_NUM_SMS",
     "block_m_for_call",
+    "default_fused_config",
+    "default_gemm_config",
+    "default_row_transfer",
     "expected_tokens_per_expert",
     "experts_per_wave",
     "get_num_sms",
@@ -141,9 +147,8 @@ def select_sm90_transposed(recipe: str, block_m: int,
     boxes (2026-12-04, three runs): 0.970-0.979x at 128 x 8 and x 16 (a pool block's A rows
     come in 16-row boxes of received tokens only: about 15 % fewer bytes per k-block into
     shared memory), 1.04x at x 32. None (the caller does not know its token count): staged.
-    ``CUTE_MEGAMOE_SM90_TRANSPOSED`` overrides this (`runtime.sm90_transposed`). Ranks may
-    choose differently: the expert GEMMs are rank-local and both kernels write the same bits
-    (GPU-tested).
+    `Sm90GemmConfig.transposed` overrides this. Ranks may choose differently: the expert GEMMs
+    are rank-local and both kernels write the same bits (GPU-tested).
     """
     return (recipe in ("fp8xfp8", "fp8xfp4_sm90") and block_m == 64
             and expected_tokens_per_expert is not None
@@ -169,12 +174,193 @@ def select_sm90_fp4_cluster(recipe: str, block_m: int,
     0.989-1.003x at 256-512 (pairs straddle experts after one with an odd block count; 0.978x /
     0.942x at 256 / 512 in a later process). Laying the pool out in 256-row blocks, so that no
     pair straddles, took 1.19x / 1.07x the layer's time at 256 / 512 (12-04T13:10Z: the empty
-    tiles cost more than the pairs gain), so it is opt-in (`staged.layer_pool_block_m`).
-    ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` overrides this (`runtime.sm90_fp4_cluster`). Ranks may
-    choose differently: rank-local, the same bits (GPU-tested)."""
+    tiles cost more than the pairs gain; deleted, in git before the configuration values).
+    `Sm90GemmConfig.cluster_m` overrides this. Ranks may choose differently: rank-local, the
+    same bits (GPU-tested)."""
     return (recipe == "fp8xfp4_sm90" and block_m == 128
             and (expected_tokens_per_expert is None
                  or expected_tokens_per_expert >= SM90_FP4_CLUSTER_MIN_TOKENS))
+
+
+# ----------------------------------------------------------------------------- kernel defaults
+# (measured on an H200: docs/performance.md; each table's variants lost their A/B or are the
+# defaults of another kernel or shape)
+
+#: sm_90a FP8 promotion by (recipe, BLOCK_M); "chunk" where not listed. Measured interleaved
+#: (expert FFN, H 7168, I 2048): fp8xfp8 "quarter" 0.93-0.97x the time of "chunk" at BLOCK_M 64
+#: (one consumer warpgroup: nothing else fills the tensor cores while it promotes), 0.98-1.06x
+#: at 128 (the second warpgroup already does; m64n64 WGMMAs cost more issue); fp8xfp4_sm90 at
+#: 64 (the staged kernels, 32-64 pairs per expert; the transposed ones at decode sizes keep
+#: chunk) 0.940-0.972x the time in two processes on 2026-12-04, the layer at 512 / 1024 tokens
+#: 0.984-0.991x / 0.987x: there the consumer paces the kernel, the decode warps waiting for its
+#: free stages (on 12-01, with a slower decode that set the pace, quarter took 1.20-1.29x: its
+#: issue slots were the decode's). The fused kernel's MXFP4 experiment keeps chunk (quarter is
+#: not measured there).
+DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter", ("fp8xfp4_sm90", 64): "quarter"}
+#: k-blocks per body of the sm_90a FP8 consumer loop by (recipe, BLOCK_M) with the chunk
+#: promotion; 1 where not listed and with quarters. Measured interleaved (expert FFN, H 7168,
+#: I 2048): fp8xfp8 at BLOCK_M 128, 4: 0.908-0.951x the time of 1 at 256 x 256, 0.920-0.986x at
+#: 32 x 1024 (ncu L1 at 32 x 1024: tensor pipe 82.5 % busy against 75.8 %); 8 took about 2x
+#: (ncu L1: 28 % busy, not diagnosed); at BLOCK_M 64 (the quarter promotion) 4 took
+#: 1.02-1.19x, and with MXFP4 weights 1.03-1.09x. The fused kernel takes the same (its layer at
+#: R = 1: 0.968-0.971x the time of 1 at 4096-8192 tokens, BLOCK_M 128).
+DEFAULT_K_UNROLL = {("fp8xfp8", 128): 4}
+#: MXFP4 weights in the 2-CTA clusters that share the decode (BLOCK_M 128): 2, measured in
+#: three processes: 0.955-0.975x the time of 1 at 256 x 256, 0.963-1.009x at 64 x 512 and
+#: 0.977-1.009x at 32 x 1024 (4: 1.04-1.10x).
+SHARED_DECODE_K_UNROLL = 2
+#: fp8xfp8 rows into a tensor by TMA tensor stores of swizzled boxes (the grouped GEMMs; the
+#: fused kernel's L1 sends rows). Measured interleaved (expert FFN, H 7168, I 2048):
+#: 0.952-0.960x the time of the row copies at 256 x 256, 0.956-0.977x at 32 x 1024 (BLOCK_M 128
+#: and 64); ncu L2 at 32 x 1024: tensor pipe 76.8 % busy against 71.6 %.
+DEFAULT_TMA_STORE = True
+#: MXFP4 weights: the decode's first batch of a k-block before the wait for a free MMA stage,
+#: in the staged kernel. Measured interleaved: at BLOCK_M 128 0.994-0.997x the time at decode
+#: sizes but 1.025x / 1.085x at 256 x 256 / 32 x 1024, at BLOCK_M 64 staged 0.994-1.001x; on
+#: in the transposed kernel (0.981-1.006x at 128 x 8 / 16 in two runs, the layer 0.989-0.993x
+#: at 32 / 128 tokens).
+DEFAULT_EARLY_TABLES = False
+#: the sm_90a fused kernel's decode tables (its MXFP4 experiment): a branch per item, as it was
+#: measured (the grouped GEMMs' "vote" is not measured in the fused kernel).
+FUSED_DECODE_TABLES = "item"
+#: how the fused kernel's L2 sends its rows to the combine buffers (the grouped GEMMs keep
+#: "bulk"): the lanes' 16-byte stores, which leave the TMA unit to the ring's loads. Measured
+#: against bulk row copies (fused layer, R = 1, graph time): FP8 0.975-0.992x at 4096 tokens
+#: and 0.986-0.989x at 8192 in four runs, BF16 0.959x / 0.994x.
+FUSED_ROW_STORES = "lanes"
+#: The fused kernel's row transfer follows the buffer's token capacity, which every rank shares
+#: (the two protocols must not mix): "counted" up to this many tokens per rank (decode
+#: buffers), "barrier" above. At R = 1, layer calls back to back in one process (CUDA graphs),
+#: "counted" against "barrier": 0.96x at 1 token, 0.99x at 128 and 512, 0.97x at 1024, 1.01x
+#: at 2048, 1.02-1.03x at 4096-8192. (Moving the rows during the GEMMs, by the producer
+#: warpgroup's spare warps, took 1.01-1.04x at 4096-8192: its senders slow the tensor-bound L1
+#: tiles; deleted.) The MXFP4 experiment keeps "barrier": its loopback test mixing the counted
+#: rows failed on 2026-12-02 and passed on 12-04 after the test warm-up fix, and counted rows
+#: are not measured there.
+COUNTED_ROWS_MAX_TOKENS = 1024
+#: The fused kernel's local dispatch (one rank) is the default for buffers of at most this
+#: many tokens: each CTA quantizes its pairs' rows itself (a token's once per pair), which
+#: pays at decode sizes and costs beyond. At 128 experts, top-8, H 7168 (graph, against the
+#: exchanged dispatch in the same run): 0.95x at 1 token, 0.99x at 8, 1.00x at 128, 1.01x at
+#: 512, 1.02x at 1024.
+LOCAL_MAX_TOKENS = 256
+
+
+def default_row_transfer(layout) -> str:
+    """The fused kernel's row transfer on the buffer ``layout`` (a `MegaMoELayout`) when none
+    is configured (see `COUNTED_ROWS_MAX_TOKENS`)."""
+    if layout.recipe == "fp8xfp4_sm90":
+        return "barrier"
+    return "counted" if layout.num_max_tokens_per_rank <= COUNTED_ROWS_MAX_TOKENS else "barrier"
+
+
+def _check_block_m(config, block_m: int) -> None:
+    if config.block_m is not None and config.block_m != block_m:
+        raise ValueError(f"{type(config).__name__}.block_m: {config.block_m}, but the call runs "
+                         f"BLOCK_M {block_m}")
+
+
+def default_gemm_config(arch: str, recipe: str, phase: str, n: int, block_m: int,
+                        expected_tokens_per_expert: float | None, to_combine: bool,
+                        config: Sm90GemmConfig | Sm100GemmConfig | None = None
+                        ) -> Sm90GemmConfig | Sm100GemmConfig:
+    """The complete configuration of one grouped GEMM of ``arch`` (``phase`` "l1" / "l2", ``n``
+    output columns, rows to the combine buffers with ``to_combine``) at ``block_m`` for a call
+    with this many expected tokens per expert (None: unknown): the fields ``config`` sets, the
+    heuristics' choice for the rest. A field that does not apply to this GEMM takes its fixed
+    value: the MXFP4 fields without MXFP4 weights, ``promotion`` and ``k_unroll`` with BF16,
+    ``tma_store`` but for fp8xfp8 rows into a tensor, ``row_stores`` but for the combine
+    buffers."""
+    if normalize_arch(arch) == "sm_100a":
+        config = config or Sm100GemmConfig()
+        if not isinstance(config, Sm100GemmConfig):
+            raise ValueError(f"config: an Sm100GemmConfig on sm_100a, got "
+                             f"{type(config).__name__}")
+        _check_block_m(config, block_m)
+        return Sm100GemmConfig(block_m)
+    config = config or Sm90GemmConfig()
+    if not isinstance(config, Sm90GemmConfig):
+        raise ValueError(f"config: an Sm90GemmConfig on sm_90a, got {type(config).__name__}")
+    _check_block_m(config, block_m)
+    config = replace(config, block_m=block_m)
+    fp4 = recipe == "fp8xfp4_sm90"
+    fp8 = recipe != "bf16xbf16"
+    decode_tables = (config.decode_tables or "vote") if fp4 else "vote"
+    transposed = config.transposed
+    if transposed is None:
+        transposed = (config.allows_transposed()
+                      and select_sm90_transposed(recipe, block_m, expected_tokens_per_expert))
+    if transposed:
+        early = True if config.early_tables is None or not fp4 else config.early_tables
+        return replace(config, cluster_m=1, transposed=True, promotion="chunk", k_unroll=1,
+                       tma_store=False, row_stores="bulk", decode_tables=decode_tables,
+                       early_tables=early)
+    early = DEFAULT_EARLY_TABLES if not fp4 or config.early_tables is None \
+        else config.early_tables
+    cluster_m = config.cluster_m
+    if cluster_m is None:
+        cluster_m = select_cluster_m("sm_90a", phase, block_m, n)
+        if fp4 and (early or not select_sm90_fp4_cluster(recipe, block_m,
+                                                          expected_tokens_per_expert)):
+            cluster_m = 1  # (MXFP4: clusters only where they share the decode)
+    promotion = (config.promotion or DEFAULT_PROMOTION.get((recipe, block_m), "chunk")) \
+        if fp8 else "chunk"
+    k_unroll = config.k_unroll if fp8 else None
+    if k_unroll is None:
+        k_unroll = DEFAULT_K_UNROLL.get((recipe, block_m), 1) if promotion == "chunk" else 1
+        if fp4 and cluster_m == 2 and promotion == "chunk":
+            k_unroll = SHARED_DECODE_K_UNROLL
+    into_tensor = recipe == "fp8xfp8" and not to_combine
+    tma_store = (DEFAULT_TMA_STORE if config.tma_store is None else config.tma_store) \
+        if into_tensor else False
+    row_stores = (config.row_stores or "bulk") if to_combine else "bulk"
+    return replace(config, cluster_m=cluster_m, transposed=False, promotion=promotion,
+                   k_unroll=k_unroll, tma_store=tma_store, row_stores=row_stores,
+                   decode_tables=decode_tables, early_tables=early)
+
+
+def default_fused_config(layout, block_m: int, given_x: bool,
+                         config: Sm90FusedConfig | None = None) -> Sm90FusedConfig:
+    """The complete configuration of the sm_90a fused kernel on the buffer ``layout`` (a
+    `MegaMoELayout`) at ``block_m``, for calls that give ``x`` (``given_x``; else the caller
+    staged the rows): the fields ``config`` sets, the heuristics' choice for the rest.
+
+    The defaults: the row transfer by the buffer's token capacity (`default_row_transfer`); the
+    kernel stages the caller's ``x`` itself (the MXFP4 experiment launches the staging, as it
+    was measured); the local dispatch for one-rank buffers of at most `LOCAL_MAX_TOKENS` tokens
+    with counted rows that stage their inputs; ``weights_first`` with counted rows at BLOCK_M
+    64 (1 token 108 us graph against 114 at R = 1; with barrier rows, loading the weights first
+    for every waiting tile delayed the ready tiles' first stages, 1.02-1.04x at 4096-8192; at
+    BLOCK_M 128 the producer warp's 40 registers spill 3 with it); the grouped GEMMs'
+    promotion and loop unroll (MXFP4: chunk), `FUSED_ROW_STORES`, `FUSED_DECODE_TABLES`."""
+    config = config or Sm90FusedConfig()
+    if not isinstance(config, Sm90FusedConfig):
+        raise ValueError(f"config: an Sm90FusedConfig, got {type(config).__name__}")
+    _check_block_m(config, block_m)
+    recipe = layout.recipe
+    fp4 = recipe == "fp8xfp4_sm90"
+    fp8 = recipe != "bf16xbf16"
+    row_transfer = config.row_transfer or default_row_transfer(layout)
+    stages = given_x and (not fp4 if config.stages_inputs is None else config.stages_inputs)
+    local = config.local_dispatch
+    if local is None:
+        local = (layout.num_ranks == 1 and row_transfer == "counted" and stages and not fp4
+                 and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS)
+    weights_first = config.weights_first
+    if weights_first is None:
+        weights_first = row_transfer == "counted" and block_m == 64
+    promotion = (config.promotion or ("chunk" if fp4 else
+                                      DEFAULT_PROMOTION.get((recipe, block_m), "chunk"))) \
+        if fp8 else "chunk"
+    k_unroll = config.k_unroll if fp8 else None
+    if k_unroll is None:
+        k_unroll = DEFAULT_K_UNROLL.get((recipe, block_m), 1) if promotion == "chunk" else 1
+    return replace(config, block_m=block_m, row_transfer=row_transfer,
+                   weights_first=weights_first, stages_inputs=stages, local_dispatch=local,
+                   promotion=promotion, k_unroll=k_unroll,
+                   row_stores=config.row_stores or FUSED_ROW_STORES,
+                   decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
+                   else FUSED_DECODE_TABLES)
 
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:

@@ -2,7 +2,8 @@
 
 Each ``*_call`` function describes a kernel's arguments (raw pointers and sizes: `Ptr`, ints,
 `STREAM`), compiles the kernel on first use (`runtime.compiled_kernel`, keyed by everything
-baked into it) and returns a `KernelCall`, the callable and its arguments in the form the
+baked into it: shapes and a complete configuration value, `config`; the heuristics fill one
+in) and returns a `KernelCall`, the callable and its arguments in the form the
 launch path (`runtime.launch_path`) takes; ``call()`` launches it on the current stream.
 Launchers check nothing a user can get wrong: the entry points (`staged`, `expert_gemm`,
 `api`) check their inputs with `checks` first, inside `staged.gives_up_call_on_error` for the
@@ -23,33 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from .buffer import SymmBuffer
-from .heuristics import (
-    get_num_sms,
-    select_cluster_m,
-    select_sm90_fp4_cluster,
-    select_sm90_transposed,
-)
-from .runtime import (
-    LAUNCH_PATHS,
-    LaunchPath,
-    as_ptr,
-    compiled_kernel,
-    fused_local_dispatch,
-    fused_rows,
-    fused_weights_first,
-    get_arch,
-    launch_path,
-    sm90_fp4_cluster,
-    sm90_fp4_early_tables,
-    sm90_fp4_tables,
-    sm90_k_unroll,
-    sm90_promotion,
-    sm90_row_stores,
-    sm90_tma_store,
-    sm90_transposed,
-    sm90_transposed_a_rows,
-    tile_owner_search,
-)
+from .config import Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
+from .heuristics import get_num_sms
+from .runtime import LAUNCH_PATHS, LaunchPath, as_ptr, compiled_kernel, get_arch, launch_path
 
 __all__ = [
     "COMBINE_SLOTS",
@@ -70,7 +47,6 @@ __all__ = [
     "FUSED_SLOTS",
     "fused_call",
     "gemm_kernel",
-    "sm90_runs_transposed",
     "staging_call",
 ]
 
@@ -290,49 +266,19 @@ def combine_call(sym_buffer: SymmBuffer, num_tokens: int, block_m: int,
 
 # ----------------------------------------------------------------------------- grouped GEMMs
 
-def sm90_runs_transposed(arch: str, recipe: str, block_m: int,
-                         expected_tokens_per_expert: float | None) -> bool:
-    """Whether a grouped GEMM runs on the transposed sm_90a kernel: FP8 weights (fp8xfp8,
-    fp8xfp4_sm90) at BLOCK_M 64, as ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces it or else as
-    `heuristics.select_sm90_transposed` chooses for the call's expected tokens per expert."""
-    if arch != "sm_90a" or recipe == "bf16xbf16" or block_m != 64:
-        return False
-    forced = sm90_transposed()
-    if forced is not None:
-        return forced
-    return select_sm90_transposed(recipe, block_m, expected_tokens_per_expert)
-
-
-def sm90_shares_decode(block_m: int, expected_tokens_per_expert: float | None) -> bool:
-    """Whether an sm_90a grouped GEMM with MXFP4 weights runs in 2-CTA clusters that share the
-    decode: as ``CUTE_MEGAMOE_SM90_FP4_CLUSTER`` forces it, else as
-    `heuristics.select_sm90_fp4_cluster` chooses for the call's expected tokens per expert; not
-    with the early tables forced on (``CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES=1``: they are every
-    chunk's, a shared decode decodes one)."""
-    forced, early = sm90_fp4_cluster(), sm90_fp4_early_tables()
-    if forced and early:
-        raise ValueError("CUTE_MEGAMOE_SM90_FP4_CLUSTER=1 and CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES=1"
-                         ": a decode shared by a cluster has no early tables")
-    if forced is not None:
-        return forced and block_m == 128
-    return not early and select_sm90_fp4_cluster("fp8xfp4_sm90", block_m,
-                                                 expected_tokens_per_expert)
-
-
 def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
-                n: int, k: int, block_m: int, activation_clamp: float | None = None,
-                fast_math: bool = True, combine_layout=None, tiled_weights: bool = False,
-                expected_tokens_per_expert: float | None = None, pool_block_m: int | None = None):
-    """The grouped-GEMM kernel object of ``arch`` for one phase, and the CuTe dtypes of its
-    pointer arguments ``(a, a_sf, b, b_sf, expert_recv_tokens, topk_weights, out, out_sf,
-    peer_bases, src_metadata)``, on sm_90a then ``b_group_sf`` (the per-32 scales of FP4
-    weights; ``b_sf`` their block scales) (what `expert_gemm_calls` passes; the compile tests
-    use the same plan). ``combine_layout``: L2 sends its rows to the source ranks' combine
-    buffers of a symmetric buffer with this `MegaMoELayout`. ``tiled_weights``: the weights are
-    stored as `expert_gemm.tile_weight_rows` makes them (sm_90a FP8 / BF16, the staged kernel).
-    ``expected_tokens_per_expert``: the call's, for the choice of the sm_90a mainloop
-    (`sm90_runs_transposed`). ``pool_block_m``: the pool's block when it is not BLOCK_M (sm_90a
-    staged kernels: 2 x BLOCK_M, each expert's rows starting at a multiple of it)."""
+                n: int, k: int, config: Sm90GemmConfig | Sm100GemmConfig,
+                activation_clamp: float | None = None, fast_math: bool = True,
+                combine_layout=None, tiled_weights: bool = False):
+    """The grouped-GEMM kernel object of ``arch`` for one phase, built from its complete
+    ``config`` (`heuristics.default_gemm_config`; sm_90a: the transposed kernel where
+    ``config.transposed``), and the CuTe dtypes of its pointer arguments ``(a, a_sf, b, b_sf,
+    expert_recv_tokens, topk_weights, out, out_sf, peer_bases, src_metadata)``, on sm_90a then
+    ``b_group_sf`` (the per-32 scales of FP4 weights; ``b_sf`` their block scales) (what
+    `expert_gemm_calls` passes; the compile tests use the same plan). ``combine_layout``: L2
+    sends its rows to the source ranks' combine buffers of a symmetric buffer with this
+    `MegaMoELayout`. ``tiled_weights``: the weights are stored as `expert_gemm.tile_weight_rows`
+    makes them (sm_90a FP8 / BF16, the staged kernel)."""
     from cutlass import (
         BFloat16,
         Float4E2M1FN,
@@ -348,12 +294,19 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
     if arch == "sm_90a":
         from .kernels.sm90_expert_gemm import Sm90ExpertGemmKernel as Kernel
 
+        if config.transposed:
+            from .kernels.sm90_expert_gemm_transposed import (
+                Sm90TransposedExpertGemmKernel as Kernel,
+            )
         ab = BFloat16 if recipe == "bf16xbf16" else Float8E4M3FN
         b = Uint8 if recipe == "fp8xfp4_sm90" else ab
         dtypes = (ab, Float32, b, Float32, Int32, Float32, ab if phase == "l1" else BFloat16,
                   Float32, Int64, Int32, Int32)
+        kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, config,
+                        activation_clamp=clamp, fast_math=fast_math,
+                        combine_layout=combine_layout, tiled_weights=tiled_weights)
     elif arch == "sm_100a":
-        from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel as Kernel
+        from .kernels.sm100_expert_gemm import Sm100ExpertGemmKernel
 
         if recipe == "bf16xbf16":  # no scales: a_sf, b_sf, out_sf point at topk_weights
             dtypes = (BFloat16, Float32, BFloat16, Float32, Int32, Float32, BFloat16, Float32,
@@ -361,81 +314,32 @@ def gemm_kernel(arch: str, recipe: str, phase: str, num_experts: int, num_pool_r
         else:
             dtypes = (Float8E4M3FN, Float8E8M0FNU, Float4E2M1FN, Float8E8M0FNU, Int32, Float32,
                       Float8E4M3FN if phase == "l1" else BFloat16, Uint8, Int64, Int32)
+        if tiled_weights:
+            raise ValueError(f"tiled_weights: sm_90a only, not {arch}")
+        kernel = Sm100ExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k, config,
+                                       activation_clamp=clamp, fast_math=fast_math,
+                                       combine_layout=combine_layout)
     else:
         raise ValueError(f"arch: no grouped-GEMM kernels for {arch!r}")
-    extra = {"combine_layout": combine_layout}
-    if arch == "sm_90a" and recipe == "fp8xfp4_sm90":  # (an A/B option of the decode)
-        extra["decode_tables"] = sm90_fp4_tables()
-        extra["early_tables"] = sm90_fp4_early_tables()
-    if pool_block_m not in (None, block_m) and (
-            arch != "sm_90a" or pool_block_m != 2 * block_m or block_m != 128
-            or recipe not in ("fp8xfp4_sm90", "fp8xfp8")):
-        # (where the GPU tests ran it: the MXFP4 layer's clusters that share the decode, the
-        # fp8xfp8 layer's multicast clusters)
-        raise ValueError(f"pool_block_m: BLOCK_M, or 256 with BLOCK_M 128 for fp8xfp4_sm90 or "
-                         f"fp8xfp8 on sm_90a; got {pool_block_m} at BLOCK_M {block_m}, {recipe} "
-                         f"on {arch}")
-    # (a pool in blocks of two tiles: the staged kernels, whose walk skips the empty tiles)
-    if pool_block_m in (None, block_m) and sm90_runs_transposed(arch, recipe, block_m,
-                                                                expected_tokens_per_expert):
-        from .kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
-
-        kernel = Sm90TransposedExpertGemmKernel(phase, recipe, num_experts, num_pool_rows, n, k,
-                                                block_m, activation_clamp=clamp,
-                                                fast_math=fast_math,
-                                                tiled_weights=tiled_weights,
-                                                a_rows=sm90_transposed_a_rows(), **extra)
-        return kernel, dtypes
-    if arch == "sm_90a":  # (FP4 weights: clusters only as the shared-decode A/B option)
-        extra["cluster_m"] = select_cluster_m(arch, phase, block_m, n)
-        if recipe == "fp8xfp4_sm90" and not sm90_shares_decode(block_m,
-                                                               expected_tokens_per_expert):
-            extra["cluster_m"] = 1
-        if recipe != "bf16xbf16":
-            extra["promotion"] = sm90_promotion()
-            extra["k_unroll"] = sm90_k_unroll()
-        if recipe == "fp8xfp8" and combine_layout is None:
-            extra["tma_store"] = sm90_tma_store()
-        if combine_layout is not None:
-            extra["row_stores"] = sm90_row_stores()
-        extra["owner_search"] = tile_owner_search()
-        if tiled_weights:
-            extra["tiled_weights"] = True
-        if pool_block_m not in (None, block_m):
-            if extra["cluster_m"] != 2:
-                raise ValueError("pool_block_m 256: with the 2-CTA clusters that share the "
-                                 "decode only (CUTE_MEGAMOE_SM90_FP4_CLUSTER forced off, or too "
-                                 "few expected tokens per expert)")
-            extra["pool_block_m"] = pool_block_m
-    elif tiled_weights:
-        raise ValueError(f"tiled_weights: sm_90a only, not {arch}")
-    kernel = Kernel(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
-                    activation_clamp=clamp, fast_math=fast_math, **extra)
     return kernel, dtypes
 
 
-def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
-                      acts: torch.Tensor, acts_sf: torch.Tensor | None,
-                      topk_weights: torch.Tensor, expert_recv_tokens: torch.Tensor,
-                      l2_acts: torch.Tensor, l2_acts_sf: torch.Tensor | None,
-                      out: torch.Tensor | None, activation_clamp: float | None,
-                      fast_math: bool, combine_buffer: SymmBuffer | None,
-                      expected_tokens_per_expert: float | None = None,
-                      pool_block_m: int | None = None) -> list[KernelCall]:
+def expert_gemm_calls(arch: str, recipe: str, grid: int, weights, acts: torch.Tensor,
+                      acts_sf: torch.Tensor | None, topk_weights: torch.Tensor,
+                      expert_recv_tokens: torch.Tensor, l2_acts: torch.Tensor,
+                      l2_acts_sf: torch.Tensor | None, out: torch.Tensor | None,
+                      activation_clamp: float | None, fast_math: bool,
+                      combine_buffer: SymmBuffer | None, configs: tuple) -> list[KernelCall]:
     """The L1 (+ SwiGLU + requant into ``l2_acts``) and L2 launches of the expert FFN over a
     pool (`expert_gemm.expert_ffn` checks their inputs). ``combine_buffer``: L2 writes every
-    row into its source rank's combine buffer (``out`` unused). ``expected_tokens_per_expert``:
-    the call's (the sm_90a mainloop, `sm90_runs_transposed`); None: not known.
-    ``pool_block_m``: the pool's block (`gemm_kernel`); None: BLOCK_M."""
-    pool_block_m = block_m if pool_block_m is None else pool_block_m
+    row into its source rank's combine buffer (``out`` unused). ``configs``: the complete
+    configurations of L1 and L2 (`heuristics.default_gemm_config`)."""
     e_l, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     pool_rows = acts.shape[0]
     combine_layout = None if combine_buffer is None else combine_buffer.layout
     path = launch_path()
-    transposed = pool_block_m == block_m and sm90_runs_transposed(
-        arch, recipe, block_m, expected_tokens_per_expert)
     calls = []
-    for phase in ("l1", "l2"):
+    for phase, config in zip(("l1", "l2"), configs, strict=True):
         # FP4 weights on sm_90a: the block scales go where the FP8 ones do, the per-32 scales
         # last
         fp4 = recipe == "fp8xfp4_sm90"
@@ -455,25 +359,16 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
                     if to_combine else (None, None))
         if arch == "sm_90a":
             tensors += (group_sf,)
-        key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k, block_m,
+        key = ("expert_gemm", arch, phase, recipe, e_l, pool_rows, n, k,
                activation_clamp if phase == "l1" else None, bool(fast_math),
-               combine_layout if to_combine else None,
-               (sm90_promotion(),
-                transposed, sm90_transposed_a_rows() if transposed else None,
-                tile_owner_search(),
-                (sm90_fp4_tables(), sm90_fp4_early_tables(),
-                 sm90_shares_decode(block_m, expected_tokens_per_expert)) if fp4
-                else None, sm90_k_unroll(),
-                sm90_tma_store() if not to_combine else sm90_row_stores())
-               if arch == "sm_90a" else None, weights.tiled, pool_block_m)
+               combine_layout if to_combine else None, config, weights.tiled)
         plan = {}
 
-        def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine):
+        def build(phase=phase, n=n, k=k, plan=plan, to_combine=to_combine, config=config):
             plan["kernel"], plan["dtypes"] = gemm_kernel(
-                arch, recipe, phase, e_l, pool_rows, n, k, block_m, activation_clamp, fast_math,
+                arch, recipe, phase, e_l, pool_rows, n, k, config, activation_clamp, fast_math,
                 combine_layout=combine_layout if to_combine else None,
-                tiled_weights=weights.tiled, expected_tokens_per_expert=expected_tokens_per_expert,
-                pool_block_m=pool_block_m)
+                tiled_weights=weights.tiled)
             return plan
 
         entry = compiled_kernel(key + ("plan",), build)
@@ -491,86 +386,58 @@ def expert_gemm_calls(arch: str, recipe: str, block_m: int, grid: int, weights,
 
 # ----------------------------------------------------------------------------- fused layer
 
-def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
-               y: torch.Tensor | None, num_ctas: int, stats: torch.Tensor | None,
-               activation_clamp: float | None, fast_math: bool,
-               phase_clock: torch.Tensor | None = None,
-               tile_log: torch.Tensor | None = None, l2_gate: str = "pool_block",
-               extra_warpgroups: int = 0, row_transfer: str | None = None,
-               weights_first: bool | None = None,
-               inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               cluster_m: int = 1) -> KernelCall:
-    """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
-    wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
-    (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
-    ``[num_ctas, len(PHASE_STAMPS)]``, a diagnostic): a kernel that writes each CTA's phase
-    boundaries there (`bench/fused_phases.py`). ``tile_log`` (int32 ``[tiles per CTA, num_ctas,
-    4]``, a diagnostic): a kernel that records every CTA's tiles there
-    (`testing.fused_checks.check_tile_walk`). ``l2_gate``: "all_l1" builds the variant whose
-    L2 tiles wait for every L1 tile (an A/B against the per-pool-block gate);
-    ``extra_warpgroups`` 1 the variant with a warpgroup more for the dispatch and combine
-    phases (BLOCK_M 64); ``row_transfer`` how the rows move (`sm90_mega_moe.ROW_TRANSFERS`;
-    None: `runtime.fused_rows`, else the kernel's default; every rank of the call must use one
-    of the same row protocol); ``weights_first`` (None: ``CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST``,
-    else the kernel's default, on with counted rows): tiles that find their pool block not
-    ready load their first stages' weights before they wait (with counted rows, the first L1
-    tile's right after the counts). ``inputs`` (sm_90a): the caller's ``(x, topk_idx,
-    topk_weights)``, which the kernel stages into the buffer itself (`sm90_mega_moe`'s
-    ``stages_inputs``) instead of a staging launch before it. ``cluster_m`` 2 (sm_90a, BLOCK_M
-    128, FP8 or BF16 weights; tests only): 2-CTA clusters multicasting the weight tile,
-    bit-identical but 1.20x the fused layer's time at 4096 / 8192 tokens on an H200
-    (docs/performance.md)."""
+def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor | None,
+               num_ctas: int, stats: torch.Tensor | None, activation_clamp: float | None,
+               fast_math: bool, config: Sm90FusedConfig | Sm100GemmConfig,
+               debug: torch.Tensor | None = None,
+               inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> KernelCall:
+    """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, never
+    run): the whole layer for ``num_tokens`` staged rows into ``y`` (collective), built from
+    its complete ``config`` (sm_90a: `heuristics.default_fused_config`; sm_100a: the GEMMs'
+    `Sm100GemmConfig`, its BLOCK_M). ``num_ctas`` is rounded down to whole clusters (sm_100a
+    at BLOCK_M 256). ``debug`` (sm_90a, with ``config.debug``): the diagnostic's tensor,
+    "phase_clock" int64 ``[num_ctas, len(PHASE_STAMPS)]`` (each CTA's phase boundaries,
+    `bench/fused_phases.py`), "tile_log" int32 ``[tiles per CTA, num_ctas, 4]`` (every CTA's
+    tiles, `testing.fused_checks.check_tile_walk`). ``inputs`` (sm_90a, with
+    ``config.stages_inputs``): the caller's ``(x, topk_idx, topk_weights)``, which the kernel
+    stages into the buffer itself instead of a staging launch before it."""
     tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
     has_stats = stats is not None
-    clocked, logged = phase_clock is not None, tile_log is not None
-    promotion = sm90_promotion() if state.arch == "sm_90a" and layout.has_sf else None
-    k_unroll = sm90_k_unroll() if state.arch == "sm_90a" and layout.has_sf else None
-    row_stores = sm90_row_stores() if state.arch == "sm_90a" else None
-    if row_transfer is None and state.arch == "sm_90a":
-        row_transfer = fused_rows()
-    if weights_first is None and state.arch == "sm_90a":
-        weights_first = fused_weights_first()
-    stages = inputs is not None
-    search = tile_owner_search() if state.arch == "sm_90a" else "linear"
-    local = fused_local_dispatch() if state.arch == "sm_90a" else None
-    if local:  # (forced on: only where the kernel can run it)
-        from .kernels.sm90_mega_moe import default_row_transfer
-
-        rows = row_transfer or default_row_transfer(layout)
-        if not (stages and layout.num_ranks == 1 and rows == "counted"
-                and layout.recipe != "fp8xfp4_sm90"):
-            local = None
-    key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
-           has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, k_unroll, row_transfer,
-           weights_first, tiled, stages, local, search, row_stores, cluster_m)
+    if state.arch == "sm_90a":
+        if not isinstance(config, Sm90FusedConfig):
+            raise TypeError(f"config: an Sm90FusedConfig on sm_90a, got "
+                            f"{type(config).__name__}")
+        if (debug is None) != (config.debug is None):
+            raise ValueError(f"debug: a tensor with config.debug, none without; got "
+                             f"config.debug={config.debug!r}")
+        if (inputs is not None) != bool(config.stages_inputs):
+            raise ValueError(f"inputs: the caller's (x, topk_idx, topk_weights) with "
+                             f"config.stages_inputs, none without; got "
+                             f"config.stages_inputs={config.stages_inputs!r}")
+    elif not isinstance(config, Sm100GemmConfig) or debug is not None or inputs is not None:
+        raise ValueError("fused_call: on sm_100a an Sm100GemmConfig, no debug tensor and no "
+                         "in-kernel staging")
+    key = ("mega_moe", state.arch, layout, activation_clamp, bool(fast_math), has_stats,
+           tiled, config)
 
     def make_kernel():
         if state.arch == "sm_100a":
             from .kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
-            if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
-                    or row_transfer is not None or weights_first is not None or tiled
-                    or stages):
-                raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
-                                 "warpgroups, row transfer, tiled weights and in-kernel "
-                                 "staging are sm_90a only")
-            return Sm100MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
+            if tiled:
+                raise ValueError("fused_call: tiled weights are sm_90a only")
+            return Sm100MegaMoEKernel(layout, config, activation_clamp=activation_clamp,
                                       fast_math=fast_math, has_stats=has_stats)
         from .kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
-        return Sm90MegaMoEKernel(layout, block_m, activation_clamp=activation_clamp,
-                                 fast_math=fast_math, has_stats=has_stats, phase_clock=clocked,
-                                 tile_log=logged, l2_gate=l2_gate,
-                                 extra_warpgroups=extra_warpgroups, promotion=promotion,
-                                 row_transfer=row_transfer, weights_first=weights_first,
-                                 tiled_weights=tiled, stages_inputs=stages,
-                                 local_dispatch=local, owner_search=search,
-                                 k_unroll=k_unroll, row_stores=row_stores,
-                                 cluster_m=cluster_m)
+        return Sm90MegaMoEKernel(layout, config, activation_clamp=activation_clamp,
+                                 fast_math=fast_math, has_stats=has_stats, tiled_weights=tiled)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
+    debug_mode = getattr(config, "debug", None)
     fp8 = layout.has_sf
     spare = sym_buffer.l1_topk_weights  # stands for an unused pointer (never dereferenced)
     tensors = {
@@ -582,8 +449,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         "token_src_metadata": sym_buffer.token_src_metadata, "w1": weights.w1,
         "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
         "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": state.pool_block_ready,
-        "phase_clock": phase_clock if clocked else sym_buffer.peer_bases,  # (unused)
-        "tile_log": tile_log if logged else state.recv_tokens,  # (unused)
+        # (the diagnostics' tensors: unused without them)
+        "phase_clock": debug if debug_mode == "phase_clock" else sym_buffer.peer_bases,
+        "tile_log": debug if debug_mode == "tile_log" else state.recv_tokens,
         "y": y if num_tokens > 0 else spare,
         "w1_group_sf": spare, "w2_group_sf": spare,  # (unused without FP4 weights)
     }
@@ -595,8 +463,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ptrs = [Ptr(tensors[name], 4 if name in ("expert_recv_tokens", "stats", "pool_block_ready",
                                              "tile_log") else 16, dtype)
             for name, dtype in kernel.pointer_args()]
-    # whole clusters (with `cluster_m` 2); at most one CTA per SM: the cooperative grid is
-    # co-resident
+    # whole clusters; at most one CTA per SM: the cooperative grid is co-resident
     num_ctas = max(kernel.cluster_m, num_ctas - num_ctas % kernel.cluster_m)
     specs = (ptrs[0], sym_buffer.rank, num_tokens, *ptrs[1:], num_ctas, STREAM)
     return _kernel_call(key, lambda: kernel, specs, state.arch)

@@ -6,10 +6,11 @@
     y = moe(x, topk_idx, topk_weights)          # x BF16 [n, H] -> y BF16 [n, H]; collective
 
 What it owns, fixed at construction (`MegaMoEConfig`): the symmetric buffer, this rank's
-expert weights in the layout its path reads, the arch, the path, and every setting the ranks
+expert weights in the layout its path reads, the arch, the path, every setting the ranks
 must agree on (``transfer``, ``l2_sends``) or that changes bits (``activation_clamp``,
-``fast_math``), so ranks built alike cannot disagree per call. BLOCK_M is the heuristics'
-choice per call (`heuristics.block_m_for_call`) unless fixed by ``block_m``.
+``fast_math``), so ranks built alike cannot disagree per call, and the kernels'
+configuration (`config.LayerConfig`). BLOCK_M is the heuristics' choice per call
+(`heuristics.block_m_for_call`) unless fixed by ``block_m``.
 
 Paths (`MegaMoEConfig.path`):
 
@@ -50,13 +51,14 @@ from .checks import (
     check_tensor,
     routing_checks_on,
 )
+from .config import LayerConfig
 from .deepgemm_api import get_symm_buffer_for_mega_moe
 from .expert_gemm import ExpertWeights
 from .fused import choose as choose_fused
 from .fused import fused_mega_moe
 from .layout import BLOCK_M_MAX, MegaMoELayout
 from .runtime import get_arch
-from .staged import TRANSFERS, TorchExpertWeights, staged_mega_moe
+from .staged import TRANSFERS, TorchExpertWeights, layer_config, staged_mega_moe
 from .tables import check_recipe, has_gemm_kernels
 
 __all__ = ["PATHS", "MegaMoE", "MegaMoEConfig"]
@@ -80,6 +82,7 @@ class MegaMoEConfig:
     block_m: int | None  # None: the heuristics per call
     num_sms: int | None  # None: the buffer's default
     fused: bool = False  # one persistent kernel for the layer (`fused.choose` decided)
+    layer: LayerConfig = LayerConfig()  # the kernels' configuration (None fields: heuristics)
 
 
 _LAYERS: dict[int, weakref.ref] = {}
@@ -117,9 +120,14 @@ class MegaMoE(torch.nn.Module):
         fused: run the layer as one persistent kernel (`fused.fused_mega_moe`: the kernels
             path, push, L2 sends; sm_90a GPU-tested and bit-identical to the staged kernels,
             sm_100a compiled only); True raises where it cannot run, False keeps the staged
-            kernels. None (default): `fused.choose` (``CUTE_MEGAMOE_FUSED``): the fused kernel
-            for one-rank groups on sm_90a with fp8xfp8 / bf16xbf16 weights, else the staged
-            kernels. `config.fused` says which runs.
+            kernels. None (default): ``config.fused``, else `fused.choose`
+            (``CUTE_MEGAMOE_FUSED``): the fused kernel for one-rank groups on sm_90a with
+            fp8xfp8 / bf16xbf16 weights, else the staged kernels. ``self.config.fused`` says
+            which runs.
+        config: the kernels' configuration (`config.LayerConfig`: the grouped GEMMs', the fused
+            kernel's, the experimental fused paths); None: the heuristics'. Free per rank (the
+            row transfer of the fused kernel aside: see `config.Sm90FusedConfig`); any value
+            gives the same outputs.
     """
 
     def __init__(self, group: torch.distributed.ProcessGroup | None, num_experts: int,
@@ -131,9 +139,11 @@ class MegaMoE(torch.nn.Module):
                  activation_clamp: float | None = None, fast_math: bool = True,
                  transfer: str = "push", l2_sends: bool = True,
                  validate_routing: bool | None = None, block_m: int | None = None,
-                 num_sms: int | None = None, fused: bool | None = None) -> None:
+                 num_sms: int | None = None, fused: bool | None = None,
+                 config: LayerConfig | None = None) -> None:
         super().__init__()
         check_recipe(recipe)
+        config = layer_config(config)
         activation_clamp = check_activation_clamp(activation_clamp)
         check_fast_math(fast_math)
         check_choice("transfer", transfer, TRANSFERS)
@@ -143,6 +153,9 @@ class MegaMoE(torch.nn.Module):
             check_choice("experts", experts, ("kernels", "torch"))
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused: expected None or a bool, got {type(fused).__name__}")
+        if fused is not None and config.fused is not None and fused != config.fused:
+            raise ValueError(f"fused: {fused}, but config.fused is {config.fused}")
+        fused = config.fused if fused is None else fused
         if fused and (transfer != "push" or not l2_sends):
             raise ValueError("fused: the fused kernel pushes the rows and sends them back from "
                              "the L2 epilogue (transfer='push', l2_sends=True)")
@@ -198,7 +211,8 @@ class MegaMoE(torch.nn.Module):
                     intermediate_hidden, mma_type=recipe, device=device)
             self.weights = weights
             if path == "kernels":
-                fused = choose_fused(fused, self.sym_buffer, weights, transfer, l2_sends)
+                fused = choose_fused(fused, self.sym_buffer, weights, transfer, l2_sends,
+                                     config)
             elif fused:
                 raise ValueError(f"fused: it runs on the kernels path, this layer on the "
                                  f"{path} path")
@@ -210,7 +224,7 @@ class MegaMoE(torch.nn.Module):
             recipe=recipe, path=path, arch=arch, activation_clamp=activation_clamp,
             fast_math=fast_math, transfer=transfer, l2_sends=l2_sends,
             validate_routing=routing_checks_on(validate_routing), block_m=block_m,
-            num_sms=num_sms, fused=fused)
+            num_sms=num_sms, fused=fused, layer=config)
         self.layer_id = next(_IDS)
         _LAYERS[self.layer_id] = weakref.ref(self)
         weakref.finalize(self, _LAYERS.pop, self.layer_id, None)
@@ -291,13 +305,13 @@ class MegaMoE(torch.nn.Module):
                     self.sym_buffer, x, topk_idx, topk_weights, self.weights,
                     activation_clamp=cfg.activation_clamp, fast_math=cfg.fast_math,
                     block_m=cfg.block_m, num_sms=cfg.num_sms,
-                    validate_routing=cfg.validate_routing)
+                    validate_routing=cfg.validate_routing, config=cfg.layer)
             return staged_mega_moe(
                 self.sym_buffer, x, topk_idx, topk_weights, self.weights,
                 activation_clamp=cfg.activation_clamp, fast_math=cfg.fast_math,
                 block_m=cfg.block_m, num_sms=cfg.num_sms,
                 validate_routing=cfg.validate_routing, l2_sends=cfg.l2_sends,
-                transfer=cfg.transfer)
+                transfer=cfg.transfer, config=cfg.layer)
 
     def _check_inputs(self, x, topk_idx, topk_weights) -> None:
         """The reference path's checks, with the messages of the kernel paths."""

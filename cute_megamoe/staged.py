@@ -12,10 +12,11 @@ expert FFN on our grouped-GEMM kernels (`kernel_experts`, `expert_gemm.ExpertWei
 an arch has no grouped-GEMM kernels for the recipe). It is the baseline the fused
 single-launch kernel must beat.
 
-Per-call experiment knobs live here and only here: ``transfer`` (every rank must pass the
-same: the kernels check), ``send_mode`` and ``rounds`` (free per rank), ``l2_sends`` (every
-rank the same) and ``block_m`` (free per rank; default: the heuristics,
-`heuristics.block_m_for_call`). `cute_megamoe.MegaMoE` fixes them at construction.
+Per-call settings: ``transfer`` (every rank must pass the same: the kernels check),
+``send_mode`` and ``rounds`` (free per rank), ``l2_sends`` (every rank the same), ``block_m``
+(free per rank; default: the heuristics, `heuristics.block_m_for_call`) and ``config`` (the
+grouped GEMMs', `config.LayerConfig.gemm`; free per rank). `cute_megamoe.MegaMoE` fixes them
+at construction.
 """
 
 from __future__ import annotations
@@ -39,13 +40,9 @@ from .checks import (
     check_token_count,
     routing_checks_on,
 )
-from .expert_gemm import ExpertWeights, _prepare_expert_ffn, weights_recipe
-from .heuristics import (
-    block_m_for_call,
-    expected_tokens_per_expert,
-    select_cluster_m,
-    select_combine_rounds,
-)
+from .config import LayerConfig, Sm90GemmConfig
+from .expert_gemm import ExpertWeights, _prepare_expert_ffn, expert_ffn_configs, weights_recipe
+from .heuristics import block_m_for_call, expected_tokens_per_expert, select_combine_rounds
 from .launch import (
     COMBINE_SLOTS,
     DISPATCH_SLOTS,
@@ -56,11 +53,9 @@ from .launch import (
     combine_call,
     dispatch_call,
     existing_buffer_state,
-    sm90_runs_transposed,
-    sm90_shares_decode,
     staging_call,
 )
-from .runtime import kernel_variant_env, launch_path, sm90_paired_pool
+from .runtime import launch_path, spin_timeout_ns
 from .tables import check_recipe
 
 #: How dispatched rows cross to the expert's rank (`kernels.dispatch`); ranks must agree.
@@ -431,15 +426,18 @@ def torch_experts(dispatched: DispatchResult, weights: TorchExpertWeights, recip
 
 def kernel_experts(sym_buffer: SymmBuffer, dispatched: DispatchResult, weights: ExpertWeights,
                    activation_clamp: float | None = None, fast_math: bool = True,
-                   send_to_combine: bool = False) -> torch.Tensor | None:
+                   send_to_combine: bool = False,
+                   config: LayerConfig | None = None) -> torch.Tensor | None:
     """The expert FFN over the pool on our grouped-GEMM kernels: L1 + SwiGLU + requant into
     the buffer's L2 pool, then L2 into a per-buffer BF16 [P, H] tensor (reused by every call;
     valid until the next call). No host synchronization. `send_to_combine`: the L2 epilogue
     writes every row straight into its source rank's combine buffer over NVLink instead, and
-    None is returned; follow with `combine(sym_buffer, None, ...)` on every rank."""
+    None is returned; follow with `combine(sym_buffer, None, ...)` on every rank. `config`:
+    its ``gemm`` configures the GEMMs (None: the heuristics')."""
     check_sym_buffer(sym_buffer)
     launches, out = _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp,
-                                            fast_math, send_to_combine)
+                                            fast_math, send_to_combine,
+                                            layer_config(config).gemm)
     for launch in launches:
         launch()
     return out
@@ -453,38 +451,42 @@ def _check_kernel_weights(sym_buffer: SymmBuffer, weights: ExpertWeights) -> Non
                          f"{sym_buffer.recipe!r}")
 
 
-def layer_pool_block_m(layout, weights, num_tokens: int) -> int | None:
-    """The pool block of a whole layer on our kernels when the caller gives no BLOCK_M, with
-    ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` (opt-in): 256 where the sm_90a GEMMs run BLOCK_M 128 in
-    2-CTA clusters (MXFP4: those that share the decode, `launch.sm90_shares_decode`; fp8xfp8:
-    the weight multicast), so that each expert's rows start at an even 128-row block and no
-    cluster pairs two experts' blocks. None otherwise and by default (the BLOCK_M of
-    `heuristics.block_m_for_call`): on an H200 (R = 1, 128 experts, random routing,
-    docs/performance.md) the 256-row blocks took 1.19x / 1.07x the MXFP4 layer's time at 4096 /
-    8192 tokens and 1.17x / 1.07x the fp8xfp8 one's (0.99x at 3072): an expert of 257-384 rows
-    then holds an empty tile, whose cluster runs at a single CTA's pace, and the pool grows.
-    Ranks may differ (each lays out its own pool)."""
-    if weights.arch != "sm_90a" or num_tokens < 0 or not sm90_paired_pool():
-        return None
-    args = (num_tokens, layout.num_ranks, layout.num_topk, layout.num_experts)
-    block_m = block_m_for_call(*args, weights.arch)
-    if block_m != 128:
-        return None
-    if weights.recipe == "fp8xfp4_sm90":
-        shares = sm90_shares_decode(block_m, expected_tokens_per_expert(*args))
-        return 2 * block_m if shares else None
-    clusters = all(select_cluster_m(weights.arch, phase, block_m, n) == 2 for phase, n in
-                   (("l1", 2 * layout.intermediate_hidden), ("l2", layout.hidden)))
-    return 2 * block_m if weights.recipe == "fp8xfp8" and clusters else None
+def layer_config(config: LayerConfig | None) -> LayerConfig:
+    """``config``, or the default `LayerConfig` for None; anything else raises `TypeError`."""
+    if config is None:
+        return _DEFAULT_CONFIG
+    if not isinstance(config, LayerConfig):
+        raise TypeError(f"config: None or a LayerConfig, got {type(config).__name__}")
+    return config
+
+
+_DEFAULT_CONFIG = LayerConfig()
+
+
+def configured_block_m(block_m: int | None, configured: int | None, name: str) -> int | None:
+    """The call's ``block_m`` argument, else the configuration's (``name`` names it); a
+    disagreement raises `ValueError`."""
+    if block_m is None:
+        return configured
+    if configured is not None and configured != block_m:
+        raise ValueError(f"block_m: {block_m}, but {name} is {configured}")
+    return block_m
+
+
+def _arch_gemm_config(gemm: Sm90GemmConfig, arch: str) -> Sm90GemmConfig | None:
+    """The staged layer's GEMM configuration for ``arch``: ``gemm`` on sm_90a; on sm_100a, whose
+    kernels take no option but BLOCK_M, None (``gemm`` must leave the rest to the heuristics)."""
+    if arch == "sm_90a":
+        return gemm
+    if gemm != Sm90GemmConfig(block_m=gemm.block_m):
+        raise ValueError(f"config.gemm: sm_90a options ({gemm}); the {arch} GEMMs take none")
+    return None
 
 
 def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
-                            send_to_combine) -> tuple[list[KernelCall], torch.Tensor | None]:
+                            send_to_combine, gemm: Sm90GemmConfig
+                            ) -> tuple[list[KernelCall], torch.Tensor | None]:
     _check_kernel_weights(sym_buffer, weights)
-    # (an sm_90a pool in 256-row blocks: the GEMMs run 128-row tiles, two per block)
-    block_m, pool_block_m = dispatched.block_m, None
-    if weights.arch == "sm_90a" and block_m == 256:
-        block_m, pool_block_m = 128, 256
     state = buffer_state(sym_buffer)
     if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
@@ -492,12 +494,12 @@ def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, f
     layout = sym_buffer.layout
     return _prepare_expert_ffn(
         dispatched.l1_acts, dispatched.l1_acts_sf, dispatched.l1_topk_weights,
-        dispatched.expert_recv_tokens, weights, block_m, activation_clamp, fast_math,
+        dispatched.expert_recv_tokens, weights, dispatched.block_m, activation_clamp, fast_math,
         sym_buffer.l2_acts, sym_buffer.l2_acts_sf if layout.has_sf else None,
         None if send_to_combine else state.expert_out, state.num_sms, False,
         sym_buffer if send_to_combine else None,
         expected_tokens_per_expert(dispatched.num_tokens, layout.num_ranks, layout.num_topk,
-                                   layout.num_experts), pool_block_m)
+                                   layout.num_experts), _arch_gemm_config(gemm, state.arch))
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -511,7 +513,8 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
                     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                     validate_routing: bool | None = None, l2_sends: bool = True,
                     transfer: str = "push", send_mode: str = "registers",
-                    rounds: tuple[int, ...] | None = None) -> torch.Tensor:
+                    rounds: tuple[int, ...] | None = None,
+                    config: LayerConfig | None = None) -> torch.Tensor:
     """One whole layer: our dispatch and combine kernels around the expert FFN, on our
     grouped-GEMM kernels (`ExpertWeights`) or torch ops (`TorchExpertWeights`). With `x=None`
     the inputs were staged already (`num_tokens` rows). Collective. Returns `y` (BF16
@@ -521,9 +524,9 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     epilogue sends the rows to the source ranks' combine buffers, so the combine only reduces;
     False: L2 writes pool order and the combine kernel sends (the torch experts always do
     that; `send_mode` and `rounds` apply then). Every rank must pass the same `l2_sends` and
-    `transfer`; `block_m` (the pool's block; default: the heuristics, or with
-    ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` 256-row blocks of two GEMM tiles where the sm_90a GEMMs
-    run in clusters, `layer_pool_block_m`), `send_mode` and `rounds` may differ.
+    `transfer`; `block_m` (the pool's block; default: ``config.gemm.block_m``, else the
+    heuristics), `send_mode`, `rounds` and `config` (its ``gemm``: the grouped GEMMs'
+    configuration, `config.Sm90GemmConfig`; None: the heuristics') may differ.
     Every check runs before the first launch; one that fails gives the call up on this rank
     (`gives_up_call_on_error`). The torch experts read the pool size back to the host, so only
     the kernel path can be captured in a CUDA graph (with `validate_routing=False`).
@@ -534,12 +537,14 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     plan, key, n = _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y,
                               activation_clamp, fast_math, block_m, num_sms,
                               cumulative_local_expert_recv_stats, l2_sends, transfer, send_mode,
-                              rounds)
+                              rounds, config)
     if plan is not None:
         return plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
                            cumulative_local_expert_recv_stats, validate_routing)
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
+        config = layer_config(config)
+        block_m = configured_block_m(block_m, config.gemm.block_m, "config.gemm.block_m")
         on_kernels = isinstance(weights, ExpertWeights)
         if not on_kernels and not isinstance(weights, TorchExpertWeights):
             raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
@@ -558,14 +563,13 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
             _combine_rounds(send_mode, rounds, n, epilogue)
         if y is not None and isinstance(n, int):
             check_tensor("y", y, torch.bfloat16, (n, sym_buffer.hidden), sym_buffer.device)
-        if on_kernels and block_m is None and isinstance(n, int):
-            block_m = layer_pool_block_m(sym_buffer.layout, weights, n)
         launches, dispatched = _prepare_dispatch(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, num_sms,
             cumulative_local_expert_recv_stats, validate_routing, transfer)
         if on_kernels:
             expert_launches, expert_out = _prepare_kernel_experts(
-                sym_buffer, dispatched, weights, activation_clamp, fast_math, epilogue)
+                sym_buffer, dispatched, weights, activation_clamp, fast_math, epilogue,
+                config.gemm)
             # (checked above: cannot fail; prepared here so that nothing runs before it)
             combine_launch, y = _prepare_combine(sym_buffer, expert_out, dispatched, y, num_sms,
                                                  send_mode, rounds)
@@ -683,7 +687,7 @@ def _weight_addresses(weights: ExpertWeights) -> tuple:
 
 
 def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, activation_clamp,
-               fast_math, block_m, num_sms, stats, l2_sends, transfer, send_mode, rounds
+               fast_math, block_m, num_sms, stats, l2_sends, transfer, send_mode, rounds, config
                ) -> tuple[_LayerPlan | None, tuple | None, int | None]:
     """The plan of this call's configuration if one exists and the call passes every check
     (else None: the full checks run), the configuration's key (None where it has none: then
@@ -706,23 +710,26 @@ def _find_plan(sym_buffer, x, topk_idx, topk_weights, weights, num_tokens, y, ac
             return None, None, n
         layout = sym_buffer.layout
         epilogue = l2_sends is True
+        config = layer_config(config)
+        gemm = _arch_gemm_config(config.gemm, weights.arch)
+        block_m = configured_block_m(block_m, config.gemm.block_m, "config.gemm.block_m")
+        if type(block_m) not in (int, type(None)) or n < 0:
+            return None, None, None
+        args = (n, layout.num_ranks, layout.num_topk, layout.num_experts)
+        # what the heuristics choose for this token count (a plan exists only where the
+        # weights' arch is the GPU's): BLOCK_M, the GEMMs' configurations, the combine's rounds
+        if block_m is None:
+            block_m = block_m_for_call(*args, weights.arch)
         key = (x is not None, y is not None, stats is not None, weights.recipe, weights.arch,
                *_weight_addresses(weights), type(activation_clamp), activation_clamp,
                type(fast_math), fast_math, type(l2_sends), l2_sends, transfer, send_mode,
-               rounds, type(block_m), block_m, type(num_sms), num_sms,
-               # what the heuristics choose for this token count (a plan exists only where
-               # the weights' arch is the GPU's)
-               block_m_for_call(n, layout.num_ranks, layout.num_topk, layout.num_experts,
-                                weights.arch) if block_m is None and n >= 0 else None,
-               layer_pool_block_m(layout, weights, n) if block_m is None else None,
-               select_combine_rounds(n) if rounds is None and not epilogue and n >= 0
+               rounds, block_m, type(num_sms), num_sms,
+               expert_ffn_configs(weights.arch, weights.recipe, block_m, weights.hidden,
+                                  weights.intermediate, expected_tokens_per_expert(*args),
+                                  epilogue, gemm),
+               select_combine_rounds(n) if rounds is None and not epilogue
                and send_mode == "registers" else None,
-               # the expert GEMMs' mainloop (by the expected tokens per expert)
-               sm90_runs_transposed(weights.arch, weights.recipe, block_m or block_m_for_call(
-                   n, layout.num_ranks, layout.num_topk, layout.num_experts, weights.arch),
-                   expected_tokens_per_expert(n, layout.num_ranks, layout.num_topk,
-                                              layout.num_experts)) if n >= 0 else None,
-               *kernel_variant_env(), launch_path().name)
+               spin_timeout_ns(), launch_path().name)
         state = existing_buffer_state(sym_buffer)
         plan = None if state is None else state.plans.get(key)
         if plan is None or not plan.accepts(x, topk_idx, topk_weights, weights, n, y, stats):

@@ -47,11 +47,12 @@ FUSED_RECIPES: dict[str, tuple[str, ...]] = {
     "sm_100a": ("fp8xfp4", "bf16xbf16"),
 }
 
-#: Fused recipes that run only with ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1``: fp8xfp4_sm90 matches
-#: the staged layer bit-exactly on the H200 and passed all of its GPU tests on 12-04 (the
-#: loopback stops before were the test warm-ups': a kernel first loaded mid-call), but it takes
-#: 1.29x the staged MXFP4 layer's time at 128 tokens (R = 1), and two one-rank stalls of 12-04
-#: are not explained (issue 19; docs/performance.md, "The FP4 fused experiment's stall").
+#: Fused recipes that run only as experiments (`config.LayerConfig.experimental_fused_fp4`):
+#: fp8xfp4_sm90 matches the staged layer bit-exactly on the H200 and passed all of its GPU tests
+#: on 12-04 (the loopback stops before were the test warm-ups': a kernel first loaded mid-call),
+#: but it takes 1.29x the staged MXFP4 layer's time at 128 tokens (R = 1), and two one-rank
+#: stalls of 12-04 are not explained (issue 19; docs/performance.md, "The FP4 fused experiment's
+#: stall").
 EXPERIMENTAL_FUSED_RECIPES: dict[str, tuple[str, ...]] = {
     "sm_90a": ("fp8xfp4_sm90",),
     "sm_100a": (),

@@ -152,15 +152,16 @@ def _params(fn) -> list[inspect.Parameter]:
 @pytest.mark.parametrize("name", sorted(DEEPGEMM_SIGNATURES))
 def test_signatures_match_deepgemm(name):
     """Every DeepGEMM parameter, in DeepGEMM's order, positional-or-keyword, with DeepGEMM's
-    default; the entry points have no other parameter, the other functions only optional
-    ones after DeepGEMM's."""
+    default; the entry points have no other parameter but our keyword-only ``config``, the
+    other functions only optional ones after DeepGEMM's."""
     want = DEEPGEMM_SIGNATURES[name]
     got = _params(getattr(deep_gemm, name))
     assert [(p.name, p.default) for p in got[:len(want)]] == want
     assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in got[:len(want)])
     extra = got[len(want):]
     if name in ("fp8_fp4_mega_moe", "bf16_mega_moe"):
-        assert extra == []
+        assert [(p.name, p.kind, p.default) for p in extra] == [
+            ("config", inspect.Parameter.KEYWORD_ONLY, None)]
     assert all(p.default is not E for p in extra)
     assert name in deep_gemm.__all__
 

@@ -9,12 +9,14 @@ clamp on and off, fast and precise SiLU, and a small grid (many tiles per CTA).
 """
 
 import copy
+import dataclasses
 import zlib
 
 import pytest
 import torch
 
 from cute_megamoe import quant
+from cute_megamoe.config import Sm90GemmConfig
 from cute_megamoe.expert_gemm import ExpertWeights, _block_weight_sf
 from cute_megamoe.testing.compile import ptxas_notes_or_skip
 
@@ -130,13 +132,17 @@ def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: i
     """Compile exactly what `expert_ffn` launches (`gemm_kernel`'s kernel and pointer types)."""
     from cutlass import Int32
 
-    from cute_megamoe.expert_gemm import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
     pool_rows = 8192 if combine_layout is None else combine_layout.num_pool_rows
-    kernel, dtypes = gemm_kernel(arch, recipe, phase, 32, pool_rows, n, k, block_m,
-                                 activation_clamp=10.0, combine_layout=combine_layout)
+    kernel, dtypes = gemm_kernel_for(arch, recipe, phase, 32, pool_rows, n, k, block_m,
+                                     activation_clamp=10.0, combine_layout=combine_layout)
     args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
     return compile_for_arch(kernel, *args, Int32(132), fake_stream(), arch=arch)
 
@@ -146,7 +152,7 @@ def _compile(phase: str, recipe: str, block_m: int, hidden: int = 7168, inter: i
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
-    from cute_megamoe.kernels.sm90_expert_gemm import DEFAULT_PROMOTION
+    from cute_megamoe.heuristics import DEFAULT_PROMOTION
 
     art = _compile(phase, recipe, block_m)
     # (FP8 at BLOCK_M 64 promotes by 64-column quarters: m64n64 WGMMAs)
@@ -185,30 +191,32 @@ def test_compiles_sm90_with_tensor_cores_and_no_spills(recipe, phase, block_m):
 @pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 @pytest.mark.parametrize("block_m", (64, 128))
-def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monkeypatch):
-    """The "quarter" promotion (both FP8 recipes' default at BLOCK_M 64, forced by
-    `CUTE_MEGAMOE_SM90_PROMOTION`): m64n64 WGMMAs into two scratch accumulators, three waits
+def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m):
+    """The "quarter" promotion (both FP8 recipes' default at BLOCK_M 64, set by
+    `Sm90GemmConfig.promotion`): m64n64 WGMMAs into two scratch accumulators, three waits
     that leave one group in flight per k-block (the promotion of a quarter runs beside the next
     quarter's WGMMAs), no spills; FP8 only."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
     # the default: by BLOCK_M, for both FP8 recipes; BF16 has no promotion
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_PROMOTION", raising=False)
     for recipe in ("fp8xfp8", "fp8xfp4_sm90"):
-        default, _ = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+        default, _ = gemm_kernel_for("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
+                                     activation_clamp=10.0)
         want = "quarter" if block_m == 64 else "chunk"
         assert default.promotion == want, recipe
-    assert gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, block_m)[0].promotion \
-        == "chunk"
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "quarter")
-    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+    assert gemm_kernel_for("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, block_m,
+                           Sm90GemmConfig(promotion="quarter"))[0].promotion == "chunk"
+    kernel, dtypes = gemm_kernel_for("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
+                                     Sm90GemmConfig(promotion="quarter"), activation_clamp=10.0)
     assert kernel.promotion == "quarter" and kernel.quarters == 4
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
@@ -217,51 +225,48 @@ def test_sm90_quarter_promotion_compiles_with_m64n64_wgmmas(phase, block_m, monk
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("QGMMA.64x64x32.F32.E4M3.E4M3") > 0 and art.count("QGMMA.64x128x32") == 0
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    with pytest.raises(ValueError, match="promotion"):
-        Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m, promotion="quarter")
-    with pytest.raises(ValueError, match="promotion"):
-        Sm90ExpertGemmKernel(phase, "fp8xfp8", 32, 8192, n, k, block_m, promotion="chunk_rs")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "half")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_PROMOTION"):
-        gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m)
+    with pytest.raises(ValueError, match="promotion"):  # (BF16: no quarters)
+        Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k,
+                             dataclasses.replace(kernel.config, tma_store=False))
+    with pytest.raises(ValueError, match="Sm90GemmConfig.promotion"):
+        Sm90GemmConfig(promotion="chunk_rs")
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("phase,n,k", [("l1", 4096, 7168), ("l2", 7168, 2048),
                                        ("l2", 1152, 512)])
-@pytest.mark.parametrize("a_rows", ("block", "received"))
-def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_TRANSPOSED` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
+def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, monkeypatch):
+    """`Sm90GemmConfig.transposed` (BLOCK_M 64): the weight tile as the WGMMA's A, 16-token
     sub-blocks: m64n16k32 WGMMAs only, 4 per m64 block of the tile per sub-block (two groups
     of two sub-blocks, each group built for both and for its first alone), no spills, WGMMAs
     not serialized, and no WGMMA descriptor moved from a vector register (R2UR) among them
     (the issue order keeps them on the uniform datapath); BLOCK_M 128 and BF16 are built
-    without it. ``a_rows`` (`CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`): "received" loads the pool
-    block's rows in 16-row TMA boxes, the stage's barrier expecting one box in its transaction
-    count (the others per tile)."""
+    without it. The pool block's rows load in 16-row TMA boxes of received tokens, the stage's
+    barrier expecting one box in its transaction count (the others per tile)."""
     import re
 
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm_transposed import Sm90TransposedExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", a_rows)
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                 activation_clamp=10.0)
+    kernel, dtypes = gemm_kernel_for("sm_90a", recipe, phase, 32, 8192, n, k, 64,
+                                     Sm90GemmConfig(transposed=True), activation_clamp=10.0)
     assert isinstance(kernel, Sm90TransposedExpertGemmKernel)
     assert (kernel.weight_blocks, kernel.token_blocks) == (kernel.block_n // 64, 4)
-    received = a_rows == "received"
-    assert kernel.a_rows == a_rows and kernel.a_box_rows == (16 if received else 64)
-    assert kernel.stage_tx_bytes - kernel.ring_tx_bytes == (48 * 128 if received else 0)
-    for other in (gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 128,
-                              activation_clamp=10.0)[0],
-                  gemm_kernel("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, 64,
-                              activation_clamp=10.0)[0]):
+    assert kernel.a_box_rows == 16
+    assert kernel.stage_tx_bytes - kernel.ring_tx_bytes == 48 * 128
+    for other in (gemm_kernel_for("sm_90a", recipe, phase, 32, 8192, n, k, 128, None, 1.0,
+                                  activation_clamp=10.0)[0],
+                  gemm_kernel_for("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, 64, None, 1.0,
+                                  activation_clamp=10.0)[0]):
         assert not isinstance(other, Sm90TransposedExpertGemmKernel)
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
@@ -276,10 +281,13 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
                      art.sass, re.M)
     wgmmas = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
     assert "R2UR" not in ops[wgmmas[0] - 40: wgmmas[-1] + 1]
+    with pytest.raises(ValueError, match="transposed"):  # (a staged kernel's configuration)
+        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k,
+                                       dataclasses.replace(kernel.config, transposed=False))
     with pytest.raises(ValueError, match="transposed"):
-        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 128)
-    with pytest.raises(ValueError, match="a_rows"):
-        Sm90TransposedExpertGemmKernel(phase, recipe, 32, 8192, n, k, 64, a_rows="tokens")
+        Sm90TransposedExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, kernel.config)
+    with pytest.raises(ValueError, match="block_m"):
+        Sm90GemmConfig(block_m=128, transposed=True)
     assert ptxas_notes_or_skip(art) == []  # (last: skips where ptxas cannot read the PTX)
 
 
@@ -288,21 +296,25 @@ def test_sm90_transposed_compiles_with_m64n16_wgmmas(recipe, phase, n, k, a_rows
     ("fp8xfp8", "chunk", 128), ("fp8xfp8", "quarter", 64), ("fp8xfp8", "quarter", 128),
     ("fp8xfp4_sm90", "chunk", 128), ("fp8xfp4_sm90", "quarter", 64), ("bf16xbf16", "chunk", 128)])
 @pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_sm90_wgmmas_are_not_serialized(recipe, promotion, block_m, phase, monkeypatch):
+def test_sm90_wgmmas_are_not_serialized(recipe, promotion, block_m, phase):
     """ptxas keeps the WGMMAs asynchronous (no "wgmma serialized" performance note: a
     non-WGMMA access to an in-flight accumulator, or a wait it cannot match, makes it wait
     after every WGMMA; a "carry" promotion across k-blocks did that)."""
     from cutlass import Int32
 
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream, find_cuda_tool
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        find_cuda_tool,
+        gemm_kernel_for,
+    )
 
     if find_cuda_tool("ptxas") is None:
         pytest.skip("ptxas not available")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", promotion)
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-    kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+    kernel, dtypes = gemm_kernel_for("sm_90a", recipe, phase, 32, 8192, n, k, block_m,
+                                     Sm90GemmConfig(promotion=promotion), activation_clamp=10.0)
     assert kernel.promotion == promotion
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
@@ -312,31 +324,30 @@ def test_sm90_wgmmas_are_not_serialized(recipe, promotion, block_m, phase, monke
 
 def test_sm90_raster_band_fits_l2_budget():
     """A raster band holds as many cluster groups of pool blocks as keep its activation rows
-    within RASTER_L2_BYTES (at least one group); an explicit band overrides."""
-    from cute_megamoe.kernels.sm90_expert_gemm import RASTER_L2_BYTES, Sm90ExpertGemmKernel
+    within RASTER_L2_BYTES (at least one group)."""
+    from cute_megamoe.kernels.sm90_expert_gemm import RASTER_L2_BYTES
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
     for phase, recipe, block_m, cluster_m, want in (
             ("l1", "fp8xfp8", 128, 2, 9), ("l1", "bf16xbf16", 128, 2, 4),
             ("l2", "fp8xfp8", 128, 2, 32), ("l2", "bf16xbf16", 128, 2, 16),
             ("l1", "fp8xfp8", 64, 1, 36)):
         n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-        kern = Sm90ExpertGemmKernel(phase, recipe, 32, 32768, n, k, block_m,
-                                    cluster_m=cluster_m)
+        kern, _ = gemm_kernel_for("sm_90a", recipe, phase, 32, 32768, n, k, block_m,
+                                  Sm90GemmConfig(cluster_m=cluster_m))
         band_bytes = cluster_m * block_m * k * (1 if recipe == "fp8xfp8" else 2)
         assert kern.raster_group == want
         assert want * band_bytes <= RASTER_L2_BYTES < (want + 1) * band_bytes
-    assert Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 4096, 1 << 20, 128).raster_group == 1
-    assert Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 4096, 7168, 128,
-                                raster_group=3).raster_group == 3
-    with pytest.raises(ValueError, match="raster_group"):
-        Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 4096, 7168, 128, raster_group=0)
+    assert gemm_kernel_for("sm_90a", "fp8xfp8", "l1", 4, 1024, 4096, 1 << 20,
+                           128)[0].raster_group == 1
 
 
 def test_sm90_staging_and_stages_fit_shared_memory():
     """The staged epilogue's rows and the pipeline stages share the 227 KB of shared memory:
     whole tile rows for FP8; for BF16 whole rows where that costs no stage, a chunk or half a
     chunk at a time where that saves one."""
-    from cute_megamoe.kernels.sm90_expert_gemm import SMEM_BUDGET, Sm90ExpertGemmKernel
+    from cute_megamoe.kernels.sm90_expert_gemm import SMEM_BUDGET
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
     expect = {  # (phase, recipe, block_m) -> (staging parts, stages)
         ("l1", "fp8xfp8", 128): (1, 4), ("l2", "fp8xfp8", 128): (1, 3),
@@ -346,8 +357,8 @@ def test_sm90_staging_and_stages_fit_shared_memory():
     }
     for (phase, recipe, block_m), (parts, stages) in expect.items():
         n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-        kern = Sm90ExpertGemmKernel(phase, recipe, 32, 32768, n, k, block_m,
-                                    activation_clamp=10.0 if phase == "l1" else None)
+        kern, _ = gemm_kernel_for("sm_90a", recipe, phase, 32, 32768, n, k, block_m,
+                                  activation_clamp=10.0)
         assert (kern.staging_parts, kern.num_stages) == (parts, stages), (phase, recipe, block_m)
         # warpgroup 1 trails warpgroup 0 by 2 k-blocks in L2 (within the stage ring), not in L1
         assert kern.wg_skew == (min(2, stages - 1) if phase == "l2" and block_m == 128 else 0)
@@ -362,13 +373,17 @@ def test_sm90_staging_and_stages_fit_shared_memory():
 
 def test_sm90_clusters_need_256_column_tiles():
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
-    kern = Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7168, 2048, 128, cluster_m=2)
+    kern, _ = gemm_kernel_for("sm_90a", "bf16xbf16", "l2", 4, 1024, 7168, 2048, 128)
     assert kern.cluster_m == 2 and kern.scheduler.cluster_m == 2
-    with pytest.raises(ValueError, match="cluster_m"):  # N = 7040: 128-column tiles
-        Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7040, 2048, 128, cluster_m=2)
+    # (N = 7040: 128-column tiles; the heuristics keep them single)
+    assert gemm_kernel_for("sm_90a", "bf16xbf16", "l2", 4, 1024, 7040, 2048, 128)[0] \
+        .cluster_m == 1
     with pytest.raises(ValueError, match="cluster_m"):
-        Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7168, 2048, 128, cluster_m=4)
+        Sm90ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 7040, 2048, kern.config)
+    with pytest.raises(ValueError, match="cluster_m"):
+        Sm90GemmConfig(cluster_m=4)
 
 
 @pytest.mark.compile
@@ -395,31 +410,34 @@ def test_sm90_l2_compiles_sending_rows_to_the_combine_buffers(recipe, block_m):
 @pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 128), ("fp8xfp8", 64),
                                             ("fp8xfp4_sm90", 128)])
 def test_sm90_k_unroll(recipe, block_m, monkeypatch):
-    """The FP8 consumer loop's k-blocks per body (`DEFAULT_K_UNROLL`: 4 for fp8xfp8 at BLOCK_M
-    128, else 1; MXFP4 weights in the clusters that share the decode, BLOCK_M 128 with no token
-    count: `SHARED_DECODE_K_UNROLL`; `CUTE_MEGAMOE_SM90_K_UNROLL` forces it): that many
-    k-blocks' WGMMAs in the SASS (8 per k-block: two chunks of four k32 steps), no spills."""
+    """The FP8 consumer loop's k-blocks per body (`heuristics.DEFAULT_K_UNROLL`: 4 for fp8xfp8
+    at BLOCK_M 128, else 1; MXFP4 weights in the clusters that share the decode, BLOCK_M 128
+    with no token count: `SHARED_DECODE_K_UNROLL`; `Sm90GemmConfig.k_unroll` sets it): that
+    many k-blocks' WGMMAs in the SASS (8 per k-block: two chunks of four k32 steps), no
+    spills."""
     from cutlass import Int32
 
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.heuristics import SHARED_DECODE_K_UNROLL
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_K_UNROLL", raising=False)
-    from cute_megamoe.kernels.sm90_expert_gemm import SHARED_DECODE_K_UNROLL
 
     want = {("fp8xfp8", 128): 4, ("fp8xfp4_sm90", 128): SHARED_DECODE_K_UNROLL}.get(
         (recipe, block_m), 1)
     # (forced: with the chunk promotion; the quarter one's scratch pairs spill when unrolled)
     forcings = {("fp8xfp8", 64): (None,), ("fp8xfp4_sm90", 64): (None,),
-                ("fp8xfp4_sm90", 128): (None, "1")}
-    for forced in forcings.get((recipe, block_m), (None, "2")):
+                ("fp8xfp4_sm90", 128): (None, 1)}
+    for forced in forcings.get((recipe, block_m), (None, 2)):
         if forced:
-            monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", forced)
-            want = int(forced)
-        kernel, dtypes = gemm_kernel("sm_90a", recipe, "l2", 32, 8192, 7168, 2048, block_m,
-                                     tiled_weights=True)
+            want = forced
+        kernel, dtypes = gemm_kernel_for("sm_90a", recipe, "l2", 32, 8192, 7168, 2048, block_m,
+                                         Sm90GemmConfig(k_unroll=forced),
+                                         tiled_weights=True)
         assert kernel.k_unroll == want
         art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                          for i, d in enumerate(dtypes)),
@@ -431,32 +449,35 @@ def test_sm90_k_unroll(recipe, block_m, monkeypatch):
         assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     for bad in (3, 8):
         with pytest.raises(ValueError, match="k_unroll"):
-            Sm90ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m, k_unroll=bad)
+            Sm90GemmConfig(k_unroll=bad)
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("phase,block_m", [("l1", 128), ("l2", 64), ("l2", 128)])
 def test_sm90_tma_store_compiles(phase, block_m, monkeypatch):
-    """fp8xfp8 into `out` (the default, `DEFAULT_TMA_STORE`; ``CUTE_MEGAMOE_SM90_TMA_STORE=0``
-    the row copies): the epilogue sends a warp's rows as TMA tensor stores of swizzled 16-row x
-    128-byte boxes (L2: four, L1: one; no row copies left: the only bulk copies are the
-    producer's scale loads), no spills; refused for BF16 and the combine buffers as
-    destination."""
+    """fp8xfp8 into `out` (the default, `heuristics.DEFAULT_TMA_STORE`; ``tma_store=False``,
+    the fused kernel's L1, the row copies): the epilogue sends a warp's rows as TMA tensor
+    stores of swizzled 16-row x 128-byte boxes (L2: four, L1: one; no row copies left: the only
+    bulk copies are the producer's scale loads), no spills; refused for BF16 and the combine
+    buffers as destination."""
     from cutlass import Int32
 
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
     from cute_megamoe.layout import MegaMoELayout
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", "0")
-    assert not gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
-                           activation_clamp=10.0)[0].tma_store
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TMA_STORE")
-    kernel, dtypes = gemm_kernel("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0, tiled_weights=True)
+    assert not gemm_kernel_for("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
+                               Sm90GemmConfig(tma_store=False),
+                               activation_clamp=10.0)[0].tma_store
+    kernel, dtypes = gemm_kernel_for("sm_90a", "fp8xfp8", phase, 32, 8192, n, k, block_m,
+                                     activation_clamp=10.0, tiled_weights=True)
     assert kernel.tma_store and kernel.staging_stride == kernel.tile_row_bytes
     art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                      for i, d in enumerate(dtypes)),
@@ -469,18 +490,20 @@ def test_sm90_tma_store_compiles(phase, block_m, monkeypatch):
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     # (the combine buffers as destination keep their row copies: the option does not apply)
     layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
-    assert not gemm_kernel("sm_90a", "fp8xfp8", "l2", 32, layout.num_pool_rows, 7168, 2048,
-                           block_m, combine_layout=layout)[0].tma_store
+    assert not gemm_kernel_for("sm_90a", "fp8xfp8", "l2", 32, layout.num_pool_rows, 7168, 2048,
+                               block_m, Sm90GemmConfig(tma_store=True),
+                               combine_layout=layout)[0].tma_store
     with pytest.raises(ValueError, match="tma_store"):
-        Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m, tma_store=True)
-    assert not Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, block_m).tma_store
+        Sm90ExpertGemmKernel(phase, "bf16xbf16", 32, 8192, n, k, kernel.config)
+    assert not gemm_kernel_for("sm_90a", "bf16xbf16", phase, 32, 8192, n, k, block_m,
+                               Sm90GemmConfig(tma_store=True))[0].tma_store
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", (64, 128))
-def test_tma_store_is_bit_identical(block_m, monkeypatch):
+def test_tma_store_is_bit_identical(block_m):
     """The rows sent by TMA tensor stores (the fp8xfp8 default: L1's into the L2 pool, L2's
-    into `out`) equal the row copies' (``CUTE_MEGAMOE_SM90_TMA_STORE=0``) bit for bit, every
+    into `out`) equal the row copies' (``tma_store=False``) bit for bit, every
     valid row written to its last column (warps whose 16 rows all hold tokens: the stores;
     warps with pad rows: their lanes' copies), pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
@@ -494,29 +517,27 @@ def test_tma_store_is_bit_identical(block_m, monkeypatch):
     for pattern in ("random", "skewed", "sparse"):
         problem = make_pool_problem("fp8xfp8", COUNT_PATTERNS[pattern], block_m, 1024, 512,
                                     device, seed=53 + block_m)
-        results = []
-        for value in ("0", "1"):
-            monkeypatch.setenv("CUTE_MEGAMOE_SM90_TMA_STORE", value)
-            results.append(run_fp8_ffn_poisoned(problem))
+        results = [run_fp8_ffn_poisoned(problem, config=Sm90GemmConfig(tma_store=value))
+                   for value in (False, True)]
         assert_same_valid_rows(problem, results)
 
 
 @pytest.mark.parametrize("arch,recipe", [("sm_90a", "fp8xfp8"), ("sm_100a", "fp8xfp4")])
 def test_combine_layout_only_for_l2_of_the_same_pool(arch, recipe):
-    from cute_megamoe.expert_gemm import gemm_kernel
     from cute_megamoe.layout import MegaMoELayout
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
     layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     pool = layout.num_pool_rows
-    kern, dtypes = gemm_kernel(arch, recipe, "l2", 32, pool, 7168, 2048, 128,
-                               combine_layout=layout)
+    kern, dtypes = gemm_kernel_for(arch, recipe, "l2", 32, pool, 7168, 2048, 128,
+                                   combine_layout=layout)
     assert kern.to_combine and kern.combine_tokens == 512
     assert len(dtypes) == (11 if arch == "sm_90a" else 10)  # sm_90a: FP4 per-32 scales last
     with pytest.raises(ValueError, match="combine_layout"):
-        gemm_kernel(arch, recipe, "l1", 32, pool, 4096, 7168, 128, combine_layout=layout)
+        gemm_kernel_for(arch, recipe, "l1", 32, pool, 4096, 7168, 128, combine_layout=layout)
     with pytest.raises(ValueError, match="combine_layout"):
-        gemm_kernel(arch, recipe, "l2", 32, pool + 128, 7168, 2048, 128,
-                    combine_layout=layout)
+        gemm_kernel_for(arch, recipe, "l2", 32, pool + 128, 7168, 2048, 128,
+                        combine_layout=layout)
 
 
 @pytest.mark.compile
@@ -533,7 +554,7 @@ def test_gemm_kernel_rejects_unknown_arch():
     from cute_megamoe.expert_gemm import gemm_kernel
 
     with pytest.raises(ValueError, match="sm_80"):
-        gemm_kernel("sm_80", "bf16xbf16", "l1", 8, 1024, 512, 256, 64)
+        gemm_kernel("sm_80", "bf16xbf16", "l1", 8, 1024, 512, 256, Sm90GemmConfig())
 
 
 # ---------------------------------------------------------------------------------- GPU checks
@@ -672,13 +693,19 @@ def test_sm90_tiled_weights_load_4d_boxes(recipe, phase, n, k, monkeypatch):
     are 4-D TMA boxes (each one contiguous run of HBM), the pool rows stay 2-D; no spills."""
     from cutlass import Int32
 
+    from cute_megamoe.config import Sm100GemmConfig
     from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     for block_m in (64, 128):
-        kernel, dtypes = gemm_kernel("sm_90a", recipe, phase, 8, 2048, n, k, block_m,
-                                     activation_clamp=10.0, tiled_weights=True)
+        kernel, dtypes = gemm_kernel_for("sm_90a", recipe, phase, 8, 2048, n, k, block_m,
+                                         activation_clamp=10.0, tiled_weights=True)
         art = compile_for_arch(kernel, *(fake_ptr(d, 4 if i == 4 else 16)
                                          for i, d in enumerate(dtypes)),
                                Int32(132), fake_stream(), arch="sm_90a")
@@ -687,7 +714,8 @@ def test_sm90_tiled_weights_load_4d_boxes(recipe, phase, n, k, monkeypatch):
             assert art.count("UTMALDG.4D") > 0 and art.count("UTMALDG.2D") > 0
             assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
     with pytest.raises(ValueError, match="tiled_weights"):
-        gemm_kernel("sm_100a", "bf16xbf16", phase, 8, 2048, n, k, 64, tiled_weights=True)
+        gemm_kernel("sm_100a", "bf16xbf16", phase, 8, 2048, n, k, Sm100GemmConfig(64),
+                    tiled_weights=True)
 
 
 @pytest.mark.gpu
@@ -724,16 +752,13 @@ def test_tiled_weights_are_bit_identical(block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "fp8xfp4_sm90"))
 @pytest.mark.parametrize("block_m,variant", [(64, "quarter"), (128, "quarter"),
-                                             (64, "transposed"), (64, "transposed_block"),
-                                             (128, "unroll4"), (128, "unroll2")])
-def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, monkeypatch):
-    """The "quarter" promotion (`CUTE_MEGAMOE_SM90_PROMOTION`), the consumer loop unrolled by
-    4 or 2 k-blocks (`CUTE_MEGAMOE_SM90_K_UNROLL`; at BLOCK_M 128 MXFP4 weights run in the
-    clusters that share the decode, whose default is 2) and the transposed kernels
-    (`CUTE_MEGAMOE_SM90_TRANSPOSED`, with
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS` "received", the default, or "block") compute the same
-    products and promote them in the same order as "chunk" with one k-block per loop body:
-    L2 inputs, their scales and the
+                                             (64, "transposed"), (128, "unroll4"),
+                                             (128, "unroll2")])
+def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant):
+    """The "quarter" promotion, the consumer loop unrolled by 4 or 2 k-blocks (at BLOCK_M 128
+    MXFP4 weights run in the clusters that share the decode, whose default is 2) and the
+    transposed kernels (`Sm90GemmConfig` fields) compute the same products and promote them in
+    the same order as "chunk" with one k-block per loop body: L2 inputs, their scales and the
     outputs equal bit for bit, pad rows untouched."""
     from cute_megamoe.testing.gemm_checks import (
         COUNT_PATTERNS,
@@ -745,23 +770,10 @@ def test_mainloop_variants_are_bit_identical_to_chunk(recipe, block_m, variant, 
     device = _gpu()
     problem = make_pool_problem(recipe, COUNT_PATTERNS["skewed"], block_m, 1024, 512, device,
                                 seed=23 + block_m)
-    variant_env = {"quarter": {"CUTE_MEGAMOE_SM90_PROMOTION": "quarter"},
-                   "unroll4": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                               "CUTE_MEGAMOE_SM90_K_UNROLL": "4"},
-                   "unroll2": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                               "CUTE_MEGAMOE_SM90_K_UNROLL": "2"},
-                   "transposed_block": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                        "CUTE_MEGAMOE_SM90_TRANSPOSED": "1",
-                                        "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
-                   "transposed": {"CUTE_MEGAMOE_SM90_PROMOTION": "chunk",
-                                  "CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}}[variant]
-    results = []
-    for env in ({"CUTE_MEGAMOE_SM90_PROMOTION": "chunk", "CUTE_MEGAMOE_SM90_K_UNROLL": "1"},
-                variant_env):
-        for name in ("CUTE_MEGAMOE_SM90_PROMOTION", "CUTE_MEGAMOE_SM90_TRANSPOSED",
-                     "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "CUTE_MEGAMOE_SM90_K_UNROLL"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        results.append(run_fp8_ffn_poisoned(problem))
+    config = {"quarter": Sm90GemmConfig(promotion="quarter"),
+              "unroll4": Sm90GemmConfig(promotion="chunk", k_unroll=4),
+              "unroll2": Sm90GemmConfig(promotion="chunk", k_unroll=2),
+              "transposed": Sm90GemmConfig(promotion="chunk", transposed=True)}[variant]
+    results = [run_fp8_ffn_poisoned(problem, config=c)
+               for c in (Sm90GemmConfig(promotion="chunk", k_unroll=1), config)]
     assert_same_valid_rows(problem, results)

@@ -11,21 +11,30 @@ holds, and match the reference (`testing.gemm_checks`) on the usual routings.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+
+from cute_megamoe.config import Sm90GemmConfig
 
 RECIPE = "fp8xfp4_sm90"
 
 
-def _compile(phase: str, block_m: int, hidden: int = 7168, inter: int = 2048):
+def _compile(phase: str, block_m: int, config: Sm90GemmConfig | None = None,
+             hidden: int = 7168, inter: int = 2048):
     from cutlass import Int32
 
-    from cute_megamoe.launch import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
+    from cute_megamoe.testing.compile import (
+        compile_for_arch,
+        fake_ptr,
+        fake_stream,
+        gemm_kernel_for,
+    )
 
     n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
-    kernel, dtypes = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+    kernel, dtypes = gemm_kernel_for("sm_90a", RECIPE, phase, 32, 8192, n, k, block_m, config,
+                                     activation_clamp=10.0)
     args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
     return kernel, compile_for_arch(kernel, *args, Int32(132), fake_stream(), arch="sm_90a")
 
@@ -35,7 +44,7 @@ def _compile(phase: str, block_m: int, hidden: int = 7168, inter: int = 2048):
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     kernel, art = _compile(phase, block_m)
-    # (BLOCK_M 64: the quarter promotion's m64n64 WGMMAs, `DEFAULT_PROMOTION`)
+    # (BLOCK_M 64: the quarter promotion's m64n64 WGMMAs, `heuristics.DEFAULT_PROMOTION`)
     assert kernel.promotion == ("quarter" if block_m == 64 else "chunk")
     wgmma_n = 64 if block_m == 64 else 128
     assert f"wgmma.mma_async.sync.aligned.m64n{wgmma_n}k32.f32.e4m3.e4m3" in art.ptx
@@ -68,51 +77,43 @@ def test_compiles_sm90_with_the_decode_and_no_spills(phase, block_m):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
 
 
-def test_fp4_clusters_share_the_decode_by_expected_tokens(monkeypatch):
+def test_fp4_clusters_share_the_decode_by_expected_tokens():
     """FP4 weights at BLOCK_M 128 run in the 2-CTA clusters that share the decode where fp8xfp8
     runs clusters (256-column tiles), from `SM90_FP4_CLUSTER_MIN_TOKENS` expected tokens per
     expert on (or not knowing the count), single-CTA below and at BLOCK_M 64;
-    `CUTE_MEGAMOE_SM90_FP4_CLUSTER` forces either; the kernel refuses clusters with the early
-    tables (which are every chunk's)."""
+    `Sm90GemmConfig.cluster_m` sets either; clusters and the early tables (which are every
+    chunk's) exclude each other."""
     from cute_megamoe.heuristics import SM90_FP4_CLUSTER_MIN_TOKENS as least
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
-    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
-    def cluster_m(phase, block_m, expected, recipe=RECIPE):
+    def cluster_m(phase, block_m, expected, recipe=RECIPE, config=None):
         n, k = (4096, 7168) if phase == "l1" else (7168, 2048)
-        return gemm_kernel("sm_90a", recipe, phase, 8, 4096, n, k, block_m,
-                           expected_tokens_per_expert=expected)[0].cluster_m
+        return gemm_kernel_for("sm_90a", recipe, phase, 8, 4096, n, k, block_m, config,
+                               expected)[0].cluster_m
 
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
     for phase in ("l1", "l2"):
         assert cluster_m(phase, 128, None) == cluster_m(phase, 128, least) == 2
         assert cluster_m(phase, 128, least - 1) == 1
         assert cluster_m(phase, 64, 1000) == 1
         assert cluster_m(phase, 128, least - 1, "fp8xfp8") == 2
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "1")
-    assert cluster_m("l1", 128, 1) == 2 and cluster_m("l1", 64, 1000) == 1
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", "1")
-    with pytest.raises(ValueError, match="EARLY_TABLES"):
-        cluster_m("l1", 128, None)
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER")
-    assert cluster_m("l1", 128, None) == 1  # (the early tables are every chunk's)
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "0")
-    assert cluster_m("l1", 128, None) == 1
+    assert cluster_m("l1", 128, 1, config=Sm90GemmConfig(cluster_m=2)) == 2
+    with pytest.raises(ValueError, match="cluster_m"):
+        cluster_m("l1", 64, 1000, config=Sm90GemmConfig(cluster_m=2))
+    # (the early tables are every chunk's: no clusters with them)
+    assert cluster_m("l1", 128, None, config=Sm90GemmConfig(early_tables=True)) == 1
+    assert cluster_m("l1", 128, None, config=Sm90GemmConfig(cluster_m=1)) == 1
     with pytest.raises(ValueError, match="early_tables"):
-        Sm90ExpertGemmKernel("l1", RECIPE, 8, 4096, 4096, 7168, 128, cluster_m=2,
-                             early_tables=True)
+        Sm90GemmConfig(cluster_m=2, early_tables=True)
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("phase", ("l1", "l2"))
-def test_shared_decode_compiles_with_one_bulk_copy_to_the_peer(phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_CLUSTER`: at BLOCK_M 128 the FP4 kernels run in 2-CTA clusters;
-    a decode shared by the pair sends its chunk to the peer's stage with one shared-to-cluster
-    bulk copy (not per-item ``st.async`` stores, which measured 2.4-3.0x slower elsewhere), loads
-    no weight tile by TMA multicast, and spills nothing."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "1")
-    kernel, art = _compile(phase, 128)
+def test_shared_decode_compiles_with_one_bulk_copy_to_the_peer(phase):
+    """``cluster_m`` 2: at BLOCK_M 128 the FP4 kernels run in 2-CTA clusters; a decode shared
+    by the pair sends its chunk to the peer's stage with one shared-to-cluster bulk copy (not
+    per-item ``st.async`` stores, which measured 2.4-3.0x slower elsewhere), loads no weight
+    tile by TMA multicast, and spills nothing."""
+    kernel, art = _compile(phase, 128, Sm90GemmConfig(cluster_m=2))
     assert kernel.cluster_m == 2 and kernel.fp4_weights
     assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in art.ptx
     assert "st.async" not in art.ptx
@@ -134,11 +135,11 @@ def test_fp4_stage_accounting():
     decode's base exponents); shared memory holds
     the decoded tile in the MMA stage on top; the packed stages take what is left (at least 2)."""
     from cute_megamoe.kernels.sm90_expert_gemm import FP4_MMA_STAGES, SMEM_BUDGET
-    from cute_megamoe.launch import gemm_kernel
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
     for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
         for block_m in (64, 128):
-            kern, _ = gemm_kernel("sm_90a", RECIPE, phase, 8, 4096, n, k, block_m)
+            kern, _ = gemm_kernel_for("sm_90a", RECIPE, phase, 8, 4096, n, k, block_m)
             tx = block_m * 128 + 4 * (block_m + kern.sfb_len)
             packed_tx = 256 * 64 + 4 * 256 + 4 * kern.sfb_len
             assert (kern.stage_tx_bytes, kern.packed_tx_bytes) == (tx, packed_tx)
@@ -181,12 +182,11 @@ def _spread_scales(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("block_m,variant", [(64, None), (128, None), (64, "transposed"),
                                              (128, "shared_decode_cluster")])
 @pytest.mark.parametrize("spread", (False, True))
-def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread, monkeypatch):
+def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, spread):
     """Same activations through `expert_ffn` with the FP4 weights and with their host decode as
     fp8xfp8 weights: L2 inputs, their scales and the outputs equal bit for bit (every valid row;
-    pad rows stay poisoned). ``variant``: the kernels transposed (`CUTE_MEGAMOE_SM90_TRANSPOSED`,
-    both sides), or in 2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`;
-    the fp8xfp8 side runs in clusters at BLOCK_M 128 anyway)."""
+    pad rows stay poisoned). ``variant``: the kernels transposed (both sides), or in 2-CTA
+    clusters that share the decode (the fp8xfp8 side runs in clusters at BLOCK_M 128 anyway)."""
     from cute_megamoe import quant
     from cute_megamoe.expert_gemm import ExpertWeights, expert_ffn
     from cute_megamoe.scheduler.host_model import pool_block_offsets
@@ -213,15 +213,14 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
                                        arch="sm_90a")
     count_t = torch.tensor(counts, dtype=torch.int32, device=device)
     results = []
-    for name, value in (VARIANTS[variant][0] if variant else {}).items():
-        monkeypatch.setenv(name, value)
+    config = VARIANTS[variant][0] if variant else None
     for weights in (fp4, fp8):
         l2 = torch.full((rows, inter), 0x7F, dtype=torch.uint8, device=device)
         l2_sf = torch.full((inter // 128, rows), float("nan"), device=device).t()
         out = torch.full((rows, hidden), 0x7FFF, dtype=torch.int16, device=device)
         expert_ffn(acts, acts_sf, topk, count_t, weights, block_m=block_m, activation_clamp=7.0,
                    l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
-                   out=out.view(torch.bfloat16))
+                   out=out.view(torch.bfloat16), config=config)
         results.append((l2, l2_sf, out))
     torch.cuda.synchronize()
     valid = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -235,46 +234,41 @@ def test_bit_identical_to_fp8_kernels_on_the_host_decode(block_m, variant, sprea
     assert torch.equal(out_a[valid], out_b[valid])
 
 
-TRANSPOSED = {"CUTE_MEGAMOE_SM90_TRANSPOSED": "1"}
-ITEM = {"CUTE_MEGAMOE_SM90_FP4_TABLES": "item"}
-EARLY = {"CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "1"}
-# variant: (its settings, BLOCK_M)
-VARIANTS = {"transposed": (TRANSPOSED, 64),
-            "transposed_block": ({**TRANSPOSED, "CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS": "block"},
-                                 64),
-            "tables_item": (ITEM, 64),
-            "tables_item_128": (ITEM, 128),
-            "transposed_tables_item": ({**TRANSPOSED, **ITEM}, 64),
-            "early_tables": (EARLY, 64),
-            "early_tables_128": (EARLY, 128),
-            "transposed_late_tables": ({**TRANSPOSED,
-                                        "CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES": "0"}, 64),
-            "shared_decode_cluster": ({"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "1"}, 128)}
+# variant: (its configuration, BLOCK_M)
+VARIANTS = {"transposed": (Sm90GemmConfig(transposed=True), 64),
+            "tables_item": (Sm90GemmConfig(decode_tables="item"), 64),
+            "tables_item_128": (Sm90GemmConfig(decode_tables="item"), 128),
+            "transposed_tables_item": (Sm90GemmConfig(transposed=True, decode_tables="item"),
+                                       64),
+            "early_tables": (Sm90GemmConfig(early_tables=True), 64),
+            "early_tables_128": (Sm90GemmConfig(early_tables=True), 128),
+            "transposed_late_tables": (Sm90GemmConfig(transposed=True, early_tables=False), 64),
+            "shared_decode_cluster": (Sm90GemmConfig(cluster_m=2), 128)}
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("transposed,block_m", [("1", 64), ("0", 64), ("0", 128)])
+@pytest.mark.parametrize("transposed,block_m", [(True, 64), (False, 64), (False, 128)])
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_early_tables_compile_before_the_free_stage_wait(transposed, block_m, phase,
                                                          monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES` "1" (the transposed kernels' default): the decode
-    warps build a k-block's first tables (the vote) once the packed stage is loaded and wait
-    for a free MMA stage after it, before the first decoded store; "0" (the staged kernels'
-    default): that wait comes first. The same permutes, no spills."""
-    from cute_megamoe.launch import gemm_kernel
+    """``early_tables`` (the transposed kernels' default): the decode warps build a k-block's
+    first tables (the vote) once the packed stage is loaded and wait for a free MMA stage after
+    it, before the first decoded store; without (the staged kernels' default): that wait comes
+    first. The same permutes, no spills."""
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "0")  # (single-CTA builds alike)
+    # (single-CTA builds alike)
+    config = Sm90GemmConfig(transposed=transposed, cluster_m=None if transposed else 1)
     # the default: on in the transposed kernels, off in the staged ones
-    kernel, _ = gemm_kernel("sm_90a", RECIPE, phase, 32, 8192, 4096, 7168, block_m)
-    assert kernel.early_tables == (transposed == "1")
+    kernel, _ = gemm_kernel_for("sm_90a", RECIPE, phase, 32, 8192, 4096, 7168, block_m, config)
+    assert kernel.early_tables == transposed
     arts = {}
-    for early in ("0", "1"):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", early)
-        kernel, arts[early] = _compile(phase, block_m)
-        assert kernel.early_tables == (early == "1")
-    if arts["1"].sass is None:
+    for early in (False, True):
+        kernel, arts[early] = _compile(phase, block_m,
+                                       dataclasses.replace(config, early_tables=early))
+        assert kernel.early_tables == early
+    if arts[True].sass is None:
         pytest.skip("nvdisasm not available: PTX only")
 
     def waits_between_vote_and_store(sass):
@@ -283,18 +277,18 @@ def test_early_tables_compile_before_the_free_stage_wait(transposed, block_m, ph
         store = next(i for i in range(vote, len(lines)) if "STS.128" in lines[i])
         return sum("SYNCS.PHASECHK.TRANS64.TRYWAIT" in line for line in lines[vote:store])
 
-    assert waits_between_vote_and_store(arts["0"].sass) == 0
-    assert waits_between_vote_and_store(arts["1"].sass) == 1
-    assert arts["1"].count("PRMT") == arts["0"].count("PRMT")
-    assert arts["1"].count("STL") == 0 and arts["1"].resource_usage()["LOCAL"] == 0
+    assert waits_between_vote_and_store(arts[False].sass) == 0
+    assert waits_between_vote_and_store(arts[True].sass) == 1
+    assert arts[True].count("PRMT") == arts[False].count("PRMT")
+    assert arts[True].count("STL") == 0 and arts[True].resource_usage()["LOCAL"] == 0
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("transposed", ("0", "1"))
+@pytest.mark.parametrize("transposed", (False, True))
 @pytest.mark.parametrize("phase", ("l1", "l2"))
 def test_vote_tables_compile_without_item_branches(transposed, phase, monkeypatch):
-    """`CUTE_MEGAMOE_SM90_FP4_TABLES` "vote" (the default; BLOCK_M 64, staged and transposed,
-    against "item"): the decode
+    """``decode_tables`` "vote" (the default; BLOCK_M 64, staged and transposed, against
+    "item"): the decode
     builds a batch's tables by the integer adds and takes the float path behind one warp vote
     (no branch per item on the fast path), the codes of the first `VOTE_AHEAD` items loaded
     before the vote and each later item's while an earlier one decodes; the same permutes, no
@@ -302,11 +296,8 @@ def test_vote_tables_compile_without_item_branches(transposed, phase, monkeypatc
     from cute_megamoe.kernels.sm90_expert_gemm import VOTE_AHEAD
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", transposed)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_TABLES", "item")
-    item, base = _compile(phase, 64)
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_TABLES")
-    kernel, art = _compile(phase, 64)
+    item, base = _compile(phase, 64, Sm90GemmConfig(transposed=transposed, decode_tables="item"))
+    kernel, art = _compile(phase, 64, Sm90GemmConfig(transposed=transposed))
     assert (item.decode_tables, kernel.decode_tables) == ("item", "vote")
     assert "vote.sync.any.pred" not in base.ptx
     assert "vote.sync.any.pred" in art.ptx
@@ -323,23 +314,20 @@ def test_vote_tables_compile_without_item_branches(transposed, phase, monkeypatc
     assert sum("LDS.128" in line for line in loop[:80]) == VOTE_AHEAD
     assert sum("LDS.128" in line for line in loop[80:]) >= 1
     assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_TABLES", "sometimes")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_FP4_TABLES"):
-        _compile(phase, 64)
+    with pytest.raises(ValueError, match="decode_tables"):
+        Sm90GemmConfig(decode_tables="sometimes")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pattern", ("random", "skewed", "sparse", "empty", "one_expert"))
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (1152, 384)])
-def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter,
-                                                      monkeypatch):
-    """The transposed kernels (`CUTE_MEGAMOE_SM90_TRANSPOSED`, BLOCK_M 64; by default loading
-    only the 16-row boxes of received tokens, with "block" the pool block's 64 rows,
-    `CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS`), the decode tables' and early tables' options, and the
-    2-CTA clusters that share the decode (`CUTE_MEGAMOE_SM90_FP4_CLUSTER`, BLOCK_M 128: pool
-    blocks of one expert share it, of two experts each decode their own, a dummy block past the
-    pool) against the staged decode on the same FP4 weights and
+def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden, inter):
+    """The transposed kernels (BLOCK_M 64, loading only the 16-row boxes of received tokens),
+    the decode tables' and early tables' options, and the 2-CTA clusters that share the decode
+    (BLOCK_M 128: pool blocks of one expert share it, of two experts each decode their own, a
+    dummy block past the pool; `Sm90GemmConfig` fields) against the single-CTA staged decode on
+    the same FP4 weights and
     pools: L2 inputs, their scales and the outputs equal bit for bit on every valid row, pad
     rows stay poisoned; with routings that leave experts empty, pair pool blocks of
     different experts in a cluster or give one expert everything, and an L2 of 1152 columns
@@ -352,22 +340,17 @@ def test_variant_is_bit_identical_to_the_staged_decode(variant, pattern, hidden,
     )
 
     device = _gpu()
-    settings, block_m = VARIANTS[variant]
+    config, block_m = VARIANTS[variant]
     counts = [0, 0, 0, 389, 0, 0, 0, 0] if pattern == "one_expert" else COUNT_PATTERNS[pattern]
     problem = make_pool_problem(RECIPE, counts, block_m, hidden, inter, device,
                                 seed=5 + hidden)
-    results = []
-    for env in ({}, settings):
-        for name in settings:
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        results.append(run_fp8_ffn_poisoned(problem))
+    results = [run_fp8_ffn_poisoned(problem, config=c)
+               for c in (Sm90GemmConfig(cluster_m=1), config)]
     assert_same_valid_rows(problem, results)
 
 
 @pytest.mark.gpu
-def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
+def test_layer_picks_the_transposed_kernels_by_expected_tokens():
     """The staged layer with MXFP4 weights at BLOCK_M 64 runs the transposed kernels at up to 16
     expected tokens per expert and the staged ones above (`heuristics.select_sm90_transposed`),
     and matches the reference either way."""
@@ -378,7 +361,6 @@ def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
     from cute_megamoe.testing.dispatch_checks import Case, check_staged_layer
 
     _gpu()
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
     # 8 experts of top-4 (n / 2 expected per expert), a pool size no other test uses
     buf = get_symm_buffer_for_mega_moe(None, 8, 100, 4, 512, 256, mma_type=RECIPE)
     pool_rows = buf.layout.num_pool_rows
@@ -398,129 +380,3 @@ def test_layer_picks_the_transposed_kernels_by_expected_tokens(monkeypatch):
                               Sm90ExpertGemmKernel.__name__}
 
 
-def test_layer_pool_block_pairs_tiles_within_experts(monkeypatch):
-    """`staged.layer_pool_block_m`: with ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` (opt-in: it lost
-    in the layer) the whole layer on sm_90a lays its pool out in 256-row blocks where the GEMMs
-    run BLOCK_M 128 in clusters (MXFP4: those that share the decode, from 192 expected tokens per
-    expert; fp8xfp8: the multicast ones), so that no cluster pairs two experts' tiles; BLOCK_M
-    blocks by default, below that, with the MXFP4 clusters forced off, for BF16 or on
-    sm_100a."""
-    from types import SimpleNamespace
-
-    from cute_megamoe.layout import MegaMoELayout
-    from cute_megamoe.staged import layer_pool_block_m
-
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", raising=False)
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_PAIRED_POOL", raising=False)
-    layout = MegaMoELayout(1, 8, 1024, 2, 512, 256, RECIPE)
-    fp4 = SimpleNamespace(arch="sm_90a", recipe=RECIPE)
-    fp8 = SimpleNamespace(arch="sm_90a", recipe="fp8xfp8")
-    assert layer_pool_block_m(layout, fp4, 1024) is None  # (the default)
-    assert layer_pool_block_m(layout, fp8, 1024) is None
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PAIRED_POOL", "1")
-    assert layer_pool_block_m(layout, fp4, 1024) == 256  # 256 expected tokens per expert
-    assert layer_pool_block_m(layout, fp4, 768) == 256  # 192
-    assert layer_pool_block_m(layout, fp4, 700) is None  # 175: no clusters
-    assert layer_pool_block_m(layout, fp4, 200) is None  # BLOCK_M 64
-    # (fp8xfp8: its multicast clusters; BF16 keeps BLOCK_M)
-    assert layer_pool_block_m(layout, fp8, 1024) == 256
-    assert layer_pool_block_m(layout, fp8, 200) is None
-    assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_90a", recipe="bf16xbf16"),
-                              1024) is None
-    assert layer_pool_block_m(layout, SimpleNamespace(arch="sm_100a", recipe=RECIPE),
-                              1024) is None
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "0")
-    assert layer_pool_block_m(layout, fp4, 1024) is None
-
-
-def test_pool_in_256_row_blocks_only_where_gpu_tested(monkeypatch):
-    """``pool_block_m`` 256: the MXFP4 GEMMs at BLOCK_M 128 on sm_90a in the clusters that
-    share the decode, and the fp8xfp8 ones in their multicast clusters (the kernel counts each
-    block as two tiles); anything else is refused before a kernel is built."""
-    from cute_megamoe.launch import gemm_kernel
-
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
-    kernel, _ = gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128, pool_block_m=256)
-    assert kernel.pool_block_m == 256 and kernel.scheduler.empty_tiles
-    assert not gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128)[0].scheduler \
-        .empty_tiles
-    assert gemm_kernel("sm_90a", "fp8xfp8", "l1", 8, 4096, 4096, 7168, 128,
-                       pool_block_m=256)[0].scheduler.empty_tiles
-    for recipe, block_m, pool in (("bf16xbf16", 128, 256), (RECIPE, 64, 128),
-                                  (RECIPE, 128, 512)):
-        with pytest.raises(ValueError, match="pool_block_m"):
-            gemm_kernel("sm_90a", recipe, "l1", 8, 4096, 4096, 7168, block_m, pool_block_m=pool)
-    with pytest.raises(ValueError, match="pool_block_m"):  # single-CTA at 100 tokens per expert
-        gemm_kernel("sm_90a", RECIPE, "l1", 8, 4096, 4096, 7168, 128, pool_block_m=256,
-                    expected_tokens_per_expert=100)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("recipe", (RECIPE, "fp8xfp8"))
-@pytest.mark.parametrize("pattern", ("random", "skewed"))
-def test_layer_in_256_row_pool_blocks_is_bit_identical(pattern, recipe, monkeypatch):
-    """The staged layer at 256 expected tokens per expert (8 experts, top-2, 1024 tokens) with
-    its pool in 256-row blocks (`CUTE_MEGAMOE_SM90_PAIRED_POOL=1`: two 128-row tiles of one
-    expert per cluster, the second empty for an expert with an odd number of tiles): the same
-    outputs bit for bit as with 128-row blocks (``block_m=128``: clusters may pair two experts'
-    tiles) and as the default (MXFP4: here single-CTA, `CUTE_MEGAMOE_SM90_FP4_CLUSTER=0`), and
-    the 256-row build is the one that ran."""
-    from cute_megamoe import runtime, staged
-    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-    from cute_megamoe.expert_gemm import ExpertWeights
-
-    _gpu()
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_FP4_CLUSTER", raising=False)
-    device = torch.device("cuda")
-    buf = get_symm_buffer_for_mega_moe(None, 8, 1024, 2, 512, 256, mma_type=recipe)
-    gen = torch.Generator().manual_seed(11 if pattern == "random" else 12)
-    n = 1024
-    x = torch.randn(n, 512, generator=gen).to(torch.bfloat16).to(device)
-    scores = torch.rand(n, 8, generator=gen)
-    if pattern == "skewed":  # expert 0 takes most, expert 7 a handful
-        scores[:, 0] += 0.5
-        scores[:, 7] -= 0.9
-    idx = scores.topk(2, dim=1).indices.to(torch.int64).to(device)
-    w = torch.rand(n, 2, generator=gen).to(device)
-    w1 = (torch.randn(8, 512, 512, generator=gen) / 512**0.5).to(torch.bfloat16).to(device)
-    w2 = (torch.randn(8, 512, 256, generator=gen) / 256**0.5).to(torch.bfloat16).to(device)
-    weights = ExpertWeights.from_bf16(w1, w2, recipe)
-    pool_rows = buf.layout.num_pool_rows
-
-    def pool_blocks_compiled():
-        return {key[-2] for (key, *_), _plan in runtime._COMPILED.items()
-                if isinstance(key, tuple) and key[:4] == ("expert_gemm", "sm_90a", "l1", recipe)
-                and key[5] == pool_rows and key[-1] == "plan"}
-
-    ys = []
-    single = {"CUTE_MEGAMOE_SM90_FP4_CLUSTER": "0"} if recipe == RECIPE else {}
-    for block_m, env in ((None, {"CUTE_MEGAMOE_SM90_PAIRED_POOL": "1"}), (128, {}),
-                         (None, single)):
-        for name in ("CUTE_MEGAMOE_SM90_PAIRED_POOL", "CUTE_MEGAMOE_SM90_FP4_CLUSTER"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        y = staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
-                                   block_m=block_m)
-        ys.append(y.clone())
-    torch.cuda.synchronize()
-    assert 256 in pool_blocks_compiled()
-    assert bool(torch.isfinite(ys[0].float()).all())
-    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-    assert torch.equal(ys[0].view(torch.int16), ys[2].view(torch.int16))
-
-
-@pytest.mark.gpu
-@pytest.mark.multigpu
-def test_layer_pool_blocks_may_differ_between_ranks():
-    """Two ranks, the staged MXFP4 layer with no BLOCK_M: rank 0 lays out its pool in 256-row
-    blocks (the shared-decode clusters), rank 1 in decode-size blocks; every rank's rows land in
-    the other's pool, and the outputs equal bit for bit those with BLOCK_M 64 on both
-    (`dispatch_checks.check_pool_blocks_per_rank`)."""
-    from cute_megamoe.testing.dispatch_checks import run_multiprocess
-
-    _gpu()
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    run_multiprocess(2, RECIPE, 8, 2, 512, 64, port=29931, mode="pool_blocks")

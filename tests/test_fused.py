@@ -8,47 +8,52 @@ that are not multiples of BLOCK_M, shapes that are not powers of two; back-to-ba
 changing token counts; CUDA-graph replays; bad inputs refused before any launch.
 """
 
-import os
+import dataclasses
 
 import pytest
 import torch
 
+from cute_megamoe.config import LayerConfig, Sm90FusedConfig
 from cute_megamoe.layout import BarrierSlots, MegaMoELayout
-from cute_megamoe.testing.compile import ptxas_notes_or_skip
+from cute_megamoe.testing.compile import fused_kernel_for, ptxas_notes_or_skip
+from cute_megamoe.testing.fused_checks import EXPERIMENTS, rows_config
 
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # fp8xfp4_sm90 runs only as an experiment (`tables.EXPERIMENTAL_FUSED_RECIPES`): bit-exact on
 # the H200 and all of its GPU tests passed on 12-04 once the loopback warm-ups loaded every
 # token-dependent kernel, but a one-rank stall seen earlier that day is not explained, and a
 # stall traps and takes the CUDA context of every later test in the process with it; so the
-# GPU tests run it only with CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1 set (the compile tests always)
+# GPU tests run it only when asked (``pytest --fused-fp4``, marker ``fused_fp4``; the compile
+# tests always)
 STABLE_RECIPES = ("fp8xfp8", "bf16xbf16")
-GPU_RECIPES = RECIPES if os.environ.get("CUTE_MEGAMOE_EXPERIMENTAL_FUSED") == "1" \
-    else STABLE_RECIPES
+GPU_RECIPES = (*STABLE_RECIPES, pytest.param("fp8xfp4_sm90", marks=pytest.mark.fused_fp4))
 
 
-def _gpu(recipe: str = "fp8xfp8", monkeypatch=None):
+def _gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the fused kernel is sm_90a only")
-    if recipe not in STABLE_RECIPES:
-        monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
 
 
 # ----------------------------------------------------------------------------- CPU
 
-def _compile(recipe: str, block_m: int, layout=None, cluster_m: int = 1,
-             phase_clock: bool = False, tile_log: bool = False, **options):
+def _kernel(recipe: str, block_m: int, layout=None, tiled_weights: bool = False, **fields):
+    """The fused kernel object of ``layout`` (default: two ranks) at ``block_m`` with the
+    `Sm90FusedConfig` ``fields`` set, the heuristics' choice for the rest (calls that give
+    ``x`` where ``stages_inputs`` is set)."""
+    layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
+    return fused_kernel_for(layout, block_m, Sm90FusedConfig(**fields),
+                            given_x=bool(fields.get("stages_inputs")), activation_clamp=10.0,
+                            has_stats=True, tiled_weights=tiled_weights)
+
+
+def _compile(recipe: str, block_m: int, layout=None, tiled_weights: bool = False, **fields):
     from cutlass import Int32
 
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
-    layout = layout or MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
-    kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=10.0, has_stats=True,
-                               cluster_m=cluster_m, phase_clock=phase_clock, tile_log=tile_log,
-                               **options)
+    kernel = _kernel(recipe, block_m, layout, tiled_weights, **fields)
     ptrs = [fake_ptr(dtype, 4 if name in (
                 "expert_recv_tokens", "stats", "pool_block_ready", "tile_log") else 16)
             for name, dtype in kernel.pointer_args()]
@@ -113,33 +118,32 @@ def test_in_kernel_staging_compiles_as_the_staging_kernel(recipe, monkeypatch):
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
     """``local_dispatch`` (the default for one-rank groups with counted rows that stage their
-    own inputs, in buffers of at most `LOCAL_MAX_TOKENS` tokens): compiled for sm_90a, no
-    spills, WGMMAs asynchronous, as many ring stages as
-    the exchanged dispatch; the count exchange is gone (no 64-bit global atomics, half the
-    16-byte loads: no staged row is read back), the quantization stays (FP8: the e4m3
-    packs). Where it cannot run (two ranks, barrier rows, no in-kernel staging, FP4 weights)
-    it is off by default and refused when forced."""
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
+    own inputs, in buffers of at most `heuristics.LOCAL_MAX_TOKENS` tokens): compiled for
+    sm_90a, no spills, WGMMAs asynchronous, as many ring stages as the exchanged dispatch; the
+    count exchange is gone (no 64-bit global atomics, half the 16-byte loads: no staged row is
+    read back), the quantization stays (FP8: the e4m3 packs). Where it cannot run (two ranks,
+    barrier rows, no in-kernel staging, FP4 weights) it is off by default and refused when
+    asked for."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
     kernel, art = _compile(recipe, block_m, layout=one, stages_inputs=True)
     # (larger buffers: off by default, on when asked)
     big = MegaMoELayout(1, 64, 257, 8, 7168, 2048, recipe)
-    assert not Sm90MegaMoEKernel(big, block_m, stages_inputs=True).local_dispatch
-    assert Sm90MegaMoEKernel(big, block_m, stages_inputs=True, local_dispatch=True).local_dispatch
+    assert not _kernel(recipe, block_m, big, stages_inputs=True).local_dispatch
+    assert _kernel(recipe, block_m, big, stages_inputs=True, local_dispatch=True).local_dispatch
     exchanged, plain = _compile(recipe, block_m, layout=one, stages_inputs=True,
                                 local_dispatch=False)
     assert kernel.local_dispatch and not exchanged.local_dispatch
     assert kernel.num_stages == exchanged.num_stages
     two = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
-    for layout, options in ((two, {}), (one, {"row_transfer": "barrier"}), (one, {}),
-                            (MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90"), {})):
-        stages = options == {} and layout is not one
-        args = dict(stages_inputs=stages or layout.recipe == "fp8xfp4_sm90", **options)
-        assert not Sm90MegaMoEKernel(layout, block_m, **args).local_dispatch, (layout, options)
+    fp4 = MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90")
+    for layout, options in ((two, {"stages_inputs": True}),
+                            (one, {"row_transfer": "barrier", "stages_inputs": True}),
+                            (one, {"stages_inputs": False}), (fp4, {"stages_inputs": True})):
+        assert not _kernel(layout.recipe, block_m, layout, **options).local_dispatch, \
+            (layout, options)
         with pytest.raises(ValueError, match="local_dispatch"):
-            Sm90MegaMoEKernel(layout, block_m, local_dispatch=True, **args)
+            _kernel(layout.recipe, block_m, layout, local_dispatch=True, **options)
     if art.sass is None:
         pytest.skip("nvdisasm not available")
     assert art.count("ATOMG.E.ADD.64") == 0 < plain.count("ATOMG.E.ADD.64")
@@ -151,80 +155,6 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16"))
-def test_owner_searches_compile(recipe, monkeypatch):
-    """The tile walk's owner search (`ExpertTileScheduler.owner_of`): ``gallop``, the default
-    since 2026-12-02 (run on the H200: the device walk against the host model, the fused
-    kernel's bits, the layer A/B), and ``linear`` (``CUTE_MEGAMOE_TILE_SEARCH=linear``, for
-    A/Bs): the one-rank fused kernel and the staged L1 / L2 GEMMs compile with either, no
-    spills, WGMMAs asynchronous, and the two builds differ."""
-    from cutlass import Int32
-
-    from cute_megamoe.expert_gemm import gemm_kernel
-    from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
-    kernel, art = _compile(recipe, 64, layout=one, stages_inputs=True)
-    assert kernel.l1.scheduler.owner_search == kernel.l2.scheduler.owner_search == "gallop"
-    linear = _compile(recipe, 64, layout=one, stages_inputs=True, owner_search="linear")[1]
-    staged = []
-    for search in ("gallop", "linear"):
-        monkeypatch.setenv("CUTE_MEGAMOE_TILE_SEARCH", search)
-        for phase, n, k in (("l1", 4096, 7168), ("l2", 7168, 2048)):
-            gemm, dtypes = gemm_kernel("sm_90a", recipe, phase, 32, 8192, n, k, 64,
-                                       activation_clamp=10.0)
-            assert gemm.scheduler.owner_search == search
-            staged.append(compile_for_arch(gemm, *(fake_ptr(d, 4 if i == 4 else 16)
-                                                   for i, d in enumerate(dtypes)),
-                                           Int32(132), fake_stream(), arch="sm_90a"))
-    if art.sass is None:
-        pytest.skip("nvdisasm not available")
-    assert art.sass != linear.sass and staged[0].sass != staged[2].sass
-    for a in (art, linear, *staged):
-        _assert_no_spills_and_async_wgmma(a)
-
-
-@pytest.mark.parametrize("name,getter,values", [
-    ("CUTE_MEGAMOE_TILE_SEARCH", "tile_owner_search",
-     {"": "gallop", "linear": "linear", "gallop": "gallop"}),
-    ("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "fused_local_dispatch",
-     {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_FUSED_STAGING", "fused_staging",
-     {"": "auto", "launch": "launch", "kernel": "kernel"}),
-    ("CUTE_MEGAMOE_SM90_TRANSPOSED", "sm90_transposed",
-     {"": None, "auto": None, "1": True, "0": False}),
-    ("CUTE_MEGAMOE_SM90_TRANSPOSED_A_ROWS", "sm90_transposed_a_rows",
-     {"": "received", "block": "block", "received": "received"}),
-    ("CUTE_MEGAMOE_SM90_PROMOTION", "sm90_promotion",
-     {"": None, "auto": None, "chunk": "chunk", "quarter": "quarter"}),
-    ("CUTE_MEGAMOE_SM90_FP4_TABLES", "sm90_fp4_tables",
-     {"": "vote", "item": "item", "vote": "vote"}),
-    ("CUTE_MEGAMOE_SM90_FP4_EARLY_TABLES", "sm90_fp4_early_tables",
-     {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_SM90_FP4_CLUSTER", "sm90_fp4_cluster",
-     {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_SM90_K_UNROLL", "sm90_k_unroll",
-     {"": None, "auto": None, "1": 1, "2": 2, "4": 4}),
-    ("CUTE_MEGAMOE_SM90_TMA_STORE", "sm90_tma_store",
-     {"": None, "auto": None, "0": False, "1": True}),
-    ("CUTE_MEGAMOE_SM90_ROW_STORES", "sm90_row_stores",
-     {"": None, "auto": None, "bulk": "bulk", "lanes": "lanes"})])
-def test_kernel_variant_env_switches(name, getter, values, monkeypatch):
-    """The kernels' A/B switches of 2026-12-02: their values, anything else raises naming the
-    variable, and each is part of the layer plans' keys."""
-    from cute_megamoe import runtime
-
-    for value, want in values.items():
-        monkeypatch.setenv(name, value)
-        assert getattr(runtime, getter)() == want, value
-    assert name in runtime.KERNEL_VARIANT_ENV
-    monkeypatch.setenv(name, "sometimes")
-    with pytest.raises(ValueError, match=name):
-        getattr(runtime, getter)()
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_lane_row_stores_compile(block_m):
     """``row_stores="lanes"`` (the fused kernel's default): the L2's row copies into the combine
@@ -233,15 +163,17 @@ def test_lane_row_stores_compile(block_m):
     shuffles), one bulk copy site fewer; no spills. The grouped GEMMs keep bulk copies by
     default and refuse lanes where rows go to ``out``."""
     from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
     base_kernel, base = _compile("fp8xfp8", block_m, row_stores="bulk")
     kernel, art = _compile("fp8xfp8", block_m)
     assert (base_kernel.l2.row_stores, kernel.l2.row_stores) == ("bulk", "lanes")
     assert kernel.l1.row_stores == "bulk"
-    assert Sm90ExpertGemmKernel("l2", "fp8xfp8", 8, 4096, 7168, 2048, 128,
-                                row_stores=None).row_stores == "bulk"
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
+    assert gemm_kernel_for("sm_90a", "fp8xfp8", "l2", 32, layout.num_pool_rows, 7168, 2048,
+                           128, combine_layout=layout)[0].row_stores == "bulk"
     with pytest.raises(ValueError, match="row_stores"):
-        Sm90ExpertGemmKernel("l2", "fp8xfp8", 8, 4096, 7168, 2048, 128, row_stores="lanes")
+        Sm90ExpertGemmKernel("l2", "fp8xfp8", 8, 4096, 7168, 2048, kernel.l2.config)
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
     assert art.count("STG.E.128") == base.count("STG.E.128") + 16
@@ -257,8 +189,6 @@ def test_early_weights_compile(recipe, monkeypatch):
     first L1 tile's first stages' weights right after the counts (more TMA load sites than
     without them), no prefetches into L2, no spills; not at BLOCK_M 128, with barrier rows,
     without ``weights_first`` or with FP4 weights."""
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile(recipe, 64, row_transfer="counted")
     assert kernel.early_weights
@@ -267,9 +197,9 @@ def test_early_weights_compile(recipe, monkeypatch):
     layout = MegaMoELayout(1, 8, 64, 2, 512, 256, recipe)
     for block_m, options in ((64, dict(row_transfer="barrier", weights_first=True)),
                              (128, dict(row_transfer="counted", weights_first=True))):
-        assert not Sm90MegaMoEKernel(layout, block_m, **options).early_weights
-    assert not Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4_sm90"), 64,
-                                 row_transfer="counted", weights_first=True).early_weights
+        assert not _kernel(recipe, block_m, layout, **options).early_weights
+    assert not _kernel("fp8xfp4_sm90", 64, MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4_sm90"),
+                       row_transfer="counted", weights_first=True).early_weights
     if art.sass is None:
         pytest.skip("nvdisasm not available")
     assert art.count("UTMALDG") > plain.count("UTMALDG") and art.count("UTMAPF.L2") == 0
@@ -278,36 +208,27 @@ def test_early_weights_compile(recipe, monkeypatch):
 
 @pytest.mark.compile
 def test_one_rank_group_synchronizes_at_gpu_scope(monkeypatch):
-    """A one-rank group's barriers, flags and count words use GPU scope (`sync.group_scope`;
-    the default, or ``CUTE_MEGAMOE_ONE_RANK_SCOPE=gpu``): no system-scope acquire or release is
-    left, and system-scope fences only in the trap reports (pinned host memory); "sys" builds
-    the system-scope kernel, as for groups of several ranks, which keep it either way."""
+    """A one-rank group's barriers, flags and count words use GPU scope (`sync.group_scope`):
+    no system-scope acquire or release is left, and system-scope fences only in the trap
+    reports (pinned host memory); groups of several ranks keep system scope."""
     import re
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
 
-    def counts(ranks, scope):
-        monkeypatch.setenv("CUTE_MEGAMOE_ONE_RANK_SCOPE", scope)
+    def counts(ranks):
         kernel, art = _compile("fp8xfp8", 64,
                                layout=MegaMoELayout(ranks, 64, 512, 8, 7168, 2048, "fp8xfp8"))
         assert kernel.dispatch.scope == kernel.combine.scope == kernel.l1.sync_scope
         return kernel.dispatch.scope, {p: len(re.findall(p, art.ptx)) for p in (
             r"fence\.acq_rel\.sys", r"\.acquire\.sys", r"\.release\.sys", r"fence\.acq_rel\.gpu")}
 
-    one_scope, one = counts(1, "gpu")
-    forced_scope, forced = counts(1, "sys")
-    two_scope, two = counts(2, "gpu")
-    monkeypatch.delenv("CUTE_MEGAMOE_ONE_RANK_SCOPE")
-    assert _compile("fp8xfp8", 64, layout=MegaMoELayout(1, 64, 512, 8, 7168, 2048,
-                                                        "fp8xfp8"))[0].dispatch.scope == "gpu"
-    assert (one_scope, forced_scope, two_scope) == ("gpu", "sys", "sys")
+    one_scope, one = counts(1)
+    two_scope, two = counts(2)
+    assert (one_scope, two_scope) == ("gpu", "sys")
     assert one[r"\.acquire\.sys"] == one[r"\.release\.sys"] == 0
-    assert 0 < one[r"fence\.acq_rel\.sys"] < forced[r"fence\.acq_rel\.sys"]
-    assert forced[r"fence\.acq_rel\.gpu"] == two[r"fence\.acq_rel\.gpu"] == 0
-    assert two == counts(2, "sys")[1] and two[r"\.acquire\.sys"] > 0
-    monkeypatch.setenv("CUTE_MEGAMOE_ONE_RANK_SCOPE", "cluster")
-    with pytest.raises(ValueError, match="ONE_RANK_SCOPE"):
-        _compile("fp8xfp8", 64, layout=MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp8"))
+    assert 0 < one[r"fence\.acq_rel\.sys"] < two[r"fence\.acq_rel\.sys"]
+    assert one[r"fence\.acq_rel\.gpu"] > 0 == two[r"fence\.acq_rel\.gpu"]
+    assert two[r"\.acquire\.sys"] > 0
 
 
 @pytest.mark.compile
@@ -326,9 +247,9 @@ def test_compiles_with_tiled_weights(recipe, monkeypatch):
 @pytest.mark.compile
 def test_compiles_with_unrolled_gemm_loops(monkeypatch):
     """The GEMM phases' FP8 consumer loop four k-blocks per body at BLOCK_M 128 (the grouped
-    GEMMs' default, `DEFAULT_K_UNROLL`; ``CUTE_MEGAMOE_SM90_K_UNROLL`` forces another): four
-    k-blocks' WGMMAs per phase, no spills; BLOCK_M 64 keeps one; the L1 rows go by row copies
-    (no TMA store in the fused kernel)."""
+    GEMMs' default, `heuristics.DEFAULT_K_UNROLL`; ``k_unroll`` sets another): four k-blocks'
+    WGMMAs per phase, no spills; BLOCK_M 64 keeps one; the L1 rows go by row copies (no TMA
+    store in the fused kernel)."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile("fp8xfp8", 128, tiled_weights=True)
     assert kernel.l1.k_unroll == kernel.l2.k_unroll == 4
@@ -336,31 +257,8 @@ def test_compiles_with_unrolled_gemm_loops(monkeypatch):
     if art.sass is not None:
         assert art.count("QGMMA") == 2 * 4 * 8  # (two phases, four k-blocks, eight WGMMAs)
         assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
-    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
-    assert Sm90MegaMoEKernel(layout, 128, k_unroll=1).l2.k_unroll == 1
-    assert Sm90MegaMoEKernel(layout, 64).l1.k_unroll == 1
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("row_transfer,tiled", [("barrier", False), ("counted", True)])
-def test_compiles_in_2_cta_clusters_with_weight_multicast(row_transfer, tiled, monkeypatch):
-    """``cluster_m`` 2 (`launch.fused_call`'s, tests only): both GEMM phases multicast the weight
-    tile (row-order weights by 2-D boxes, TMA-box weights by 4-D ones), with either row
-    protocol, no spills; BLOCK_M 64 refuses it."""
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile("fp8xfp8", 128, cluster_m=2, row_transfer=row_transfer,
-                           tiled_weights=tiled)
-    assert kernel.l1.cluster_m == kernel.l2.cluster_m == 2
-    if art.sass is None:
-        pytest.skip("nvdisasm not available")
-    assert art.count(f"UTMALDG.{4 if tiled else 2}D.MULTICAST") > 0
-    assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
-    with pytest.raises(ValueError, match="cluster_m"):
-        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), 64, cluster_m=2)
+    assert _kernel("fp8xfp8", 128, k_unroll=1).l2.k_unroll == 1
+    assert _kernel("fp8xfp8", 64).l1.k_unroll == 1
 
 
 @pytest.mark.compile
@@ -372,7 +270,6 @@ def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch
     from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
     # (the default row transfer at 512 tokens per rank: counted rows stamp rows_sent and three
     # of the dispatch's four, rows_pushed being the barrier rows'; packed_done, decode_done
     # only with FP4 weights, which keep barrier rows)
@@ -380,7 +277,7 @@ def test_phase_clock_variant_compiles_and_stamps_every_phase(recipe, monkeypatch
     dispatch_stamps = 4 if fp4 else 3
     stamps = len(PHASE_STAMPS) - 4 - (1 if fp4 else 2)
     _, plain = _compile(recipe, 64)
-    _, clocked = _compile(recipe, 64, phase_clock=True)
+    _, clocked = _compile(recipe, 64, debug="phase_clock")
     # (the spin-waits read the timer too)
     assert clocked.ptx.count("globaltimer") >= (plain.ptx.count("globaltimer") + stamps
                                                 + dispatch_stamps)
@@ -418,14 +315,12 @@ def test_stage_waits_are_bounded_without_spills(recipe):
     the reports add no local memory (bf16xbf16: at most four words of stack)."""
     from cutlass import Int32
 
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
     fp4 = recipe == "fp8xfp4_sm90"
-    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     arts = {}
     for reports in (True, False):
-        kernel = Sm90MegaMoEKernel(layout, 64, activation_clamp=10.0, has_stats=True)
+        kernel = _kernel(recipe, 64)
         assert kernel.l1.stage_reports and kernel.l2.stage_reports
         assert kernel.watchdog == fp4
         kernel.l1.stage_reports = kernel.l2.stage_reports = reports
@@ -452,9 +347,7 @@ def test_stage_waits_are_bounded_without_spills(recipe):
 def test_the_fused_combine_waits_twice_as_long_as_the_rest():
     """A stalled CTA is seen first at the combine's barriers (they wait behind everything
     else): with twice the time limit there, the stalled wait itself reports."""
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
-    kernel = Sm90MegaMoEKernel(MegaMoELayout(2, 8, 64, 2, 512, 256, "fp8xfp8"), 64)
+    kernel = _kernel("fp8xfp8", 64, MegaMoELayout(2, 8, 64, 2, 512, 256, "fp8xfp8"))
     assert kernel.timeout_ns > 0 and kernel.combine.timeout_ns == 2 * kernel.timeout_ns
     assert kernel.l1.timeout_ns == kernel.dispatch.timeout_ns == kernel.timeout_ns
 
@@ -486,11 +379,10 @@ def test_a_failed_launch_in_the_fused_checks_names_the_reports():
 
 
 def test_the_two_gemm_phases_share_one_ring():
-    from cute_megamoe.kernels.sm90_expert_gemm import Sm90ExpertGemmKernel, share_ring
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
+    from cute_megamoe.kernels.sm90_expert_gemm import share_ring
+    from cute_megamoe.testing.compile import gemm_kernel_for
 
-    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
-    k = Sm90MegaMoEKernel(layout, 128)
+    k = _kernel("fp8xfp8", 128)
     l1, l2 = k.l1, k.l2
     assert l1.num_stages == l2.num_stages >= 2
     assert l1.staging_stride == l2.staging_stride
@@ -506,17 +398,22 @@ def test_the_two_gemm_phases_share_one_ring():
     assert l2.waits_ready == (2 * 2048 // 256) * 2 * 4
     # tiles of different widths cannot share a ring (hidden 384: L2 tiles of 128 columns)
     with pytest.raises(ValueError, match="multiples of 256"):
-        share_ring(Sm90ExpertGemmKernel("l1", "fp8xfp8", 4, 1024, 512, 384, 128),
-                   Sm90ExpertGemmKernel("l2", "fp8xfp8", 4, 1024, 384, 256, 128))
+        share_ring(gemm_kernel_for("sm_90a", "fp8xfp8", "l1", 4, 1024, 512, 384, 128)[0],
+                   gemm_kernel_for("sm_90a", "fp8xfp8", "l2", 4, 1024, 384, 256, 128)[0])
 
 
 def test_fused_kernel_rejects_what_it_cannot_run():
     from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
     with pytest.raises(ValueError, match="recipe"):
-        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4"), 128)
+        _kernel("fp8xfp4", 128, MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4"))
     with pytest.raises(ValueError, match="block_m"):
-        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), 96)
+        Sm90FusedConfig(block_m=96)
+    with pytest.raises(ValueError, match="fields"):  # (a configuration the heuristics filled)
+        Sm90MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"),
+                          Sm90FusedConfig(block_m=64))
+    with pytest.raises(ValueError, match="row_transfer"):
+        Sm90FusedConfig(row_transfer="with_gemm")
 
 
 def test_host_model_of_the_fused_walk():
@@ -570,7 +467,7 @@ def _one_rank(recipe, num_experts, max_tokens, topk, hidden, inter):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_matches_staged_one_rank(recipe, monkeypatch):
-    _gpu(recipe, monkeypatch)
+    _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
@@ -583,16 +480,17 @@ def test_fused_matches_staged_one_rank(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_one_k_block_loops_match_staged(monkeypatch):
-    """The fused kernel with its GEMM phases' FP8 loop one k-block per body (forced by
-    ``CUTE_MEGAMOE_SM90_K_UNROLL=1``; the default at BLOCK_M 128 is four, which the other
-    tests run) against the staged layer (which it also forces), BLOCK_M 128, uneven
-    routings."""
-    _gpu("fp8xfp8", monkeypatch)
+def test_fused_one_k_block_loops_match_staged():
+    """The fused kernel with its GEMM phases' FP8 loop one k-block per body (``k_unroll`` 1;
+    the default at BLOCK_M 128 is four, which the other tests run) against the staged layer
+    (configured alike), BLOCK_M 128, uneven routings."""
+    _gpu()
+    from cute_megamoe.config import Sm90GemmConfig
     from cute_megamoe.testing.fused_checks import FusedLayer
 
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_K_UNROLL", "1")
-    layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
+    config = dataclasses.replace(EXPERIMENTS, gemm=Sm90GemmConfig(k_unroll=1),
+                                 fused_kernel=Sm90FusedConfig(k_unroll=1))
+    layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256), configs={0: config})
     layer.warm_up((128,))
     for i, (n, routing) in enumerate([(300, "one_expert"), (129, "masked"), (77, "skewed"),
                                       (0, "random"), (1, "random")]):
@@ -601,24 +499,27 @@ def test_fused_one_k_block_loops_match_staged(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
-def test_lane_row_stores_match_staged(recipe, monkeypatch):
-    """``CUTE_MEGAMOE_SM90_ROW_STORES=lanes`` (the L2 rows into the combine buffers by the
-    warps' 16-byte stores, not bulk copies): the fused kernel against the staged layer at
-    R = 1 (uneven routings, both BLOCK_Ms) and on a two-rank loopback group, where the staged
-    layer's L2 writes the combine buffers the same way (different token counts and BLOCK_M per
-    rank, 0 tokens on a rank, back-to-back calls)."""
-    _gpu(recipe, monkeypatch)
+def test_lane_row_stores_match_staged(recipe):
+    """``row_stores="lanes"`` (the L2 rows into the combine buffers by the warps' 16-byte
+    stores, not bulk copies; the fused kernel's default): the fused kernel against the staged
+    layer at R = 1 (uneven routings, both BLOCK_Ms) and on a two-rank loopback group, where the
+    staged layer's L2 writes the combine buffers the same way (different token counts and
+    BLOCK_M per rank, 0 tokens on a rank, back-to-back calls)."""
+    _gpu()
+    from cute_megamoe.config import Sm90GemmConfig
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
     from cute_megamoe.testing.protocol_checks import Ranks
 
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_ROW_STORES", "lanes")
-    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
+    lanes = dataclasses.replace(EXPERIMENTS, gemm=Sm90GemmConfig(row_stores="lanes"),
+                                fused_kernel=Sm90FusedConfig(row_stores="lanes"))
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256), configs={0: lanes})
     layer.warm_up((64, 128))
     for i, (n, routing) in enumerate([(300, "one_expert"), (129, "masked"), (77, "skewed"),
                                       (0, "random"), (1, "random")]):
         for block_m in (64, 128):
             layer.check_call((n,), routing, {0: block_m}, seed=60 + i)
-    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
+    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe),
+                       configs={0: lanes, 1: lanes})
     layer.warm_up((64, 128))
     layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=66)
     check_fused_calls(layer, 12, 200, seed=67)
@@ -626,14 +527,14 @@ def test_lane_row_stores_match_staged(recipe, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
-def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
+def test_one_rank_local_dispatch_matches_staged(recipe):
     """The one-rank local dispatch (the default at R = 1 with counted rows and in-kernel
     staging: every CTA counts all pairs itself and quantizes its own pairs' rows into the
     pool) against the staged layer, bit for bit, with the same stats: CTA shares of more pairs
     than threads (grids of 1-3 CTAs: several batches per CTA; 9: a token's pairs split between
     CTAs), 0 / 1 tokens, masked slots, one expert taking every token, both BLOCK_Ms; calls
-    alternating with the exchanged
-    dispatch (``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``), which every call must find with its
+    alternating with the exchanged dispatch (``local_dispatch=False``), which every call must
+    find with its
     readiness and arrival counters at 0 (checked after each call). Which path ran shows in
     the buffer's ``x``: the local one leaves it as it was (poisoned here)."""
     _gpu()
@@ -653,7 +554,7 @@ def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
              # 134 pairs per CTA: a token's pairs split between two CTAs
              (300, "skewed", 128, 9, "1")]
     for i, (n, routing, block_m, num_sms, local) in enumerate(cases):
-        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", local)
+        config = LayerConfig(fused_kernel=Sm90FusedConfig(local_dispatch=local == "1"))
         _, _, _, inputs = layer.inputs((n,), routing, seed=200 + i)
         x, idx, w = inputs[0]
         want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0], activation_clamp=10.0,
@@ -664,7 +565,7 @@ def test_one_rank_local_dispatch_matches_staged(recipe, monkeypatch):
         fused.fused_mega_moe(buf, x, idx, w, layer.fused_weights[0], y=y,
                              activation_clamp=10.0, block_m=block_m, num_sms=num_sms,
                              validate_routing=False,
-                             cumulative_local_expert_recv_stats=stats["f"])
+                             cumulative_local_expert_recv_stats=stats["f"], config=config)
         torch.cuda.synchronize()
         what = (n, routing, block_m, num_sms, local)
         assert not bool(y.isnan().any()), what
@@ -682,7 +583,7 @@ def test_fused_on_tiled_weights_matches_staged(recipe, monkeypatch):
     """The fused kernel on the weights in TMA-box order (`ExpertWeights.tiled_copy`: the
     default for fp8xfp8 / bf16xbf16, an A/B option for MXFP4) against the staged layer on
     the constructors' weights: bit-exact, both BLOCK_Ms, 0 / 1 tokens, masked."""
-    _gpu(recipe, monkeypatch)
+    _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256), fused_tiled=True)
@@ -697,7 +598,7 @@ def test_fused_on_tiled_weights_matches_staged(recipe, monkeypatch):
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_fused_matches_staged_uneven_shape(recipe, monkeypatch):
     """Not powers of two: hidden 2560, intermediate 1536, 40 experts, top-5."""
-    _gpu(recipe, monkeypatch)
+    _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank(recipe, 40, 200, 5, 2560, 1536))
@@ -724,22 +625,23 @@ def test_fused_two_ranks_on_one_gpu(recipe):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
-def test_fused_kernel_stages_its_inputs_itself(recipe, monkeypatch):
-    """``CUTE_MEGAMOE_FUSED_STAGING=kernel`` (one launch per call): the buffer holds what the
-    staging kernel writes (activations, scales, routing, bit for bit) and `y` equals the
-    staged layer's, at R = 1 (0, 1, uneven and full token counts, both BLOCK_Ms, both row
-    protocols), on a two-rank loopback group (back-to-back calls) and in CUDA-graph
-    replays."""
+def test_fused_kernel_stages_its_inputs_itself(recipe):
+    """``stages_inputs`` (one launch per call; the default): the buffer holds what the staging
+    kernel writes (activations, scales, routing, bit for bit) and `y` equals the staged
+    layer's, at R = 1 (0, 1, uneven and full token counts, both BLOCK_Ms, both row protocols),
+    on a two-rank loopback group (back-to-back calls) and in CUDA-graph replays."""
     _gpu()
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "kernel")
-    # (the local dispatch at R = 1 with counted rows: forced, since the buffer holds more than
-    # LOCAL_MAX_TOKENS tokens; the two-rank group and barrier rows cannot run it)
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "1")
     from cute_megamoe import fused, staged
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls, check_fused_graph
     from cute_megamoe.testing.protocol_checks import Ranks
 
-    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
+    # (the local dispatch at R = 1 with counted rows: asked for, since the buffer holds more
+    # than LOCAL_MAX_TOKENS tokens; the two-rank group and barrier rows cannot run it)
+    local = dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(
+        stages_inputs=True, local_dispatch=True))
+    barrier = dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(
+        stages_inputs=True, row_transfer="barrier"))
+    layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256), configs={0: local})
     (buf,) = layer.ranks.buffers
     regions = ("x", "x_sf", "topk_idx", "topk_weights") if recipe == "fp8xfp8" else \
         ("x", "topk_idx", "topk_weights")
@@ -756,7 +658,8 @@ def test_fused_kernel_stages_its_inputs_itself(recipe, monkeypatch):
             getattr(buf, r)[:n].view(torch.uint8).fill_(0xFF)
         y = torch.full_like(want, float("nan"))
         fused.fused_mega_moe(buf, x, idx, w, layer.weights[0], y=y, activation_clamp=10.0,
-                             block_m=block_m, validate_routing=False, row_transfer=rows)
+                             block_m=block_m, validate_routing=False,
+                             config=barrier if rows == "barrier" else local)
         torch.cuda.synchronize()
         local = rows != "barrier"
         for r in regions:
@@ -785,7 +688,7 @@ def test_fused_500_back_to_back_calls(rows):
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
-                       row_transfers={0: rows} if rows else None)
+                       configs={0: rows_config(rows)})
     layer.warm_up((64, 128))
     check_fused_calls(layer, 500, 256, seed=5, reference_every=50)
 
@@ -797,7 +700,7 @@ def test_fused_500_graph_replays(rows):
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_graph
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 256, 4, 512, 256),
-                       row_transfers={0: rows} if rows else None)
+                       configs={0: rows_config(rows)})
     layer.warm_up((64, 128))
     check_fused_graph(layer, 100, 500, seed=6)
 
@@ -860,7 +763,7 @@ def _choose_case(monkeypatch, num_ranks=1, recipe="fp8xfp8", arch="sm_90a", reas
     weights = object.__new__(ExpertWeights)
     object.__setattr__(weights, "arch", arch)
     buf = SimpleNamespace(layout=SimpleNamespace(num_ranks=num_ranks, recipe=recipe))
-    monkeypatch.setattr(fused, "supports", lambda b, w: reason)
+    monkeypatch.setattr(fused, "supports", lambda b, w, config=None: reason)
     if env is None:
         monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
     else:
@@ -872,8 +775,9 @@ def test_choose_runs_the_fused_kernel_by_default_where_it_ran(monkeypatch):
     """``fused=None``: the fused kernel for one-rank groups on sm_90a with fp8xfp8 / bf16xbf16
     weights (where it was GPU-tested), the staged kernels for larger groups, on sm_100a, for
     the FP4 experiment, for the pull transfer or without L2 sends, or where `supports` says no;
-    ``CUTE_MEGAMOE_FUSED`` 1 / 0 widens / turns off the default; True raises where it cannot
-    run; anything else than None / bool is a TypeError."""
+    ``CUTE_MEGAMOE_FUSED`` 1 / 0 widens / turns off the default; `LayerConfig.fused` decides
+    as the argument does (a different value raises); True raises where it cannot run;
+    anything else than None / bool is a TypeError."""
     from cute_megamoe import fused
     from cute_megamoe.staged import TorchExpertWeights
 
@@ -903,12 +807,19 @@ def test_choose_runs_the_fused_kernel_by_default_where_it_ran(monkeypatch):
             fused.choose(bad, buf, w)
     with pytest.raises(ValueError, match="CUTE_MEGAMOE_FUSED: one of"):
         fused.choose(None, *_choose_case(monkeypatch, env="sometimes"))
+    buf, w = _choose_case(monkeypatch, num_ranks=2)
+    assert fused.choose(None, buf, w, config=LayerConfig(fused=True)) is True
+    assert fused.choose(None, *_choose_case(monkeypatch), config=LayerConfig(fused=False)) \
+        is False
+    with pytest.raises(ValueError, match="config.fused"):
+        fused.choose(True, buf, w, config=LayerConfig(fused=False))
 
 
 def test_supports_refuses_groups_of_several_gpus_outside_the_experiment(monkeypatch):
-    """A group of one process per GPU (a process group, R > 1) runs the fused kernel only with
-    ``CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1`` (its one-rank-per-GPU test failed on 2026-12-04);
-    one-rank groups and loopback groups (no process group) are not held back by that."""
+    """A group of one process per GPU (a process group, R > 1) runs the fused kernel only as an
+    experiment (`LayerConfig.experimental_fused_multi_gpu`; its one-rank-per-GPU test failed
+    on 2026-12-04); one-rank groups and loopback groups (no process group) are not held back
+    by that; the MXFP4 experiment likewise (``experimental_fused_fp4``)."""
     from types import SimpleNamespace
 
     from cute_megamoe import fused
@@ -918,20 +829,22 @@ def test_supports_refuses_groups_of_several_gpus_outside_the_experiment(monkeypa
     object.__setattr__(weights, "arch", "sm_90a")
     monkeypatch.setattr(fused, "buffer_state", lambda buf: SimpleNamespace(arch="sm_90a"))
 
-    def buffer(num_ranks, group):
-        layout = SimpleNamespace(num_ranks=num_ranks, recipe="fp8xfp8", hidden=512,
+    def buffer(num_ranks, group, recipe="fp8xfp8"):
+        layout = SimpleNamespace(num_ranks=num_ranks, recipe=recipe, hidden=512,
                                  intermediate_hidden=256)
         return SimpleNamespace(layout=layout, group=group)
 
-    monkeypatch.delenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", raising=False)
     reason = fused.supports(buffer(2, object()), weights)
-    assert reason is not None and "CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1" in reason
+    assert reason is not None and "experimental_fused_multi_gpu=True" in reason
     with pytest.raises(ValueError, match="several GPUs only as an experiment"):
         fused.choose(True, buffer(2, object()), weights)
     assert fused.supports(buffer(2, None), weights) is None  # loopback
     assert fused.supports(buffer(1, object()), weights) is None
-    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    assert fused.supports(buffer(2, object()), weights) is None
+    multi = LayerConfig(experimental_fused_multi_gpu=True)
+    assert fused.supports(buffer(2, object()), weights, multi) is None
+    fp4 = buffer(1, None, "fp8xfp4_sm90")
+    assert "experimental_fused_fp4=True" in fused.supports(fp4, weights)
+    assert fused.supports(fp4, weights, LayerConfig(experimental_fused_fp4=True)) is None
 
 
 def test_module_on_the_cpu_runs_the_reference_by_default():
@@ -963,8 +876,10 @@ def test_module_and_api_run_the_fused_kernel(recipe):
     deepgemm_weights = cm.transform_weights_for_mega_moe(
         *(quant.quantize_weights_for_recipe(t, recipe) for t in (w1, w2))) \
         if recipe in STABLE_RECIPES else None
+    # (the MXFP4 experiment's fused kernel runs where the configuration asks for it)
     layers = {f: cm.MegaMoE(None, 16, 256, 4, 512, 256, recipe, w1, w2, fused=f,
-                            activation_clamp=10.0) for f in (False, True, None)}
+                            activation_clamp=10.0, config=EXPERIMENTS)
+              for f in (False, True, None)}
     assert layers[True].config.fused and not layers[False].config.fused
     assert layers[None].config.fused == (recipe in STABLE_RECIPES)
     from cute_megamoe.testing.dispatch_checks import make_routing
@@ -979,7 +894,8 @@ def test_module_and_api_run_the_fused_kernel(recipe):
             layer = layers[True]
             api.stage_inputs(layer.sym_buffer, x, idx.cuda(), w.cuda())
             y = torch.full_like(x, float("nan"))
-            api.mega_moe(y, layer.weights, layer.sym_buffer, activation_clamp=10.0, fused=f)
+            api.mega_moe(y, layer.weights, layer.sym_buffer, activation_clamp=10.0, fused=f,
+                         config=EXPERIMENTS)
             assert torch.equal(y.view(torch.int16), ys[False].view(torch.int16)), (n, f)
         if recipe in STABLE_RECIPES:  # DeepGEMM's entry points, on its weight tuples
             buf = layers[True].sym_buffer
@@ -996,15 +912,15 @@ def test_module_and_api_run_the_fused_kernel(recipe):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
-def test_fused_one_rank_per_gpu(num_ranks, recipe, monkeypatch):
+def test_fused_one_rank_per_gpu(num_ranks, recipe):
     """200 calls (R = 2; 50 at 4 and 8), one process per GPU, each against the staged layer
-    (across GPUs the fused kernel runs only as an experiment: `fused.supports`)."""
+    (across GPUs the fused kernel runs only as an experiment, `fused.supports`: the checks'
+    configuration, `fused_checks.EXPERIMENTS`)."""
     _gpu()
     from cute_megamoe.testing.fused_checks import run_multiprocess
 
     if torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs, {torch.cuda.device_count()} present")
-    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")  # (the spawned ranks inherit it)
     run_multiprocess(num_ranks, recipe, 200 if num_ranks == 2 else 50,
                      port=29961 + 10 * num_ranks + RECIPES.index(recipe))
 
@@ -1021,50 +937,17 @@ def test_fused_device_tile_walk_equals_host_model(block_m):
 
 
 @pytest.mark.compile
-def test_all_l1_gate_variant_compiles_and_refuses_clusters(monkeypatch):
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8")
-    kernel = Sm90MegaMoEKernel(layout, 128, l2_gate="all_l1")
-    assert kernel.l1.ready_slot == kernel.l2.ready_slot == kernel.num_pool_blocks
-    with pytest.raises(ValueError, match="clusters"):
-        Sm90MegaMoEKernel(layout, 128, l2_gate="all_l1", cluster_m=2)
-    with pytest.raises(ValueError, match="l2_gate"):
-        Sm90MegaMoEKernel(layout, 128, l2_gate="tile")
-
-
-@pytest.mark.compile
-def test_extra_warpgroup_variant_compiles_without_spills(monkeypatch):
-    from cute_megamoe.kernels.sm90_mega_moe import Sm90MegaMoEKernel
-
-    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile("fp8xfp8", 64, extra_warpgroups=1)
-    assert kernel.num_threads == 384 and kernel.dispatch.num_threads == 384
-    if art.sass is not None:
-        assert art.count("QGMMA") > 0 and art.count("STL") == 0
-        assert art.resource_usage()["LOCAL"] == 0
-    with pytest.raises(ValueError, match="extra_warpgroups"):
-        Sm90MegaMoEKernel(MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8"), 128,
-                          extra_warpgroups=1)
-
-
-@pytest.mark.compile
 def test_tile_log_variant_compiles(monkeypatch):
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    kernel, art = _compile("fp8xfp8", 128, tile_log=True)
+    kernel, art = _compile("fp8xfp8", 128, debug="tile_log")
     assert kernel.tile_log
     assert art.count("QGMMA") > 0 if art.sass is not None else "wgmma" in art.ptx
 
 
 def test_default_row_transfer_follows_the_token_capacity():
     """Decode-sized buffers move rows counted per pool block, larger ones behind a barrier; the
-    choice depends only on the layout, which every rank shares, and a forced one wins."""
-    from cute_megamoe.kernels.sm90_mega_moe import (
-        COUNTED_ROWS_MAX_TOKENS,
-        Sm90MegaMoEKernel,
-        default_row_transfer,
-    )
+    choice depends only on the layout, which every rank shares, and a configured one wins."""
+    from cute_megamoe.heuristics import COUNTED_ROWS_MAX_TOKENS, default_row_transfer
 
     def layout(tokens):
         return MegaMoELayout(2, 16, tokens, 4, 512, 256, "fp8xfp8")
@@ -1075,25 +958,23 @@ def test_default_row_transfer_follows_the_token_capacity():
     assert default_row_transfer(layout(8192)) == "barrier"
     fp4 = MegaMoELayout(2, 16, 128, 4, 512, 256, "fp8xfp4_sm90")
     assert default_row_transfer(fp4) == "barrier"  # (the FP4 experiment)
-    assert Sm90MegaMoEKernel(layout(8192), 128).row_transfer == "barrier"
-    assert Sm90MegaMoEKernel(layout(128), 64).rows_counted
-    assert Sm90MegaMoEKernel(layout(128), 64, row_transfer="barrier").row_transfer == "barrier"
+    assert _kernel("fp8xfp8", 128, layout(8192)).row_transfer == "barrier"
+    assert _kernel("fp8xfp8", 64, layout(128)).rows_counted
+    assert _kernel("fp8xfp8", 64, layout(128), row_transfer="barrier").row_transfer == "barrier"
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
                                             ("fp8xfp4_sm90", 64), ("fp8xfp4_sm90", 128)])
 def test_row_transfers_compile(recipe, block_m, monkeypatch):
-    """The three row transfers: "barrier" (the staged dispatch's settings, no arrival
-    counts) and the two counted ones (their count words say so; the metadata counted into the
-    own pool with GPU-scope releases, the rows with a fence per batch of rows and relaxed
-    adds at system scope, R = 2 here). "barrier" and "counted" spill nothing; "with_gemm"'s
-    senders share the producer warpgroup's 40 registers (a few spill at BLOCK_M 128)."""
-    from cute_megamoe.kernels.sm90_mega_moe import ROW_TRANSFERS
+    """The two row transfers: "barrier" (the staged dispatch's settings, no arrival counts)
+    and "counted" (its count words say so; the metadata counted into the own pool with
+    GPU-scope releases, the rows with a fence per batch of rows and relaxed adds at system
+    scope, R = 2 here); neither spills."""
+    from cute_megamoe.config import ROW_TRANSFERS
     from cute_megamoe.layout import CountWord
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
     built = {t: _compile(recipe, block_m, row_transfer=t) for t in ROW_TRANSFERS}
     # (512 tokens per rank: counted rows, but "barrier" for the FP4 experiment)
     default = _compile(recipe, block_m)[0]
@@ -1111,7 +992,7 @@ def test_row_transfers_compile(recipe, block_m, monkeypatch):
         rows = "red.relaxed.sys.global.add.s32"
         assert (art.ptx.count(metadata) > built["barrier"][1].ptx.count(metadata)) == counted
         assert (rows in art.ptx) == counted, t
-        if art.sass is not None and t != "with_gemm":
+        if art.sass is not None:
             assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0, t
     with pytest.raises(ValueError, match="row_transfer"):
         _compile(recipe, block_m, row_transfer="later")
@@ -1137,60 +1018,32 @@ def test_weights_first_variant_compiles(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(l2_gate="all_l1"), dict(extra_warpgroups=1),
-                                     dict(row_transfer="barrier"), dict(row_transfer="counted"),
-                                     dict(row_transfer="with_gemm"),
-                                     dict(row_transfer="counted", weights_first=False),
-                                     dict(cluster_m=2, row_transfer="barrier"),
-                                     dict(cluster_m=2, row_transfer="counted")])
-def test_fused_ab_variants_match_staged(variant, monkeypatch):
-    """The A/B variants (L2 waiting for every L1 tile; a warpgroup more for the dispatch and
-    combine at BLOCK_M 64; each way of moving the rows; with counted rows, weights loaded
-    before a tile's wait or not; 2-CTA clusters multicasting the weight tile at BLOCK_M 128)
-    give the same bits."""
+@pytest.mark.parametrize("variant", [dict(row_transfer="barrier"), dict(row_transfer="counted"),
+                                     dict(row_transfer="counted", weights_first=False)])
+def test_fused_configurations_match_staged(variant):
+    """The fused kernel's configurations (each way of moving the rows; with counted rows,
+    weights loaded before a tile's wait or not) give the same bits, on inputs the caller
+    staged."""
     _gpu()
     from cute_megamoe import staged
+    from cute_megamoe.heuristics import default_fused_config
     from cute_megamoe.launch import buffer_state, fused_call
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank("fp8xfp8", 16, 300, 4, 512, 256))
     (buf,) = layer.ranks.buffers
-    cases = ((300, 64), (1, 64)) if "extra_warpgroups" in variant else \
-        ((300, 128), (129, 128), (0, 128), (1, 128)) if "cluster_m" in variant else \
-        ((300, 128), (77, 64), (0, 64), (1, 128))
-    for n, block_m in cases:
+    for n, block_m in ((300, 128), (77, 64), (0, 64), (1, 128)):
         _, _, _, inputs = layer.inputs((n,), "skewed", seed=n)
         x, idx, w = inputs[0]
         want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0], activation_clamp=10.0,
                                       block_m=block_m, validate_routing=False)
         staged.stage_inputs(buf, x, idx, w, validate_routing=False)
         y = torch.full_like(want, float("nan"))
-        fused_call(buf, layer.weights[0], n, block_m, y, buffer_state(buf).num_sms, None, 10.0,
-                   True, **variant)()
+        config = default_fused_config(buf.layout, block_m, False, Sm90FusedConfig(**variant))
+        fused_call(buf, layer.weights[0], n, y, buffer_state(buf).num_sms, None, 10.0, True,
+                   config)()
         torch.cuda.synchronize()
         assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("recipe", GPU_RECIPES)
-def test_fused_two_ranks_mixing_the_counted_row_transfers(recipe, monkeypatch):
-    """"counted" and "with_gemm" are one row protocol: a loopback group whose rank 0 moves its
-    rows before its GEMMs and rank 1 during them (different BLOCK_Ms, 0 tokens on a rank,
-    back-to-back calls) gives the staged layer's bits."""
-    _gpu(recipe, monkeypatch)
-    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
-    from cute_megamoe.testing.protocol_checks import Ranks
-
-    layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe))
-    # every kernel loaded with every rank running it first (a first launch loads its module,
-    # which waits for the kernels running, here the other rank's: see `Ranks`)
-    for transfer in ("counted", "with_gemm"):
-        layer.row_transfers = {0: transfer, 1: transfer}
-        layer.warm_up((64, 128))
-    layer.row_transfers = {0: "counted", 1: "with_gemm"}
-    layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=11)
-    layer.check_call((1, 130), "skewed", {0: 64, 1: 128}, seed=12)
-    check_fused_calls(layer, 20, 200, seed=13)
 
 
 @pytest.mark.gpu
@@ -1206,7 +1059,7 @@ def test_fused_and_staged_ranks_mix_with_barrier_rows(recipe):
     from cute_megamoe.testing.protocol_checks import Ranks
 
     layer = FusedLayer(Ranks.loopback(2, 16, 200, 4, 512, 256, recipe),
-                       row_transfers={0: "barrier", 1: "barrier"})
+                       configs={0: rows_config("barrier"), 1: rows_config("barrier")})
     layer.warm_up((64, 128))
     for fused_rank, seed in ((0, 21), (1, 22)):
         layer.check_call((200, 0), "random", {0: 128, 1: 64}, seed=seed,

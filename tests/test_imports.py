@@ -22,7 +22,8 @@ PACKAGE_DIR = Path(cute_megamoe.__file__).parent
 PACKAGE = "cute_megamoe"
 #: The host layer: the public entry points and what they are built from.
 HOST_LAYER = ("api", "staged", "fused", "expert_gemm", "launch", "checks", "tables", "module",
-              "deepgemm_api", "heuristics", "runtime", "buffer", "utils", "quant", "reference")
+              "deepgemm_api", "heuristics", "config", "runtime", "buffer", "utils", "quant",
+              "reference")
 
 
 def _module_name(path: Path) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from cute_megamoe import expert_gemm, launch, runtime, staged
 from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+from cute_megamoe.config import LayerConfig, Sm90FusedConfig, Sm90GemmConfig
 from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.layout import BarrierSlots
 from cute_megamoe.testing.dispatch_checks import make_routing
@@ -176,12 +177,17 @@ def test_layer_calls_reuse_the_plan_and_fill_in_only_what_changes(fake_cuda, pat
     _, spent, _ = layer(5, 4, fast_math=False)
     assert spent["compile"] == 2  # the GEMMs (both keyed by fast_math)
     assert len(launch.buffer_state(buf).plans) == 2
-    # so does a kernel variant chosen by the environment (here the FP8 promotion): a plan
-    # keeps its kernels, a changed variable must not reuse them
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_PROMOTION", "chunk")  # (5 tokens: quarter's BLOCK_M)
-    _, spent, _ = layer(5, 5)
-    assert spent["compile"] == 2  # the GEMMs in the other promotion
+    # so does another configuration (here the staged mainloop where the heuristics pick the
+    # transposed one): a plan keeps its kernels, a changed configuration must not reuse them
+    staged_loop = LayerConfig(gemm=Sm90GemmConfig(transposed=False))
+    _, spent, _ = layer(5, 5, config=staged_loop)
+    assert spent["compile"] == 2  # the GEMMs with the other mainloop
     assert len(launch.buffer_state(buf).plans) == 3
+    _, spent, _ = layer(5, 6, config=staged_loop)
+    assert spent["compile"] == 0 and len(launch.buffer_state(buf).plans) == 3
+    # (a configuration that resolves to the default's kernels builds none)
+    _, spent, _ = layer(5, 7, config=LayerConfig(gemm=Sm90GemmConfig(promotion="chunk")))
+    assert spent["compile"] == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -324,15 +330,15 @@ def test_module_eager_call_skips_the_custom_op_dispatcher_only_when_it_may(monke
 
 @pytest.mark.parametrize("path", PATHS)
 def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypatch):
-    """`fused.fused_mega_moe` with ``CUTE_MEGAMOE_FUSED_STAGING=launch`` keeps its two
-    launches (staging, the fused kernel) as a plan; a later call's launches are exactly what
-    the full path builds for it (`FUSED_SLOTS`: the token count, the stats, y and the
-    stream)."""
+    """`fused.fused_mega_moe` with the inputs staged by a launch (``stages_inputs=False``)
+    keeps its two launches (staging, the fused kernel) as a plan; a later call's launches are
+    exactly what the full path builds for it (`FUSED_SLOTS`: the token count, the stats, y and
+    the stream)."""
     from cute_megamoe import fused
 
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", "launch")
+    config = LayerConfig(fused_kernel=Sm90FusedConfig(stages_inputs=False))
     runtime.set_launch_path(path)
     buf, weights, _ = _buffer_and_weights()
     stats = torch.zeros(E, dtype=torch.int32)
@@ -342,7 +348,8 @@ def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypa
         y = torch.empty(n, H, dtype=torch.bfloat16)
         before = (counts["compile"], len(log))
         fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
-                             validate_routing=False, cumulative_local_expert_recv_stats=stats)
+                             validate_routing=False, cumulative_local_expert_recv_stats=stats,
+                             config=config)
         return (x, idx, w, y), counts["compile"] - before[0], log[before[1]:]
 
     _, compiles, launched = layer(5, 1)
@@ -359,17 +366,18 @@ def test_fused_layer_plan_fills_in_the_right_arguments(fake_cuda, path, monkeypa
     launch.buffer_state(buf).plans.clear()
     before = len(log)
     fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
-                         validate_routing=False, cumulative_local_expert_recv_stats=stats)
+                         validate_routing=False, cumulative_local_expert_recv_stats=stats,
+                         config=config)
     full = log[before:]
     for (name, a), (_, b) in zip(fast, full, strict=True):
         assert [_value(v) for v in a] == [_value(v) for v in b], name
 
 
-@pytest.mark.parametrize("staging", ["kernel", ""])
+@pytest.mark.parametrize("staging", [True, None])
 @pytest.mark.parametrize("path", PATHS)
 def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, staging, monkeypatch):
-    """``CUTE_MEGAMOE_FUSED_STAGING=kernel`` (and unset: the default for FP8 / BF16 weights):
-    a call with ``x`` is one launch, the fused kernel with the caller's inputs at
+    """``stages_inputs`` (and None: the default for FP8 / BF16 weights): a call with ``x`` is
+    one launch, the fused kernel with the caller's inputs at
     `FUSED_INPUT_SLOTS`; the plan fills in new inputs' addresses as the full path does; the
     routing is still checked on the host before any launch; with ``x=None`` (inputs staged by
     the caller) nothing changes."""
@@ -377,7 +385,7 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
 
     counts, log = fake_cuda
     monkeypatch.setattr(fused, "check_cuda_buffer", lambda buf: buf.device)
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_STAGING", staging)
+    config = LayerConfig(fused_kernel=Sm90FusedConfig(stages_inputs=staging))
     runtime.set_launch_path(path)
     buf, weights, _ = _buffer_and_weights()
 
@@ -385,7 +393,8 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
         x, idx, w = _layer_inputs(n, seed)
         y = torch.empty(n, H, dtype=torch.bfloat16)
         before = len(log)
-        fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0, **kwargs)
+        fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
+                             config=config, **kwargs)
         return (x, idx, w, y), log[before:]
 
     for n, seed in ((5, 1), (9, 2)):  # the full path, then the plan
@@ -399,7 +408,7 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
     launch.buffer_state(buf).plans.clear()
     before = len(log)
     fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=10.0,
-                         validate_routing=False)
+                         validate_routing=False, config=config)
     for (name, a), (_, b) in zip(fast, log[before:], strict=True):
         assert [_value(v) for v in a] == [_value(v) for v in b], name
     # (a plan exists for this configuration: its routing check still runs before a launch)
@@ -408,12 +417,12 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
     before = len(log)
     with pytest.raises(ValueError, match="topk_idx"):
         fused.fused_mega_moe(buf, x, bad, w, weights, y=y, activation_clamp=10.0,
-                             validate_routing=True)
+                             validate_routing=True, config=config)
     assert len(log) == before
     # the caller staged the inputs: the kernel without step 0, the inputs' slots unused
     before = len(log)
     fused.fused_mega_moe(buf, None, None, None, weights, num_tokens=5, y=y[:5],
-                         activation_clamp=10.0)
+                         activation_clamp=10.0, config=config)
     (name, args), = log[before:]
     assert name == "Sm90MegaMoEKernel"
     assert _address(args[launch.FUSED_INPUT_SLOTS[0]]) != x.data_ptr()
@@ -422,11 +431,11 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
 def test_fused_layer_picks_the_local_dispatch_where_it_runs(fake_cuda, monkeypatch):
     """The one-rank fused kernel's local dispatch: on for a call with ``x`` (the kernel
     stages it) in a buffer of at most `LOCAL_MAX_TOKENS` tokens with counted rows; off with
-    ``CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH=0``, with barrier rows, and with ``x=None`` (nothing
-    to quantize: the staged rows are pushed); ``1`` where it cannot run builds the default
-    kernel instead of failing."""
+    ``local_dispatch=False``, with barrier rows, and with ``x=None`` (nothing to quantize: the
+    staged rows are pushed); asked for where it cannot run, the call raises before any
+    launch."""
     from cute_megamoe import fused
-    from cute_megamoe.kernels.sm90_mega_moe import LOCAL_MAX_TOKENS
+    from cute_megamoe.heuristics import LOCAL_MAX_TOKENS
 
     counts, log = fake_cuda
     built = []
@@ -443,19 +452,24 @@ def test_fused_layer_picks_the_local_dispatch_where_it_runs(fake_cuda, monkeypat
     x, idx, w = _layer_inputs(5, 0)
 
     def fused_kernel(**kwargs):
+        # (built anew every time: no plan or compiled kernel kept from another call)
+        launch.buffer_state(buf).plans.clear()
+        runtime._COMPILED.clear()
         before = len(built)
         fused.fused_mega_moe(buf, x if "x" not in kwargs else kwargs.pop("x"), idx, w, weights,
                              validate_routing=False, **kwargs)
         kernels = [k for k in built[before:] if type(k).__name__ == "Sm90MegaMoEKernel"]
         return kernels[-1] if kernels else None
 
+    def config(**fields):
+        return LayerConfig(fused_kernel=Sm90FusedConfig(**fields))
+
     assert fused_kernel().local_dispatch
-    for setting, kwargs, local in (("0", {}, False), ("1", {"row_transfer": "barrier"}, False),
-                                   ("1", {"row_transfer": "counted"}, True)):
-        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", setting)
-        kernel = fused_kernel(**kwargs)
-        assert kernel is not None and kernel.local_dispatch == local, (setting, kwargs)
-    monkeypatch.setenv("CUTE_MEGAMOE_FUSED_LOCAL_DISPATCH", "1")
+    for fields, local in ((dict(local_dispatch=False), False),
+                          (dict(row_transfer="barrier"), False),
+                          (dict(local_dispatch=True, row_transfer="counted"), True)):
+        kernel = fused_kernel(config=config(**fields))
+        assert kernel is not None and kernel.local_dispatch == local, fields
     from cute_megamoe.staged import stage_inputs
 
     stage_inputs(buf, x, idx, w, validate_routing=False)
@@ -463,6 +477,13 @@ def test_fused_layer_picks_the_local_dispatch_where_it_runs(fake_cuda, monkeypat
     fused.fused_mega_moe(buf, None, None, None, weights, num_tokens=5)
     kernels = [k for k in built[before:] if type(k).__name__ == "Sm90MegaMoEKernel"]
     assert kernels and not kernels[-1].local_dispatch and not kernels[-1].stages_inputs
+    # (asked for where it cannot run: refused, nothing launched)
+    before = len(log)
+    with pytest.raises(ValueError, match="local_dispatch"):
+        config(local_dispatch=True, row_transfer="barrier")
+    with pytest.raises(ValueError, match="local_dispatch"):
+        fused_kernel(x=None, num_tokens=5, config=config(local_dispatch=True))
+    assert len(log) == before
 
 
 def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
@@ -580,21 +601,21 @@ def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypat
         staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False)
         assert [name for name, _ in log[before:]] == list(KERNELS)
     assert counts["compile"] == len(KERNELS)  # the second call ran the plan
-    monkeypatch.delenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", raising=False)
     assert "only as an experiment" in fused.supports(buf, weights)
     y = torch.empty(5, H, dtype=torch.bfloat16)
     for call in (lambda: fused.fused_mega_moe(buf, x, idx, w, weights, validate_routing=False),
                  lambda: api.mega_moe(y, weights, buf, fused=True)):
         tag = int(buf.barrier[BarrierSlots.CALL_TAG])
         before = len(log)
-        with pytest.raises(ValueError, match="CUTE_MEGAMOE_EXPERIMENTAL_FUSED=1"):
+        with pytest.raises(ValueError, match="experimental_fused_fp4=True"):
             call()
         assert len(log) == before
         assert int(buf.barrier[BarrierSlots.CALL_TAG]) == tag + 1
-    monkeypatch.setenv("CUTE_MEGAMOE_EXPERIMENTAL_FUSED", "1")
-    assert fused.supports(buf, weights) is None
+    experiment = LayerConfig(experimental_fused_fp4=True)
+    assert fused.supports(buf, weights, experiment) is None
     before = len(log)
-    fused.fused_mega_moe(buf, x, idx, w, weights, y=y, validate_routing=False)
+    fused.fused_mega_moe(buf, x, idx, w, weights, y=y, validate_routing=False,
+                         config=experiment)
     launched = log[before:]
     assert [name for name, _ in launched] == ["InputStagingKernel", "Sm90MegaMoEKernel"]
     args = launched[1][1]
@@ -606,22 +627,62 @@ def test_fp4_sm90_layer_on_the_staged_and_the_fused_kernels(fake_cuda, monkeypat
                                                   weights.w2_sf.data_ptr()]
 
 
-def test_kernel_variant_variables_parse_and_key_the_plans(monkeypatch):
-    """The kernels' A/B variables parse, refuse other values, and are part of the layer plans'
-    keys (a change builds new kernels)."""
-    from cute_megamoe import runtime
+def test_deployment_variables_parse_strictly(monkeypatch):
+    """The four environment variables the package reads (deployment settings, not kernel
+    variants: those are configuration values) take their documented values, and anything else
+    raises `ValueError` naming the variable and what it takes."""
+    from cute_megamoe import checks, fused
 
-    for name in ("CUTE_MEGAMOE_SM90_TRANSPOSED", "CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST",
-                 "CUTE_MEGAMOE_ONE_RANK_SCOPE"):
-        assert name in runtime.KERNEL_VARIANT_ENV
-        monkeypatch.delenv(name, raising=False)
-    assert runtime.sm90_transposed() is None and runtime.fused_weights_first() is None
-    for value, forced in (("1", True), ("0", False)):
-        monkeypatch.setenv("CUTE_MEGAMOE_FUSED_WEIGHTS_FIRST", value)
-        assert runtime.fused_weights_first() is forced
-    before = runtime.kernel_variant_env()
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "1")
-    assert runtime.sm90_transposed() and runtime.kernel_variant_env() != before
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "sometimes")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED"):
-        runtime.sm90_transposed()
+    monkeypatch.delenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", raising=False)
+    assert runtime.spin_timeout_ns() == 120 * 10**9
+    for value, ns in (("0", 0), ("2.5", 2_500_000_000), (" 7 ", 7 * 10**9)):
+        monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", value)
+        assert runtime.spin_timeout_ns() == ns
+    for bad in ("abc", "-1", "inf", "nan"):
+        monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="CUTE_MEGAMOE_SPIN_TIMEOUT_S: seconds"):
+            runtime.spin_timeout_ns()
+    monkeypatch.delenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S")
+    for value, on in (("", True), ("1", True), ("yes", True), ("0", False), ("False", False)):
+        monkeypatch.setenv("CUTE_MEGAMOE_CHECK_ROUTING", value)
+        assert checks.routing_checks_on(None) is on
+        assert checks.routing_checks_on(True) is True  # (the argument wins)
+    monkeypatch.setenv("CUTE_MEGAMOE_CHECK_ROUTING", "maybe")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_CHECK_ROUTING: one of"):
+        checks.routing_checks_on(None)
+    monkeypatch.setenv("CUTE_MEGAMOE_TVM_FFI", "0")
+    assert runtime._default_path().name == "cute-dsl"
+    monkeypatch.setenv("CUTE_MEGAMOE_TVM_FFI", "sometimes")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_TVM_FFI: one of"):
+        runtime._default_path()
+    monkeypatch.setenv("CUTE_MEGAMOE_FUSED", "maybe")
+    with pytest.raises(ValueError, match="CUTE_MEGAMOE_FUSED: one of"):
+        fused.env_choice("CUTE_MEGAMOE_FUSED", fused.FUSED_DEFAULTS)
+
+
+def test_layer_plans_key_on_the_configuration(fake_cuda, monkeypatch):
+    """A layer call's plan is kept per configuration value: an equal one (built anew) reuses
+    it, another one builds its kernels (and its GEMM configurations are what the heuristics
+    fill in for the call); the wait limit, compiled into every kernel, keys the plans too."""
+    counts, log = fake_cuda
+    buf, weights, _ = _buffer_and_weights()
+    x, idx, w = _layer_inputs(5, 0)
+
+    def layer(config=None):
+        before = counts["compile"]
+        staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False, config=config)
+        return counts["compile"] - before
+
+    assert layer() == 5 and layer() == 0
+    assert layer(LayerConfig()) == 0  # (None is the default configuration)
+    assert layer(LayerConfig(gemm=Sm90GemmConfig(k_unroll=2))) == 2
+    assert layer(LayerConfig(gemm=Sm90GemmConfig(k_unroll=2))) == 0
+    assert len(launch.buffer_state(buf).plans) == 2
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "3")
+    assert layer() == 5  # (every kernel again: the limit is compiled in)
+    with pytest.raises(ValueError, match="block_m"):
+        staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False, block_m=64,
+                               config=LayerConfig(gemm=Sm90GemmConfig(block_m=128)))
+    with pytest.raises(TypeError, match="config"):
+        staged.staged_mega_moe(buf, x, idx, w, weights, validate_routing=False,
+                               config=Sm90GemmConfig())

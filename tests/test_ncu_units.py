@@ -35,10 +35,10 @@ def test_parses_each_launch_in_order():
 
 
 def test_variant_specs():
-    assert ncu_units.parse_variant("default") == ("default", {})
-    assert ncu_units.parse_variant("u1:CUTE_MEGAMOE_SM90_K_UNROLL=1,CUTE_MEGAMOE_X=2") == (
-        "u1", {"CUTE_MEGAMOE_SM90_K_UNROLL": "1", "CUTE_MEGAMOE_X": "2"})
-    for bad in ("u1:PATH=/tmp", ":CUTE_MEGAMOE_X=1", "u1:CUTE_MEGAMOE_X"):
+    assert ncu_units.parse_variant("default") == ("default", [])
+    assert ncu_units.parse_variant("u1:k_unroll=1,promotion=chunk") == (
+        "u1", ["k_unroll=1", "promotion=chunk"])
+    for bad in ("u1:PATH=/tmp", ":k_unroll=1", "u1:k_unroll", "u1:k_unroll=3"):
         with pytest.raises(SystemExit):
             ncu_units.parse_variant(bad)
 

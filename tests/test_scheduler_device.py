@@ -156,34 +156,6 @@ def test_host_cluster_walk_covers_every_block_once():
                     range(tiles[0].pool_block, tiles[0].pool_block + cluster_m))
 
 
-def test_host_walk_of_a_pool_in_two_tile_blocks_pairs_one_expert():
-    """A pool in blocks of two tiles (`pool_block_m` = 2 x BLOCK_M, the MXFP4 layer's when its
-    clusters share the decode) walked by 2-CTA clusters: every tile with rows exactly once,
-    with its rows at the same pool rows as the 256-row layout puts them; a cluster's two tiles
-    are always one expert's (or dummies past the pool), the second empty only where the expert
-    has an odd number of tiles."""
-    from cute_megamoe.scheduler.host_model import HostTileScheduler, pool_block_offsets
-
-    for counts in ([300, 0, 1, 129, 128, 256, 5, 600], [0] * 5 + [1000], [257] * 9):
-        num_ctas, num_n = 6, 3
-        walks = [list(HostTileScheduler(counts, 128, 128, num_n * 128, num_ctas, cta, 2, 2,
-                                        pool_block_m=256)) for cta in range(num_ctas)]
-        offsets = pool_block_offsets(counts, 256)
-        real = sorted((t.pool_block, t.n_block, t.valid_m)
-                      for w in walks for t in w if t.valid_m > 0)
-        want = sorted((2 * offsets[e] + m, nb, min(128, c - 128 * m))
-                      for e, c in enumerate(counts) for m in range(-(-c // 128))
-                      for nb in range(num_n))
-        assert real == want
-        for c in range(0, num_ctas, 2):
-            for a, b in zip(walks[c], walks[c + 1], strict=True):
-                assert a.expert == b.expert and b.pool_block == a.pool_block + 1
-                if b.valid_m == 0 and b.pool_block < 2 * offsets[-1]:
-                    assert -(-counts[b.expert] // 128) % 2 == 1
-    with pytest.raises(ValueError, match="pool_block_m"):
-        HostTileScheduler([1], 128, 128, 128, 2, 0, 2, pool_block_m=192)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("owner_search", ("linear", "gallop"))
 @pytest.mark.parametrize("counts,block_m,num_n,num_ctas,cluster_m,raster", CASES)

@@ -251,14 +251,17 @@ def test_heuristics_cluster_m():
 
 
 
-def test_heuristics_sm90_transposed(monkeypatch):
+def test_heuristics_sm90_transposed():
     """The transposed sm_90a mainloop: FP8 activations (fp8xfp8, MXFP4 weights) at BLOCK_M 64
-    with at most 16 expected tokens per expert, unless ``CUTE_MEGAMOE_SM90_TRANSPOSED`` forces
-    it on or off."""
-    from cute_megamoe.heuristics import select_sm90_transposed
-    from cute_megamoe.launch import sm90_runs_transposed
+    with at most 16 expected tokens per expert, unless the configuration
+    (`Sm90GemmConfig.transposed`) sets it, or sets a field the transposed kernel cannot take."""
+    from cute_megamoe.config import Sm90GemmConfig
+    from cute_megamoe.heuristics import default_gemm_config, select_sm90_transposed
 
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
+    def runs_transposed(recipe, block_m, expected, config=None):
+        return default_gemm_config("sm_90a", recipe, "l1", 4096, block_m, expected, False,
+                                   config).transposed
+
     assert select_sm90_transposed("fp8xfp4_sm90", 64, 0.0)
     assert select_sm90_transposed("fp8xfp4_sm90", 64, 16.0)
     assert not select_sm90_transposed("fp8xfp4_sm90", 64, 17.0)
@@ -274,21 +277,23 @@ def test_heuristics_sm90_transposed(monkeypatch):
     # the 128-token staged layer at R = 1 with 128 experts of top-8: 8 per expert
     assert select_sm90_transposed("fp8xfp4_sm90", select_block_m(8.0, "sm90"),
                                   expected_tokens_per_expert(128, 1, 8, 128))
-    assert sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 64, 4.0)
-    assert not sm90_runs_transposed("sm_100a", "fp8xfp4", 64, 4.0)
-    for value, forced in (("1", True), ("0", False)):
-        monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", value)
+    assert runs_transposed("fp8xfp4_sm90", 64, 4.0)
+    assert not runs_transposed("bf16xbf16", 64, 4.0)
+    assert not runs_transposed("fp8xfp4_sm90", 128, 4.0)
+    for forced in (True, False):
         for recipe, expected in (("fp8xfp4_sm90", 4.0), ("fp8xfp4_sm90", 100.0),
                                  ("fp8xfp8", None)):
-            assert sm90_runs_transposed("sm_90a", recipe, 64, expected) is forced
-        # where no transposed kernel exists, forcing it does nothing
-        assert not sm90_runs_transposed("sm_90a", "bf16xbf16", 64, 4.0)
-        assert not sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 128, 4.0)
-    monkeypatch.setenv("CUTE_MEGAMOE_SM90_TRANSPOSED", "yes")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_SM90_TRANSPOSED"):
-        sm90_runs_transposed("sm_90a", "fp8xfp4_sm90", 64, 4.0)
+            assert runs_transposed(recipe, 64, expected, Sm90GemmConfig(transposed=forced)) \
+                is forced
+    # a field the transposed kernel cannot take keeps the staged one
+    assert not runs_transposed("fp8xfp8", 64, 4.0, Sm90GemmConfig(promotion="quarter"))
+    assert runs_transposed("fp8xfp8", 64, 4.0, Sm90GemmConfig(promotion="chunk"))
+    with pytest.raises(ValueError, match="transposed"):
+        Sm90GemmConfig(transposed="yes")
+    with pytest.raises(ValueError, match="block_m"):  # (no transposed kernel at BLOCK_M 128)
+        runs_transposed("fp8xfp4_sm90", 128, 4.0, Sm90GemmConfig(transposed=True))
 
-def test_warm_up_token_counts_pick_every_kernel_a_call_can_pick(monkeypatch):
+def test_warm_up_token_counts_pick_every_kernel_a_call_can_pick():
     """A loopback group's warm-up (`testing.fused_checks.FusedLayer.warm_up`) loads, at each
     BLOCK_M, every kernel choice that any call of 0 .. max tokens per rank makes: the sm_90a
     MXFP4 GEMMs' transposed choice and the combine's rounds (a choice first met in a later call
@@ -300,7 +305,6 @@ def test_warm_up_token_counts_pick_every_kernel_a_call_can_pick(monkeypatch):
         warm_up_token_counts,
     )
 
-    monkeypatch.delenv("CUTE_MEGAMOE_SM90_TRANSPOSED", raising=False)
     assert warm_up_token_counts(1) == (1,)
     assert warm_up_token_counts(200) == (1, 200)
     assert warm_up_token_counts(9000) == (1, 2048, 8192, 9000)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cute_megamoe import quant, reference
+from cute_megamoe.config import Sm100GemmConfig
 from cute_megamoe.expert_gemm import ExpertWeights
 from cute_megamoe.kernels.sm100_expert_gemm import (
     Sm100ExpertGemmKernel,
@@ -164,27 +165,27 @@ def test_bf16_operands_as_the_kernel_reads_them_equal_the_reference():
 
 def test_rejects_bad_configurations():
     with pytest.raises(ValueError, match="block_m"):
-        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256, 96)
+        Sm100GemmConfig(96)
     with pytest.raises(ValueError, match="recipe"):
-        Sm100ExpertGemmKernel("l2", "fp8xfp8", 4, 1024, 256, 256, 128)
+        Sm100ExpertGemmKernel("l2", "fp8xfp8", 4, 1024, 256, 256, Sm100GemmConfig(128))
     with pytest.raises(ValueError, match="k"):
-        Sm100ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 256, 96, 128)  # K % 64
+        # (K % 64)
+        Sm100ExpertGemmKernel("l2", "bf16xbf16", 4, 1024, 256, 96, Sm100GemmConfig(128))
     # bf16 L1 tiles hold 64 features: N = 2I needs only to be a multiple of 128
-    assert Sm100ExpertGemmKernel("l1", "bf16xbf16", 4, 1024, 384, 192, 128).num_k_blocks == 3
+    assert Sm100ExpertGemmKernel("l1", "bf16xbf16", 4, 1024, 384, 192,
+                                 Sm100GemmConfig(128)).num_k_blocks == 3
     with pytest.raises(ValueError, match="num_pool_rows"):
-        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 64 * 3, 256, 256, 64)
+        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 64 * 3, 256, 256, Sm100GemmConfig(64))
     with pytest.raises(ValueError, match="multiple of 256"):
-        Sm100ExpertGemmKernel("l1", "fp8xfp4", 4, 1024, 384, 256, 128)
+        Sm100ExpertGemmKernel("l1", "fp8xfp4", 4, 1024, 384, 256, Sm100GemmConfig(128))
     with pytest.raises(ValueError, match="k"):
-        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 200, 128)
-    # one CTA per SM: a num_stages override that would let two CTAs (each holding its TMEM
-    # columns for the whole run) share an SM is refused; the default never does
+        Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 200, Sm100GemmConfig(128))
+    # one CTA per SM: the stages alone fill more than half of the SM's shared memory (each
+    # CTA holds its TMEM columns for the whole run: two on one SM could wait forever)
     for recipe in ("fp8xfp4", "bf16xbf16"):
         for block_m in (64, 128, 256):
-            kernel = Sm100ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m)
-            with pytest.raises(ValueError, match="share an SM"):
-                Sm100ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048, block_m,
-                                      num_stages=2)
+            kernel = Sm100ExpertGemmKernel("l2", recipe, 32, 8192, 7168, 2048,
+                                           Sm100GemmConfig(block_m))
             # a stage: 128 A rows and the B rows (a 2-CTA pair splits them) of 128 bytes each
             # (128 e4m3 / FP4 codes, or 64 BF16), plus two 512-byte scale chunks for fp8xfp4
             b_rows = 64 if block_m == 256 else 128
@@ -224,7 +225,7 @@ def test_compiles_sm100_with_block_scaled_mma_and_no_spills(phase, block_m):
 
     inter, hidden = 2048, 7168
     n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
-    kernel = Sm100ExpertGemmKernel(phase, "fp8xfp4", 32, 8192, n, k, block_m,
+    kernel = Sm100ExpertGemmKernel(phase, "fp8xfp4", 32, 8192, n, k, Sm100GemmConfig(block_m),
                                    activation_clamp=10.0 if phase == "l1" else None)
     art = compile_for_arch(kernel, *_args(phase), arch="sm_100a")
     group = "cta_group::2" if block_m == 256 else "cta_group::1"
@@ -260,8 +261,8 @@ def test_compiles_sm100_bf16_with_f16_mma_and_no_spills(phase, block_m):
 
     inter, hidden = 2048, 7168
     n, k = (2 * inter, hidden) if phase == "l1" else (hidden, inter)
-    kernel, dtypes = gemm_kernel("sm_100a", "bf16xbf16", phase, 32, 8192, n, k, block_m,
-                                 activation_clamp=10.0)
+    kernel, dtypes = gemm_kernel("sm_100a", "bf16xbf16", phase, 32, 8192, n, k,
+                                 Sm100GemmConfig(block_m), activation_clamp=10.0)
     assert kernel.block_k == 64 and kernel.num_stages >= 4
     args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
     art = compile_for_arch(kernel, *args, Int32(148), fake_stream(), arch="sm_100a")
@@ -299,7 +300,7 @@ def test_compiles_sm100_l2_sending_rows_to_the_combine_buffers(recipe, block_m):
 
     layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     kernel, dtypes = gemm_kernel("sm_100a", recipe, "l2", 32, layout.num_pool_rows, 7168,
-                                 2048, block_m, combine_layout=layout)
+                                 2048, Sm100GemmConfig(block_m), combine_layout=layout)
     args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
     art = compile_for_arch(kernel, *args, Int32(148), fake_stream(), arch="sm_100a")
     assert "tcgen05.mma" in art.ptx and "st.global.v8.b32" in art.ptx

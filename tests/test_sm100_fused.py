@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+from cute_megamoe.config import Sm100GemmConfig
 from cute_megamoe.layout import MegaMoELayout
 from cute_megamoe.tables import BLOCK_MS
 
@@ -26,7 +27,8 @@ SHAPE = (2, 64, 512, 8, 7168, 2048)  # ranks, tokens, experts, top-k, hidden, in
 def _kernel(recipe: str, block_m: int, shape=SHAPE):
     from cute_megamoe.kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
-    return Sm100MegaMoEKernel(MegaMoELayout(*shape, recipe), block_m, activation_clamp=10.0,
+    return Sm100MegaMoEKernel(MegaMoELayout(*shape, recipe), Sm100GemmConfig(block_m),
+                              activation_clamp=10.0,
                               has_stats=True)
 
 
@@ -203,12 +205,13 @@ def test_tile_walk_is_the_hopper_kernels():
 def test_share_ring_pairs_l1_with_l2_only():
     from cute_megamoe.kernels.sm100_expert_gemm import Sm100ExpertGemmKernel, share_ring
 
-    l1 = Sm100ExpertGemmKernel("l1", "fp8xfp4", 4, 1024, 512, 256, 128)
-    l2 = Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256, 128)
+    l1 = Sm100ExpertGemmKernel("l1", "fp8xfp4", 4, 1024, 512, 256, Sm100GemmConfig(128))
+    l2 = Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256, Sm100GemmConfig(128))
     with pytest.raises(ValueError, match="L1 and an L2"):
         share_ring(l2, l1)
     with pytest.raises(ValueError, match="differ"):
-        share_ring(l1, Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256, 64))
+        share_ring(l1, Sm100ExpertGemmKernel("l2", "fp8xfp4", 4, 1024, 256, 256,
+                                             Sm100GemmConfig(64)))
     share_ring(l1, l2, 3)
     assert (l1.num_stages, l2.num_stages, l2.waits_ready) == (3, 3, (512 // 128) * 4)
 
@@ -217,9 +220,11 @@ def test_fused_sm100_kernel_rejects_what_it_cannot_run():
     from cute_megamoe.kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
     with pytest.raises(ValueError, match="recipe"):
-        Sm100MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), 128)
+        Sm100MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp8"), Sm100GemmConfig(128))
     with pytest.raises(ValueError, match="block_m"):
-        Sm100MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4"), 96)
+        Sm100GemmConfig(96)
+    with pytest.raises(TypeError, match="config"):
+        Sm100MegaMoEKernel(MegaMoELayout(1, 8, 64, 2, 512, 256, "fp8xfp4"), 128)
 
 
 # ----------------------------------------------------------------------------- sm100 GPU
@@ -292,7 +297,8 @@ def _encode_or_skip(recipe: str, block_m: int, monkeypatch) -> None:
     w2 = torch.randn(16, 512, 256, generator=gen, device="cuda").to(torch.bfloat16)
     weights = ExpertWeights.from_bf16(w1, w2, recipe, arch="sm_100a")
     y = torch.empty(64, 512, dtype=torch.bfloat16, device="cuda")
-    call = launch_mod.fused_call(buf, weights, 64, block_m, y, 2, None, 10.0, True)
+    call = launch_mod.fused_call(buf, weights, 64, y, 2, None, 10.0, True,
+                                 Sm100GemmConfig(block_m))
 
     def error_of(args) -> str:
         try:

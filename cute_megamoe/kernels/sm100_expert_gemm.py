@@ -94,6 +94,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.experimental import primitives as prims
 from cutlass.memory import SmemAllocator, TmemAllocator
 
+from ..config import Sm100GemmConfig
 from ..scheduler.device import ExpertTileScheduler
 from .common.gemm_config import check_gemm_config, combine_target
 from .common.pool import build_pool_prefix
@@ -158,12 +159,19 @@ def gmem_layouts(p: int, k: int, n: int, e: int):
 
 
 class Sm100ExpertGemmKernel:
-    """One grouped GEMM of the expert FFN over the pool, tcgen05 (see module doc)."""
+    """One grouped GEMM of the expert FFN over the pool, tcgen05 (see module doc), built from
+    its shapes and a complete `config.Sm100GemmConfig`. ``combine_layout``: L2 sends its rows
+    to the source ranks' combine buffers of a symmetric buffer with this `MegaMoELayout`;
+    ``smem_reserved``: shared-memory bytes a fused kernel's other phases take."""
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
-                 k: int, block_m: int, activation_clamp: float | None = None,
-                 fast_math: bool = True, num_stages: int | None = None,
-                 combine_layout=None, smem_reserved: int = 0):
+                 k: int, config: Sm100GemmConfig, activation_clamp: float | None = None,
+                 fast_math: bool = True, combine_layout=None, smem_reserved: int = 0):
+        if not isinstance(config, Sm100GemmConfig):
+            raise TypeError(f"config: an Sm100GemmConfig, got {type(config).__name__}")
+        config.check_complete(type(self).__name__)
+        self.config = config
+        block_m = config.block_m
         self.phase, self.recipe = phase, recipe
         self.block_scaled = recipe == "fp8xfp4"
         self.ab_dtype = Float8E4M3FN if self.block_scaled else BFloat16
@@ -211,10 +219,10 @@ class Sm100ExpertGemmKernel:
         # wait for TMEM forever. Fewer stages than this would let two CTAs' shared memory
         # (its lower bound: the stages and the prefix arrays) fit on one SM.
         fewest = max(2, (SM_SMEM_CAPACITY // 2 - prefix_bytes) // stage_bytes + 1)
-        self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
-        if not fewest <= self.num_stages <= fit:
-            raise ValueError(f"num_stages must be in [{fewest}, {fit}] (fewer would let two "
-                             f"CTAs share an SM), got {num_stages}")
+        self.num_stages = min(MAX_STAGES, fit)
+        if not fewest <= self.num_stages:
+            raise ValueError(f"{self.num_stages} stages fit shared memory, fewer than {fewest} "
+                             f"(two CTAs could share an SM)")
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks)
         # What a fused kernel changes (`share_ring`): L1 epilogue warps signal a pool block's
         # readiness counter once per tile after its rows are stored; L2 loads wait for

@@ -58,13 +58,13 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator, TmemAllocator
 
+from ..config import Sm100GemmConfig
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
 from .combine import CombineKernel
 from .common.sync import grid_barrier, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm100_expert_gemm import (
-    BLOCK_MS,
     EPILOGUE_SYNC_BARRIER,
     EPILOGUE_WARPS,
     MMA_WARP,
@@ -83,16 +83,20 @@ RECIPES = ("fp8xfp4", "bf16xbf16")
 
 
 class Sm100MegaMoEKernel:
-    """The fused layer for one rank on sm_100a (see the module docstring)."""
+    """The fused layer for one rank on sm_100a (see the module docstring), built from the
+    buffer's ``layout`` and its GEMMs' complete `config.Sm100GemmConfig`. ``has_stats``: the
+    call counts its pairs into ``stats``."""
 
-    def __init__(self, layout: MegaMoELayout, block_m: int,
+    def __init__(self, layout: MegaMoELayout, config: Sm100GemmConfig,
                  activation_clamp: float | None = None, fast_math: bool = True,
                  has_stats: bool = False):
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_100a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
-        if block_m not in BLOCK_MS:
-            raise ValueError(f"block_m: the sm_100a fused kernel runs {BLOCK_MS}, got {block_m}")
+        if not isinstance(config, Sm100GemmConfig):
+            raise TypeError(f"config: an Sm100GemmConfig, got {type(config).__name__}")
+        config.check_complete(type(self).__name__)
+        block_m = config.block_m
         self.layout = layout
         self.regions = BufferRegions(layout)
         self.block_m = block_m
@@ -107,10 +111,10 @@ class Sm100MegaMoEKernel:
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
-        self.l1 = Sm100ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
+        self.l1 = Sm100ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, config,
                                         activation_clamp=activation_clamp, fast_math=fast_math,
                                         smem_reserved=reserved)
-        self.l2 = Sm100ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
+        self.l2 = Sm100ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, config,
                                         fast_math=fast_math, combine_layout=layout,
                                         smem_reserved=reserved)
         share_ring(self.l1, self.l2)

@@ -37,22 +37,21 @@ else 128) as ``BN / 128`` chunks of ``m64n128`` WGMMAs. FP8 promotes chunk by ch
 scale per 8 weight rows, 16 loads and multiplies per chunk, cost 10-20 % of the FP8 throughput;
 a global load of the scales in the consumer loop stalled the WGMMA issue); at BLOCK_M 64, whose
 one consumer warpgroup has no partner to fill the tensor cores while it promotes, by 64-column
-quarters into two 32-register scratch accumulators instead, each promoted while the next
-quarter's m64n64 WGMMAs run (``promotion``, `DEFAULT_PROMOTION`: both FP8 recipes); fp8xfp8 at
-BLOCK_M 128 runs four k-blocks per loop body (``k_unroll``, `DEFAULT_K_UNROLL`), so that the
-next k-block's stage wait and WGMMAs are scheduled beside a promotion. BF16 keeps one
-k-block of WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one
-requantization group per row. The epilogue is asynchronous: each consumer warp writes its 16
-rows of the tile's output into its own padded shared-memory staging rows (conflict-free; whole
-tile rows, or for BF16 a chunk or half a chunk at a time where that leaves room for one more
-pipeline stage), and 16 of its lanes send the valid rows to global memory (or, for L2 with
-``combine_layout``, to the combine buffers) with one 1-D bulk copy each (fp8xfp8 into ``out``:
-whole 128-byte-swizzled boxes of 16 rows by TMA tensor stores, ``tma_store``), so the warp goes
-on to the next tile's WGMMAs while the stores drain (a direct store from the accumulator layout
-writes 16 bytes per row per instruction and stalled the tensor cores for a quarter of an L2
-tile). Pad rows beyond an expert's count are never written. In L2 the second consumer warpgroup
-starts two k-blocks after the first (``wg_skew``), so the two epilogues do not leave the tensor
-cores idle at the same time.
+quarters into two 32-register scratch accumulators instead, each promoted while the next quarter's
+m64n64 WGMMAs run (``promotion``, `heuristics.DEFAULT_PROMOTION`: both FP8 recipes); fp8xfp8 at
+BLOCK_M 128 runs four k-blocks per loop body (``k_unroll``, `heuristics.DEFAULT_K_UNROLL`), so that
+the next k-block's stage wait and WGMMAs are scheduled beside a promotion. BF16 keeps one k-block of
+WGMMAs in flight. An L1 tile of 256 columns holds 128 features: exactly one requantization group per
+row. The epilogue is asynchronous: each consumer warp writes its 16 rows of the tile's output into
+its own padded shared-memory staging rows (conflict-free; whole tile rows, or for BF16 a chunk or
+half a chunk at a time where that leaves room for one more pipeline stage), and 16 of its lanes send
+the valid rows to global memory (or, for L2 with ``combine_layout``, to the combine buffers) with
+one 1-D bulk copy each (fp8xfp8 into ``out``: whole 128-byte-swizzled boxes of 16 rows by TMA tensor
+stores, ``tma_store``), so the warp goes on to the next tile's WGMMAs while the stores drain (a
+direct store from the accumulator layout writes 16 bytes per row per instruction and stalled the
+tensor cores for a quarter of an L2 tile). Pad rows beyond an expert's count are never written. In
+L2 the second consumer warpgroup starts two k-blocks after the first (``wg_skew``), so the two
+epilogues do not leave the tensor cores idle at the same time.
 
 FP4 weights (``fp8xfp4_sm90``: Hopper has no FP4 MMA): ``W`` stays in HBM as packed e2m1
 (``[E, N, K/2]`` bytes, two codes per byte) with UE8M0 scales per 32 (``B_group_sf``, int32
@@ -98,6 +97,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
+from ..config import Sm90GemmConfig
 from ..scheduler.device import ExpertTileScheduler
 from .common.fp4_decode import decode_e2m1_word, e2m1_table, prmt, vote_tables
 from .common.gemm_config import SF_BLOCK, check_gemm_config, combine_target, weight_sf_row_len
@@ -108,41 +108,11 @@ from .common.sync import spin_timeout_ns, wait_reached, wait_stage
 RECIPES = ("fp8xfp8", "fp8xfp4_sm90", "bf16xbf16")
 WG_N = 128  # columns of one WGMMA chunk (m64n128) of a consumer warpgroup
 QUARTER_N = 64  # columns of one WGMMA of the "quarter" promotion (m64n64)
-# FP8 promotion by (recipe, BLOCK_M) (`promotion` None; "chunk" where not listed). Measured
-# interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): fp8xfp8 "quarter"
-# 0.93-0.97x the time of "chunk" at BLOCK_M 64 (one consumer warpgroup: nothing else fills the
-# tensor cores while it promotes), 0.98-1.06x at 128 (the second warpgroup already does; m64n64
-# WGMMAs cost more issue); fp8xfp4_sm90 at 64 (the staged kernels, 32-64 pairs per expert;
-# the transposed ones at decode sizes keep chunk) 0.940-0.972x the time in two processes on
-# 2026-12-04, the layer at 512 / 1024 tokens 0.984-0.991x / 0.987x: there the consumer paces the
-# kernel, the decode warps waiting for its free stages (on 12-01, with a slower decode that set
-# the pace, quarter took 1.20-1.29x: its issue slots were the decode's)
-DEFAULT_PROMOTION = {("fp8xfp8", 64): "quarter", ("fp8xfp4_sm90", 64): "quarter"}
-PROMOTIONS = ("chunk", "quarter")
-# k-blocks per body of the FP8 consumer loop by (recipe, BLOCK_M) (`k_unroll` None; 1 where not
-# listed). Measured interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md):
-# fp8xfp8 at BLOCK_M 128, 4: 0.908-0.951x the time of 1 at 256 x 256, 0.920-0.986x at 32 x 1024
-# (ncu L1 at 32 x 1024: tensor pipe 82.5 % busy against 75.8 %); 8 took about 2x (ncu L1: 28 %
-# busy, not diagnosed); at BLOCK_M 64 (the quarter promotion) 4 took 1.02-1.19x, and with
-# MXFP4 weights 1.03-1.09x. The fused kernel takes the same (its layer at R = 1: 0.968-0.971x
-# the time of 1 at 4096-8192 tokens, BLOCK_M 128)
-DEFAULT_K_UNROLL = {("fp8xfp8", 128): 4}
-# MXFP4 weights in the 2-CTA clusters that share the decode (BLOCK_M 128): 2, measured in three
-# processes on an H200: 0.955-0.975x the time of 1 at 256 x 256, 0.963-1.009x at 64 x 512 and
-# 0.977-1.009x at 32 x 1024 (4: 1.04-1.10x; docs/performance.md)
-SHARED_DECODE_K_UNROLL = 2
-K_UNROLLS = (1, 2, 4)
-# fp8xfp8 rows into `out` by TMA tensor stores of swizzled boxes (`tma_store` None). Measured
-# interleaved on an H200 (expert FFN, H 7168, I 2048, docs/performance.md): 0.952-0.960x the
-# time of the row copies at 256 x 256, 0.956-0.977x at 32 x 1024 (BLOCK_M 128 and 64); ncu L2
-# at 32 x 1024: tensor pipe 76.8 % busy against 71.6 %
-DEFAULT_TMA_STORE = True
 GATE_UP_GROUP = 8  # L1 weight rows: gate, up alternate in groups of 8 (quant.interleave_gate_up)
 SMEM_BUDGET = 227 * 1024 - 8192  # H100/H200 per-CTA smem, less small arrays and alignment
 ROWS_PER_WARP = 16  # tile rows of one consumer warp (m64 WGMMA: 16 per warp)
 STAGING_PAD = 16  # bytes after each staging row: row starts 4 banks apart, conflict-free
 MAX_STAGES = 8
-ROW_STORES = ("bulk", "lanes")
 OUT_BOX_BYTES = 128  # bytes of a row of one TMA store box (`tma_store`): the swizzle's span
 SKEW_BARRIER = 1  # named barrier of the consumer warpgroups' start offset (0: sync_threads)
 DECODE_BARRIER = 3  # named barrier of the decode warps (a cluster's shared decode)
@@ -156,18 +126,11 @@ FP4_WARPGROUPS = {1: (2, 40, 112, 232, 4), 2: (1, 32, 48, 216, 4)}
 # FP4: stages of A + decoded weights that the MMA consumes; the rest of shared memory holds
 # stages of packed weights, so the TMA runs that many k-blocks ahead of the decode
 FP4_MMA_STAGES = 3
-DECODE_TABLES = ("item", "vote")
 # "vote" tables: items whose codes load before the batch's vote, each later item's while the
 # item VOTE_AHEAD before it decodes. Measured interleaved on an H200 (docs/performance.md): 1
 # took 0.963-0.977x the time of 2 at 128 x 8 and 0.955-0.978x at 128 x 32 (BLOCK_M 64), 0.987-1.01x
 # at BLOCK_M 128 and 0.999x at 256 x 256; 0 (each item's right before it) 1.05-1.13x, 3 1.01-1.06x
 VOTE_AHEAD = 1
-# FP4 weights: a k-block's first batch of decode inputs before the wait for a free MMA stage
-# (`early_tables` None). Measured interleaved on an H200 (docs/performance.md): at BLOCK_M 128
-# 0.994-0.997x the time at decode sizes but 1.025x / 1.085x at 256 x 256 / 32 x 1024, at
-# BLOCK_M 64 staged 0.994-1.001x; on in the transposed kernel (`sm90_expert_gemm_transposed`:
-# 0.981-1.006x at 128 x 8 / 16 in two runs, the layer 0.989-0.993x at 32 / 128 tokens)
-DEFAULT_EARLY_TABLES = False
 RASTER_L2_BYTES = 16 << 20  # a raster band's activation rows: a third of the H100/H200 L2
 
 PRODUCER_REGS = 40
@@ -183,20 +146,31 @@ def smem_words(base: cute.Pointer, offset: Int32) -> cute.Tensor:
 
 
 class Sm90ExpertGemmKernel:
-    """One grouped GEMM of the expert FFN over the pool (see module doc)."""
+    """One grouped GEMM of the expert FFN over the pool (see module doc), built from its shapes
+    and a complete `config.Sm90GemmConfig` (`heuristics.default_gemm_config`).
+    ``combine_layout``: L2 sends its rows to the source ranks' combine buffers of a symmetric
+    buffer with this `MegaMoELayout`; ``tiled_weights``: the weights are stored as
+    `expert_gemm.tile_weight_rows` makes them; ``smem_reserved``: shared-memory bytes a fused
+    kernel's other phases take."""
+
+    #: the consumer of the transposed kernel (`config.Sm90GemmConfig.transposed`)
+    transposed = False
+    #: the epilogue's staging rows hold whole tile rows (else: in parts where that leaves room
+    #: for more stages)
+    whole_staging_rows = False
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
-                 k: int, block_m: int, activation_clamp: float | None = None,
-                 fast_math: bool = True, num_stages: int | None = None, cluster_m: int = 1,
-                 wg_skew: int | None = None, staging_parts: int | None = None,
-                 raster_group: int | None = None, combine_layout=None, smem_reserved: int = 0,
-                 packed_stages: int | None = None, decode_batch: int | None = None,
-                 promotion: str | None = None,
-                 tiled_weights: bool = False,
-                 owner_search: str = "gallop", decode_tables: str = "vote",
-                 k_unroll: int | None = None, tma_store: bool | None = None,
-                 row_stores: str | None = None, early_tables: bool | None = None,
-                 pool_block_m: int | None = None):
+                 k: int, config: Sm90GemmConfig, activation_clamp: float | None = None,
+                 fast_math: bool = True, combine_layout=None, tiled_weights: bool = False,
+                 smem_reserved: int = 0):
+        if not isinstance(config, Sm90GemmConfig):
+            raise TypeError(f"config: an Sm90GemmConfig, got {type(config).__name__}")
+        config.check_complete(type(self).__name__)
+        if config.transposed != self.transposed:
+            raise ValueError(f"config.transposed: {config.transposed}, but this is "
+                             f"{type(self).__name__} (`launch.gemm_kernel` picks the class)")
+        self.config = config
+        block_m, cluster_m = config.block_m, config.cluster_m
         self.phase, self.recipe = phase, recipe
         # fp8xfp4_sm90: the fp8xfp8 GEMM with MXFP4 weights decoded on chip (see the module doc)
         self.fp4_weights = recipe == "fp8xfp4_sm90"
@@ -222,28 +196,25 @@ class Sm90ExpertGemmKernel:
         self.tiled_weights = bool(tiled_weights)
         # L2 rows go to the source ranks' combine buffers (`MegaMoELayout`), not to `out`
         self.to_combine = combine_layout is not None
-        # `tma_store` (None: fp8xfp8 into `out`, `DEFAULT_TMA_STORE`): each consumer warp stages
-        # its 16 rows in 128-byte-swizzled boxes of 128-byte rows and sends a warp whose rows all
-        # hold tokens with one TMA tensor store per box (L2: 4 per 256-column tile; L1: 1)
-        # instead of 16 row copies; a warp with pad rows sends its valid rows from the boxes
-        # itself. The tile's 128 row copies held the TMA unit from the next stages' loads
-        if tma_store is None:
-            tma_store = DEFAULT_TMA_STORE and recipe == "fp8xfp8" and not self.to_combine
-        if tma_store and (recipe != "fp8xfp8" or self.to_combine):
-            raise ValueError("tma_store: the fp8xfp8 GEMMs into `out` only")
-        self.tma_store = bool(tma_store)
+        # `tma_store` (fp8xfp8 into `out` or the L2 pool, `heuristics.DEFAULT_TMA_STORE`): each
+        # consumer warp stages its 16 rows in 128-byte-swizzled boxes of 128-byte rows and sends
+        # a warp whose rows all hold tokens with one TMA tensor store per box (L2: 4 per
+        # 256-column tile; L1: 1) instead of 16 row copies; a warp with pad rows sends its valid
+        # rows from the boxes itself. The tile's 128 row copies held the TMA unit from the next
+        # stages' loads
+        if config.tma_store and (recipe != "fp8xfp8" or self.to_combine):
+            raise ValueError("config.tma_store: the fp8xfp8 GEMMs into `out` only")
+        self.tma_store = config.tma_store
         # how a warp sends its staged rows to the combine buffers (L2 with `combine_layout`):
-        # "bulk" (None: the grouped GEMMs' default), a bulk copy per row through the SM's TMA
-        # unit; "lanes" (the fused kernel's default, `sm90_mega_moe.FUSED_ROW_STORES`), the
-        # warp's lanes copy each row 16 bytes apart with vector loads and stores, which leaves
-        # the TMA unit to the next stages' loads (a tile's 128 row copies held it from them into
-        # `out`, "The FP8 epilogue by TMA tensor stores"). The combine's split barrier publishes
-        # either (a CTA barrier, then a release at the group's scope)
-        row_stores = "bulk" if row_stores is None else row_stores
-        if row_stores not in ROW_STORES or (row_stores == "lanes" and not self.to_combine):
-            raise ValueError(f"row_stores: one of {ROW_STORES}, 'lanes' with combine_layout "
-                             f"only; got {row_stores!r}")
-        self.row_stores = row_stores
+        # "bulk" (the grouped GEMMs' default), a bulk copy per row through the SM's TMA unit;
+        # "lanes" (the fused kernel's default, `heuristics.FUSED_ROW_STORES`), the warp's lanes
+        # copy each row 16 bytes apart with vector loads and stores, which leaves the TMA unit
+        # to the next stages' loads (a tile's 128 row copies held it from them into `out`, "The
+        # FP8 epilogue by TMA tensor stores"). The combine's split barrier publishes either (a
+        # CTA barrier, then a release at the group's scope)
+        if config.row_stores == "lanes" and not self.to_combine:
+            raise ValueError("config.row_stores: 'lanes' with combine_layout only")
+        self.row_stores = config.row_stores
         # `late_metadata` (set by the fused kernel with counted row transfers, where no grid
         # barrier orders the dispatch's metadata before the GEMMs): a combine target's row
         # metadata is read once the tile's first stage is in (the producer acquired the rows'
@@ -262,25 +233,17 @@ class Sm90ExpertGemmKernel:
         self.num_mma_wgs = block_m // 64
         # FP8 promotion: per 128-column chunk after its WGMMAs ("chunk"), or per 64-column
         # quarter into two scratch accumulators, each quarter promoted while the next one's
-        # WGMMAs run ("quarter": the tensor cores idle less; the same registers); None: by
-        # BLOCK_M (`DEFAULT_PROMOTION`)
-        if promotion is None:
-            promotion = DEFAULT_PROMOTION.get((recipe, block_m), "chunk")
-        if promotion not in PROMOTIONS or (promotion != "chunk" and not self.is_fp8):
-            raise ValueError(f"promotion: 'chunk', or 'quarter' with FP8; got {promotion!r}")
-        self.promotion = promotion
-        self.quarter_promotion = promotion == "quarter"
-        # k-blocks of the FP8 consumer loop in one loop body (None: `DEFAULT_K_UNROLL` with the
-        # chunk promotion, else 1): ptxas then schedules the next k-block's stage wait, scale
-        # loads and first WGMMAs beside this one's last promotion (DeepGEMM's loop is unrolled
-        # by 8 likewise)
-        if k_unroll is None:
-            k_unroll = DEFAULT_K_UNROLL.get((recipe, block_m), 1) if promotion == "chunk" else 1
-            if self.fp4_weights and cluster_m == 2 and promotion == "chunk":
-                k_unroll = SHARED_DECODE_K_UNROLL
-        if k_unroll not in K_UNROLLS:
-            raise ValueError(f"k_unroll: one of {K_UNROLLS}, got {k_unroll}")
-        self.k_unroll = k_unroll
+        # WGMMAs run ("quarter": the tensor cores idle less; the same registers; by BLOCK_M,
+        # `heuristics.DEFAULT_PROMOTION`)
+        if config.promotion != "chunk" and not self.is_fp8:
+            raise ValueError(f"config.promotion: 'chunk', or 'quarter' with FP8; got "
+                             f"{config.promotion!r}")
+        self.promotion = config.promotion
+        self.quarter_promotion = config.promotion == "quarter"
+        # k-blocks of the FP8 consumer loop in one loop body (`heuristics.DEFAULT_K_UNROLL`):
+        # ptxas then schedules the next k-block's stage wait, scale loads and first WGMMAs
+        # beside this one's last promotion (DeepGEMM's loop is unrolled by 8 likewise)
+        self.k_unroll = config.k_unroll
         # shared-memory words the consumers exchange row amaxes through (the transposed
         # kernel's L1 epilogue; a placeholder here)
         self.amax_exchange_len = 4
@@ -289,12 +252,8 @@ class Sm90ExpertGemmKernel:
         self.producer_regs, self.decode_regs, self.consumer_regs = \
             PRODUCER_REGS, PRODUCER_REGS, CONSUMER_REGS
         if self.fp4_weights:
-            config = FP4_WARPGROUPS[self.num_mma_wgs]
             (self.decode_wgs, self.producer_regs, self.decode_regs, self.consumer_regs,
-             batch) = config
-            self.decode_batch = batch if decode_batch is None else decode_batch
-            if self.decode_batch not in (1, 2, 4, 8):
-                raise ValueError(f"decode_batch must be 1, 2, 4 or 8, got {decode_batch}")
+             self.decode_batch) = FP4_WARPGROUPS[self.num_mma_wgs]
         # FP4 weights: how the decode builds a batch's tables. "vote" (the default): the
         # integer adds for every item, the float path behind one warp vote per batch (no
         # per-item branches; the later items' codes load while earlier ones decode,
@@ -302,19 +261,14 @@ class Sm90ExpertGemmKernel:
         # BLOCK_M on an H200 (0.999x at 32 x 1024; 0.94x at BLOCK_M 128 and decode sizes), one
         # ahead 0.96-0.98x that again at decode sizes (docs/performance.md); "item": each
         # item's table behind its own branch (the float path for a group more than 5 binades
-        # under its block), for A/Bs (`CUTE_MEGAMOE_SM90_FP4_TABLES`) and the fused kernel's
-        # FP4 experiment
-        if decode_tables not in DECODE_TABLES:
-            raise ValueError(f"decode_tables: one of {DECODE_TABLES}, got {decode_tables!r}")
-        self.decode_tables = decode_tables
+        # under its block), the fused kernel's FP4 experiment (`heuristics.FUSED_DECODE_TABLES`)
+        self.decode_tables = config.decode_tables
         # FP4 weights: the decode warps load a k-block's first batch of scales and codes and
         # build its tables once the packed stage is loaded, before they wait for a free MMA
         # stage (those loads and tables need only the packed stage; after the wait they were
-        # 18 % of the decode loop's stall samples, the wait itself 11 %: docs/performance.md)
-        self.early_tables = DEFAULT_EARLY_TABLES if early_tables is None else early_tables
-        if self.early_tables and cluster_m > 1:
-            raise ValueError("early_tables: not with clusters (a cluster's shared decode "
-                             "decodes one chunk, the early tables are every chunk's)")
+        # 18 % of the decode loop's stall samples, the wait itself 11 %: docs/performance.md;
+        # not with clusters, `Sm90GemmConfig` checks)
+        self.early_tables = config.early_tables
         self.num_threads = 128 * (1 + self.num_mma_wgs + self.decode_wgs)
         # the warpgroups' setmaxnreg counts must fit what the launch gives the CTA: registers
         # per thread in units of 8, at most 255 (`min_blocks_per_mp=1`)
@@ -360,70 +314,48 @@ class Sm90ExpertGemmKernel:
         # of 3, +5 %; BF16 keeps a k-block of WGMMAs, so a stage, in flight). FP8: whole rows
         # (the L1 requantization needs both chunks; L2 with half-chunk parts and 4 stages lost
         # 2-7 %: the waits between parts stall the epilogue). Measured interleaved
-        # (docs/performance.md). FP8 L2 in parts only when asked (the fused kernel's ring), or
-        # with FP4 weights, whose stages also hold the decoded tile (L2 at BLOCK_M 128: 3
-        # stages with quarter rows, else 2).
-        choices = (1,) if self.is_fp8 and phase == "l1" \
-            else (1, self.chunks, 2 * self.chunks)
-        if staging_parts is None:
-            staging_parts = 1
-            for parts in ((1,) if self.is_fp8 and not self.fp4_weights else choices):
-                if stages_fit(parts) > stages_fit(staging_parts):
-                    staging_parts = parts
-        if staging_parts not in choices:
-            raise ValueError(f"staging_parts must be one of {choices}, got {staging_parts}")
-        self.staging_parts = staging_parts
+        # (docs/performance.md). FP4 weights' L2 in parts: its stages also hold the decoded
+        # tile (L2 at BLOCK_M 128: 3 stages with quarter rows, else 2). The transposed epilogue
+        # writes whole rows.
+        whole = self.is_fp8 and (phase == "l1" or not self.fp4_weights)
+        choices = (1,) if whole or self.whole_staging_rows else (1, self.chunks, 2 * self.chunks)
+        self.staging_parts = 1
+        for parts in choices:
+            if stages_fit(parts) > stages_fit(self.staging_parts):
+                self.staging_parts = parts
         self.staging_stride, self.staging_bytes = self.staging_layout(self.staging_parts)
         fit = (self.smem_budget - self.staging_bytes) // (stage_bytes + 64)
-        self.num_stages = min(MAX_STAGES, fit) if num_stages is None else num_stages
+        self.num_stages = min(MAX_STAGES, fit)
         self.packed_stages = 0
         if self.fp4_weights:
-            mma_fit, packed_fit = stages_fit(self.staging_parts)
-            self.num_stages = mma_fit if num_stages is None else num_stages
-            left = self.smem_budget - self.staging_bytes - self.num_stages * (stage_bytes + 64)
-            fit_packed = min(MAX_STAGES, left // (self.packed_tx_bytes + 16))
-            self.packed_stages = fit_packed if packed_stages is None else packed_stages
-            if not 2 <= self.packed_stages <= fit_packed:
-                raise ValueError(f"packed_stages must be in [2, {fit_packed}] beside "
-                                 f"{self.num_stages} stages, got {packed_stages}")
-        if not 2 <= self.num_stages <= fit:
-            raise ValueError(f"num_stages must be in [2, {fit}], got {num_stages}")
+            self.num_stages, self.packed_stages = stages_fit(self.staging_parts)
+            if self.packed_stages < 2:
+                raise ValueError(f"{self.packed_stages} packed stages fit beside "
+                                 f"{self.num_stages} stages, fewer than 2")
+        if self.num_stages < 2:
+            raise ValueError(f"{self.num_stages} stages fit shared memory, fewer than 2")
         # Clusters of 2 CTAs along M share the weight tile: each CTA loads one 128-row chunk and
         # multicasts it to both, when both pool blocks belong to one expert; with FP4 weights
         # each decodes one chunk and copies it into the peer's stage (`decode_weights`)
-        if cluster_m not in (1, 2) or (cluster_m == 2 and self.chunks != 2):
-            raise ValueError(f"cluster_m must be 1, or 2 with 256-column tiles, got {cluster_m}")
+        if cluster_m == 2 and self.chunks != 2:
+            raise ValueError(f"config.cluster_m: 1, or 2 with 256-column tiles, got {cluster_m} "
+                             f"with {self.block_n}-column tiles")
         self.cluster_m = cluster_m
-        # the pool's block (how the caller laid out the rows: each expert's rows start at a
-        # multiple of it): BLOCK_M, or 2 x BLOCK_M, with which the pairs of tiles of 2-CTA
-        # clusters never straddle two experts (an expert's last block may hold a tile of no
-        # rows)
-        pool_block_m = block_m if pool_block_m is None else pool_block_m
-        if pool_block_m not in (block_m, 2 * block_m):
-            raise ValueError(f"pool_block_m: BLOCK_M or 2 x BLOCK_M ({block_m}), got "
-                             f"{pool_block_m}")
-        self.pool_block_m = pool_block_m
-        # (`owner_search`: how the walk finds a tile's expert, `ExpertTileScheduler.owner_of`)
+        # (the walk finds a tile's expert by galloping, `ExpertTileScheduler.owner_of`)
         self.scheduler = ExpertTileScheduler(num_experts, block_m, self.num_n_blocks, cluster_m,
-                                             owner_search, empty_tiles=pool_block_m != block_m)
+                                             "gallop")
         # Tiles walk in raster bands of `raster_group` cluster groups of pool blocks (see
         # scheduler.device): the tiles of one n-block of a band are neighbours, so a weight
         # tile comes from DRAM once per band, and a band's activation rows (read once per
         # n-block) stay in L2 when they fit RASTER_L2_BYTES.
-        if raster_group is None:
-            raster_group = max(1, RASTER_L2_BYTES // (cluster_m * block_m * k * elt))
-        if raster_group < 1:
-            raise ValueError(f"raster_group must be >= 1, got {raster_group}")
-        self.raster_group = raster_group
+        self.raster_group = max(1, RASTER_L2_BYTES // (cluster_m * block_m * k * elt))
         # Consumer warpgroup 1 starts `wg_skew` k-blocks after warpgroup 0 (a named barrier on
         # the first tile), so that the two do not reach a tile's epilogue at the same moment
-        # and leave the tensor cores idle together; the stage ring keeps the lag. Default: 2
-        # for L2 (short mainloops, a 64 KB epilogue per tile: +1-3 %), 0 for L1 (lost 4-6 % at
-        # two of three shapes), measured interleaved (docs/performance.md).
-        if wg_skew is None:
-            wg_skew = 2 if phase == "l2" else 0
-        self.wg_skew = min(wg_skew, self.num_stages - 1, self.num_k_blocks - 1) \
-            if self.num_mma_wgs == 2 else 0
+        # and leave the tensor cores idle together; the stage ring keeps the lag: 2 for L2
+        # (short mainloops, a 64 KB epilogue per tile: +1-3 %), 0 for L1 (lost 4-6 % at two of
+        # three shapes), measured interleaved (docs/performance.md).
+        self.wg_skew = min(2 if phase == "l2" else 0, self.num_stages - 1,
+                           self.num_k_blocks - 1) if self.num_mma_wgs == 2 else 0
         # What a fused kernel changes (`share_ring`): the ring's scale-vector strides, the
         # bytes of a stage the ring's mbarriers expect beyond their transaction count, and the
         # readiness of L2 tiles on L1 tiles (`ready_arrivals`: the L1 producer side signals
@@ -667,7 +599,7 @@ class Sm90ExpertGemmKernel:
         packed_pipe = self.packed_pipeline(storage.packed_mbar.data_ptr())
         if warp == 0:
             build_pool_prefix(expert_recv_tokens, row_start, block_start, self.num_experts,
-                              self.pool_block_m, self.pool_block_m // self.block_m)
+                              self.block_m)
         if cutlass.const_expr(self.fp4_weights):
             self.init_decoded_barriers(storage.decoded.data_ptr(), tidx)
         cute.arch.mbarrier_init_fence()
@@ -1857,8 +1789,7 @@ class Sm90ExpertGemmKernel:
 
 
 def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
-               num_stages: int | None = None, ready_slot: int | None = None,
-               packed_stages: int | None = None) -> None:
+               num_stages: int | None = None, packed_stages: int | None = None) -> None:
     """Configure the two phases of the fused layer kernel to run one after the other through
     one pipeline ring and one set of staging rows (`kernels/sm90_mega_moe.py`): the same stage
     count, scale-vector and staging-row strides (the larger of the two, so that a stage or a
@@ -1867,9 +1798,7 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
     one expects the difference per stage), and L2 tiles waiting for the L1 tiles of their pool
     block. Both must have the same dtype, BLOCK_M, tile width and cluster size.
     ``num_stages``: the ring's stage count (default: the smaller of the two phases' own; the
-    caller checks that it fits shared memory). ``ready_slot``: instead, every L1 tile signals
-    that one readiness counter and L2 starts once all L1 tiles are done (one wait per CTA,
-    no overlap of the phases; for A/Bs, without clusters). FP4 weights: the packed stages
+    caller checks that it fits shared memory). FP4 weights: the packed stages
     likewise (``packed_stages``, default the smaller of the two; block-scale stride, the
     transaction count the smaller phase's)."""
     if (l1.phase, l2.phase) != ("l1", "l2"):
@@ -1903,9 +1832,5 @@ def share_ring(l1: Sm90ExpertGemmKernel, l2: Sm90ExpertGemmKernel,
         k.ring_tx_bytes = ring_tx
         k.extra_tx_bytes = k.stage_tx_bytes - ring_tx
         k.wg_skew = 0  # (the skew barrier counts on the CTA's first tile of a launch)
-    if ready_slot is not None and l1.cluster_m != 1:
-        raise ValueError("share_ring: one readiness counter for all L1 tiles runs without "
-                         "clusters")
     l1.signals_ready = True
     l2.waits_ready = l1.tile_signals()
-    l1.ready_slot = l2.ready_slot = ready_slot

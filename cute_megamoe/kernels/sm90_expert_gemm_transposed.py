@@ -4,7 +4,7 @@ sub-blocks (N = 16), and only the sub-blocks that hold received tokens are compu
 ``fp8xfp8`` and ``fp8xfp4_sm90``, BLOCK_M 64. The default for both at up to 16 expected
 tokens per expert (`heuristics.select_sm90_transposed`: on an H200 MXFP4 0.78x the staged
 kernels' time at 8 and 16 pairs per expert, 0.80x in the layer at 128 tokens; fp8xfp8
-0.97-0.98x); elsewhere an A/B variant (`CUTE_MEGAMOE_SM90_TRANSPOSED`).
+0.97-0.98x); elsewhere where a config asks for it (`config.Sm90GemmConfig.transposed`).
 
 What it computes: exactly what `sm90_expert_gemm.Sm90ExpertGemmKernel` computes (L1 with the
 SwiGLU epilogue and the FP8 requantization per 128 features, or L2 with BF16 rows into ``out``
@@ -26,8 +26,8 @@ fragments (m64n16, two consumer warpgroups, no decode warps: 1.11-1.14x this ker
 
 How: the staged kernel's warps, rings, decode and tile walk unchanged (the decode with
 ``early_tables`` on: 0.99x the layer's time at decode sizes); only the consumer warpgroup
-differs, and the producer's A loads (``a_rows`` "received", the default: 16-row boxes, only those of
-the sub-blocks below; "block": the staged kernel's one 64-row box). The ring's weight chunks (128
+differs, and the producer's A loads: 16-row boxes, only those of the sub-blocks below (the staged
+kernel's one 64-row box took 1.03-1.04x the time). The ring's weight chunks (128
 rows) are read as m64 blocks and its pool tile as 16-row sub-blocks: the same bytes, through views
 of the same swizzled layout with smaller tiles (8 and 2 swizzle atoms). Per k-block, for each pair
 of sub-blocks ``s < ceil(valid_m / 16)``: the four m64 blocks' WGMMAs (four k32 each) of both into
@@ -52,6 +52,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float8E4M3FN, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
+from ..config import Sm90GemmConfig
 from .common.transposed_epilogue import TransposedEpilogue
 from .sm90_expert_gemm import Sm90ExpertGemmKernel
 
@@ -65,42 +66,33 @@ SUBS_IN_FLIGHT = 2
 
 class Sm90TransposedExpertGemmKernel(TransposedEpilogue, Sm90ExpertGemmKernel):
     """One grouped GEMM of the expert FFN with the weight tile as the WGMMA's A (see module
-    doc)."""
+    doc); arguments as `Sm90ExpertGemmKernel`, a config with ``transposed`` set (BLOCK_M 64, no
+    clusters, the chunk promotion, rows out by bulk copies: `config.Sm90GemmConfig` checks)."""
+
+    transposed = True
+    whole_staging_rows = True
 
     def __init__(self, phase: str, recipe: str, num_experts: int, num_pool_rows: int, n: int,
-                 k: int, block_m: int, activation_clamp: float | None = None,
-                 fast_math: bool = True, raster_group: int | None = None, combine_layout=None,
-                 tiled_weights: bool = False, a_rows: str = "received",
-                 decode_tables: str = "vote", early_tables: bool | None = None):
-        if recipe not in ("fp8xfp8", "fp8xfp4_sm90") or block_m != 64:
-            raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 at BLOCK_M 64 only, "
-                             f"got {recipe!r} at {block_m}")
-        super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, block_m,
+                 k: int, config: Sm90GemmConfig, activation_clamp: float | None = None,
+                 fast_math: bool = True, combine_layout=None, tiled_weights: bool = False):
+        if recipe not in ("fp8xfp8", "fp8xfp4_sm90"):
+            raise ValueError(f"transposed: recipes fp8xfp8 / fp8xfp4_sm90 only, got {recipe!r}")
+        super().__init__(phase, recipe, num_experts, num_pool_rows, n, k, config,
                          activation_clamp=activation_clamp, fast_math=fast_math,
-                         raster_group=raster_group, combine_layout=combine_layout,
-                         staging_parts=1, promotion="chunk", tma_store=False,
-                         tiled_weights=tiled_weights, decode_tables=decode_tables,
-                         # (FP4: the decode warps' first tables before the free-stage wait,
-                         # sm90_expert_gemm.DEFAULT_EARLY_TABLES)
-                         early_tables=True if early_tables is None else early_tables)
+                         combine_layout=combine_layout, tiled_weights=tiled_weights)
         assert self.num_mma_wgs == 1 and self.cluster_m == 1
-        # `a_rows` "received": the tile's A rows in 16-row boxes, only those of sub-blocks
-        # with received tokens (at decode sizes most of a 64-row pool block is pad rows, which
-        # a whole-block box brings through L2 and shared memory for nothing: a third of the
-        # L2-to-SM bytes of an FP4 tile; 0.96-0.97x the time at 8-16 pairs per expert); the
-        # ring's barriers expect one box, `load_rows` the others. "block": one 64-row box, as
-        # the staged kernel
-        if a_rows not in ("block", "received"):
-            raise ValueError(f"a_rows: 'block' or 'received', got {a_rows!r}")
-        self.a_rows = a_rows
-        if a_rows == "received":
-            self.a_box_rows = TOKEN_N
-            self.ring_tx_bytes -= ((block_m - TOKEN_N) * self.block_k
-                                   * (self.ab_dtype.width // 8))
+        # the tile's A rows in 16-row boxes, only those of sub-blocks with received tokens (at
+        # decode sizes most of a 64-row pool block is pad rows, which a whole-block box brings
+        # through L2 and shared memory for nothing: a third of the L2-to-SM bytes of an FP4
+        # tile; 0.96-0.97x the time at 8-16 pairs per expert); the ring's barriers expect one
+        # box, `load_rows` the others
+        self.a_box_rows = TOKEN_N
+        self.ring_tx_bytes -= ((self.block_m - TOKEN_N) * self.block_k
+                               * (self.ab_dtype.width // 8))
         self.weight_blocks = self.block_n // WEIGHT_M
-        self.token_blocks = block_m // TOKEN_N
+        self.token_blocks = self.block_m // TOKEN_N
         # L1: per-warp token amaxes, then the tile's
-        self.amax_exchange_len = 5 * block_m
+        self.amax_exchange_len = 5 * self.block_m
 
     # ------------------------------------------------------------------------------ host side
     def mma_and_stage_layouts(self):

@@ -19,8 +19,9 @@ warpgroups, 512 in all), launched cooperatively.
 1. Dispatch: count, prefix, scatter, publish the counts (tagged with the call number,
    `layout.CountWord`), write the pool's metadata and push the rows into the destinations'
    pools; it leaves this rank's pool prefix sums in shared memory. How the rows move is the
-   `row_transfer` (`ROW_TRANSFERS`; default `default_row_transfer`: "counted" for buffers of
-   at most `COUNTED_ROWS_MAX_TOKENS` tokens per rank, else "barrier"):
+   `row_transfer` (`config.ROW_TRANSFERS`; default `heuristics.default_row_transfer`: "counted"
+   for buffers of at most `heuristics.COUNTED_ROWS_MAX_TOKENS` tokens per rank, else
+   "barrier"):
    * "barrier": every thread runs the whole staged dispatch (`DispatchKernel.run`), which
      meets the other ranks once every row has moved; a grid barrier then tells every CTA that
      the pool is complete.
@@ -29,14 +30,12 @@ warpgroups, 512 in all), launched cooperatively.
      every warp pushes this rank's rows into the destinations' pools in each pool's order
      (`DispatchKernel.push_in_pool_order`), adding 1 per row to its pool block's counter in
      the destination's `pool_block_arrivals` (a fence per batch of 32 rows, system scope; GPU
-     scope in a one-rank group that opts in, as every flag of the kernel:
-     `common.sync.group_scope`).
+     scope in a one-rank group, as every flag of the kernel: `common.sync.group_scope`).
      No barrier: each CTA goes on to its GEMM tiles, an L1 tile starting once its pool block
      is complete.
-   * "with_gemm": as "counted", but the rows move while the GEMMs run: the producer
-     warpgroup's warps that load nothing (1-3, FP4 weights 2-3) push them.
    * one-rank groups with "counted" rows that stage their own inputs (`local_dispatch`; the
-     default for buffers of at most `LOCAL_MAX_TOKENS` tokens): no CTA waits for another.
+     default for buffers of at most `heuristics.LOCAL_MAX_TOKENS` tokens): no CTA waits for
+     another.
      Every CTA counts all of the call's pairs from the caller's routing
      (`DispatchKernel.count_locally`: in all and before its own share, so each has the pool's
      layout and its first slot per expert), then places its share of the pairs in batches of
@@ -44,8 +43,8 @@ warpgroups, 512 in all), launched cooperatively.
      rows from the caller's activations straight into their pool rows
      (`InputStagingKernel.stage_rows`, the staging kernel's numerics; the buffer's `x` is not
      written) and counts each row into its pool block (`count_placed`, 2 per row as above).
-   "barrier" and the counted transfers are different row protocols, which every rank of a call
-   must share (checked through the count words); "counted" and "with_gemm" are one protocol.
+   "barrier" and "counted" are different row protocols, which every rank of a call must share
+   (checked through the count words).
 2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
    warpgroups run WGMMA and the epilogues). One walk over the L1 tiles followed by the L2 tiles
    (CTA c takes tiles c, c + G, ... of the concatenation,
@@ -92,12 +91,13 @@ they wait, and warp 0 loads the weights of its first L1 tile's first stages as s
 pool's prefix sums are in, before the metadata and the rows (the early weights).
 
 Constraints: those of the three parts (`dispatch`: push transfer only here; `sm90_expert_gemm`:
-BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256; `cluster_m` 2 only at BLOCK_M
-128, the grid then a whole number of clusters); the grid at most one CTA per SM (cooperative
-launch: the host checks the grid before launching).
+BLOCK_M 64 or 128, `hidden` and `2 * intermediate` multiples of 256, no clusters); the grid at
+most one CTA per SM (cooperative launch: the host checks the grid before launching).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import cutlass
 import cutlass.cute as cute
@@ -105,6 +105,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import cpasync
 
+from ..config import Sm90FusedConfig, Sm90GemmConfig
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import MegaMoELayout
 from ..reports import REPORT_NAMES, ReportKind
@@ -124,7 +125,7 @@ from .staging import ELEMENTS_PER_THREAD, InputStagingKernel
 RECIPES = ("fp8xfp8", "bf16xbf16", "fp8xfp4_sm90")
 # With `phase_clock`: per CTA, the global timer (ns) at the kernel's start, once the pool's
 # prefix sums are in place ("barrier" rows: once the pool is complete), with the counted row
-# transfers when its first warp ("with_gemm": first sender warp) has sent its rows, when
+# transfers when its first warp has sent its rows, when
 # its first consumer warp finished its L1 tiles and its L2 tiles, when warp 0
 # issued its last loads and saw them consumed, (FP4 weights) when warp 1 did the same for the
 # packed weights and the first decode warp finished, and at the end (0: not reached). Each
@@ -136,14 +137,6 @@ PHASE_STAMPS = ("start", "prefix_ready", "rows_sent", "l1_done", "l2_done", "loa
 # dynamic shared memory one CTA may use on H100 / H200 (227 KB), less 2 KB of margin for what
 # `smem_bytes` does not count
 SM_SMEM_CAPACITY = 227 * 1024 - 2048
-# the FP4 experiment's decode tables: a branch per item, as it was measured (the grouped GEMMs'
-# default "vote" is not measured in the fused kernel)
-FUSED_DECODE_TABLES = "item"
-# how the L2 sends its rows to the combine buffers (`row_stores` None; the grouped GEMMs keep
-# "bulk"): the lanes' 16-byte stores, which leave the TMA unit to the ring's loads. Measured
-# against bulk row copies on an H200 (fused layer, R = 1, graph time, docs/performance.md): FP8
-# 0.975-0.992x at 4096 tokens and 0.986-0.989x at 8192 in four runs, BF16 0.959x / 0.994x
-FUSED_ROW_STORES = "lanes"
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
@@ -153,34 +146,6 @@ COMBINE_REGS = 168
 SENDER_REGS = {(False, 64): (80, 4), (False, 128): (40, 2), (True, 64): (40, 2),
                (True, 128): (40, 2)}
 REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
-# How the rows move (step 1 of the module doc): "barrier": every warp pushes them, then every
-# rank meets (the staged dispatch's protocol), then the GEMMs; "counted": every warp pushes
-# them counting each row (and its metadata) into its pool block, and an L1 tile starts once its
-# block is complete, with no barrier; "with_gemm": as "counted", but the producer warpgroup's
-# spare warps push while the GEMMs run. On an H200 at R = 1, layer calls back to back in one
-# process (CUDA graphs, docs/performance.md), "counted" against "barrier": 0.96x at 1 token,
-# 0.99x at 128 and 512, 0.97x at 1024, 1.01x at 2048, 1.02-1.03x at 4096-8192 ("with_gemm":
-# 1.01-1.04x at 4096-8192, its senders slow the tensor-bound L1 tiles). The default follows the
-# buffer's token capacity, which every rank shares (the two protocols must not mix): "counted"
-# up to COUNTED_ROWS_MAX_TOKENS per rank (decode buffers), "barrier" above. The FP4 experiment
-# keeps "barrier": its loopback test mixing the counted rows failed on 2026-12-02 and passed on
-# 12-04 after the test warm-up fix (docs/performance.md), and counted rows are not measured there
-ROW_TRANSFERS = ("barrier", "counted", "with_gemm")
-COUNTED_ROWS_MAX_TOKENS = 1024
-# The local dispatch (one rank, `local_dispatch`) is the default for buffers of at most this
-# many tokens: each CTA quantizes its pairs' rows itself (a token's once per pair), which pays
-# at decode sizes and costs beyond. On an H200 (128 experts, top-8, H 7168; graph, against
-# the exchanged dispatch in the same run): 0.95x at 1 token, 0.99x at 8, 1.00x at 128, 1.01x
-# at 512, 1.02x at 1024 (docs/performance.md)
-LOCAL_MAX_TOKENS = 256
-
-
-def default_row_transfer(layout: MegaMoELayout) -> str:
-    """The row transfer of a layer on ``layout`` when none is forced (see `ROW_TRANSFERS`)."""
-    if layout.recipe == "fp8xfp4_sm90":
-        return "barrier"
-    return "counted" if layout.num_max_tokens_per_rank <= COUNTED_ROWS_MAX_TOKENS else "barrier"
-
 
 
 def walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters):
@@ -194,89 +159,70 @@ def walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters):
 
 
 class Sm90MegaMoEKernel:
-    """The fused layer for one rank (see the module docstring)."""
+    """The fused layer for one rank (see the module docstring), built from the buffer's
+    ``layout`` and a complete `config.Sm90FusedConfig` (`heuristics.default_fused_config`).
+    ``has_stats``: the call counts its pairs into ``stats``; ``tiled_weights``: the weights
+    are stored as `expert_gemm.tile_weight_rows` makes them."""
 
-    def __init__(self, layout: MegaMoELayout, block_m: int,
+    def __init__(self, layout: MegaMoELayout, config: Sm90FusedConfig,
                  activation_clamp: float | None = None, fast_math: bool = True,
-                 has_stats: bool = False, l2_staging_parts: int | None = None,
-                 cluster_m: int = 1, phase_clock: bool = False, tile_log: bool = False,
-                 l2_gate: str = "pool_block", extra_warpgroups: int = 0,
-                 promotion: str | None = None, row_transfer: str | None = None,
-                 weights_first: bool | None = None,
-                 tiled_weights: bool = False,
-                 stages_inputs: bool = False, local_dispatch: bool | None = None,
-                 owner_search: str = "gallop", k_unroll: int | None = None,
-                 row_stores: str | None = None):
+                 has_stats: bool = False, tiled_weights: bool = False):
+        if not isinstance(config, Sm90FusedConfig):
+            raise TypeError(f"config: an Sm90FusedConfig, got {type(config).__name__}")
+        config.check_complete("Sm90MegaMoEKernel")
         if layout.recipe not in RECIPES:
             raise ValueError(f"recipe: the sm_90a fused kernel runs {RECIPES}, got "
                              f"{layout.recipe!r}")
-        if block_m not in (64, 128):
-            raise ValueError(f"block_m: the sm_90a fused kernel runs 64 or 128, got {block_m}")
+        self.config = config
+        block_m = config.block_m
         self.layout = layout
         self.regions = BufferRegions(layout)
         # write each CTA's phase boundaries (`PHASE_STAMPS`, ns) to `phase_clock` (diagnostic)
-        self.phase_clock = bool(phase_clock)
+        self.phase_clock = config.debug == "phase_clock"
         # record every CTA's tiles in `tile_log` (diagnostic: the walk against the host model)
-        self.tile_log = bool(tile_log)
+        self.tile_log = config.debug == "tile_log"
         self.block_m = block_m
-        # `extra_warpgroups` 1 (BLOCK_M 64): a third warpgroup that only joins the dispatch and
-        # the combine (more loads in flight there; it idles at the launch's registers while
-        # the GEMMs run: 128 x (40 + 232 + 168) fits the SM). For A/Bs.
         self.fp4_weights = layout.recipe == "fp8xfp4_sm90"
-        if extra_warpgroups not in (0, 1) or (extra_warpgroups and (block_m != 64
-                                                                    or self.fp4_weights)):
-            raise ValueError(f"extra_warpgroups: 0, or 1 at BLOCK_M 64 without FP4 weights; got "
-                             f"{extra_warpgroups}")
         self.num_gemm_wgs = 1 + block_m // 64
         # (FP4 weights: the decode warpgroups come after the GEMM warpgroups)
         decode_wgs = FP4_WARPGROUPS[block_m // 64][0] if self.fp4_weights else 0
-        self.num_threads = 128 * (self.num_gemm_wgs + decode_wgs + extra_warpgroups)
+        self.num_threads = 128 * (self.num_gemm_wgs + decode_wgs)
         # registers of every thread in the dispatch and the combine: what the launch gives
         self.combine_regs = min(COMBINE_REGS, 65536 // self.num_threads // 8 * 8)
         self.num_ranks = layout.num_ranks
         self.num_local_experts = layout.num_local_experts
         self.num_pool_blocks = layout.num_pool_rows // block_m
-        # `cluster_m` 2 (BLOCK_M 128): CTA pairs walk neighbouring pool blocks in lockstep and
-        # multicast the weight tile, as the staged GEMMs do. Off: bit-identical, but 1.20x the
-        # fused layer's time at 4096 / 8192 tokens on an H200 (R = 1, 2026-12-04; pairs of
-        # 128-row blocks often straddle two experts there, docs/performance.md); and ranks that
-        # share a GPU (loopback tests) can leave a cooperative grid no room for its SM pairs
-        if cluster_m not in (1, 2) or (cluster_m == 2 and (block_m != 128 or self.fp4_weights)):
-            raise ValueError(f"cluster_m: 1, or 2 at BLOCK_M 128 (not with FP4 weights); got "
-                             f"{cluster_m}")
-        self.cluster_m = cluster_m
-        # how the rows move (step 1, `ROW_TRANSFERS`). "barrier" and the two counted ones are
+        # no clusters: CTA pairs multicasting the weight tile (as the staged GEMMs at BLOCK_M
+        # 128) were bit-identical, but took 1.20x the fused layer's time at 4096 / 8192 tokens
+        # on an H200 (R = 1, 2026-12-04; pairs of 128-row blocks often straddle two experts
+        # there, docs/performance.md); and ranks that share a GPU (loopback tests) can leave a
+        # cooperative grid no room for its SM pairs
+        self.cluster_m = 1
+        # how the rows move (step 1, `config.ROW_TRANSFERS`): "barrier" and "counted" are
         # different row protocols, which every rank of a call must share (published in the
-        # count words and checked, `layout.CountWord`); "counted" and "with_gemm" are one
-        # protocol, so ranks may mix them (and BLOCK_Ms)
-        row_transfer = default_row_transfer(layout) if row_transfer is None else row_transfer
-        if row_transfer not in ROW_TRANSFERS:
-            raise ValueError(f"row_transfer: one of {ROW_TRANSFERS}, got {row_transfer!r}")
-        self.row_transfer = row_transfer
-        self.rows_counted = row_transfer != "barrier"
-        self.rows_with_gemm = row_transfer == "with_gemm"
+        # count words and checked, `layout.CountWord`); ranks may mix BLOCK_Ms
+        self.row_transfer = config.row_transfer
+        self.rows_counted = config.row_transfer == "counted"
+        self.rows_with_gemm = False
         # `stages_inputs`: this kernel quantizes the caller's activations into the buffer and
         # copies the routing itself (step 0), instead of a staging launch before it: one launch
         # per layer call. Each CTA copies the routing of the (token, slot) pairs it counts next
         # (`DispatchKernel.pair_share`) and quantizes its grid-stride share of the activation
         # vectors (`InputStagingKernel.stage_vectors`, the same numerics); the rows are read by
         # other CTAs only after the count publication, which every CTA's staging precedes
-        self.stages_inputs = bool(stages_inputs)
+        self.stages_inputs = config.stages_inputs
         self.staging = InputStagingKernel(layout.recipe, layout.hidden, layout.num_topk,
                                           num_threads=self.num_threads)
-        # `local_dispatch` (one-rank groups with counted rows staging their own inputs; None:
-        # on there for buffers of at most LOCAL_MAX_TOKENS tokens): every CTA counts all of
-        # the call's pairs itself, so each knows the pool's
-        # layout without any other CTA, and quantizes its own pairs' rows straight into their
-        # pool rows (step 1's "local" form); no count exchange, no staged rows in between
-        local_ok = (self.num_ranks == 1 and row_transfer == "counted" and self.stages_inputs
-                    and not self.fp4_weights)
-        if local_dispatch is None:
-            local_dispatch = local_ok and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS
-        if local_dispatch and not local_ok:
-            raise ValueError("local_dispatch: one-rank groups with counted rows that stage "
-                             "their own inputs, FP8 / BF16 weights")
-        self.local_dispatch = bool(local_dispatch)
+        # `local_dispatch` (one-rank groups with counted rows staging their own inputs; by
+        # default for buffers of at most `heuristics.LOCAL_MAX_TOKENS` tokens): every CTA counts
+        # all of the call's pairs itself, so each knows the pool's layout without any other
+        # CTA, and quantizes its own pairs' rows straight into their pool rows (step 1's
+        # "local" form); no count exchange, no staged rows in between
+        if config.local_dispatch and not (self.num_ranks == 1 and self.rows_counted
+                                          and self.stages_inputs and not self.fp4_weights):
+            raise ValueError("config.local_dispatch: one-rank groups with counted rows that "
+                             "stage their own inputs, FP8 / BF16 weights")
+        self.local_dispatch = config.local_dispatch
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",
                                        pool_order=self.rows_counted, local=self.local_dispatch)
@@ -292,47 +238,31 @@ class Sm90MegaMoEKernel:
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
-        # (the GEMM phases' k-blocks per consumer loop body: the grouped GEMMs' default,
-        # `sm90_expert_gemm.DEFAULT_K_UNROLL`, unless forced; the L1 rows go to the L2 pool by
-        # row copies: the TMA store is not built into the fused kernel)
-        if promotion is None and self.fp4_weights:
-            # (the grouped GEMMs' quarter promotion for MXFP4 at BLOCK_M 64, 12-04, was not
-            # measured in this experiment: it keeps chunk)
-            promotion = "chunk"
-        self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, block_m,
+        # the GEMM phases (no clusters, the staged kernels' mainloop; the L1 rows go to the L2
+        # pool by row copies: the TMA store is not built into the fused kernel; L2 sends its
+        # rows to the combine buffers as `config.row_stores` says)
+        gemm = Sm90GemmConfig(block_m=block_m, cluster_m=1, transposed=False,
+                              promotion=config.promotion, k_unroll=config.k_unroll,
+                              tma_store=False, row_stores="bulk",
+                              decode_tables=config.decode_tables, early_tables=False)
+        self.l1 = Sm90ExpertGemmKernel("l1", layout.recipe, e_l, p, 2 * inter, h, gemm,
                                        activation_clamp=activation_clamp, fast_math=fast_math,
-                                       smem_reserved=reserved, cluster_m=self.cluster_m,
-                                       promotion=promotion,
-                                       tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
-                                       tma_store=False)
-        self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter, block_m,
+                                       tiled_weights=tiled_weights, smem_reserved=reserved)
+        self.l2 = Sm90ExpertGemmKernel("l2", layout.recipe, e_l, p, h, inter,
+                                       replace(gemm, row_stores=config.row_stores),
                                        fast_math=fast_math, combine_layout=layout,
-                                       smem_reserved=reserved, staging_parts=l2_staging_parts,
-                                       cluster_m=self.cluster_m, promotion=promotion,
-                                       tiled_weights=tiled_weights, owner_search=owner_search,
-                                       decode_tables=FUSED_DECODE_TABLES, k_unroll=k_unroll,
-                                       row_stores=(FUSED_ROW_STORES if row_stores is None
-                                                   else row_stores))
-        # L2 tiles start when the L1 tiles of their pool block are done ("pool_block"), or all
-        # L1 tiles ("all_l1": one counter after the pool blocks' ones, for A/Bs)
-        if l2_gate not in ("pool_block", "all_l1"):
-            raise ValueError(f"l2_gate: 'pool_block' or 'all_l1', got {l2_gate!r}")
-        self.ready_slot = self.num_pool_blocks if l2_gate == "all_l1" else None
+                                       tiled_weights=tiled_weights, smem_reserved=reserved)
+        # L2 tiles start when the L1 tiles of their pool block are done (a gate on all L1
+        # tiles, one counter, took 1.01-1.03x the time at 128 / 4096 tokens and 0.99x at 8192
+        # on an H200: docs/performance.md, the phase clock; deleted)
+        self.ready_slot = None
         assert self.l1.decode_wgs == decode_wgs
-        # the producer warpgroup's registers, for its sender warps (step 1), and the 16-byte
-        # vectors a sender lane keeps in flight: BLOCK_M 64 without FP4 weights leaves room
-        # (the GEMM kernel's 40 would need fewer vectors in flight); FP4 weights at BLOCK_M 128
-        # take 8 registers from the decode warpgroup, which fits in 40 (128 x (40 + 40) +
-        # 256 x 216 = 64K), as the senders spill at 32
+        # (the rows move before the GEMMs: the producer warpgroup keeps the GEMM kernel's
+        # registers)
         self.sender_regs, self.sender_unroll = SENDER_REGS[(self.fp4_weights, block_m)]
-        for k in (self.l1, self.l2) if self.rows_with_gemm else ():
-            k.producer_regs = self.sender_regs
-            if self.fp4_weights and block_m == 128:
-                k.decode_regs = self.sender_regs
         assert 128 * (self.l1.producer_regs + decode_wgs * self.l1.decode_regs
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
-        share_ring(self.l1, self.l2, ready_slot=self.ready_slot)
+        share_ring(self.l1, self.l2)
         self.l1.sync_scope = self.l2.sync_scope = self.dispatch.scope
         # the loads (and the FP4 decode warps) wait for their stages with time limits and
         # stall reports (which wait, CTA and thread), as the cross-rank waits do: a CTA whose
@@ -354,13 +284,10 @@ class Sm90MegaMoEKernel:
         # first measured no change at 1 token, where with counted rows a CTA's own pushes come
         # before its first tile. So with the counted transfers (FP8 / BF16 weights, no
         # clusters, BLOCK_M 64) warp 0 also loads its first L1 tile's first stages' weights
-        # once the pool's prefix sums are in place, before the metadata and the rows: 1 token 108 us
-        # graph against 114 (R = 1, H200), 128 tokens unchanged. None (default): on with the
-        # counted transfers at BLOCK_M 64, else off ("barrier": unmeasured at large M; BLOCK_M
-        # 128: the producer warp's 40 registers spill 3 with it)
-        if weights_first is None:
-            weights_first = self.rows_counted and block_m == 64
-        self.l1.weights_first = self.l2.weights_first = bool(weights_first)
+        # once the pool's prefix sums are in place, before the metadata and the rows: 1 token
+        # 108 us graph against 114 (R = 1, H200), 128 tokens unchanged. By default on with the
+        # counted transfers at BLOCK_M 64 (`heuristics.default_fused_config`)
+        self.l1.weights_first = self.l2.weights_first = config.weights_first
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights and self.cluster_m == 1)
         # as many ring stages as shared memory holds next to the staging rows and the
@@ -369,7 +296,7 @@ class Sm90MegaMoEKernel:
         self.num_stages = self.l1.num_stages
         if self.fp4_weights:
             self.packed_stages = 2
-            share_ring(self.l1, self.l2, self.num_stages, self.ready_slot, 2)
+            share_ring(self.l1, self.l2, self.num_stages, 2)
             while (self.packed_stages < MAX_STAGES
                    and self.smem_bytes(packed_stages=self.packed_stages + 1)
                    <= SM_SMEM_CAPACITY):
@@ -379,8 +306,7 @@ class Sm90MegaMoEKernel:
             while (self.num_stages < MAX_STAGES
                    and self.smem_bytes(self.num_stages + 1) <= SM_SMEM_CAPACITY):
                 self.num_stages += 1
-        share_ring(self.l1, self.l2, self.num_stages, self.ready_slot,
-                   self.packed_stages or None)
+        share_ring(self.l1, self.l2, self.num_stages, self.packed_stages or None)
         if self.smem_bytes() > SM_SMEM_CAPACITY:
             raise ValueError(f"the fused kernel needs {self.smem_bytes()} bytes of shared "
                              f"memory, more than a CTA may have ({SM_SMEM_CAPACITY})")

@@ -15,9 +15,7 @@ Group ``g`` is owned by the expert of its first block, so expert ``e`` owns grou
 ``[ceil(block_start[e] / cluster_m), ceil(block_start[e + 1] / cluster_m))``; the second block
 of a group may belong to a later expert. ``block_start`` is the pool block offset prefix
 (``pool_block_offsets``) built in shared memory by ``build_pool_prefix``. A block past the last
-pool block is a dummy: ``valid_m`` 0, expert = the owner; so is a tile of no rows in a pool laid
-out in blocks of several tiles (``empty_tiles``: with blocks of two tiles and ``cluster_m`` 2
-every group holds one expert's tiles). No tile list is materialised.
+pool block is a dummy: ``valid_m`` 0, expert = the owner. No tile list is materialised.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ class ExpertTileScheduler:
     """Maps a linear tile index to (expert, m-block, n-block, pool block, valid rows)."""
 
     def __init__(self, num_experts: int, block_m: int, num_n_blocks: int, cluster_m: int = 1,
-                 owner_search: str = "linear", empty_tiles: bool = False):
+                 owner_search: str = "linear"):
         # Checked here, on the host: a zero would make the device walk divide by zero or spin.
         self.num_experts = _positive("num_experts", num_experts)
         self.block_m = _positive("block_m", block_m)
@@ -49,9 +47,6 @@ class ExpertTileScheduler:
         if owner_search not in OWNER_SEARCHES:
             raise ValueError(f"owner_search: one of {OWNER_SEARCHES}, got {owner_search!r}")
         self.owner_search = owner_search
-        # whether an expert's blocks may hold tiles of no rows (a pool laid out in blocks of
-        # several tiles, `build_pool_prefix`'s ``tiles_per_block``): their ``valid_m`` is 0
-        self.empty_tiles = empty_tiles
 
     @cute.jit
     def group_start(self, block_start: cute.Tensor, expert: Int32) -> Int32:
@@ -122,6 +117,4 @@ class ExpertTileScheduler:
             m_block = pool_block - block_start[expert]
             count = row_start[expert + 1] - row_start[expert]
             valid_m = cutlass.min(count - m_block * self.block_m, Int32(self.block_m))
-            if cutlass.const_expr(self.empty_tiles):
-                valid_m = cutlass.max(valid_m, Int32(0))
         return owner, expert, m_block, n_block, pool_block, valid_m

@@ -218,11 +218,6 @@ class HostTileScheduler:
     ``cluster_m`` neighbouring pool blocks (group ``g`` owned by the expert of block
     ``cluster_m * g``), a CTA does block ``cluster_m * g + rank`` (possibly a later expert's);
     past the last block it yields a dummy (``valid_m`` 0, ``m_block`` 0, the owner expert).
-
-    ``pool_block_m`` (a multiple of ``block_m``; default ``block_m``): the pool's block, each
-    expert's rows starting at a multiple of it, walked in tiles of ``block_m`` rows (the device
-    walk's ``empty_tiles``, `build_pool_prefix`'s ``tiles_per_block``); a tile past an expert's
-    rows inside its last block yields ``valid_m`` 0.
     """
 
     def __init__(
@@ -235,7 +230,6 @@ class HostTileScheduler:
         cta: int,
         cluster_m: int = 1,
         raster_group: int = 1,
-        pool_block_m: int | None = None,
     ) -> None:
         self.counts = _counts(expert_counts)
         self.block_m = _positive("block_m", block_m)
@@ -249,16 +243,9 @@ class HostTileScheduler:
             raise ValueError(f"num_ctas ({num_ctas}) must be a multiple of cluster_m "
                              f"({cluster_m})")
         self.raster_group = _positive("raster_group", raster_group)
-        self.pool_block_m = block_m if pool_block_m is None else _positive("pool_block_m",
-                                                                            pool_block_m)
-        if self.pool_block_m % self.block_m:
-            raise ValueError(f"pool_block_m ({pool_block_m}) must be a multiple of block_m "
-                             f"({block_m})")
 
     def __iter__(self) -> Iterator[Tile]:
-        # the pool's blocks counted in tiles
-        tiles = self.pool_block_m // self.block_m
-        offsets = [o * tiles for o in pool_block_offsets(self.counts, self.pool_block_m)]
+        offsets = pool_block_offsets(self.counts, self.block_m)
         c, num_n, band = self.cluster_m, self.num_n_blocks, self.raster_group
         group_start = [ceil_div(o, c) for o in offsets]
         rank = self.cta % c
@@ -277,7 +264,7 @@ class HostTileScheduler:
             while pool_block >= offsets[expert + 1]:
                 expert += 1
             m = pool_block - offsets[expert]
-            valid_m = max(0, min(self.block_m, self.counts[expert] - m * self.block_m))
+            valid_m = min(self.block_m, self.counts[expert] - m * self.block_m)
             yield Tile(expert, m, nb, pool_block, valid_m)
 
 

@@ -153,3 +153,35 @@ def compile_for_arch(kernel, *args, arch: str = "sm_90a", options: str = "",
             sass = subprocess.run([nvdisasm, "-c", os.path.join(dump, cubins[0])],
                                   capture_output=True, text=True, check=True).stdout
     return CompiledArtifacts(arch=arch, compiled=compiled, ptx=ptx, sass=sass, cubin=cubin)
+
+
+def gemm_kernel_for(arch: str, recipe: str, phase: str, num_experts: int, num_pool_rows: int,
+                    n: int, k: int, block_m: int, config=None,
+                    expected_tokens_per_expert: float | None = None,
+                    activation_clamp: float | None = None, fast_math: bool = True,
+                    combine_layout=None, tiled_weights: bool = False):
+    """`launch.gemm_kernel` (the kernel object and its pointer dtypes) built as a layer call
+    builds it: the fields ``config`` sets, the heuristics' choice for the rest
+    (`heuristics.default_gemm_config`)."""
+    from ..heuristics import default_gemm_config
+    from ..launch import gemm_kernel
+
+    complete = default_gemm_config(arch, recipe, phase, n, block_m, expected_tokens_per_expert,
+                                   combine_layout is not None, config)
+    return gemm_kernel(arch, recipe, phase, num_experts, num_pool_rows, n, k, complete,
+                       activation_clamp, fast_math, combine_layout, tiled_weights)
+
+
+def fused_kernel_for(layout, block_m: int, config=None, given_x: bool = False,
+                     activation_clamp: float | None = None, fast_math: bool = True,
+                     has_stats: bool = False, tiled_weights: bool = False):
+    """The sm_90a fused kernel object built as a layer call builds it on ``layout`` at
+    ``block_m``, for calls that give ``x`` or not: the fields ``config`` (a
+    `config.Sm90FusedConfig`) sets, the heuristics' choice for the rest
+    (`heuristics.default_fused_config`)."""
+    from ..heuristics import default_fused_config
+    from ..kernels.sm90_mega_moe import Sm90MegaMoEKernel
+
+    return Sm90MegaMoEKernel(layout, default_fused_config(layout, block_m, given_x, config),
+                             activation_clamp=activation_clamp, fast_math=fast_math,
+                             has_stats=has_stats, tiled_weights=tiled_weights)

@@ -244,12 +244,6 @@ def _worker(rank: int, num_ranks: int, port: int, recipe: str, num_experts: int,
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=num_ranks,
                             device_id=torch.device("cuda", rank))
-    if mode == "pool_blocks":
-        chosen = check_pool_blocks_per_rank(rank, num_ranks, dist.group.WORLD)
-        assert chosen == [256 if rank == 0 else None] * len(chosen), (rank, chosen)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
     if mode == "transfer_mismatch":
         print(f"rank {rank}: {check_transfer_mismatch(rank, num_ranks, recipe, dist.group.WORLD)}")
         os._exit(0)  # the CUDA context is dead: no NCCL teardown
@@ -382,50 +376,6 @@ def run_layer_cases(num_ranks: int, recipe: str, num_experts: int, num_topk: int
               for c in cases]
     buf.destroy()
     return errors
-
-
-def check_pool_blocks_per_rank(rank: int, num_ranks: int, group=None) -> list[int | None]:
-    """The staged MXFP4 layer on our kernels (sm_90a) when the ranks lay out their pools in
-    different blocks: with no BLOCK_M given and ``CUTE_MEGAMOE_SM90_PAIRED_POOL=1`` (set here)
-    each rank picks its own from its token count (`staged.layer_pool_block_m`), so rank 0 (1024
-    tokens, 256 expected pairs per expert) lays its pool out in 256-row blocks for the clusters
-    that share the decode, the others (24 tokens) in the small blocks of decode sizes, and every
-    rank's dispatch writes rows into every other's pool. On random, skewed, masked and
-    one-expert routings, the outputs equal bit for bit those with BLOCK_M 64 on every rank, are
-    finite, and every token row is written.
-    Returns this rank's pool blocks (the chosen ones, per case)."""
-    from .. import staged
-    from ..buffer import get_symm_buffer_for_mega_moe
-    from ..expert_gemm import ExpertWeights
-
-    recipe, num_experts, num_topk, hidden, intermediate = "fp8xfp4_sm90", 8, 2, 512, 256
-    os.environ["CUTE_MEGAMOE_SM90_PAIRED_POOL"] = "1"  # (this rank's process only)
-    device = torch.device("cuda", torch.cuda.current_device())
-    buf = get_symm_buffer_for_mega_moe(group, num_experts, 1024, num_topk, hidden, intermediate,
-                                       mma_type=recipe, device=device)
-    layout = buf.layout
-    tokens = tuple(1024 if r == 0 else 24 for r in range(num_ranks))
-    chosen = []
-    for seed, routing in enumerate(("random", "skewed", "masked", "one_expert")):
-        xs, idxs, ws = make_problem(Case(tokens, routing, 40 + seed), num_experts, num_topk,
-                                    hidden)
-        gen = torch.Generator().manual_seed(50 + seed)
-        e_l = layout.num_local_experts
-        w1 = [(torch.randn(e_l, 2 * intermediate, hidden, generator=gen) / hidden**0.5)
-              .to(torch.bfloat16) for _ in range(num_ranks)][rank]
-        w2 = [(torch.randn(e_l, hidden, intermediate, generator=gen) / intermediate**0.5)
-              .to(torch.bfloat16) for _ in range(num_ranks)][rank]
-        weights = ExpertWeights.from_bf16(w1.to(device), w2.to(device), recipe)
-        x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
-        chosen.append(staged.layer_pool_block_m(layout, weights, x.shape[0]))
-        ys = [staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
-                                     block_m=block_m).clone() for block_m in (None, 64)]
-        torch.cuda.synchronize(device)
-        assert bool(torch.isfinite(ys[0].float()).all()), f"rank {rank} {routing}: not finite"
-        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), \
-            f"rank {rank} {routing}: pool blocks {chosen[-1]} differ from BLOCK_M 64"
-    buf.destroy()
-    return chosen
 
 
 # ----------------------------------------------------------------------------- torch baseline

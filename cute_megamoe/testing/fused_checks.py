@@ -15,23 +15,34 @@ import random
 import torch
 
 from .. import reference
+from ..config import LayerConfig, Sm90FusedConfig
 from .dispatch_checks import LAYER_TOLERANCE
 from .ranks import Ranks, init_rank_process, make_call
 from .spawn import record_failure, spawn_ranks
 
 ROUTINGS = ("random", "masked", "one_expert", "skewed")
+#: The fused layer's configuration in these checks: its experiments allowed (groups of several
+#: GPUs, MXFP4 weights), every kernel setting the heuristics'
+EXPERIMENTS = LayerConfig(experimental_fused_multi_gpu=True, experimental_fused_fp4=True)
+
+
+def rows_config(row_transfer: str | None) -> LayerConfig:
+    """`EXPERIMENTS` with the fused kernel's row transfer ``row_transfer`` (None: its
+    default)."""
+    return LayerConfig(experimental_fused_multi_gpu=True, experimental_fused_fp4=True,
+                       fused_kernel=Sm90FusedConfig(row_transfer=row_transfer))
 
 
 class FusedLayer:
     """Per-rank weights (random BF16 masters, quantized per recipe) and the two layers."""
 
     def __init__(self, ranks: Ranks, seed: int = 0, activation_clamp: float = 10.0,
-                 row_transfers: dict | None = None, fused_tiled: bool = False):
+                 configs: dict | None = None, fused_tiled: bool = False):
         from ..expert_gemm import ExpertWeights
 
         self.ranks = ranks
-        # per rank: the fused kernel's `row_transfer` (None: its default)
-        self.row_transfers = row_transfers or {}
+        # per rank: the fused layer's configuration (`rows_config`; default `EXPERIMENTS`)
+        self.configs = configs or {}
         layout = ranks.layout
         self.clamp = activation_clamp
         e_l, h, inter = layout.num_local_experts, layout.hidden, layout.intermediate_hidden
@@ -61,7 +72,8 @@ class FusedLayer:
             stats: str | None = None) -> None:
         """Every local rank's layer call (`kind` "fused" or "staged", or per rank a dict of
         them) into ``ys[rank]``, counting into the ranks' ``stats`` statistics ("fused" or
-        "staged"; default: `kind`'s)."""
+        "staged"; default: `kind`'s), with the rank's configuration (`config`: its
+        ``fused_kernel`` for the fused layer, its ``gemm`` for the staged one)."""
         from .. import fused, staged
 
         kinds = kind if isinstance(kind, dict) else {b.rank: kind for b in self.ranks.buffers}
@@ -71,10 +83,10 @@ class FusedLayer:
             kind = kinds[buf.rank]
             kwargs = dict(y=ys[buf.rank], activation_clamp=self.clamp,
                           block_m=block_ms[buf.rank], validate_routing=False,
-                          cumulative_local_expert_recv_stats=self.stats[buf.rank][stats or kind])
+                          cumulative_local_expert_recv_stats=self.stats[buf.rank][stats or kind],
+                          config=self.config(buf.rank))
             if kind == "fused":
-                fused.fused_mega_moe(buf, x, idx, w, self.fused_weights[buf.rank],
-                                     row_transfer=self.row_transfers.get(buf.rank), **kwargs)
+                fused.fused_mega_moe(buf, x, idx, w, self.fused_weights[buf.rank], **kwargs)
             else:
                 staged.staged_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
 
@@ -86,6 +98,10 @@ class FusedLayer:
             if "launchfailure" not in str(error).lower().replace(" ", ""):
                 raise
             self.fail_with_reports(f"{kind} calls (an earlier call failed)", error)
+
+    def config(self, rank: int) -> LayerConfig:
+        """The fused layer's configuration on ``rank``."""
+        return self.configs.get(rank, EXPERIMENTS)
 
     def synchronize(self, what: str) -> None:
         """Wait for the calls; a failed kernel raises naming the call (``what``) and every
@@ -132,7 +148,8 @@ class FusedLayer:
                 cumulative_local_expert_recv_stats=self.stats[buf.rank]["staged"])),
             strict=True))
         self.ranks.run(lambda buf: staged.kernel_experts(
-            buf, results[buf.rank], self.weights[buf.rank], self.clamp, send_to_combine=True))
+            buf, results[buf.rank], self.weights[buf.rank], self.clamp, send_to_combine=True,
+            config=self.config(buf.rank)))
         self.ranks.run(lambda buf: staged.combine(buf, None, results[buf.rank]))
         ys = {b.rank: torch.empty(tokens[b.rank], self.ranks.layout.hidden,
                                   dtype=torch.bfloat16, device=self.device)
@@ -213,8 +230,7 @@ def check_fused_graph(layer: FusedLayer, tokens: int, num_replays: int, seed: in
 
     def call():
         fused.fused_mega_moe(buf, x, idx, w, weights, y=y, activation_clamp=layer.clamp,
-                             validate_routing=False,
-                             row_transfer=layer.row_transfers.get(buf.rank))
+                             validate_routing=False, config=layer.config(buf.rank))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -272,6 +288,7 @@ def check_tile_walk(layer: FusedLayer, tokens: int, routing: str, block_m: int,
     """One rank (R = 1): the fused kernel built with its tile log runs one call; every CTA's
     tiles, in order, must be `scheduler.host_model.fused_tile_walk` of the received counts.
     Returns the number of tiles checked."""
+    from ..heuristics import default_fused_config
     from ..kernels.sm90_mega_moe import Sm90MegaMoEKernel
     from ..launch import buffer_state, fused_call
     from ..scheduler import fused_tile_walk
@@ -283,14 +300,16 @@ def check_tile_walk(layer: FusedLayer, tokens: int, routing: str, block_m: int,
     stage_inputs(buf, *inputs[buf.rank], validate_routing=False)
     state = buffer_state(buf)
     grid = state.num_sms
-    kernel = Sm90MegaMoEKernel(layout, block_m)  # (host side only: the raster groups)
+    # (the caller staged x: the kernel as a call with x=None builds it, with the tile log)
+    config = default_fused_config(layout, block_m, False, Sm90FusedConfig(debug="tile_log"))
+    kernel = Sm90MegaMoEKernel(layout, config)  # (host side only: the raster groups)
     n1, n2 = 2 * layout.intermediate_hidden, layout.hidden
     max_tiles = (layout.num_pool_rows // block_m) * (n1 + n2) // kernel.l1.block_n
     log = torch.full(((max_tiles + grid - 1) // grid + 1, grid, 4), -1, dtype=torch.int32,
                      device=layer.device)
     y = torch.empty(tokens, layout.hidden, dtype=torch.bfloat16, device=layer.device)
-    fused_call(buf, layer.weights[buf.rank], tokens, block_m, y, grid, None, layer.clamp, True,
-               tile_log=log)()
+    fused_call(buf, layer.weights[buf.rank], tokens, y, grid, None, layer.clamp, True, config,
+               debug=log)()
     torch.cuda.synchronize(layer.device)
     counts = state.recv_tokens.cpu().tolist()
     log = log.cpu()

@@ -101,10 +101,12 @@ def make_pool_problem(recipe: str, counts: list[int], block_m: int, hidden: int,
            if keep_unquantized else {}))
 
 
-def run_fp8_ffn_poisoned(problem: PoolProblem, activation_clamp: float = 7.0) -> tuple:
+def run_fp8_ffn_poisoned(problem: PoolProblem, activation_clamp: float = 7.0,
+                         config=None) -> tuple:
     """`expert_ffn` on an FP8-activation `problem` (fp8xfp8, fp8xfp4_sm90) into poisoned
     outputs: ``(L2 input bytes, its scales, the output as int16)``, read by
-    `assert_same_valid_rows`. The kernel variants are the ones the environment picks now."""
+    `assert_same_valid_rows`. ``config``: the GEMMs' (`config.Sm90GemmConfig`; None: the
+    heuristics')."""
     from ..expert_gemm import expert_ffn
 
     device, rows = problem.acts.device, problem.num_pool_rows
@@ -116,7 +118,7 @@ def run_fp8_ffn_poisoned(problem: PoolProblem, activation_clamp: float = 7.0) ->
                torch.tensor(problem.counts, dtype=torch.int32, device=device), problem.weights,
                block_m=problem.block_m, activation_clamp=activation_clamp,
                l2_acts=l2.view(torch.float8_e4m3fn), l2_acts_sf=l2_sf,
-               out=out.view(torch.bfloat16))
+               out=out.view(torch.bfloat16), config=config)
     return l2, l2_sf, out
 
 

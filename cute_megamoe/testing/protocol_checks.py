@@ -298,11 +298,11 @@ def _run_trap_scenario(scenario: str, ranks) -> None:
 
 
 def _run_with_row_transfers(ranks: Ranks, inputs) -> None:
-    """Fused-kernel calls whose ranks move the rows alike, then with one protocol each: the
-    two counted transfers ("counted", "with_gemm") are one protocol and agree; "barrier"
-    against "counted" must trap."""
+    """Fused-kernel calls whose ranks move the rows alike, then "barrier" against "counted",
+    which must trap."""
     from .. import fused
     from ..expert_gemm import ExpertWeights
+    from .fused_checks import rows_config
 
     layout = ranks.layout
     e_l, h, inter = layout.num_local_experts, layout.hidden, layout.intermediate_hidden
@@ -312,12 +312,10 @@ def _run_with_row_transfers(ranks: Ranks, inputs) -> None:
             buf.device),
         (torch.randn(e_l, h, inter, generator=gen) / inter**0.5).to(torch.bfloat16).to(
             buf.device), layout.recipe) for buf in ranks.buffers}
-    for transfers in (("barrier", "barrier"), ("counted", "counted"),
-                      ("with_gemm", "with_gemm"), ("counted", "with_gemm"),
-                      ("barrier", "counted")):
+    for transfers in (("barrier", "barrier"), ("counted", "counted"), ("barrier", "counted")):
         ranks.run(lambda buf, t=transfers: fused.fused_mega_moe(
             buf, *inputs[buf.rank], weights[buf.rank], block_m=64, validate_routing=False,
-            row_transfer=t[buf.rank]))
+            config=rows_config(t[buf.rank])))
         if transfers != ("barrier", "counted"):
             torch.cuda.synchronize(ranks.buffers[0].device)
             print(f"{transfers}: ok", flush=True)
@@ -328,9 +326,9 @@ def _run_fused_against_staged(ranks: Ranks, inputs) -> None:
     rank 1 the staged layer, as ranks whose ``CUTE_MEGAMOE_FUSED`` differ in a group of several
     GPUs would: two row protocols, which must trap (after agreeing calls that load every
     kernel)."""
-    from .fused_checks import FusedLayer
+    from .fused_checks import FusedLayer, rows_config
 
-    layer = FusedLayer(ranks, row_transfers={0: "counted", 1: "counted"})
+    layer = FusedLayer(ranks, configs={0: rows_config("counted"), 1: rows_config("counted")})
     layer.warm_up((64,))
     print("agreeing calls: ok", flush=True)
     ys = {b.rank: torch.empty(inputs[b.rank][0].shape[0], ranks.layout.hidden,

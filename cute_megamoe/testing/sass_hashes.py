@@ -4,8 +4,9 @@
 
 One line per build: its name and the hash of its SASS (`testing.compile.compile_for_arch`; the
 kernel symbols, which spell the module and class, renamed in order of appearance). The kernels
-are built as the layer builds them by default: the launchers' kernel constructors (`launch`)
-with no option set, at the shapes of a one-rank decode buffer, a one-rank prefill buffer, a
+are built as the layer builds them by default: the heuristics' complete configurations
+(`heuristics.default_gemm_config`, `heuristics.default_fused_config`) and the launchers' kernel
+constructors (`launch`), at the shapes of a one-rank decode buffer, a one-rank prefill buffer, a
 small one-rank buffer and a two-rank buffer. Comparing the output of two commits shows that a
 change left the code of the default builds as it was. Needs `nvdisasm` (the ``sass`` extra).
 """
@@ -105,35 +106,39 @@ def _gemm(arch: str, recipe: str, phase: str, shape: tuple, block_m: int, tokens
           to_combine: bool) -> tuple:
     from cutlass import Int32
 
-    from ..expert_gemm import TILED_RECIPES
+    from ..expert_gemm import TILED_RECIPES, expert_ffn_configs
     from ..launch import gemm_kernel
     from .compile import fake_ptr, fake_stream
 
     layout = _layout(shape, recipe)
     h, inter = layout.hidden, layout.intermediate_hidden
     n, k = (2 * inter, h) if phase == "l1" else (h, inter)
+    l1, l2 = expert_ffn_configs(arch, recipe, block_m, h, inter, tokens, to_combine, None)
     kernel, dtypes = gemm_kernel(
-        arch, recipe, phase, layout.num_local_experts, layout.num_pool_rows, n, k, block_m,
-        ACTIVATION_CLAMP, True, combine_layout=layout if to_combine else None,
-        tiled_weights=arch == "sm_90a" and recipe in TILED_RECIPES,
-        expected_tokens_per_expert=tokens)
+        arch, recipe, phase, layout.num_local_experts, layout.num_pool_rows, n, k,
+        l1 if phase == "l1" else l2, ACTIVATION_CLAMP, True,
+        combine_layout=layout if to_combine else None,
+        tiled_weights=arch == "sm_90a" and recipe in TILED_RECIPES)
     args = [fake_ptr(d, 4 if i == 4 else 16) for i, d in enumerate(dtypes)]
     return kernel, (*args, Int32(132), fake_stream())
 
 
 def _fused(arch: str, recipe: str, shape: tuple, block_m: int, given_x: bool = True) -> tuple:
+    from ..config import Sm90FusedConfig
+    from ..fused import fused_kernel_config
+
     layout = _layout(shape, recipe)
+    config = fused_kernel_config(arch, layout, block_m, given_x, Sm90FusedConfig())
     if arch == "sm_100a":
         from ..kernels.sm100_mega_moe import Sm100MegaMoEKernel
 
-        kernel = Sm100MegaMoEKernel(layout, block_m, activation_clamp=ACTIVATION_CLAMP)
+        kernel = Sm100MegaMoEKernel(layout, config, activation_clamp=ACTIVATION_CLAMP)
         return kernel, _collective_args(kernel, 148)
     from ..expert_gemm import TILED_RECIPES
     from ..kernels.sm90_mega_moe import Sm90MegaMoEKernel
 
-    kernel = Sm90MegaMoEKernel(layout, block_m, activation_clamp=ACTIVATION_CLAMP,
-                               tiled_weights=recipe in TILED_RECIPES,
-                               stages_inputs=given_x and recipe != "fp8xfp4_sm90")
+    kernel = Sm90MegaMoEKernel(layout, config, activation_clamp=ACTIVATION_CLAMP,
+                               tiled_weights=recipe in TILED_RECIPES)
     return kernel, _collective_args(kernel, 132)
 
 

@@ -18,7 +18,9 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 
-FAILURES_DIR_ENV = "CUTE_MEGAMOE_RANK_FAILURES_DIR"  # set by `spawn_ranks` for its processes
+# where this process records its failure: the folder `spawn_ranks` made, passed to each
+# process it spawns (None elsewhere)
+_failures_dir: str | None = None
 
 
 @contextlib.contextmanager
@@ -29,15 +31,16 @@ def record_failure(rank: int) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        failures_dir = os.environ.get(FAILURES_DIR_ENV)
-        path = os.path.join(failures_dir, f"rank {rank}") if failures_dir else None
+        path = os.path.join(_failures_dir, f"rank {rank}") if _failures_dir else None
         if path and not os.path.exists(path):
             with open(path, "w") as f:
                 f.write(f"{time.time():.6f}\n{traceback.format_exc()}")
         raise
 
 
-def _run_recording_failure(rank: int, worker: Callable, *args) -> None:
+def _run_recording_failure(rank: int, failures_dir: str, worker: Callable, *args) -> None:
+    global _failures_dir
+    _failures_dir = failures_dir
     with record_failure(rank):
         worker(rank, *args)
 
@@ -49,10 +52,9 @@ def spawn_ranks(worker: Callable, num_ranks: int, *args) -> None:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="cute_megamoe_ranks_") as failures_dir:
-        previous = os.environ.get(FAILURES_DIR_ENV)
-        os.environ[FAILURES_DIR_ENV] = failures_dir  # (the spawned processes inherit it)
         try:
-            mp.spawn(_run_recording_failure, args=(worker, *args), nprocs=num_ranks, join=True)
+            mp.spawn(_run_recording_failure, args=(failures_dir, worker, *args),
+                     nprocs=num_ranks, join=True)
         except Exception as error:
             failures = []
             for name in os.listdir(failures_dir):
@@ -67,8 +69,3 @@ def spawn_ranks(worker: Callable, num_ranks: int, *args) -> None:
                      f"{name} failed {when - first_time:.1f} s later: {text.splitlines()[-1]}"
                      for when, name, text in failures]
             raise AssertionError("\n".join(lines)) from error
-        finally:
-            if previous is None:
-                os.environ.pop(FAILURES_DIR_ENV, None)
-            else:
-                os.environ[FAILURES_DIR_ENV] = previous

@@ -3,24 +3,24 @@
     python -m cute_megamoe.testing.stall_probe [--recipe fp8xfp4_sm90] [--block-m 64]
         [--ranks 1] [--rounds 3] [--rows counted] [--max-tokens 300]
 
-Runs `fused_checks.FusedLayer` (a loopback group of ``--ranks`` on one GPU, the staged layer as
-the oracle) through its warm-up and ``--rounds`` rounds of checked calls, with every fused
-launch built with ``phase_clock`` and its stamps (`kernels/sm90_mega_moe.PHASE_STAMPS`) written
-to pinned host memory: each stamp is fenced at system scope, so after a stall has trapped and
-the CUDA context is gone the host still reads which CTAs reached which phase. On a failure it
-prints, per rank of the failing call, how many CTAs reached each stamp and the first CTAs that
-did not (a CTA with ``loads_done`` but no ``l2_done``: its consumers are stuck; no
-``decode_done``: its decode warps). A diagnostic for the fused FP4 stalls (docs/performance.md);
-set ``CUTE_MEGAMOE_SPIN_TIMEOUT_S`` low (a few seconds) so that a stall traps quickly. The stamp
-stores make the kernel a little slower, which may hide a race. ``--rows``: every rank's row
-transfer (default: the kernel's); ``--max-tokens``: the buffer's tokens per rank (the counted-row
-mixing test of `tests/test_fused.py`, which failed where this probe passed, uses 200).
+Runs `fused_checks.FusedLayer` (a loopback group of ``--ranks`` on one GPU, the staged layer as the
+oracle) through its warm-up and ``--rounds`` rounds of checked calls, with every fused launch built
+with the phase clock (`config.Sm90FusedConfig.debug`) and its stamps
+(`kernels/sm90_mega_moe.PHASE_STAMPS`) written to pinned host memory: each stamp is fenced at system
+scope, so after a stall has trapped and the CUDA context is gone the host still reads which CTAs
+reached which phase. On a failure it prints, per rank of the failing call, how many CTAs reached
+each stamp and the first CTAs that did not (a CTA with ``loads_done`` but no ``l2_done``: its
+consumers are stuck; no ``decode_done``: its decode warps). A diagnostic for the fused FP4 stalls
+(docs/performance.md); set ``CUTE_MEGAMOE_SPIN_TIMEOUT_S`` low (a few seconds) so that a stall traps
+quickly. The stamp stores make the kernel a little slower, which may hide a race. ``--rows``: every
+rank's row transfer (default: the kernel's); ``--max-tokens``: the buffer's tokens per rank (the
+counted-row mixing test of `tests/test_fused.py`, which failed where this probe passed, uses 200).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 
 import torch
 
@@ -31,37 +31,36 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, default=64, choices=(64, 128))
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", choices=("barrier", "counted", "with_gemm"), default=None)
+    parser.add_argument("--rows", choices=("barrier", "counted"), default=None)
     parser.add_argument("--max-tokens", type=int, default=300)
     args = parser.parse_args()
     if args.max_tokens < 1:
         raise SystemExit("--max-tokens: at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("stall_probe needs a CUDA GPU")
-    os.environ["CUTE_MEGAMOE_EXPERIMENTAL_FUSED"] = "1"  # (the probe is for the experiment)
 
     from .. import fused
     from ..kernels.sm90_mega_moe import PHASE_STAMPS
-    from .fused_checks import FusedLayer
-    from .protocol_checks import Ranks
+    from .fused_checks import FusedLayer, rows_config
+    from .ranks import Ranks
 
     clocks: dict[int, torch.Tensor] = {}  # by rank: its CTAs' stamps of the last call
     launch = fused.fused_call
 
-    def clocked_call(sym_buffer, weights, num_tokens, block_m, y, num_ctas, *rest, **kwargs):
+    def clocked_call(sym_buffer, weights, num_tokens, y, num_ctas, stats, clamp, fast_math,
+                     config, **kwargs):
         stamps = clocks.get(sym_buffer.rank)
         if stamps is None or stamps.shape[0] != num_ctas:
             stamps = torch.zeros(num_ctas, len(PHASE_STAMPS), dtype=torch.int64,
                                  pin_memory=True)
             clocks[sym_buffer.rank] = stamps
         stamps.zero_()  # (the previous call has finished: the checks synchronize)
-        return launch(sym_buffer, weights, num_tokens, block_m, y, num_ctas, *rest,
-                      phase_clock=stamps, **kwargs)
+        return launch(sym_buffer, weights, num_tokens, y, num_ctas, stats, clamp, fast_math,
+                      dataclasses.replace(config, debug="phase_clock"), debug=stamps, **kwargs)
 
     fused.fused_call = clocked_call
     layer = FusedLayer(Ranks.loopback(args.ranks, 16, args.max_tokens, 4, 512, 256, args.recipe),
-                       row_transfers={r: args.rows for r in range(args.ranks)} if args.rows
-                       else None)
+                       configs={r: rows_config(args.rows) for r in range(args.ranks)})
     cases = [(min(n, args.max_tokens), routing) for n, routing in (
         (100, "random"), (300, "one_expert"), (129, "masked"), (77, "skewed"), (0, "random"),
         (1, "random"))]

@@ -50,7 +50,7 @@ def _probe(recipe: str) -> dict:
 
     from .. import launch
     from ..buffer import get_symm_buffer_for_mega_moe
-    from ..expert_gemm import ExpertWeights
+    from ..expert_gemm import ExpertWeights, expert_ffn_configs
 
     e, t, k, h, i = 8, 64, 4, 512, 256
     buf = get_symm_buffer_for_mega_moe(None, e, t, k, h, i, mma_type=recipe, device="cpu")
@@ -68,11 +68,13 @@ def _probe(recipe: str) -> dict:
     out = torch.zeros(buf.layout.num_pool_rows, h, dtype=torch.bfloat16)
     recv = launch.buffer_state(buf).recv_tokens
 
-    def gemms(**kwargs):
+    def gemms(out, combine_buffer):
+        configs = expert_ffn_configs("sm_90a", recipe, 64, h, i, None,
+                                     combine_buffer is not None, None)
         return launch.expert_gemm_calls(
-            "sm_90a", recipe, 64, 132, weights, buf.l1_acts, buf.l1_acts_sf if fp8 else None,
-            buf.l1_topk_weights, recv, buf.l2_acts, buf.l2_acts_sf if fp8 else None,
-            activation_clamp=10.0, fast_math=True, **kwargs)
+            "sm_90a", recipe, 132, weights, buf.l1_acts, buf.l1_acts_sf if fp8 else None,
+            buf.l1_topk_weights, recv, buf.l2_acts, buf.l2_acts_sf if fp8 else None, out,
+            10.0, True, combine_buffer, configs)
 
     l1, l2 = gemms(out=out, combine_buffer=None)
     calls = {

@@ -45,12 +45,10 @@ def ceil_div_small(n: Int32, d: Int32) -> Int32:
 @cute.jit
 def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
                       block_start: cute.Tensor | None, num_experts: cutlass.Constexpr,
-                      block_m: Int32 = None, tiles_per_block: cutlass.Constexpr = 1):
+                      block_m: Int32 = None):
     """Call from one whole warp; the CTA must sync before reading the results. `block_m` may
     be a runtime value (a pushing dispatch lays out every destination's pool with that
-    destination's BLOCK_M). `block_start` None: the row prefix sums only. `tiles_per_block`:
-    `block_start` counted in tiles of `block_m / tiles_per_block` rows (a GEMM whose tiles are
-    smaller than the pool's blocks; an expert's last block may then hold tiles of no rows)."""
+    destination's BLOCK_M). `block_start` None: the row prefix sums only."""
     lane = cute.arch.lane_idx()
     row_carry = Int32(0)
     block_carry = Int32(0)
@@ -62,10 +60,7 @@ def build_pool_prefix(expert_count: cute.Tensor, row_start: cute.Tensor,
         row_incl = warp_inclusive_sum(count)
         block_incl = Int32(0)
         if cutlass.const_expr(block_start is not None):
-            blocks = ceil_div_small(count, block_m)
-            if cutlass.const_expr(tiles_per_block != 1):
-                blocks = blocks * tiles_per_block
-            block_incl = warp_inclusive_sum(blocks)
+            block_incl = warp_inclusive_sum(ceil_div_small(count, block_m))
         if e < num_experts:
             row_start[e + 1] = row_carry + row_incl
             if cutlass.const_expr(block_start is not None):
