@@ -69,7 +69,21 @@ def _check_choice(cls: str, name: str, value: object, choices: tuple) -> None:
 
 
 class _Config:
-    """What the configs share: which fields the heuristics still have to choose."""
+    """What the configs share: their fields' checks, and which fields the heuristics still have
+    to choose."""
+
+    #: the fields that take None or one of their choices, and those that take None or a bool
+    _choices: dict[str, tuple] = {}
+    _flags: tuple[str, ...] = ()
+    #: the fields None leaves off rather than to the heuristics
+    _optional: tuple[str, ...] = ()
+
+    def _check_fields(self) -> None:
+        name = type(self).__name__
+        for field, choices in self._choices.items():
+            _check_choice(name, field, getattr(self, field), choices)
+        for flag in self._flags:
+            _check_bool(name, flag, getattr(self, flag))
 
     def missing(self) -> tuple[str, ...]:
         """The fields left None (to the heuristics)."""
@@ -83,8 +97,6 @@ class _Config:
         if missing:
             raise ValueError(f"{what}: {type(self).__name__} fields {missing} are None; "
                              f"complete it with heuristics first")
-
-    _optional: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,16 +130,13 @@ class Sm90GemmConfig(_Config):
     decode_tables: str | None = None
     early_tables: bool | None = None
 
+    _choices = {"block_m": (64, 128), "cluster_m": (1, 2), "promotion": PROMOTIONS,
+                "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES}
+    _flags = ("transposed", "tma_store", "early_tables")
+
     def __post_init__(self) -> None:
+        self._check_fields()
         name = "Sm90GemmConfig"
-        _check_choice(name, "block_m", self.block_m, (64, 128))
-        _check_choice(name, "cluster_m", self.cluster_m, (1, 2))
-        _check_choice(name, "promotion", self.promotion, PROMOTIONS)
-        _check_choice(name, "k_unroll", self.k_unroll, K_UNROLLS)
-        _check_choice(name, "row_stores", self.row_stores, ROW_STORES)
-        _check_choice(name, "decode_tables", self.decode_tables, DECODE_TABLES)
-        for flag in ("transposed", "tma_store", "early_tables"):
-            _check_bool(name, flag, getattr(self, flag))
         if self.transposed:
             # (the transposed kernel: one consumer warpgroup of 64 rows, no clusters, the
             # chunk promotion one k-block a body, rows out by bulk copies)
@@ -163,8 +172,10 @@ class Sm100GemmConfig(_Config):
 
     block_m: int | None = None
 
+    _choices = {"block_m": (64, 128, 256)}
+
     def __post_init__(self) -> None:
-        _check_choice("Sm100GemmConfig", "block_m", self.block_m, (64, 128, 256))
+        self._check_fields()
 
 
 @dataclass(frozen=True)
@@ -196,19 +207,15 @@ class Sm90FusedConfig(_Config):
     decode_tables: str | None = None
     debug: str | None = None
 
+    _choices = {"block_m": (64, 128), "row_transfer": ROW_TRANSFERS, "promotion": PROMOTIONS,
+                "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES,
+                "debug": DEBUG_MODES}
+    _flags = ("weights_first", "stages_inputs", "local_dispatch")
     _optional = ("debug",)
 
     def __post_init__(self) -> None:
+        self._check_fields()
         name = "Sm90FusedConfig"
-        _check_choice(name, "block_m", self.block_m, (64, 128))
-        _check_choice(name, "row_transfer", self.row_transfer, ROW_TRANSFERS)
-        _check_choice(name, "promotion", self.promotion, PROMOTIONS)
-        _check_choice(name, "k_unroll", self.k_unroll, K_UNROLLS)
-        _check_choice(name, "row_stores", self.row_stores, ROW_STORES)
-        _check_choice(name, "decode_tables", self.decode_tables, DECODE_TABLES)
-        _check_choice(name, "debug", self.debug, DEBUG_MODES)
-        for flag in ("weights_first", "stages_inputs", "local_dispatch"):
-            _check_bool(name, flag, getattr(self, flag))
         if self.local_dispatch and (self.row_transfer == "barrier"
                                     or self.stages_inputs is False):
             raise ValueError(f"{name}.local_dispatch: with counted rows and stages_inputs "
@@ -236,11 +243,12 @@ class LayerConfig(_Config):
     gemm: Sm90GemmConfig = Sm90GemmConfig()
     fused_kernel: Sm90FusedConfig = Sm90FusedConfig()
 
+    _flags = ("fused",)
     _optional = ("fused",)
 
     def __post_init__(self) -> None:
+        self._check_fields()
         name = "LayerConfig"
-        _check_bool(name, "fused", self.fused)
         for flag in ("experimental_fused_multi_gpu", "experimental_fused_fp4"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{name}.{flag}: True or False, got {getattr(self, flag)!r}")
