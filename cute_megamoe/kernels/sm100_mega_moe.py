@@ -96,6 +96,7 @@ class Sm100MegaMoEKernel:
         if not isinstance(config, Sm100GemmConfig):
             raise TypeError(f"config: an Sm100GemmConfig, got {type(config).__name__}")
         config.check_complete(type(self).__name__)
+        self.config = config
         block_m = config.block_m
         self.layout = layout
         self.regions = BufferRegions(layout)
