@@ -297,13 +297,13 @@ def _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math
         if block_m is None:  # (a plan exists only where the weights' arch is the GPU's)
             block_m = block_m_for_call(n, layout.num_ranks, layout.num_topk,
                                        layout.num_experts, weights.arch)
+        # (the kernel's configuration follows from the buffer's layout, which the plans are
+        # kept with, BLOCK_M, whether x is given and the configuration asked for:
+        # `fused_kernel_config`)
         return ("fused", x is not None, y is not None, stats is not None, weights.recipe,
                 weights.arch, *_weight_addresses(weights), type(activation_clamp),
-                activation_clamp, type(fast_math), fast_math, type(num_sms), num_sms,
-                config.experimental_fused_multi_gpu, config.experimental_fused_fp4,
-                fused_kernel_config(weights.arch, layout, block_m, x is not None,
-                                    config.fused_kernel),
-                spin_timeout_ns(), launch_path().name)
+                activation_clamp, type(fast_math), fast_math, type(num_sms), num_sms, block_m,
+                config, spin_timeout_ns(), launch_path().name)
     except (TypeError, AttributeError, ValueError, KeyError):
         return None
 
