@@ -202,9 +202,8 @@ class CountWord:
     (readers compare them with their own and trap on a difference, naming the field):
     ``rows_counted << 8 | push << 7 | recipe << 5 | (block_m // 16 - 1)``; ``rows_counted``: the
     senders count every row into the destination's ``pool_block_arrivals`` and the call ends
-    without the dispatch's closing cross-rank barrier (the fused kernel's "counted" and
-    "with_gemm" row transfers), which a rank that waits for that barrier, or for the counts,
-    would never see.
+    without the dispatch's closing cross-rank barrier (the fused kernel's "counted" row
+    transfer), which a rank that waits for that barrier, or for the counts, would never see.
     """
 
     COUNT_BITS = 23  # (a count is at most MAX_NUM_TOKENS_PER_RANK = 2**20)
