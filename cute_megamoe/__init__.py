@@ -13,11 +13,14 @@ Public API (see README.md):
   (`expert_gemm.ExpertWeights`);
 * `cute_megamoe.staged`: dispatch / combine kernels with any expert computation between them;
 * `mega_moe_reference`: the pure-PyTorch definition of one call on all ranks;
-* `cute_megamoe.quant`: DeepGEMM-compatible casts and weight transforms.
+* `cute_megamoe.quant`: DeepGEMM-compatible casts and weight transforms;
+* `LayerConfig`, `Sm90GemmConfig`, `Sm90FusedConfig`, `Sm100GemmConfig` (`cute_megamoe.config`):
+  the kernels' configuration, ``config=`` of the entry points (None fields: the heuristics').
 """
 
 from .api import fp8_mega_moe, mega_moe, stage_inputs
 from .buffer import SymmBuffer
+from .config import LayerConfig, Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
 from .deepgemm_api import (
     bf16_mega_moe,
     fp8_fp4_mega_moe,
@@ -35,8 +38,12 @@ __all__ = [
     "ARCHS",
     "RECIPES",
     "ExpertWeights",
+    "LayerConfig",
     "MegaMoE",
     "MegaMoEConfig",
+    "Sm100GemmConfig",
+    "Sm90FusedConfig",
+    "Sm90GemmConfig",
     "SymmBuffer",
     "bf16_mega_moe",
     "fp8_fp4_mega_moe",
