@@ -194,10 +194,6 @@ class BufferState:
         self.recv_tokens_ptr = as_ptr(self.recv_tokens, align=4)
         self.expert_out: torch.Tensor | None = None  # BF16 [P, H] of `staged.kernel_experts`
         self.plans: dict = {}  # `staged`'s and `fused`'s layer plans by configuration
-        # the fused kernel's per-call readiness counters, one per pool block of 64 rows (its
-        # smallest BLOCK_M), plus one for a 2-CTA cluster's dummy block
-        self.pool_block_ready = torch.zeros(sym_buffer.layout.num_pool_rows // 64 + 1,
-                                            dtype=torch.int32, device=device)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -499,7 +495,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                extra_warpgroups: int = 0, row_transfer: str | None = None,
                weights_first: bool | None = None,
                inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               cluster_m: int = 1) -> KernelCall:
+               cluster_m: int = 1, hold_cta: int | None = None,
+               late_consumers_ns: int = 0) -> KernelCall:
     """`kernels/sm90_mega_moe.py` (sm_100a: `kernels/sm100_mega_moe.py`, compiled only, not
     wired into the entry points yet): the whole layer for ``num_tokens`` staged rows into ``y``
     (collective). ``num_ctas`` is rounded down to whole clusters. ``phase_clock`` (int64
@@ -519,7 +516,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
     ``stages_inputs``) instead of a staging launch before it. ``cluster_m`` 2 (sm_90a, BLOCK_M
     128, FP8 or BF16 weights; tests only): 2-CTA clusters multicasting the weight tile,
     bit-identical but 1.20x the fused layer's time at 4096 / 8192 tokens on an H200
-    (docs/performance.md)."""
+    (docs/performance.md). ``hold_cta`` (sm_90a, tests only): that CTA waits before its
+    combine until the others' stall report (an injected stall); ``late_consumers_ns`` (sm_90a,
+    tests only): the GEMM consumers of odd CTAs start their role that late."""
     tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
@@ -544,7 +543,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
             local = None
     key = ("mega_moe", state.arch, layout, block_m, activation_clamp, bool(fast_math),
            has_stats, clocked, logged, l2_gate, extra_warpgroups, promotion, k_unroll, row_transfer,
-           weights_first, tiled, stages, local, search, row_stores, cluster_m)
+           weights_first, tiled, stages, local, search, row_stores, cluster_m, hold_cta,
+           late_consumers_ns)
 
     def make_kernel():
         if state.arch == "sm_100a":
@@ -552,7 +552,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
 
             if (clocked or logged or l2_gate != "pool_block" or extra_warpgroups
                     or row_transfer is not None or weights_first is not None or tiled
-                    or stages):
+                    or stages or hold_cta is not None or late_consumers_ns):
                 raise ValueError("fused_call: the phase clock, tile log, L2 gate, extra "
                                  "warpgroups, row transfer, tiled weights and in-kernel "
                                  "staging are sm_90a only")
@@ -568,7 +568,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
                                  tiled_weights=tiled, stages_inputs=stages,
                                  local_dispatch=local, owner_search=search,
                                  k_unroll=k_unroll, row_stores=row_stores,
-                                 cluster_m=cluster_m)
+                                 cluster_m=cluster_m, hold_cta=hold_cta,
+                                 late_consumers_ns=late_consumers_ns)
 
     kernel = compiled_kernel(key + ("kernel",), make_kernel)
     fp8 = layout.has_sf
@@ -581,7 +582,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, block_m: int,
         "l2_acts_sf": sym_buffer.l2_acts_sf if fp8 else spare,
         "token_src_metadata": sym_buffer.token_src_metadata, "w1": weights.w1,
         "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
-        "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": state.pool_block_ready,
+        "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": sym_buffer.pool_block_ready,
         "phase_clock": phase_clock if clocked else sym_buffer.peer_bases,  # (unused)
         "tile_log": tile_log if logged else state.recv_tokens,  # (unused)
         "y": y if num_tokens > 0 else spare,
