@@ -30,6 +30,7 @@ from .checks import (
     check_tensor,
     routing_checks_on,
 )
+from .chunks import ALL_EXPERTS, chunk_experts_for, map_experts
 from .heuristics import get_num_sms
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
 from .launch import expert_gemm_calls, gemm_kernel
@@ -52,6 +53,37 @@ _FP4_RECIPE = {"sm_90a": "fp8xfp4_sm90", "sm_100a": "fp8xfp4"}
 #: The L1, L2 fields holding f32 128x128 block scales: fp8xfp8's own, fp8xfp4_sm90's decode's.
 _BLOCK_SF_FIELDS = {"fp8xfp8": ("w1_sf", "w2_sf"),
                     "fp8xfp4_sm90": ("w1_block_sf", "w2_block_sf")}
+
+
+#: `ExpertWeights`' tensor fields (what the constructors build chunk by chunk).
+_TENSOR_FIELDS = ("w1", "w2", "w1_sf", "w2_sf", "w1_block_sf", "w2_block_sf")
+#: Peak temporaries of preparing one expert in a chunk, the chunk's result included (`chunks`;
+#: measured on the CPU with `testing.memory` and rounded up): `ExpertWeights.from_bf16` in
+#: bytes per BF16 master element of its L1 weight (measured 6, 5, 12.1, 12.1),
+#: `ExpertWeights.from_quantized` as a multiple of its input bytes (1.7, 1.7, 1.7, 5.7).
+FROM_BF16_PEAK_BYTES = {"fp8xfp8": 10, "bf16xbf16": 8, "fp8xfp4": 16, "fp8xfp4_sm90": 16}
+FROM_QUANTIZED_PEAK_FACTOR = {"fp8xfp8": 3, "bf16xbf16": 3, "fp8xfp4": 3, "fp8xfp4_sm90": 7}
+
+
+def _tensors_of(*trees) -> list[torch.Tensor]:
+    """The tensors of weights given as tensors or (weight, scale) tuples (others skipped: the
+    constructors' checks name them)."""
+    out = []
+    for tree in trees:
+        for t in tree if isinstance(tree, tuple) else (tree,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def _leading_dim(weights) -> int:
+    """The experts of a weight tensor or (weight, scale) tuple (0 where it is neither)."""
+    tensors = _tensors_of(weights)
+    return tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+
+
+def _expert_numel(w) -> int:
+    return w[0].numel() if isinstance(w, torch.Tensor) and w.dim() and len(w) else 0
 
 
 def _k_major_block_sf(block_sf: torch.Tensor, n: int) -> torch.Tensor:
@@ -295,23 +327,63 @@ class ExpertWeights:
         return cls(recipe, w1, w2, sf1, sf2, arch=arch)._stored(tiled)
 
     @classmethod
-    def from_quantized(cls, l1_weights, l2_weights, recipe: str,
-                       arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
-        """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved)."""
+    def from_quantized(cls, l1_weights, l2_weights, recipe: str, arch: str | None = None,
+                       tiled: bool | None = None, *,
+                       chunk_experts: int | None = None) -> ExpertWeights:
+        """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved).
+        ``chunk_experts`` experts at a time (`chunks`; default: by the shapes, within a quarter
+        of the output plus 1.5 GiB of temporaries); the result does not depend on it."""
         check_recipe(recipe)
         arch = _resolve_arch(arch, recipe, l1_weights)
-        l1, l2 = quant.transform_weights_for_mega_moe(l1_weights, l2_weights, arch=arch)
-        return cls.from_transformed(l1, l2, recipe, arch, tiled)
+
+        def build(l1, l2):
+            t1, t2 = quant.transform_weights_for_mega_moe(l1, l2, arch=arch,
+                                                          chunk_experts=ALL_EXPERTS)
+            return cls.from_transformed(t1, t2, recipe, arch, tiled)
+
+        size = sum(t.numel() * t.element_size() for t in _tensors_of(l1_weights, l2_weights))
+        num = _leading_dim(l1_weights)
+        chunk = chunk_experts_for(num, FROM_QUANTIZED_PEAK_FACTOR[recipe] * size // max(num, 1),
+                                  size, chunk_experts)
+        return cls._chunked(build, (l1_weights, l2_weights), chunk)
 
     @classmethod
     def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str,
-                  arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
-        """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does."""
+                  arch: str | None = None, tiled: bool | None = None, *,
+                  chunk_experts: int | None = None) -> ExpertWeights:
+        """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does.
+        ``chunk_experts`` experts at a time (`chunks`; default: by the shapes, within a quarter
+        of the output plus 1.5 GiB of temporaries); the result does not depend on it."""
         check_recipe(recipe)
         arch = _resolve_arch(arch, recipe, w1)
-        return cls.from_quantized(quant.quantize_weights_for_recipe(w1, recipe),
-                                  quant.quantize_weights_for_recipe(w2, recipe), recipe, arch,
-                                  tiled)
+
+        def build(p1, p2):
+            return cls.from_quantized(
+                quant.quantize_weights_for_recipe(p1, recipe, chunk_experts=ALL_EXPERTS),
+                quant.quantize_weights_for_recipe(p2, recipe, chunk_experts=ALL_EXPERTS),
+                recipe, arch, tiled, chunk_experts=ALL_EXPERTS)
+
+        num = _leading_dim(w1)
+        chunk = chunk_experts_for(
+            num, FROM_BF16_PEAK_BYTES[recipe] * _expert_numel(w1),
+            sum(quant.quantized_weight_bytes(tuple(w.shape), recipe) for w in (w1, w2)
+                if isinstance(w, torch.Tensor) and w.dim() == 3), chunk_experts)
+        return cls._chunked(build, (w1, w2), chunk)
+
+    @classmethod
+    def _chunked(cls, build, args: tuple, chunk: int) -> ExpertWeights:
+        """``build(*args)`` (an `ExpertWeights` from expert-major tensors) ``chunk`` experts at
+        a time, each chunk's tensors copied into tensors for all experts (`chunks.map_experts`);
+        one chunk: ``build(*args)``'s own tensors."""
+        kept = {}
+
+        def fields(*parts):
+            part = build(*parts)
+            kept.update(recipe=part.recipe, arch=part.arch, tiled=part.tiled)
+            return tuple(getattr(part, name) for name in _TENSOR_FIELDS)
+
+        out = map_experts(fields, args, chunk)
+        return cls(**kept, **dict(zip(_TENSOR_FIELDS, out, strict=True)))
 
     def decoded_fp8(self) -> ExpertWeights:
         """fp8xfp4_sm90 only: the fp8xfp8 weights (same arch and device) that the kernels'
