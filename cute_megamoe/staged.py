@@ -488,13 +488,19 @@ def layer_pool_block_m(layout, weights, num_tokens: int) -> int | None:
     return 2 * block_m if weights.recipe == "fp8xfp8" and clusters else None
 
 
+def gemm_blocks(arch: str, block_m: int) -> tuple[int, int | None]:
+    """The expert GEMMs' BLOCK_M and the pool's block (None: the same) for a pool laid out in
+    blocks of ``block_m``: an sm_90a pool in 256-row blocks runs 128-row tiles, two per
+    block."""
+    if arch == "sm_90a" and block_m == 256:
+        return 128, 256
+    return block_m, None
+
+
 def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
                             send_to_combine) -> tuple[list[KernelCall], torch.Tensor | None]:
     _check_kernel_weights(sym_buffer, weights)
-    # (an sm_90a pool in 256-row blocks: the GEMMs run 128-row tiles, two per block)
-    block_m, pool_block_m = dispatched.block_m, None
-    if weights.arch == "sm_90a" and block_m == 256:
-        block_m, pool_block_m = 128, 256
+    block_m, pool_block_m = gemm_blocks(weights.arch, dispatched.block_m)
     state = buffer_state(sym_buffer)
     if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,
