@@ -67,6 +67,13 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return []
 
 
+def _only_tensors(tree: object) -> bool:
+    """Whether ``tree`` holds tensors and None only (else ``fn``'s checks name the rest)."""
+    if isinstance(tree, (tuple, list)):
+        return all(_only_tensors(item) for item in tree)
+    return tree is None or isinstance(tree, torch.Tensor)
+
+
 def _map(fn: Callable, tree: object) -> object:
     """``fn`` on every tensor of ``tree`` (a tensor, None, or tuples / lists of them)."""
     if isinstance(tree, torch.Tensor):
@@ -113,7 +120,8 @@ def map_experts(fn: Callable, args: tuple, chunk_experts: int) -> object:
     tensors and None, each with the experts on dim 0. One chunk of all experts: ``fn(*args)``
     itself (no copy; ``fn`` checks the arguments)."""
     tensors = _tensors(args)
-    if not tensors or tensors[0].dim() == 0 or chunk_experts >= tensors[0].shape[0]:
+    if (not _only_tensors(args) or not tensors or min(t.dim() for t in tensors) == 0
+            or chunk_experts >= tensors[0].shape[0]):
         return fn(*args)
     num = num_experts_of(args)
     out = None

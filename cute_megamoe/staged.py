@@ -375,14 +375,18 @@ class TorchExpertWeights:
         if recipe == "bf16xbf16":
             return cls(w1.contiguous(), w2.contiguous())
 
-        def prep(w):
+        def prep(w, name):
+            check_tensor(name, w, for_kernel=False)
+            if w.dim() != 3:
+                raise ValueError(f"{name}: expected [E_l, N, K] weights, got shape "
+                                 f"{tuple(w.shape)}")
             chunk = chunk_experts_for(w.shape[0], TORCH_WEIGHTS_PEAK_BYTES * w[0].numel(),
                                       2 * w.numel(), chunk_experts)
             return map_experts(lambda part: quant.dequantize_weights_for_recipe(
                 quant.quantize_weights_for_recipe(part, recipe, chunk_experts=ALL_EXPERTS),
                 recipe).to(torch.bfloat16), (w,), chunk)
 
-        return cls(prep(w1).contiguous(), prep(w2).contiguous())
+        return cls(prep(w1, "w1").contiguous(), prep(w2, "w2").contiguous())
 
     @classmethod
     def from_transformed(cls, l1_weights, l2_weights) -> TorchExpertWeights:
