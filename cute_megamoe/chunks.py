@@ -11,8 +11,11 @@ are bit-identical to one pass over all experts (the same operations on the same 
 
 How many experts per chunk (`chunk_experts`): as many as keep the step's peak temporaries
 under ``PREP_BUDGET_FRACTION * output bytes + PREP_BUDGET_BYTES``, from a per-recipe model
-of the peak bytes per weight element of one expert (the ``*_BYTES_PER_ELEMENT`` tables, measured
-on the CPU with `testing.memory.peak_extra_bytes` and rounded up; the tests check them). The
+of one expert's peak temporaries in a chunk (`quant.QUANTIZE_PEAK_BYTES`,
+`quant.TRANSFORM_PEAK_FACTOR`, `expert_gemm.FROM_BF16_PEAK_BYTES`,
+`expert_gemm.FROM_QUANTIZED_PEAK_FACTOR`, `expert_gemm.FROM_FP8_BLOCKS_PEAK_FACTOR`,
+`staged.TORCH_WEIGHTS_PEAK_BYTES`: measured on the CPU with `testing.memory.peak_extra_bytes`
+and rounded up; `tests/test_weight_prep.py` checks them; `bench/weights.py` measures the GPU). The
 issue's bound on the extra device memory is ``0.25 * output + 2 GiB``; the budget keeps
 0.5 GiB of it for the allocator's rounding and the small per-chunk tensors the model leaves
 out. A single expert larger than the budget allows still runs alone (the bound then does not

@@ -188,3 +188,18 @@ def test_default_chunk_keeps_the_model_within_the_budget(recipe, shape):
     assert chunk * per_expert <= PREP_BUDGET_FRACTION * out + PREP_BUDGET_BYTES \
         or chunk == 1
     assert PREP_BUDGET_FRACTION * out + PREP_BUDGET_BYTES <= 0.25 * out + (2 << 30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_chunked_preparation_on_gpu_is_bit_identical(recipe):
+    """On the GPU (whose fp8xfp8 scales differ from the CPU's in the last bit: compared on
+    one device): chunked and one-pass preparation give the same bits."""
+    w1, w2 = (w.cuda() for w in _masters(5, experts=5, hidden=512, inter=256))
+    arch = ARCH[recipe]
+    whole = ExpertWeights.from_bf16(w1, w2, recipe, arch=arch, chunk_experts=ALL_EXPERTS)
+    _assert_identical(_fields(ExpertWeights.from_bf16(w1, w2, recipe, arch=arch,
+                                                      chunk_experts=2)), _fields(whole))
+    torch_whole = TorchExpertWeights.from_bf16(w1, w2, recipe, chunk_experts=ALL_EXPERTS)
+    torch_chunked = TorchExpertWeights.from_bf16(w1, w2, recipe, chunk_experts=2)
+    _assert_identical([torch_chunked.w1, torch_chunked.w2], [torch_whole.w1, torch_whole.w2])
