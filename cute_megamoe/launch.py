@@ -16,6 +16,7 @@ per call filled in (`KernelCall.prepare`; the ``*_SLOTS`` constants name them pe
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,10 +144,25 @@ STREAM = object()
 _COMPILE_FORM = LAUNCH_PATHS["cute-dsl"]
 
 
+#: Non-empty within `streamless`.
+_STREAMLESS: list = []
+
+
+@contextlib.contextmanager
+def streamless():
+    """Within: the launchers build launches without a stream argument and compile with a
+    fake one (`precompile` where no GPU is: the launches are never made)."""
+    _STREAMLESS.append(True)
+    try:
+        yield
+    finally:
+        _STREAMLESS.pop()
+
+
 def _call_args(path: LaunchPath, specs: tuple, stream=None) -> tuple:
     """``specs`` (`Ptr`, int, `STREAM`) as ``path`` passes them; ``stream`` the current
-    stream's by default (none without a GPU, where kernels are only compiled: `precompile`)."""
-    if stream is None and torch.cuda.is_available():
+    stream's by default (None within `streamless`)."""
+    if stream is None and not _STREAMLESS:
         stream = path.stream()
     return tuple(path.ptr(s.tensor, s.align, s.dtype) if isinstance(s, Ptr)
                  else stream if s is STREAM else path.int32(s) for s in specs)
@@ -164,8 +180,8 @@ def _compile(kernel, specs: tuple, arch: str, path: LaunchPath) -> Callable:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    # (a compile reads the arguments' types only: without a GPU, a fake stream)
-    stream = None if torch.cuda.is_available() else make_fake_stream()
+    # (a compile reads the arguments' types only: within `streamless`, a fake stream)
+    stream = make_fake_stream() if _STREAMLESS else None
     compiled = cute.compile(kernel, *_call_args(_COMPILE_FORM, specs, stream),
                             options=path.options(arch))
     entry = path.entry(compiled)

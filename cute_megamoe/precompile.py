@@ -29,6 +29,7 @@ environment switches (``CUTE_MEGAMOE_*``) count as for the layer, so set them al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -58,6 +59,7 @@ from .launch import (
     sm90_runs_transposed,
     sm90_shares_decode,
     staging_call,
+    streamless,
 )
 from .layout import MegaMoELayout
 from .runtime import LOGGER, get_arch, launch_path
@@ -295,16 +297,19 @@ def precompile(num_experts: int, num_topk: int, hidden: int, intermediate_hidden
     LOGGER.addHandler(collect)
     if LOGGER.getEffectiveLevel() > logging.INFO:
         LOGGER.setLevel(logging.INFO)
+    # (without a GPU, the launches built, never made, take no stream: `launch.streamless`)
+    no_gpu = contextlib.nullcontext() if torch.cuda.is_available() else streamless()
     try:
-        for choice, counts in calls.items():
-            n = counts[0]
-            if "staged" in paths:
-                collect.serves = f"staged, BLOCK_M {choice[2]}"
-                _staged_call(buf, weights, n, choice[2], activation_clamp, fast_math, transfer,
-                             l2_sends)
-            if fused:
-                collect.serves = f"fused, BLOCK_M {choice[1]}"
-                _fused_call(buf, weights, n, choice[1], activation_clamp, fast_math)
+        with no_gpu:
+            for choice, counts in calls.items():
+                n = counts[0]
+                if "staged" in paths:
+                    collect.serves = f"staged, BLOCK_M {choice[2]}"
+                    _staged_call(buf, weights, n, choice[2], activation_clamp, fast_math,
+                                 transfer, l2_sends)
+                if fused:
+                    collect.serves = f"fused, BLOCK_M {choice[1]}"
+                    _fused_call(buf, weights, n, choice[1], activation_clamp, fast_math)
     finally:
         LOGGER.removeHandler(collect)
         LOGGER.setLevel(level)
