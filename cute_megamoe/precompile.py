@@ -17,7 +17,8 @@ What it compiles: for every token count ``0..max_tokens`` per rank, the kernels 
 `cute_megamoe.MegaMoE` (inputs given as ``x``, no cumulative stats) on each path of
 ``paths``: ``"staged"`` (staging, dispatch, the two grouped GEMMs, combine; where the arch has
 no grouped GEMMs for the recipe, staging, dispatch and the pool-order combine around the torch
-experts) and ``"fused"`` (where `fused.supports` lets it run: one rank on sm_90a, ...). The
+experts) and ``"fused"`` (where `fused.supports` lets it run: sm_90a fp8xfp8 / bf16xbf16 for
+one rank; sm_100a fp8xfp4 / bf16xbf16). The
 choices that follow the token count (BLOCK_M, `heuristics.block_m_for_call`; the sm_90a
 mainloop, `launch.sm90_runs_transposed`; the MXFP4 decode's clusters; the combine's rounds)
 are evaluated for every count, one call per distinct choice. It goes through the launchers
