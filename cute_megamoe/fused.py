@@ -52,7 +52,7 @@ from .staged import (
 )
 from .tables import EXPERIMENTAL_FUSED_RECIPES, FUSED_RECIPES
 
-__all__ = ["choose", "fused_mega_moe", "supports"]
+__all__ = ["choose", "fused_mega_moe", "stages_inputs", "supports"]
 
 # sm_90a runs its L1 and L2 tiles through one ring of 256-column tiles
 _SM90_TILE_N = 256
@@ -135,6 +135,15 @@ def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
     return supports(sym_buffer, weights) is None
 
 
+def stages_inputs(recipe: str, arch: str) -> bool:
+    """Whether the fused kernel quantizes the caller's ``x`` itself (`runtime.fused_staging`;
+    "auto": on sm_90a but for the FP4 experiment) rather than after a staging launch."""
+    staging = fused_staging()
+    if staging == "auto":
+        staging = "launch" if recipe == "fp8xfp4_sm90" else "kernel"
+    return arch == "sm_90a" and staging == "kernel"
+
+
 def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
                    topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
                    weights: ExpertWeights, *, num_tokens: int | None = None,
@@ -178,11 +187,7 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         activation_clamp = check_activation_clamp(activation_clamp)
         check_fast_math(fast_math)
         arch = buffer_state(sym_buffer).arch
-        # sm_90a: the fused kernel stages x itself (`runtime.fused_staging`)
-        staging = fused_staging()
-        if staging == "auto":
-            staging = "launch" if layout.recipe == "fp8xfp4_sm90" else "kernel"
-        in_kernel = x is not None and arch == "sm_90a" and staging == "kernel"
+        in_kernel = x is not None and stages_inputs(layout.recipe, arch)
         launches, n, block_m = prepare_layer_call(
             sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m,
             cumulative_local_expert_recv_stats, validate_routing, stage=not in_kernel)

@@ -16,6 +16,7 @@ per call filled in (`KernelCall.prepare`; the ``*_SLOTS`` constants name them pe
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,9 +144,26 @@ STREAM = object()
 _COMPILE_FORM = LAUNCH_PATHS["cute-dsl"]
 
 
-def _call_args(path: LaunchPath, specs: tuple) -> tuple:
-    """``specs`` (`Ptr`, int, `STREAM`) as ``path`` passes them."""
-    stream = path.stream()
+#: Non-empty within `streamless`.
+_STREAMLESS: list = []
+
+
+@contextlib.contextmanager
+def streamless():
+    """Within: the launchers build launches without a stream argument and compile with a
+    fake one (`precompile` where no GPU is: the launches are never made)."""
+    _STREAMLESS.append(True)
+    try:
+        yield
+    finally:
+        _STREAMLESS.pop()
+
+
+def _call_args(path: LaunchPath, specs: tuple, stream=None) -> tuple:
+    """``specs`` (`Ptr`, int, `STREAM`) as ``path`` passes them; ``stream`` the current
+    stream's by default (None within `streamless`)."""
+    if stream is None and not _STREAMLESS:
+        stream = path.stream()
     return tuple(path.ptr(s.tensor, s.align, s.dtype) if isinstance(s, Ptr)
                  else stream if s is STREAM else path.int32(s) for s in specs)
 
@@ -160,8 +178,11 @@ def _compile(kernel, specs: tuple, arch: str, path: LaunchPath) -> Callable:
     """Compile ``kernel`` for ``arch`` on ``path`` (with `cute.Pointer` / ``Int32`` /
     ``CUstream`` example arguments, whatever the path) and return what a launch calls."""
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
-    compiled = cute.compile(kernel, *_call_args(_COMPILE_FORM, specs),
+    # (a compile reads the arguments' types only: within `streamless`, a fake stream)
+    stream = make_fake_stream() if _STREAMLESS else None
+    compiled = cute.compile(kernel, *_call_args(_COMPILE_FORM, specs, stream),
                             options=path.options(arch))
     entry = path.entry(compiled)
     if entry is not compiled:
@@ -231,7 +252,7 @@ def staging_call(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
     from .kernels.staging import InputStagingKernel
 
     layout = sym_buffer.layout
-    arch = get_arch(sym_buffer.device)
+    arch = buffer_state(sym_buffer).arch
     recipe = layout.recipe
     out_sf = sym_buffer.x_sf if layout.has_sf else sym_buffer.topk_weights  # unused for bf16
     specs = (Ptr(x), Ptr(topk_idx), Ptr(topk_weights), Ptr(sym_buffer.x), Ptr(out_sf),
