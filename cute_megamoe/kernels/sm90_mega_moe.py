@@ -650,7 +650,7 @@ class Sm90MegaMoEKernel:
         sb_load = raw_b if cutlass.const_expr(self.fp4_weights) else sb
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.l1.producer_regs)
-            self.mark_at(barrier, Progress.L1_TILES)
+            self.mark(peer_bases, rank, Progress.L1_TILES)
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
@@ -664,7 +664,7 @@ class Sm90MegaMoEKernel:
                     else None, arrivals_per_row=self.dispatch.arrivals_per_row,
                     preloaded=preloaded)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
-                self.mark_at(barrier, Progress.L2_TILES)
+                self.mark(peer_bases, rank, Progress.L2_TILES)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb_load, sfa, sfb, l2_acts_sf,
@@ -672,7 +672,7 @@ class Sm90MegaMoEKernel:
                     num_clusters, Int32(self.l2.raster_group), cta_rank, lane, state,
                     pool_block_ready, barrier, tile_log=log, log_first=l1_count,
                     ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
-                self.mark_at(barrier, Progress.LOADS_TAIL)
+                self.mark(peer_bases, rank, Progress.LOADS_TAIL)
                 self.l2.producer_tail(ring, state, barrier)
                 self.stamp(stamps, "loads_done", lane == 0)
             elif cutlass.const_expr(self.fp4_weights):
@@ -708,7 +708,7 @@ class Sm90MegaMoEKernel:
             # the registers for the combine come from the consumers' decrease: wait until the
             # consumers hold theirs for the GEMMs (`REGS_TAKEN_BARRIER`; setmaxnreg is
             # warpgroup-wide, and this also lets the four warps meet: warp 0 comes late)
-            self.handover(barrier)
+            self.handover(peer_bases, rank)
         elif wg < self.num_gemm_wgs:
             if cutlass.const_expr(self.late_consumers_ns > 0):
                 if bidx % 2 == 1:
@@ -751,7 +751,7 @@ class Sm90MegaMoEKernel:
         elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
             self.decode(ring, packed_pipe, storage, decoded, block_start, row_start, l1_tiles,
                         l2_tiles, cluster, num_clusters, wg, tidx, lane, stamps, barrier)
-            self.handover(barrier)
+            self.handover(peer_bases, rank)
 
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
@@ -785,23 +785,27 @@ class Sm90MegaMoEKernel:
         self.stamp(stamps, "end", tidx == 0)
 
     @cute.jit
-    def handover(self, barrier: cute.Pointer):
+    def handover(self, peer_bases: cute.Tensor, rank: Int32):
         """A warpgroup of the GEMM roles other than the consumers (the loads, FP4's decode), at
         the end of its role: once every consumer warpgroup holds its GEMM registers
         (`REGS_TAKEN_BARRIER`, which they arrive at right after their setmaxnreg.inc), take
         the combine's registers. Before the handover a warpgroup with no tiles could take back
         the registers it released before the consumers took them; their increase then never
-        found any. (``barrier``: the rank's barrier slots, for the progress words.)"""
-        self.mark_at(barrier, Progress.REGS_TAKEN)
+        found any."""
+        self.mark(peer_bases, rank, Progress.REGS_TAKEN)
         cute.arch.barrier(barrier_id=REGS_TAKEN_BARRIER, number_of_threads=self.role_threads)
-        self.mark_at(barrier, Progress.COMBINE_REGS)
+        self.mark(peer_bases, rank, Progress.COMBINE_REGS)
         cute.arch.setmaxregister_increase(self.combine_regs)
 
     @cute.jit
     def mark(self, peer_bases: cute.Tensor, rank: Int32, step: cutlass.Constexpr):
-        """`mark_at` this rank's barrier slots (the buffer's base is loaded here rather than
-        kept in registers through the roles)."""
-        self.mark_at(self.regions.ptr(Int64(peer_bases[rank]), "barrier"), step)
+        """`mark_at` this rank's barrier slots. The buffer's base is loaded here, relaxed, so
+        that the compiler cannot keep the kernel's first load of it in registers through the
+        GEMM roles (ptxas spilled the FP4 consumers' accumulators when it did)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx % 128 == 0:
+            base = cute.arch.load(peer_bases.iterator + rank, Int64, sem="relaxed", scope="gpu")
+            self.mark_at(self.regions.ptr(base, "barrier"), step)
 
     @cute.jit
     def mark_at(self, barrier: cute.Pointer, step: cutlass.Constexpr):

@@ -74,17 +74,18 @@ class ExpertTileScheduler:
         first tile ``group_start(e) * num_n_blocks`` is at most ``tile`` (empty experts
         before the owner start where it does, so the last one is the owner)."""
         num_n = self.num_n_blocks
+        # (the walks stop at the last expert whatever the table holds: a corrupt one, or a tile
+        # past the last, gives a wrong owner rather than a walk past the table's end)
+        last = Int32(self.num_experts - 1)
         if cutlass.const_expr(self.owner_search == "linear"):
-            while tile >= self.group_start(block_start, owner + 1) * num_n:
+            while owner < last and tile >= self.group_start(block_start, owner + 1) * num_n:
                 owner += 1
-                _trap_past(owner + 1, self.num_experts)
         else:
             # gallop: probes owner + 1, + 2, + 4, ... until one starts past the tile (expert E
             # does: its start is num_tiles), keeping the last that does not in `owner`
             step = Int32(1)
             hi = owner + 1
-            while tile >= self.group_start(block_start, hi) * num_n:
-                _trap_past(hi + 1, self.num_experts)  # (a tile past the last one)
+            while hi <= last and tile >= self.group_start(block_start, hi) * num_n:
                 owner = hi
                 hi = cutlass.min(hi + step, Int32(self.num_experts))
                 step = step * 2
@@ -119,22 +120,12 @@ class ExpertTileScheduler:
         m_block = Int32(0)
         valid_m = Int32(0)
         if pool_block < block_start[self.num_experts]:
-            while pool_block >= block_start[expert + 1]:
+            last = Int32(self.num_experts - 1)
+            while expert < last and pool_block >= block_start[expert + 1]:
                 expert += 1
-                _trap_past(expert + 1, self.num_experts)
             m_block = pool_block - block_start[expert]
             count = row_start[expert + 1] - row_start[expert]
             valid_m = cutlass.min(count - m_block * self.block_m, Int32(self.block_m))
             if cutlass.const_expr(self.empty_tiles):
                 valid_m = cutlass.max(valid_m, Int32(0))
         return owner, expert, m_block, n_block, pool_block, valid_m
-
-
-@cute.jit
-def _trap_past(expert: Int32, num_experts: cutlass.Constexpr):
-    """A walk over the pool's block offsets that reached expert ``num_experts`` (their writer
-    never leaves such a table: it is corrupt, or a tile index past the last) traps rather than
-    read past the table forever. No report record: the walk runs in the GEMM consumers too,
-    which have no barrier slots at hand and no registers to spare for a report."""
-    if expert > num_experts:
-        cute.arch.inline_ptx("trap;")
