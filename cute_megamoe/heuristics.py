@@ -1,7 +1,7 @@
 """Launch heuristics: SM count, BLOCK_M and experts per wave. PROVISIONAL.
 
-These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp``,
-summarised in ``docs/reference-deepgemm-megamoe.md`` section 7) in spirit, restricted to the
+These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp`` at
+commit 54e2261) in spirit, restricted to the
 block sizes our kernels implement. The thresholds are starting points, not measurements: they
 are to be re-tuned with the benchmarks once the kernels run. All functions are pure except
 :func:`get_num_sms`, which reads the CUDA device when there is one (the arch comes from

@@ -5,10 +5,10 @@ What this is
 The numerics contract of the whole package: every cast a kernel must reproduce, written in
 plain PyTorch so it runs on CPU and (unchanged) on CUDA tensors. The formulas are DeepGEMM's
 (``deep_gemm/utils/math.py`` and ``deep_gemm/mega/__init__.py`` at commit 54e2261; the epilogue
-re-quantizer is the kernel's ``get_e4m3_sf_and_sf_inv`` in ``common/math.cuh``, see
-``docs/reference-deepgemm-megamoe.md`` sections 1.2 and 6). Results are bit-identical with
-DeepGEMM's Python helpers on every input those accept; the operations are evaluated in the same
-dtypes and with the same PyTorch primitives, so they also match on each device.
+re-quantizer is the kernel's ``get_e4m3_sf_and_sf_inv`` in ``common/math.cuh``). Results are
+bit-identical with DeepGEMM's Python helpers on every input those accept; the operations are
+evaluated in the same dtypes and with the same PyTorch primitives, so they also match on each
+device.
 
 Formulas
 --------

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of one whole Mega MoE call, on all ranks at once.
 
-This module *defines* what the kernels compute (``docs/design.md`` section 1 and 4, following
-DeepGEMM's Mega MoE, ``docs/reference-deepgemm-megamoe.md`` section 6). It runs on CPU or CUDA
+This module *defines* what the kernels compute, following DeepGEMM's Mega MoE (commit 54e2261:
+``deep_gemm/mega/__init__.py``, ``impls/sm100_fp8_fp4_mega_moe.cuh``). It runs on CPU or CUDA
 tensors (results stay on the inputs' device) and simulates every rank in one process: lists are
 indexed by rank ``r`` in ``[0, R)``.
 

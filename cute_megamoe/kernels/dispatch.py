@@ -66,7 +66,8 @@ How (the seed analysis' count -> prefix -> scatter):
    inputs and start over.
 
 Why push by default: with both GPUs moving rows at once, loads from a peer top out at 321-323
-GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md, "NVLink ceilings").
+GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md,
+"Dispatch and combine").
 
 Constraints:
 * launched cooperatively with at most one CTA per SM (`num_ctas` <= SMs); every rank launches
