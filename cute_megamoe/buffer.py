@@ -301,6 +301,8 @@ class SymmBuffer:
     dispatch_pair_slot = _region_property("dispatch_pair_slot")
     token_src_metadata = _region_property("token_src_metadata")
     pool_block_arrivals = _region_property("pool_block_arrivals")
+    pool_block_ready = _region_property("pool_block_ready")
+    cta_progress = _region_property("cta_progress")
     # Data regions.
     x = _region_property("x")
     x_sf = _region_property("x_sf")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "DEBUG_MODES",
+    "DEBUG_TENSOR_MODES",
     "DECODE_TABLES",
     "K_UNROLLS",
     "PROMOTIONS",
@@ -55,7 +56,10 @@ DECODE_TABLES = ("item", "vote")
 ROW_TRANSFERS = ("barrier", "counted")
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
 #: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), into the launch's debug tensor
-DEBUG_MODES = ("phase_clock", "tile_log")
+DEBUG_MODES = ("phase_clock", "tile_log", "hold_cta", "late_consumers")
+#: the debug modes that write into a tensor the launch passes (the others are test builds with
+#: an injected delay, `kernels/sm90_mega_moe.py`: "hold_cta", "late_consumers")
+DEBUG_TENSOR_MODES = ("phase_clock", "tile_log")
 
 
 def _check_bool(cls: str, name: str, value: object) -> None:
@@ -193,7 +197,8 @@ class Sm90FusedConfig(_Config):
     local_dispatch: one-rank groups with counted rows that stage their own inputs: every CTA
         counts all pairs itself and quantizes its own pairs' rows straight into the pool.
     promotion, k_unroll, row_stores, decode_tables: the GEMM phases' (`Sm90GemmConfig`).
-    debug: a diagnostic, `DEBUG_MODES`, written into the launch's debug tensor.
+    debug: a diagnostic, `DEBUG_MODES`: "phase_clock" and "tile_log" write into the launch's
+        debug tensor; "hold_cta" and "late_consumers" are test builds with an injected delay.
     """
 
     block_m: int | None = None

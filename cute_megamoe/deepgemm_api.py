@@ -8,7 +8,7 @@ Code written against ``deep_gemm``'s Mega MoE API runs on ours by changing the i
     buf.topk_idx[:n].copy_(topk_idx); buf.topk_weights[:n].copy_(topk_weights)
     fp8_fp4_mega_moe(y, l1, l2, buf, activation_clamp=10.0)           # y: [n, H] BF16
 
-(``docs/reference-deepgemm-megamoe.md`` sections 1.1-1.4.) ``n`` is ``y``'s row count. The
+(DeepGEMM's ``deep_gemm/mega/__init__.py`` at commit 54e2261.) ``n`` is ``y``'s row count. The
 weights are exactly what `quant.transform_weights_for_mega_moe` returns with its default arch
 (DeepGEMM's layout: L1 rows gate/up interleaved by 8, FP4 scales in UTCCP row order), with
 scales of any strides (DeepGEMM's MN-major ones or our contiguous ones). Where our grouped

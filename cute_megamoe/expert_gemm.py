@@ -31,6 +31,7 @@ from .checks import (
     check_tensor,
     routing_checks_on,
 )
+from .chunks import ALL_EXPERTS, chunk_experts_for, map_experts
 from .config import Sm90GemmConfig, Sm100GemmConfig
 from .heuristics import default_gemm_config, get_num_sms
 from .kernels.common.gemm_config import SF_BLOCK, weight_sf_row_len
@@ -54,6 +55,70 @@ _FP4_RECIPE = {"sm_90a": "fp8xfp4_sm90", "sm_100a": "fp8xfp4"}
 #: The L1, L2 fields holding f32 128x128 block scales: fp8xfp8's own, fp8xfp4_sm90's decode's.
 _BLOCK_SF_FIELDS = {"fp8xfp8": ("w1_sf", "w2_sf"),
                     "fp8xfp4_sm90": ("w1_block_sf", "w2_block_sf")}
+
+
+#: `ExpertWeights`' tensor fields (what the constructors build chunk by chunk).
+_TENSOR_FIELDS = ("w1", "w2", "w1_sf", "w2_sf", "w1_block_sf", "w2_block_sf")
+#: Peak temporaries of preparing one expert in a chunk, the chunk's result included (`chunks`;
+#: measured on the CPU with `testing.memory` and rounded up): `ExpertWeights.from_bf16` in
+#: bytes per BF16 master element of its L1 weight (measured 6, 5, 12.1, 12.1),
+#: `ExpertWeights.from_quantized` as a multiple of its input bytes (1.7, 1.7, 1.7, 5.7).
+FROM_BF16_PEAK_BYTES = {"fp8xfp8": 10, "bf16xbf16": 8, "fp8xfp4": 16, "fp8xfp4_sm90": 16}
+FROM_QUANTIZED_PEAK_FACTOR = {"fp8xfp8": 3, "bf16xbf16": 3, "fp8xfp4": 3, "fp8xfp4_sm90": 7}
+
+
+#: `ExpertWeights.from_fp8_blocks`' peak per expert, as a multiple of its e4m3 bytes: the
+#: chunk's ``[gate | up]`` concatenation, then `FROM_QUANTIZED_PEAK_FACTOR`.
+FROM_FP8_BLOCKS_PEAK_FACTOR = FROM_QUANTIZED_PEAK_FACTOR["fp8xfp8"] + 1
+
+
+def _check_fp8_blocks(gate, gate_scale, up, up_scale, down, down_scale) -> tuple[int, int, int]:
+    """`ExpertWeights.from_fp8_blocks`' argument checks; returns ``(E_l, H, I)``."""
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        check_tensor(name, w, torch.float8_e4m3fn, for_kernel=False)
+        if w.dim() != 3:
+            raise ValueError(f"{name}: expected [E_l, N, K] e4m3 weights, got shape "
+                             f"{tuple(w.shape)}")
+    num, inter, hidden = gate.shape
+    for name, w, shape in (("up", up, (num, inter, hidden)), ("down", down, (num, hidden, inter))):
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} (gate is {tuple(gate.shape)}), "
+                             f"got {tuple(w.shape)}")
+    if hidden % SF_BLOCK or inter % SF_BLOCK:
+        raise ValueError(f"gate: hidden ({hidden}) and intermediate ({inter}) must be multiples "
+                         f"of {SF_BLOCK} (whole {SF_BLOCK}x{SF_BLOCK} scale blocks)")
+    for name, sf, w in (("gate_scale", gate_scale, gate), ("up_scale", up_scale, up),
+                        ("down_scale", down_scale, down)):
+        check_tensor(name, sf, for_kernel=False)
+        want = (num, w.shape[1] // SF_BLOCK, w.shape[2] // SF_BLOCK)
+        if not sf.is_floating_point() or sf.element_size() < 2 or tuple(sf.shape) != want:
+            raise ValueError(f"{name}: expected float32 block scales of shape {want} (one per "
+                             f"{SF_BLOCK}x{SF_BLOCK} block of {tuple(w.shape)}), got "
+                             f"{sf.dtype} {tuple(sf.shape)}")
+        if not bool(torch.isfinite(sf).all()):
+            raise ValueError(f"{name}: block scales must be finite")
+    return num, hidden, inter
+
+
+def _tensors_of(*trees) -> list[torch.Tensor]:
+    """The tensors of weights given as tensors or (weight, scale) tuples (others skipped: the
+    constructors' checks name them)."""
+    out = []
+    for tree in trees:
+        for t in tree if isinstance(tree, tuple) else (tree,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def _leading_dim(weights) -> int:
+    """The experts of a weight tensor or (weight, scale) tuple (0 where it is neither)."""
+    tensors = _tensors_of(weights)
+    return tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+
+
+def _expert_numel(w) -> int:
+    return w[0].numel() if isinstance(w, torch.Tensor) and w.dim() and len(w) else 0
 
 
 def _k_major_block_sf(block_sf: torch.Tensor, n: int) -> torch.Tensor:
@@ -297,23 +362,131 @@ class ExpertWeights:
         return cls(recipe, w1, w2, sf1, sf2, arch=arch)._stored(tiled)
 
     @classmethod
-    def from_quantized(cls, l1_weights, l2_weights, recipe: str,
-                       arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
-        """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved)."""
+    def from_quantized(cls, l1_weights, l2_weights, recipe: str, arch: str | None = None,
+                       tiled: bool | None = None, *,
+                       chunk_experts: int | None = None) -> ExpertWeights:
+        """From `quant.quantize_weights_for_recipe` outputs (gate | up rows, not interleaved).
+        ``chunk_experts`` experts at a time (`chunks`; default: by the shapes, within a quarter
+        of the output plus 1.5 GiB of temporaries); the result does not depend on it."""
         check_recipe(recipe)
         arch = _resolve_arch(arch, recipe, l1_weights)
-        l1, l2 = quant.transform_weights_for_mega_moe(l1_weights, l2_weights, arch=arch)
-        return cls.from_transformed(l1, l2, recipe, arch, tiled)
+
+        def build(l1, l2):
+            t1, t2 = quant.transform_weights_for_mega_moe(l1, l2, arch=arch,
+                                                          chunk_experts=ALL_EXPERTS)
+            return cls.from_transformed(t1, t2, recipe, arch, tiled)
+
+        size = sum(t.numel() * t.element_size() for t in _tensors_of(l1_weights, l2_weights))
+        num = _leading_dim(l1_weights)
+        chunk = chunk_experts_for(num, FROM_QUANTIZED_PEAK_FACTOR[recipe] * size // max(num, 1),
+                                  size, chunk_experts)
+        return cls._chunked(build, (l1_weights, l2_weights), chunk)
 
     @classmethod
     def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str,
-                  arch: str | None = None, tiled: bool | None = None) -> ExpertWeights:
-        """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does."""
+                  arch: str | None = None, tiled: bool | None = None, *,
+                  chunk_experts: int | None = None) -> ExpertWeights:
+        """Quantize BF16 master weights ``[E_l, 2I, H]`` / ``[E_l, H, I]`` as the reference does.
+        ``chunk_experts`` experts at a time (`chunks`; default: by the shapes, within a quarter
+        of the output plus 1.5 GiB of temporaries); the result does not depend on it."""
         check_recipe(recipe)
         arch = _resolve_arch(arch, recipe, w1)
-        return cls.from_quantized(quant.quantize_weights_for_recipe(w1, recipe),
-                                  quant.quantize_weights_for_recipe(w2, recipe), recipe, arch,
-                                  tiled)
+
+        def build(p1, p2):
+            return cls.from_quantized(
+                quant.quantize_weights_for_recipe(p1, recipe, chunk_experts=ALL_EXPERTS),
+                quant.quantize_weights_for_recipe(p2, recipe, chunk_experts=ALL_EXPERTS),
+                recipe, arch, tiled, chunk_experts=ALL_EXPERTS)
+
+        num = _leading_dim(w1)
+        chunk = chunk_experts_for(
+            num, FROM_BF16_PEAK_BYTES[recipe] * _expert_numel(w1),
+            sum(quant.quantized_weight_bytes(tuple(w.shape), recipe) for w in (w1, w2)
+                if isinstance(w, torch.Tensor) and w.dim() == 3), chunk_experts)
+        return cls._chunked(build, (w1, w2), chunk)
+
+    @classmethod
+    def from_fp8_blocks(cls, gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor,
+                        up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+                        arch: str | None = None, tiled: bool | None = None, *,
+                        chunk_experts: int | None = None) -> ExpertWeights:
+        """fp8xfp8 weights from FP8 block-scaled expert weights as checkpoints publish them,
+        without re-quantizing: DeepSeek-V3 / R1 hold each expert's ``gate_proj`` / ``up_proj``
+        / ``down_proj`` weight as e4m3 with a float32 ``weight_scale_inv`` per 128x128 block,
+        the dequantized weight being ``weight * scale`` (`checkpoint.load_fp8_experts` reads
+        them from safetensors files).
+
+        Args:
+            gate, up: e4m3 ``[E_l, I, H]``; down: e4m3 ``[E_l, H, I]`` (``[out, in]``, as
+                ``nn.Linear`` stores them).
+            gate_scale, up_scale, down_scale: their block scales ``[E_l, N/128, K/128]`` for a
+                weight ``[E_l, N, K]``; float32 (BF16 / FP16 are converted, exactly), finite.
+            arch, tiled, chunk_experts: as `from_bf16` (``arch``: sm_90a, the arch with
+                fp8xfp8 grouped-GEMM kernels).
+
+        Exact: the fp8xfp8 kernels take any f32 block scale (each 128-deep k-block's partial
+        sums are multiplied by the activation scale times the weight block's scale in f32,
+        DeepGEMM's SM90 promotion; only the activations' scales are powers of two), so the
+        checkpoint's e4m3 codes and scales are the kernels' operands bit for bit: no
+        power-of-two condition on the scales, no rescaled code, no second rounding. The layer
+        then computes what `reference.mega_moe_reference` computes on the dequantized weights
+        (`dequantized`), up to the GEMMs' FP32 accumulation. Needs H and I to be multiples of
+        128 (whole blocks; the gate and up blocks stay apart in ``[gate | up]``). Blackwell
+        has no fp8xfp8 grouped GEMMs: there `staged.TorchExpertWeights.from_transformed` of
+        `quant.transform_weights_for_mega_moe` of the same pairs runs them on BF16 weights
+        (one rounding of ``weight * scale`` to BF16).
+        """
+        tensors = (gate, gate_scale, up, up_scale, down, down_scale)
+        num, hidden, inter = _check_fp8_blocks(*tensors)
+        arch = _resolve_arch(arch, "fp8xfp8", gate)
+
+        def build(g, gs, u, us, d, ds):
+            l1 = (torch.cat([g, u], dim=1), torch.cat([gs, us], dim=1).float())
+            return cls.from_quantized(l1, (d, ds.float()), "fp8xfp8", arch, tiled,
+                                      chunk_experts=ALL_EXPERTS)
+
+        size = 3 * num * hidden * inter
+        chunk = chunk_experts_for(num, FROM_FP8_BLOCKS_PEAK_FACTOR * size // max(num, 1), size,
+                                  chunk_experts)
+        return cls._chunked(build, tensors, chunk)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 weights the kernels compute with, in the reference's layout: ``w1``
+        ``[E_l, 2I, H]`` (rows ``[gate | up]``, not interleaved) and ``w2`` ``[E_l, H, I]``
+        (`reference.mega_moe_reference` takes them as they are; `MegaMoE` runs it on them on
+        the CPU). fp8xfp8: each e4m3 code times its block's f32 scale (one f32 product);
+        MXFP4: e2m1 times its UE8M0 scale (fp8xfp4_sm90: its on-chip decode's e4m3 blocks,
+        `decoded_fp8`); BF16 as it is. All experts at once: 4 bytes per weight."""
+        if self.recipe == "fp8xfp4_sm90":
+            return self.decoded_fp8().dequantized()
+        rows = self.untiled_copy()
+        w1, w2 = quant.deinterleave_gate_up(rows.w1), rows.w2
+        if self.recipe == "bf16xbf16":
+            return w1.float(), w2.float()
+        if self.recipe == "fp8xfp8":  # (block scales K-block major, rows padded)
+            sf1 = self.w1_sf.transpose(1, 2)[:, : w1.shape[1] // SF_BLOCK].contiguous()
+            sf2 = self.w2_sf.transpose(1, 2)[:, : w2.shape[1] // SF_BLOCK].contiguous()
+        else:  # fp8xfp4: MN-major, UTCCP row order, L1 rows interleaved
+            sf1 = quant.deinterleave_gate_up(quant.untranspose_sf_for_utccp(
+                self.w1_sf.transpose(1, 2).contiguous()))
+            sf2 = quant.untranspose_sf_for_utccp(self.w2_sf.transpose(1, 2).contiguous())
+        return (quant.dequantize_weights_for_recipe((w1, sf1), self.recipe),
+                quant.dequantize_weights_for_recipe((w2, sf2), self.recipe))
+
+    @classmethod
+    def _chunked(cls, build, args: tuple, chunk: int) -> ExpertWeights:
+        """``build(*args)`` (an `ExpertWeights` from expert-major tensors) ``chunk`` experts at
+        a time, each chunk's tensors copied into tensors for all experts (`chunks.map_experts`);
+        one chunk: ``build(*args)``'s own tensors."""
+        kept = {}
+
+        def fields(*parts):
+            part = build(*parts)
+            kept.update(recipe=part.recipe, arch=part.arch, tiled=part.tiled)
+            return tuple(getattr(part, name) for name in _TENSOR_FIELDS)
+
+        out = map_experts(fields, args, chunk)
+        return cls(**kept, **dict(zip(_TENSOR_FIELDS, out, strict=True)))
 
     def decoded_fp8(self) -> ExpertWeights:
         """fp8xfp4_sm90 only: the fp8xfp8 weights (same arch and device) that the kernels'

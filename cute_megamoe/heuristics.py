@@ -1,13 +1,14 @@
 """Launch heuristics: SM count, BLOCK_M and experts per wave. PROVISIONAL.
 
-These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp``: a
-config struct that is the compile key) in spirit, restricted to the block sizes our kernels
-implement. The BLOCK_M thresholds are starting points; the kernel defaults below are measured
-(docs/performance.md). `default_gemm_config` and `default_fused_config` fill in the fields a
-caller's config (`config`) leaves None for a call's shapes: the complete value a kernel is
-built from. All functions are pure except :func:`get_num_sms`, which reads the CUDA device
-when there is one (the arch comes from `runtime.get_arch`). Architectures may be given in any
-spelling `tables.normalize_arch` takes; the block sizes come from `tables.BLOCK_MS`.
+These follow DeepGEMM's Mega MoE heuristics (``csrc/jit_kernels/heuristics/mega_moe.hpp`` at
+commit 54e2261: a config struct that is the compile key) in spirit, restricted to the block
+sizes our kernels implement. The BLOCK_M thresholds are starting points; the kernel
+defaults below are measured (docs/performance.md). `default_gemm_config` and
+`default_fused_config` fill in the fields a caller's config (`config`) leaves None for a
+call's shapes: the complete value a kernel is built from. All functions are pure except
+:func:`get_num_sms`, which reads the CUDA device when there is one (the arch comes from
+`runtime.get_arch`). Architectures may be given in any spelling `tables.normalize_arch`
+takes; the block sizes come from `tables.BLOCK_MS`.
 """
 
 from __future__ import annotations

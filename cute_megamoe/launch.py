@@ -17,6 +17,7 @@ per call filled in (`KernelCall.prepare`; the ``*_SLOTS`` constants name them pe
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .buffer import SymmBuffer
-from .config import Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
+from .config import DEBUG_TENSOR_MODES, Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
 from .heuristics import get_num_sms
 from .runtime import LAUNCH_PATHS, LaunchPath, as_ptr, compiled_kernel, get_arch, launch_path
 
@@ -119,9 +120,26 @@ STREAM = object()
 _COMPILE_FORM = LAUNCH_PATHS["cute-dsl"]
 
 
-def _call_args(path: LaunchPath, specs: tuple) -> tuple:
-    """``specs`` (`Ptr`, int, `STREAM`) as ``path`` passes them."""
-    stream = path.stream()
+#: Non-empty within `streamless`.
+_STREAMLESS: list = []
+
+
+@contextlib.contextmanager
+def streamless():
+    """Within: the launchers build launches without a stream argument and compile with a
+    fake one (`precompile` where no GPU is: the launches are never made)."""
+    _STREAMLESS.append(True)
+    try:
+        yield
+    finally:
+        _STREAMLESS.pop()
+
+
+def _call_args(path: LaunchPath, specs: tuple, stream=None) -> tuple:
+    """``specs`` (`Ptr`, int, `STREAM`) as ``path`` passes them; ``stream`` the current
+    stream's by default (None within `streamless`)."""
+    if stream is None and not _STREAMLESS:
+        stream = path.stream()
     return tuple(path.ptr(s.tensor, s.align, s.dtype) if isinstance(s, Ptr)
                  else stream if s is STREAM else path.int32(s) for s in specs)
 
@@ -136,8 +154,11 @@ def _compile(kernel, specs: tuple, arch: str, path: LaunchPath) -> Callable:
     """Compile ``kernel`` for ``arch`` on ``path`` (with `cute.Pointer` / ``Int32`` /
     ``CUstream`` example arguments, whatever the path) and return what a launch calls."""
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
-    compiled = cute.compile(kernel, *_call_args(_COMPILE_FORM, specs),
+    # (a compile reads the arguments' types only: within `streamless`, a fake stream)
+    stream = make_fake_stream() if _STREAMLESS else None
+    compiled = cute.compile(kernel, *_call_args(_COMPILE_FORM, specs, stream),
                             options=path.options(arch))
     entry = path.entry(compiled)
     if entry is not compiled:
@@ -170,10 +191,6 @@ class BufferState:
         self.recv_tokens_ptr = as_ptr(self.recv_tokens, align=4)
         self.expert_out: torch.Tensor | None = None  # BF16 [P, H] of `staged.kernel_experts`
         self.plans: dict = {}  # `staged`'s and `fused`'s layer plans by configuration
-        # the fused kernel's per-call readiness counters, one per pool block of 64 rows (its
-        # smallest BLOCK_M), plus one for a 2-CTA cluster's dummy block
-        self.pool_block_ready = torch.zeros(sym_buffer.layout.num_pool_rows // 64 + 1,
-                                            dtype=torch.int32, device=device)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -211,7 +228,7 @@ def staging_call(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
     from .kernels.staging import InputStagingKernel
 
     layout = sym_buffer.layout
-    arch = get_arch(sym_buffer.device)
+    arch = buffer_state(sym_buffer).arch
     recipe = layout.recipe
     out_sf = sym_buffer.x_sf if layout.has_sf else sym_buffer.topk_weights  # unused for bf16
     specs = (Ptr(x), Ptr(topk_idx), Ptr(topk_weights), Ptr(sym_buffer.x), Ptr(out_sf),
@@ -399,7 +416,8 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor
     at BLOCK_M 256). ``debug`` (sm_90a, with ``config.debug``): the diagnostic's tensor,
     "phase_clock" int64 ``[num_ctas, len(PHASE_STAMPS)]`` (each CTA's phase boundaries,
     `bench/fused_phases.py`), "tile_log" int32 ``[tiles per CTA, num_ctas, 4]`` (every CTA's
-    tiles, `testing.fused_checks.check_tile_walk`). ``inputs`` (sm_90a, with
+    tiles, `testing.fused_checks.check_tile_walk`); "hold_cta" and "late_consumers" (test
+    builds) take none. ``inputs`` (sm_90a, with
     ``config.stages_inputs``): the caller's ``(x, topk_idx, topk_weights)``, which the kernel
     stages into the buffer itself instead of a staging launch before it."""
     tiled = bool(getattr(weights, "tiled", False))
@@ -410,9 +428,9 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor
         if not isinstance(config, Sm90FusedConfig):
             raise TypeError(f"config: an Sm90FusedConfig on sm_90a, got "
                             f"{type(config).__name__}")
-        if (debug is None) != (config.debug is None):
-            raise ValueError(f"debug: a tensor with config.debug, none without; got "
-                             f"config.debug={config.debug!r}")
+        if (debug is None) != (config.debug not in DEBUG_TENSOR_MODES):
+            raise ValueError(f"debug: a tensor with config.debug {DEBUG_TENSOR_MODES}, none "
+                             f"without; got config.debug={config.debug!r}")
         if (inputs is not None) != bool(config.stages_inputs):
             raise ValueError(f"inputs: the caller's (x, topk_idx, topk_weights) with "
                              f"config.stages_inputs, none without; got "
@@ -448,7 +466,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor
         "l2_acts_sf": sym_buffer.l2_acts_sf if fp8 else spare,
         "token_src_metadata": sym_buffer.token_src_metadata, "w1": weights.w1,
         "w1_sf": weights.w1_sf if fp8 else spare, "w2": weights.w2,
-        "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": state.pool_block_ready,
+        "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": sym_buffer.pool_block_ready,
         # (the diagnostics' tensors: unused without them)
         "phase_clock": debug if debug_mode == "phase_clock" else sym_buffer.peer_bases,
         "tile_log": debug if debug_mode == "tile_log" else state.recv_tokens,

@@ -104,8 +104,10 @@ class MegaMoE(torch.nn.Module):
         w1, w2: this rank's BF16 master weights ``[E_l, 2I, H]`` (rows ``[gate | up]``, not
             interleaved) and ``[E_l, H, I]``; quantized here for the recipe.
         weights: instead of ``w1``/``w2``, pre-quantized weights for this GPU:
-            `expert_gemm.ExpertWeights` (the kernels path) or `staged.TorchExpertWeights`
-            (the torch path). Not on the CPU (the reference needs the BF16 weights).
+            `expert_gemm.ExpertWeights` (the kernels path; e.g. an FP8 checkpoint loaded as
+            published, `ExpertWeights.from_fp8_blocks`) or `staged.TorchExpertWeights` (the
+            torch path). On the CPU the reference runs on the weights they hold
+            (`ExpertWeights.dequantized`; a `TorchExpertWeights`' BF16 values).
         device: where to run; None: the current CUDA device if CUDA is available, else the
             CPU. ``'cpu'`` forces the reference.
         experts: ``'kernels'`` or ``'torch'`` to force the CUDA path; None chooses by the arch.
@@ -183,9 +185,10 @@ class MegaMoE(torch.nn.Module):
             if num_ranks != 1:
                 raise ValueError("group: the CPU path runs the reference for one rank; pass "
                                  "group=None (or a group of one rank)")
-            if w1 is None:
-                raise ValueError("weights: the CPU path runs the reference, which needs the "
-                                 "BF16 weights: pass w1 and w2")
+            if w1 is None:  # (the reference on the weights the kernels would compute with)
+                _check_prepared_weights(layout, weights, recipe, None, device)
+                w1, w2 = (weights.dequantized() if isinstance(weights, ExpertWeights)
+                          else (weights.w1.float(), weights.w2.float()))
             if experts is not None:
                 raise ValueError(f"experts={experts!r} needs CUDA; this layer runs on {device}")
             if fused:
@@ -423,13 +426,16 @@ def _check_master_weights(layout: MegaMoELayout, w1, w2) -> None:
                              f"this rank's experts), got {tuple(w.shape)}")
 
 
-def _check_prepared_weights(layout: MegaMoELayout, weights, recipe: str, arch: str,
+def _check_prepared_weights(layout: MegaMoELayout, weights, recipe: str, arch: str | None,
                             device: torch.device) -> None:
     e_l, h, i = layout.num_local_experts, layout.hidden, layout.intermediate_hidden
+    if not isinstance(weights, (ExpertWeights, TorchExpertWeights)):
+        raise TypeError(f"weights: expected ExpertWeights or TorchExpertWeights, got "
+                        f"{type(weights).__name__}")
     if isinstance(weights, ExpertWeights):
         if weights.recipe != recipe:
             raise ValueError(f"weights: recipe {weights.recipe!r}, the layer's is {recipe!r}")
-        if weights.arch != arch:
+        if arch is not None and weights.arch != arch:
             raise ValueError(f"weights: prepared for {weights.arch}, this GPU is {arch}")
     if (weights.num_experts, weights.hidden, weights.intermediate) != (e_l, h, i):
         raise ValueError(f"weights: {weights.num_experts} experts, hidden {weights.hidden}, "

@@ -5,10 +5,10 @@ What this is
 The numerics contract of the whole package: every cast a kernel must reproduce, written in
 plain PyTorch so it runs on CPU and (unchanged) on CUDA tensors. The formulas are DeepGEMM's
 (``deep_gemm/utils/math.py`` and ``deep_gemm/mega/__init__.py`` at commit 54e2261; the epilogue
-re-quantizer is the kernel's ``get_e4m3_sf_and_sf_inv`` in ``common/math.cuh``, see
-``docs/reference-deepgemm-megamoe.md`` sections 1.2 and 6). Results are bit-identical with
-DeepGEMM's Python helpers on every input those accept; the operations are evaluated in the same
-dtypes and with the same PyTorch primitives, so they also match on each device.
+re-quantizer is the kernel's ``get_e4m3_sf_and_sf_inv`` in ``common/math.cuh``). Results are
+bit-identical with DeepGEMM's Python helpers on every input those accept; the operations are
+evaluated in the same dtypes and with the same PyTorch primitives, so they also match on each
+device.
 
 Formulas
 --------
@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 
 from cute_megamoe.checks import check_tensor
+from cute_megamoe.chunks import chunk_experts_for, map_experts
 from cute_megamoe.tables import RECIPES, activation_recipe, normalize_arch
 from cute_megamoe.utils import align, ceil_div
 
@@ -752,6 +753,8 @@ def transform_weights_for_mega_moe(
     l2_weights: WeightPair,
     activation: str = "swiglu",
     arch: str = "sm_100a",
+    *,
+    chunk_experts: int | None = None,
 ) -> tuple[WeightPair, WeightPair]:
     """Put expert weights into the layout the Mega-MoE kernels read (done once at load time).
 
@@ -771,10 +774,35 @@ def transform_weights_for_mega_moe(
     Returns ``(l1_transformed, l2_transformed)`` with the same structure as the inputs.
     ``arch`` (any spelling `tables.normalize_arch` takes) only changes the FP4 scales; the
     default is DeepGEMM's layout, the one `cute_megamoe.fp8_fp4_mega_moe` consumes on every GPU.
+
+    Runs ``chunk_experts`` experts at a time into outputs allocated once (`chunks`; default:
+    as many as keep the temporaries within a quarter of the output plus 1.5 GiB); the result
+    (values, dtypes, shapes and strides) does not depend on it.
     """
     if activation != "swiglu":
         raise ValueError(f"activation must be 'swiglu', got {activation!r}")
     arch = normalize_arch(arch)
+    sources = [t for pair in (l1_weights, l2_weights)
+               for t in (pair if isinstance(pair, tuple) else (pair,))]
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in sources):
+        return _transform_weights(l1_weights, l2_weights, arch)  # (its checks name them)
+    num_experts = sources[0].shape[0]
+    size = sum(t.numel() * t.element_size() for t in sources)
+    chunk = chunk_experts_for(num_experts, TRANSFORM_PEAK_FACTOR * size // max(num_experts, 1),
+                              size, chunk_experts)
+    return map_experts(lambda l1, l2: _transform_weights(l1, l2, arch),
+                       (l1_weights, l2_weights), chunk)
+
+
+#: Peak temporaries of transforming one expert (`transform_weights_for_mega_moe`) in a chunk, as
+#: a multiple of its input bytes, the chunk's result included (`chunks`; measured with
+#: `testing.memory`: 0.7 plus the result; rounded up).
+TRANSFORM_PEAK_FACTOR = 3
+
+
+def _transform_weights(l1_weights: WeightPair, l2_weights: WeightPair,
+                       arch: str) -> tuple[WeightPair, WeightPair]:
+    """`transform_weights_for_mega_moe` of all experts at once (``arch`` normalized)."""
     if isinstance(l1_weights, torch.Tensor):
         return _transform_bf16(l1_weights, l2_weights)
     w1, _ = _unpack_pair(l1_weights, "l1_weights")
@@ -793,7 +821,25 @@ def transform_weights_for_mega_moe(
 # ----------------------------------------------------------------------------------------------
 
 
-def quantize_weights_for_recipe(w: torch.Tensor, recipe: str) -> WeightPair:
+#: Peak temporaries of quantizing one expert (`quantize_weights_for_recipe`) in a chunk, in
+#: bytes per weight element, its result included (`chunks`; measured with `testing.memory`
+#: for BF16 and float32 weights and rounded up: fp8xfp8 5 / 8, MXFP4 11.6 / 15.6, plus the
+#: chunk's result).
+QUANTIZE_PEAK_BYTES = {"fp8xfp8": 10, "fp8xfp4": 18, "fp8xfp4_sm90": 18, "bf16xbf16": 4}
+
+
+def quantized_weight_bytes(shape: tuple[int, ...], recipe: str) -> int:
+    """Bytes of `quantize_weights_for_recipe`'s output for weights of ``shape`` ``[E, N, K]``."""
+    num_experts, n, k = shape
+    if recipe == "bf16xbf16":
+        return 2 * num_experts * n * k
+    if recipe in ("fp8xfp4", "fp8xfp4_sm90"):
+        return num_experts * n * (k // 2 + 4 * ceil_div(k, 4 * 32))
+    return num_experts * (n * k + 4 * ceil_div(n, FP8_BLOCK) * ceil_div(k, FP8_BLOCK))
+
+
+def quantize_weights_for_recipe(w: torch.Tensor, recipe: str, *,
+                                chunk_experts: int | None = None) -> WeightPair:
     """Quantize expert weights ``w [E, N, K]`` (bf16) for ``recipe`` (before the transform).
 
     * ``'fp8xfp4'``, ``'fp8xfp4_sm90'``: per row, e2m1 with UE8M0 scale per 32 ->
@@ -803,11 +849,24 @@ def quantize_weights_for_recipe(w: torch.Tensor, recipe: str) -> WeightPair:
       f32 [E, ceil(N/128), ceil(K/128)])`` (``per_block_cast_to_fp8(use_ue8m0=False)``; these
       raw scales depend on the device in the last bit, see the module docstring).
     * ``'bf16xbf16'``: ``w`` as bf16.
+
+    Runs ``chunk_experts`` experts at a time into outputs allocated once (`chunks`; default:
+    as many as keep the temporaries within a quarter of the output plus 1.5 GiB); the result
+    does not depend on it.
     """
     check_recipe(recipe)
     check_tensor("w", w, for_kernel=False)
     _check_dim(w, 3, "w")
     _check_floating(w, "w")
+    if recipe == "bf16xbf16" and w.dtype == torch.bfloat16:
+        return w
+    chunk = chunk_experts_for(w.shape[0], QUANTIZE_PEAK_BYTES[recipe] * w[0].numel(),
+                              quantized_weight_bytes(tuple(w.shape), recipe), chunk_experts)
+    return map_experts(lambda part: _quantize_weights(part, recipe), (w,), chunk)
+
+
+def _quantize_weights(w: torch.Tensor, recipe: str) -> WeightPair:
+    """`quantize_weights_for_recipe` of all of ``w``'s experts at once."""
     num_experts, n, k = w.shape
     if recipe == "bf16xbf16":
         return w.to(torch.bfloat16)

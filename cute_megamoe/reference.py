@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of one whole Mega MoE call, on all ranks at once.
 
-This module *defines* what the kernels compute (``docs/design.md`` section 1 and 4, following
-DeepGEMM's Mega MoE, ``docs/reference-deepgemm-megamoe.md`` section 6). It runs on CPU or CUDA
+This module *defines* what the kernels compute, following DeepGEMM's Mega MoE (commit 54e2261:
+``deep_gemm/mega/__init__.py``, ``impls/sm100_fp8_fp4_mega_moe.cuh``). It runs on CPU or CUDA
 tensors (results stay on the inputs' device) and simulates every rank in one process: lists are
 indexed by rank ``r`` in ``[0, R)``.
 
@@ -24,7 +24,9 @@ Numerics, step by step. For every token ``t`` of every rank ``s`` and every slot
    with a power-of-two f32 scale per 128 for ``fp8xfp8``) and dequantised to f32, which is exact.
    Weights likewise (``quantize_weights_for_recipe`` then ``dequantize_weights_for_recipe``,
    one expert at a time; the quantisation blocks are taken over the [gate | up] rows as given
-   here, before any interleave). ``bf16xbf16`` uses the BF16 values as f32.
+   here, before any interleave). ``bf16xbf16`` uses the BF16 values as f32. Weights given as
+   float32 are the dequantized weights already (quantized elsewhere, e.g. an FP8 checkpoint
+   loaded as published: `expert_gemm.ExpertWeights.from_fp8_blocks`) and are used as given.
    ``fp8xfp4_sm90`` (Hopper has no FP4 MMA: its kernels keep ``fp8xfp4``'s MXFP4 weights in
    HBM and decode them on chip to ``fp8xfp8``'s format): activations and step 7 as
    ``fp8xfp8``; weights quantised as ``fp8xfp4`` and dequantised as their decode, e4m3 times a
@@ -366,8 +368,11 @@ def mega_moe_reference(
         x: per rank, bf16 ``[n_r, H]`` (``n_r`` may differ per rank and be 0).
         topk_idx: per rank, int64 ``[n_r, K]``, values in ``[-1, E)``; -1 masks a slot.
         topk_weights: per rank, f32 ``[n_r, K]``.
-        l1_weights: per rank, bf16 ``[E_l, 2I, H]`` with rows [gate | up] (not interleaved).
-        l2_weights: per rank, bf16 ``[E_l, H, I]``.
+        l1_weights: per rank, bf16 ``[E_l, 2I, H]`` with rows [gate | up] (not interleaved),
+            quantized here for the recipe (step 2); or float32: the dequantized weights the
+            kernels hold (e.g. `expert_gemm.ExpertWeights.dequantized`, weights loaded
+            quantized from a checkpoint), used as they are.
+        l2_weights: per rank, ``[E_l, H, I]``, of ``l1_weights``' dtype.
         recipe: ``'fp8xfp4'``, ``'fp8xfp8'``, ``'bf16xbf16'`` or ``'fp8xfp4_sm90'``.
         activation_clamp: None or ``c >= 0`` (gate ``<= c``, up in ``[-c, c]``).
         fast_math: the kernels' SiLU flavour; the reference is the same for both.
@@ -473,7 +478,10 @@ def _dequantized_activations(x: torch.Tensor, recipe: str) -> torch.Tensor:
 
 
 def _dequantized_weight(w: torch.Tensor, recipe: str) -> torch.Tensor:
-    """Step 2 for one expert's weight ``[N, K]`` bf16 -> f32 ``[N, K]``."""
+    """Step 2 for one expert's weight ``[N, K]`` bf16 -> f32 ``[N, K]`` (float32: dequantized
+    already, used as it is)."""
+    if w.dtype == torch.float32:
+        return w
     if recipe == "bf16xbf16":
         return w.float()
     q = quantize_weights_for_recipe(w.unsqueeze(0), recipe)
@@ -558,9 +566,11 @@ def _check_inputs(
         _check_list("cumulative_local_expert_recv_stats", stats, num_ranks)
     device = x[0].device
 
-    # Weights fix E_l, I and H.
+    # Weights fix E_l, I and H; BF16 masters or float32 weights as the kernels hold them.
+    weight_dtype = torch.float32 if getattr(l1_weights[0], "dtype", None) == torch.float32 \
+        else torch.bfloat16
     _, two_inter, hidden = _check_rank_tensor(
-        "l1_weights", 0, l1_weights[0], torch.bfloat16, (None, None, None), device
+        "l1_weights", 0, l1_weights[0], weight_dtype, (None, None, None), device
     )
     num_local_experts = l1_weights[0].shape[0]
     if num_local_experts < 1:
@@ -583,7 +593,7 @@ def _check_inputs(
             "l1_weights",
             r,
             l1_weights[r],
-            torch.bfloat16,
+            weight_dtype,
             (num_local_experts, two_inter, hidden),
             device,
         )
@@ -591,7 +601,7 @@ def _check_inputs(
             "l2_weights",
             r,
             l2_weights[r],
-            torch.bfloat16,
+            weight_dtype,
             (num_local_experts, hidden, inter),
             device,
         )

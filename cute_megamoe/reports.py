@@ -18,11 +18,19 @@ and the values seen.
 
 from __future__ import annotations
 
+from .layout.mega_moe import PROGRESS_WARPGROUPS
 from .tables import RECIPES
 
 #: int32 fields of a record, in order
 REPORT_FIELDS = ("kind", "name", "cta", "thread", "value", "target", "source", "expert")
-REPORT_WORDS = len(REPORT_FIELDS)
+#: CTAs a split-barrier stall report of the fused kernel names, with their progress
+PROGRESS_ENTRIES = 8
+#: after the fields: how many of the rank's CTAs had not reached the stalled barrier, the
+#: call's tag (low byte), the kernel's warpgroups, then the first PROGRESS_ENTRIES of those
+#: CTAs, each (cta, its warpgroups' `Progress` words)
+PROGRESS_OFFSET = len(REPORT_FIELDS)
+PROGRESS_ENTRY_WORDS = 1 + PROGRESS_WARPGROUPS
+REPORT_WORDS = PROGRESS_OFFSET + 3 + PROGRESS_ENTRIES * PROGRESS_ENTRY_WORDS
 
 
 class ReportKind:
@@ -35,6 +43,70 @@ class ReportKind:
     # a split barrier's wait timed out: `value` seen, `target` awaited, at barrier `expert`, of
     # which `source` of this rank's CTAs had arrived (0: all, the last reset the count)
     SPLIT_STALL = 5
+
+
+class Progress:
+    """Where a warpgroup of the fused kernel is in a call: the word its first thread writes
+    into the ``cta_progress`` region as it enters each step, ``tag << 24 | step << 16`` (tag:
+    the call's tag, low byte). A split-barrier stall report lists the CTAs whose warpgroups
+    are not all at `COMBINE` of the call (`kernels/common/sync.py`, `split_barrier_wait`):
+    the step they are in names the wait they never left, unbounded ones included (named
+    barriers, register handovers, the consumers' stage waits)."""
+
+    STEPS = (
+        "not started in this call",
+        "the dispatch",
+        "registers for the GEMM roles (setmaxnreg)",
+        "the L1 tiles (the GEMM consumers: the L1 and L2 tiles)",
+        "the L2 tiles",
+        "the loads' last stages (ring tail)",
+        "the GEMM consumers' registers taken (named barrier)",
+        "the end of its role (named barrier)",
+        "registers for the combine (setmaxnreg)",
+        "held back (a test's injected stall)",
+        "the combine",
+    )
+    DISPATCH = 1
+    GEMM_REGS = 2
+    L1_TILES = 3
+    L2_TILES = 4
+    LOADS_TAIL = 5
+    REGS_TAKEN = 6
+    ROLE_END = 7
+    COMBINE_REGS = 8
+    HELD = 9
+    COMBINE = 10
+
+    @staticmethod
+    def word(tag: int, step: int) -> int:
+        """The word of ``step`` in the call tagged ``tag`` (as the kernel writes it)."""
+        word = (tag & 0xFF) << 24 | step << 16
+        return word - (1 << 32) if word >= 1 << 31 else word
+
+    @classmethod
+    def describe(cls, word: int, tag: int) -> str:
+        """``word``'s step, or that it is from another call than ``tag``'s."""
+        step = (word >> 16) & 0xFF
+        name = cls.STEPS[step] if step < len(cls.STEPS) else f"step #{step}"
+        if (word >> 24) & 0xFF != tag & 0xFF:
+            return cls.STEPS[0] + (f" (last: {name})" if step else "")
+        return name
+
+
+def _laggards(words: list[int]) -> str:
+    """The part of a split-barrier stall message that names the CTAs that did not arrive."""
+    count, tag, warpgroups = words[PROGRESS_OFFSET:PROGRESS_OFFSET + 3]
+    if count <= 0:
+        return ""
+    entries = []
+    for i in range(min(count, PROGRESS_ENTRIES)):
+        first = PROGRESS_OFFSET + 3 + i * PROGRESS_ENTRY_WORDS
+        cta, progress = words[first], words[first + 1:first + 1 + warpgroups]
+        groups = ", ".join(f"warpgroup {w}: {Progress.describe(p, tag)}"
+                           for w, p in enumerate(progress))
+        entries.append(f"cta {cta} ({groups})")
+    more = f"; and {count - PROGRESS_ENTRIES} more" if count > PROGRESS_ENTRIES else ""
+    return f". CTAs that did not arrive ({count}): " + "; ".join(entries) + more
 
 
 #: how a recipe disagreement names the codes of `layout.CountWord`'s recipe field
@@ -79,7 +151,8 @@ REPORT_NAMES = (
 def format_report(words, rank: int) -> str | None:
     """The message of the record ``words`` (``REPORT_WORDS`` ints) of rank ``rank``, or None
     when it holds no report."""
-    f = dict(zip(REPORT_FIELDS, (int(w) for w in words), strict=True))
+    words = [int(w) for w in words]
+    f = dict(zip(REPORT_FIELDS, words[:len(REPORT_FIELDS)], strict=True))
     if f["kind"] == 0:
         return None
     name = REPORT_NAMES[f["name"]] if 0 <= f["name"] < len(REPORT_NAMES) else f"#{f['name']}"
@@ -91,7 +164,7 @@ def format_report(words, rank: int) -> str | None:
         arrived = (f"{f['source']} of this rank's CTAs have arrived" if f["source"] else
                    "every CTA of this rank has arrived")
         return (f"cute_megamoe: wait on {name} {f['expert']} stalled ({where}): value "
-                f"{f['value']}, target {f['target']}; {arrived}")
+                f"{f['value']}, target {f['target']}; {arrived}{_laggards(list(words))}")
     if f["kind"] == ReportKind.DISAGREE:
         return (f"cute_megamoe: ranks disagree on {name} ({where}): a peer's {f['value']}, "
                 f"this rank's {f['target']}")

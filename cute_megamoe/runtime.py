@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
+import time
 from collections.abc import Callable, Hashable
 
 import torch
@@ -30,6 +32,7 @@ from .tables import ARCH_BY_MAJOR
 
 __all__ = [
     "LAUNCH_PATHS",
+    "LOGGER",
     "LaunchPath",
     "as_ptr",
     "compiled_kernel",
@@ -160,8 +163,32 @@ def compiled_kernel(key: Hashable, build: Callable[[], object]) -> object:
         if _NO_COMPILES:
             raise RuntimeError(f"compiled_kernel: {key[0]!r} is not compiled yet, and compiling "
                                f"(and loading) it now would deadlock: {_NO_COMPILES[-1]}")
+        start = time.perf_counter()
         fn = _COMPILED[key] = build()
+        _log_build(key, time.perf_counter() - start)
     return fn
+
+
+#: The package's logger: `compiled_kernel` says what each first use of a kernel build compiled,
+#: for which key, in how long and where it is kept (INFO; the kernel objects built before a
+#: compile, DEBUG). ``logging.basicConfig(level=logging.INFO)`` shows them.
+LOGGER = logging.getLogger("cute_megamoe")
+
+
+def _log_build(key: tuple, seconds: float) -> None:
+    what = key[0]
+    name = what[0] if isinstance(what, tuple) and what else what
+    record = {"name": name, "key": what, "seconds": seconds}
+    # (the launchers key the kernel object a compile takes by the compile's key plus "plan" /
+    # "kernel": built in milliseconds, compiled by the next entry)
+    if isinstance(what, tuple) and what[-1] in ("plan", "kernel"):
+        LOGGER.debug("built the %s kernel object in %.3f s, key %r", name,
+                     seconds, what, extra={"cute_megamoe_build": record})
+        return
+    LOGGER.info("compiled %s in %.1f s, key %r (launch path %s); kept in this "
+                "process's compiled-kernel cache (cute_megamoe.runtime, %d entries; not on "
+                "disk: another process compiles again)", name, seconds, what, key[2],
+                len(_COMPILED), extra={"cute_megamoe_compile": record})
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

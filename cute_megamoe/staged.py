@@ -40,6 +40,7 @@ from .checks import (
     check_token_count,
     routing_checks_on,
 )
+from .chunks import ALL_EXPERTS, chunk_experts_for, map_experts
 from .config import LayerConfig, Sm90GemmConfig
 from .expert_gemm import ExpertWeights, _prepare_expert_ffn, expert_ffn_configs, weights_recipe
 from .heuristics import block_m_for_call, expected_tokens_per_expert, select_combine_rounds
@@ -331,6 +332,12 @@ def _prepare_combine(sym_buffer, expert_out, dispatched, y, num_sms, send_mode, 
 
 # ----------------------------------------------------------------------------- torch experts
 
+#: Peak temporaries of `TorchExpertWeights.from_bf16` per master element of one expert in a
+#: chunk, the chunk's result included (`chunks`; measured with `testing.memory`: 10 fp8xfp8,
+#: 14.8 MXFP4, plus 2 for the result; rounded up).
+TORCH_WEIGHTS_PEAK_BYTES = 20
+
+
 @dataclass
 class TorchExpertWeights:
     """This rank's expert weights dequantized to BF16 for `torch._grouped_mm`: `w1` [E_l, 2I, H]
@@ -355,19 +362,28 @@ class TorchExpertWeights:
         return self.w1.shape[1] // 2
 
     @classmethod
-    def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str) -> TorchExpertWeights:
+    def from_bf16(cls, w1: torch.Tensor, w2: torch.Tensor, recipe: str, *,
+                  chunk_experts: int | None = None) -> TorchExpertWeights:
         """From BF16 master weights [E_l, 2I, H] / [E_l, H, I]: quantize per recipe exactly as
-        the reference does, then dequantize."""
+        the reference does, then dequantize. ``chunk_experts`` experts at a time (`chunks`;
+        default: by the shapes, within a quarter of the output plus 1.5 GiB of temporaries);
+        the result does not depend on it."""
         check_recipe(recipe)
+        if recipe == "bf16xbf16":
+            return cls(w1.contiguous(), w2.contiguous())
 
-        def prep(w):
-            if recipe == "bf16xbf16":
-                return w
-            deq = quant.dequantize_weights_for_recipe(quant.quantize_weights_for_recipe(w, recipe),
-                                                      recipe)
-            return deq.to(torch.bfloat16)
+        def prep(w, name):
+            check_tensor(name, w, for_kernel=False)
+            if w.dim() != 3:
+                raise ValueError(f"{name}: expected [E_l, N, K] weights, got shape "
+                                 f"{tuple(w.shape)}")
+            chunk = chunk_experts_for(w.shape[0], TORCH_WEIGHTS_PEAK_BYTES * w[0].numel(),
+                                      2 * w.numel(), chunk_experts)
+            return map_experts(lambda part: quant.dequantize_weights_for_recipe(
+                quant.quantize_weights_for_recipe(part, recipe, chunk_experts=ALL_EXPERTS),
+                recipe).to(torch.bfloat16), (w,), chunk)
 
-        return cls(prep(w1).contiguous(), prep(w2).contiguous())
+        return cls(prep(w1, "w1").contiguous(), prep(w2, "w2").contiguous())
 
     @classmethod
     def from_transformed(cls, l1_weights, l2_weights) -> TorchExpertWeights:

@@ -458,6 +458,42 @@ def test_the_watchdogs_tile_counts_follow_the_fused_walk():
 
 # ----------------------------------------------------------------------------- GPU
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_consumers_that_start_late_still_get_their_registers(recipe, monkeypatch):
+    """The register handover (`sm90_mega_moe.REGS_TAKEN_BARRIER`): in the "late_consumers"
+    test build the GEMM consumers of odd CTAs start 200 us late, so the loads' warpgroup of a
+    CTA with no tiles is done long before they take their registers, and must not take the
+    combine's back first (before the handover such a CTA's consumers waited in setmaxnreg
+    forever: the one-rank stall at 0 tokens under load, docs/notes/register-handover.md).
+    Bit-identical to the staged layer at 0, 1 and 200 tokens, both BLOCK_Ms (every fused
+    recipe: FP4 weights' decode warpgroups hand over too)."""
+    _gpu()
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "10")
+    from cute_megamoe import staged
+    from cute_megamoe.config import Sm90FusedConfig
+    from cute_megamoe.heuristics import default_fused_config
+    from cute_megamoe.launch import buffer_state, fused_call
+    from cute_megamoe.testing.fused_checks import FusedLayer
+
+    layer = FusedLayer(_one_rank(recipe, 16, 200, 4, 512, 256))
+    (buf,) = layer.ranks.buffers
+    for n in (0, 1, 200):
+        for block_m in (64, 128):
+            _, _, _, inputs = layer.inputs((n,), "random", seed=n + block_m)
+            x, idx, w = inputs[0]
+            want = staged.staged_mega_moe(buf, x, idx, w, layer.weights[0],
+                                          activation_clamp=10.0, block_m=block_m,
+                                          validate_routing=False)
+            y = torch.full_like(want, float("nan"))
+            config = default_fused_config(buf.layout, block_m, True, Sm90FusedConfig(
+                stages_inputs=True, debug="late_consumers"))
+            fused_call(buf, layer.fused_weights[0], n, y, buffer_state(buf).num_sms, None, 10.0,
+                       True, config, inputs=(x, idx, w))()
+            layer.synchronize(f"{n} tokens, block_m {block_m}")
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (n, block_m)
+
+
 def _one_rank(recipe, num_experts, max_tokens, topk, hidden, inter):
     from cute_megamoe.testing.protocol_checks import Ranks
 
@@ -539,7 +575,6 @@ def test_one_rank_local_dispatch_matches_staged(recipe):
     the buffer's ``x``: the local one leaves it as it was (poisoned here)."""
     _gpu()
     from cute_megamoe import fused, staged
-    from cute_megamoe.launch import buffer_state
     from cute_megamoe.testing.fused_checks import FusedLayer
 
     layer = FusedLayer(_one_rank(recipe, 16, 300, 4, 512, 256))
@@ -574,7 +609,7 @@ def test_one_rank_local_dispatch_matches_staged(recipe):
         untouched = bool((buf.x[:n].view(torch.uint8) == 0xFF).all())
         assert untouched == (local == "1" or n == 0), what
         assert int(buf.pool_block_arrivals.count_nonzero()) == 0, what
-        assert int(buffer_state(buf).pool_block_ready.count_nonzero()) == 0, what
+        assert int(buf.pool_block_ready.count_nonzero()) == 0, what
 
 
 @pytest.mark.gpu

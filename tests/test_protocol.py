@@ -226,6 +226,24 @@ def test_a_lost_rank_is_reported_by_the_counter_it_stalled_on():
             and "rank 1 has not published expert" in out), out[-3000:]
 
 
+@pytest.mark.gpu
+def test_an_injected_stall_names_the_held_cta_and_its_step():
+    """The fused kernel with one CTA held back before its combine (a test build): the other
+    CTAs' split-barrier stall report counts the CTAs that did not arrive, and names the held
+    one with every warpgroup's step."""
+    from cute_megamoe.kernels.sm90_mega_moe import HELD_CTA
+    from cute_megamoe.testing.protocol_checks import expect_trap
+
+    _gpu()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused kernel runs on sm_90a")
+    out = expect_trap("held_cta", timeout_s=2)
+    assert "wait on split barrier signal" in out, out[-3000:]
+    line = f"CTAs that did not arrive (1): cta {HELD_CTA} (warpgroup 0: held back"
+    assert line in out, out[-3000:]
+    assert "warpgroup 2: held back (a test's injected stall))" in out, out[-3000:]
+
+
 # ----------------------------------------------------------------------------- one GPU per rank
 
 @pytest.mark.gpu

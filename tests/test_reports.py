@@ -8,8 +8,7 @@ from cute_megamoe.reports import REPORT_NAMES, REPORT_WORDS, ReportKind, format_
 
 def _record(kind, name, cta=3, thread=70, value=5, target=9, source=1, expert=12):
     words = [kind, REPORT_NAMES.index(name), cta, thread, value, target, source, expert]
-    assert len(words) == REPORT_WORDS
-    return words
+    return words + [0] * (REPORT_WORDS - len(words))
 
 
 def test_an_empty_record_is_no_report():
@@ -44,6 +43,46 @@ def test_a_split_barrier_stall_names_whether_this_rank_is_complete():
     text = format_report(_record(ReportKind.SPLIT_STALL, "split barrier signal", source=0,
                                  expert=3), 0)
     assert text.endswith("value 5, target 9; every CTA of this rank has arrived")
+
+
+def test_a_split_barrier_stall_names_the_ctas_that_did_not_arrive():
+    """The fused kernel's report lists the CTAs whose warpgroups were not all at the combine,
+    with each warpgroup's step, and says which words are from an earlier call."""
+    from cute_megamoe.reports import (
+        PROGRESS_ENTRIES,
+        PROGRESS_ENTRY_WORDS,
+        PROGRESS_OFFSET,
+        Progress,
+    )
+
+    words = _record(ReportKind.SPLIT_STALL, "split barrier signal", source=128, expert=0)
+    tag = 0x9B
+    words[PROGRESS_OFFSET:PROGRESS_OFFSET + 3] = [PROGRESS_ENTRIES + 2, tag, 3]
+    for i in range(PROGRESS_ENTRIES):
+        first = PROGRESS_OFFSET + 3 + i * PROGRESS_ENTRY_WORDS
+        words[first:first + 4] = [100 + i, Progress.word(tag, Progress.COMBINE_REGS),
+                                  Progress.word(tag, Progress.GEMM_REGS),
+                                  Progress.word(tag - 1, Progress.COMBINE)]
+    text = format_report(words, 0)
+    assert text.startswith("cute_megamoe: wait on split barrier signal 0 stalled (rank 0, cta 3, "
+                           "thread 70): value 5, target 9; 128 of this rank's CTAs have "
+                           "arrived. CTAs that did not arrive (10): cta 100 (warpgroup 0: "
+                           "registers for the combine (setmaxnreg), warpgroup 1: registers "
+                           "for the GEMM roles (setmaxnreg), warpgroup 2: not started in this "
+                           "call (last: the combine)); cta 101 ("), text
+    assert text.count("cta 1") == PROGRESS_ENTRIES and text.endswith("; and 2 more"), text
+
+
+def test_progress_words_read_back_as_written():
+    from cute_megamoe.reports import Progress
+
+    for tag in (0, 1, 0x7F, 0x80, 0xFF, 0x1234):
+        for step, name in enumerate(Progress.STEPS):
+            word = Progress.word(tag, step)
+            assert -(1 << 31) <= word < 1 << 31
+            assert Progress.describe(word, tag) == name
+    assert Progress.STEPS[Progress.COMBINE] == "the combine"
+    assert Progress.COMBINE == len(Progress.STEPS) - 1  # (the last step a report waits for)
 
 
 def test_the_recipe_field_names_every_recipe_code():

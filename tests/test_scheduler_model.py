@@ -325,7 +325,8 @@ def test_warm_up_token_counts_pick_every_kernel_a_call_can_pick():
 
 
 def test_heuristics_experts_per_wave_matches_reference_table():
-    # docs/reference-deepgemm-megamoe.md 7.5: V4-Pro EP8 (E_l=48, K=6, I=3072), S=148.
+    # DeepGEMM's heuristics (csrc/jit_kernels/heuristics/mega_moe.hpp at 54e2261) for
+    # V4-Pro EP8 (E_l=48, K=6, I=3072), S=148.
     def ew(n, bm):
         return experts_per_wave(n, 6, 48, 3072, bm, 148)
 

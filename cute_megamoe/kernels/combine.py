@@ -121,6 +121,9 @@ class CombineKernel:
             self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
         self.scope = group_scope(self.num_ranks)  # of its barriers and flags
+        # the fused kernel's warpgroups per CTA, whose progress words (``cta_progress``) a
+        # split-barrier stall report then scans for the CTAs that did not arrive; 0: none
+        self.progress_warpgroups = 0
 
     @cute.jit
     def __call__(
@@ -257,6 +260,9 @@ class CombineKernel:
         barriers, then wait for round c - 1's and reduce its tokens while round c's stores
         drain and the other CTAs still send. `pipe`: the bulk mode's staging."""
         target = split_barrier_target(barrier, self.num_ranks)
+        progress = None
+        if cutlass.const_expr(self.progress_warpgroups > 0):
+            progress = self.regions.ptr(my_base, "cta_progress")
         num_ctas, _, _ = cute.arch.grid_dim()
         y_base = Int64(y.toint())
         rounds = self.rounds
@@ -275,7 +281,8 @@ class CombineKernel:
                                      self.scope)
             if cutlass.const_expr(c > 0):
                 split_barrier_wait(barrier, Int32(firsts[c - 1]), rounds[c - 1], target,
-                                   self.timeout_ns, self.scope)
+                                   self.timeout_ns, self.scope, progress,
+                                   self.progress_warpgroups)
                 self.reduce_tokens(my_base, num_tokens, Int32(firsts[c - 1]), rounds[c - 1],
                                    y_base)
         split_barrier_finish(barrier)

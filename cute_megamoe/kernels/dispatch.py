@@ -66,7 +66,8 @@ How (the seed analysis' count -> prefix -> scatter):
    inputs and start over.
 
 Why push by default: with both GPUs moving rows at once, loads from a peer top out at 321-323
-GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md, "NVLink ceilings").
+GB/s per direction on 2 x H200, stores to a peer at 348 (docs/performance.md,
+"Dispatch and combine").
 
 Constraints:
 * launched cooperatively with at most one CTA per SM (`num_ctas` <= SMs); every rank launches
@@ -625,12 +626,16 @@ class DispatchKernel:
     def source_of_index(self, index: Int32, recv_count: cute.Tensor, expert: Int32):
         """(source rank, slot) of an expert's `index`-th row, the inverse of
         `index_of_source`: peel depth by depth, each depth holding one row of every source
-        with more rows than that, until the source with the fewest left runs out."""
+        with more rows than that, until the source with the fewest left runs out. Each depth
+        retires a source, so R peels find it; an index past the counts (which their writer
+        never leaves) traps instead of peeling forever."""
         E_l, R = self.num_local_experts, self.num_ranks
         depth = Int32(0)  # rows already taken from every still-active rank
         src = Int32(-1)
         slot = Int32(0)
-        while src < 0:
+        peels = Int32(0)
+        while src < 0 and peels <= R:
+            peels += 1
             active = Int32(0)
             fewest = Int32(0x7FFFFFFF)
             for s in cutlass.range(R):
@@ -650,6 +655,9 @@ class DispatchKernel:
             else:
                 index -= span
                 depth = fewest
+        if src < 0:
+            # (a trap, no report record: its registers made ptxas spill in the push loop)
+            cute.arch.inline_ptx("trap;")
         return src, slot
 
     @cute.jit

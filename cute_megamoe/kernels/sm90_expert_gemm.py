@@ -788,9 +788,12 @@ class Sm90ExpertGemmKernel:
                     gate, target = rows_arrived + pool_block, valid_m * arrivals_per_row
                 else:
                     gate, target = ready + pool_block, Int32(self.waits_ready)
-                # (a hint: the wait below acquires)
-                if n_pre == 0 and cute.arch.load(gate, Int32, sem="relaxed",
-                                                 scope="gpu") - target < 0:
+                # (a hint: the wait below acquires. Lane 0 reads it and the warp takes its
+                # answer, so that every lane loads the same stages)
+                seen = Int32(0)
+                if lane == 0:
+                    seen = cute.arch.load(gate, Int32, sem="relaxed", scope="gpu")
+                if n_pre == 0 and cute.arch.shuffle_sync(seen, 0) - target < 0:
                     n_pre = Int32(prefill)
                 for kb in cutlass.range(n_loaded, n_pre):
                     bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane,

@@ -107,8 +107,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..config import Sm90FusedConfig, Sm90GemmConfig
 from ..layout.device import BufferRegions
-from ..layout.mega_moe import MegaMoELayout
-from ..reports import REPORT_NAMES, ReportKind
+from ..layout.mega_moe import PROGRESS_WARPGROUPS, BarrierSlots, MegaMoELayout
+from ..reports import REPORT_NAMES, Progress, ReportKind
 from .combine import CombineKernel
 from .common.pool import ROW_COPY_UNROLL
 from .common.sync import call_tags, finish_call, grid_barrier, report, spin_timeout_ns
@@ -146,6 +146,17 @@ COMBINE_REGS = 168
 SENDER_REGS = {(False, 64): (80, 4), (False, 128): (40, 2), (True, 64): (40, 2),
                (True, 128): (40, 2)}
 REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
+# Named barrier of the register handover (every warpgroup of the GEMM roles once): the GEMM
+# consumers arrive once their setmaxnreg.inc has its registers, the other warpgroups wait there
+# before their own increase for the combine. setmaxnreg.inc takes registers from the CTA's
+# pool, which holds no spare ones (BLOCK_M 128: 384 x 168 = 128 x 40 + 256 x 232): a
+# warpgroup with no tiles that took its combine registers back before the consumers took
+# theirs left them waiting for registers forever (docs/notes/register-handover.md)
+REGS_TAKEN_BARRIER = 8
+# the test builds' injected delays (`config.Sm90FusedConfig.debug`): "hold_cta" holds this CTA
+# back before its combine, "late_consumers" starts the odd CTAs' GEMM consumers this late (ns)
+HELD_CTA = 5
+LATE_CONSUMERS_NS = 200_000
 
 
 def walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters):
@@ -177,10 +188,19 @@ class Sm90MegaMoEKernel:
         block_m = config.block_m
         self.layout = layout
         self.regions = BufferRegions(layout)
+        # ``cta_progress`` from the ``barrier`` region, in int32 words (`mark_at`)
+        self.progress_offset = (self.regions.offset("cta_progress")
+                                - self.regions.offset("barrier")) // 4
         # write each CTA's phase boundaries (`PHASE_STAMPS`, ns) to `phase_clock` (diagnostic)
         self.phase_clock = config.debug == "phase_clock"
         # record every CTA's tiles in `tile_log` (diagnostic: the walk against the host model)
         self.tile_log = config.debug == "tile_log"
+        # (tests) CTA `HELD_CTA` waits before its combine until well past the combine's time
+        # limit: an injected stall, which the other CTAs' stall report must name
+        self.hold_cta = HELD_CTA if config.debug == "hold_cta" else None
+        # (tests) the GEMM consumers of odd CTAs start their role `LATE_CONSUMERS_NS` late: the
+        # register handover must not depend on which warpgroup gets there first
+        self.late_consumers_ns = LATE_CONSUMERS_NS if config.debug == "late_consumers" else 0
         self.block_m = block_m
         self.fp4_weights = layout.recipe == "fp8xfp4_sm90"
         self.num_gemm_wgs = 1 + block_m // 64
@@ -235,6 +255,13 @@ class Sm90MegaMoEKernel:
         # anywhere else is seen there first, so they get twice the time limit and the stalled
         # wait itself makes the rank's report (one per rank: the first to time out)
         self.combine.timeout_ns *= 2
+        if self.hold_cta is not None and self.combine.timeout_ns == 0:
+            raise ValueError("debug 'hold_cta': needs a spin limit (CUTE_MEGAMOE_SPIN_TIMEOUT_S "
+                             "> 0)")
+        # (its stall report names the CTAs that did not arrive: `Progress` of every warpgroup)
+        self.combine.progress_warpgroups = self.num_threads // 128
+        # the warpgroups in the GEMM roles: the register handover's (`REGS_TAKEN_BARRIER`)
+        self.role_threads = 128 * (self.num_gemm_wgs + decode_wgs)
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
@@ -445,6 +472,7 @@ class Sm90MegaMoEKernel:
         barrier = self.regions.ptr(my_base, "barrier")
         stamps = phase_clock + bidx * len(PHASE_STAMPS)
         self.stamp(stamps, "start", tidx == 0)
+        self.mark(peer_bases, rank, Progress.DISPATCH)
         if warp == 0:
             for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
                 cpasync.prefetch_descriptor(atom)
@@ -546,6 +574,7 @@ class Sm90MegaMoEKernel:
         sb_load = raw_b if cutlass.const_expr(self.fp4_weights) else sb
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.l1.producer_regs)
+            self.mark(peer_bases, rank, Progress.L1_TILES)
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
@@ -559,6 +588,7 @@ class Sm90MegaMoEKernel:
                     else None, arrivals_per_row=self.dispatch.arrivals_per_row,
                     preloaded=preloaded)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
+                self.mark(peer_bases, rank, Progress.L2_TILES)
                 l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
                 state, _ = self.l2.produce(
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb_load, sfa, sfb, l2_acts_sf,
@@ -566,6 +596,7 @@ class Sm90MegaMoEKernel:
                     num_clusters, Int32(self.l2.raster_group), cta_rank, lane, state,
                     pool_block_ready, barrier, tile_log=log, log_first=l1_count,
                     ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
+                self.mark(peer_bases, rank, Progress.LOADS_TAIL)
                 self.l2.producer_tail(ring, state, barrier)
                 self.stamp(stamps, "loads_done", lane == 0)
             elif cutlass.const_expr(self.fp4_weights):
@@ -598,11 +629,21 @@ class Sm90MegaMoEKernel:
                         grid * self.sender_warps, lane, dispatch, self.sender_unroll)
                     self.stamp(stamps, "rows_sent",
                                warp == self.first_sender_warp and lane == 0)
-            # setmaxnreg is warpgroup-wide: the four warps meet first (warp 0 comes late)
-            cute.arch.barrier(barrier_id=REGS_BARRIER, number_of_threads=128)
-            cute.arch.setmaxregister_increase(self.combine_regs)
+            # the registers for the combine come from the consumers' decrease: wait until the
+            # consumers hold theirs for the GEMMs (`REGS_TAKEN_BARRIER`; setmaxnreg is
+            # warpgroup-wide, and this also lets the four warps meet: warp 0 comes late)
+            self.handover(peer_bases, rank)
         elif wg < self.num_gemm_wgs:
+            if cutlass.const_expr(self.late_consumers_ns > 0):
+                if bidx % 2 == 1:
+                    start = cute.arch.globaltimer()
+                    while cute.arch.globaltimer() - start < Int64(self.late_consumers_ns):
+                        pass
+            self.mark(peer_bases, rank, Progress.GEMM_REGS)
             cute.arch.setmaxregister_increase(self.l1.consumer_regs)
+            cute.arch.barrier_arrive(barrier_id=REGS_TAKEN_BARRIER,
+                                     number_of_threads=self.role_threads)
+            self.mark(peer_bases, rank, Progress.L1_TILES)
             progress = None
             if cutlass.const_expr(self.watchdog):
                 progress = storage.consumer_progress.data_ptr()
@@ -617,6 +658,7 @@ class Sm90MegaMoEKernel:
                 staging, state, state.clone(), pool_block_ready, decoded=decoded,
                 progress=progress)
             self.stamp(stamps, "l1_done", tidx == 128)
+            # (no mark for the L2 walk here: its registers made ptxas spill around it)
             state, _, _ = self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
                 tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
@@ -627,15 +669,25 @@ class Sm90MegaMoEKernel:
                 if tidx == 128:  # (past the last tile's epilogue: one more than the k-blocks)
                     cute.make_tensor(progress, cute.make_layout(1))[0] = state.count + 1
             self.stamp(stamps, "l2_done", tidx == 128)
+            self.mark(peer_bases, rank, Progress.ROLE_END)
             cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
             cute.arch.setmaxregister_decrease(self.combine_regs)
         elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
             self.decode(ring, packed_pipe, storage, decoded, block_start, row_start, l1_tiles,
                         l2_tiles, cluster, num_clusters, wg, tidx, lane, stamps, barrier)
+            self.handover(peer_bases, rank)
 
         if cutlass.const_expr(self.cluster_m > 1):
             cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
             cute.arch.cluster_wait()
+
+        if cutlass.const_expr(self.hold_cta is not None):
+            if bidx == self.hold_cta:
+                self.mark(peer_bases, rank, Progress.HELD)
+                start = cute.arch.globaltimer()
+                while cute.arch.globaltimer() - start < Int64(2 * self.combine.timeout_ns):
+                    pass
+        self.mark(peer_bases, rank, Progress.COMBINE)
 
         # 3. combine: the rows are in the source ranks' combine buffers (the L2 epilogues
         # waited for their stores); meet the other ranks, reduce. (The buffer's base and the
@@ -655,6 +707,43 @@ class Sm90MegaMoEKernel:
         if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
+
+    @cute.jit
+    def handover(self, peer_bases: cute.Tensor, rank: Int32):
+        """A warpgroup of the GEMM roles other than the consumers (the loads, FP4's decode), at
+        the end of its role: once every consumer warpgroup holds its GEMM registers
+        (`REGS_TAKEN_BARRIER`, which they arrive at right after their setmaxnreg.inc), take
+        the combine's registers. Before the handover a warpgroup with no tiles could take back
+        the registers it released before the consumers took them; their increase then never
+        found any."""
+        self.mark(peer_bases, rank, Progress.REGS_TAKEN)
+        cute.arch.barrier(barrier_id=REGS_TAKEN_BARRIER, number_of_threads=self.role_threads)
+        self.mark(peer_bases, rank, Progress.COMBINE_REGS)
+        cute.arch.setmaxregister_increase(self.combine_regs)
+
+    @cute.jit
+    def mark(self, peer_bases: cute.Tensor, rank: Int32, step: cutlass.Constexpr):
+        """`mark_at` this rank's barrier slots. The buffer's base is loaded here, relaxed, so
+        that the compiler cannot keep the kernel's first load of it in registers through the
+        GEMM roles (ptxas spilled the FP4 consumers' accumulators when it did)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx % 128 == 0:
+            base = cute.arch.load(peer_bases.iterator + rank, Int64, sem="relaxed", scope="gpu")
+            self.mark_at(self.regions.ptr(base, "barrier"), step)
+
+    @cute.jit
+    def mark_at(self, barrier: cute.Pointer, step: cutlass.Constexpr):
+        """The first thread of this thread's warpgroup: its progress word in ``cta_progress``
+        (``barrier``: the rank's barrier slots, the region before it) is ``step`` of this
+        call (`reports.Progress`; the call: the split barriers' count, which changes only
+        after the combine)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx % 128 == 0:
+            bidx, _, _ = cute.arch.block_idx()
+            calls = cute.arch.load(barrier + BarrierSlots.SPLIT_CALLS, Int32)
+            word = ((calls & 0xFF) << 24) | Int32(step << 16)
+            cute.arch.store(barrier + self.progress_offset + bidx * PROGRESS_WARPGROUPS
+                            + tidx // 128, word, sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_early_weights(self, early, block_start: cute.Tensor,
@@ -766,8 +855,6 @@ class Sm90MegaMoEKernel:
                 l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), tid, lane,
                 state, packed, barrier)
             self.stamp(stamps, "decode_done", tid == 0)
-            cute.arch.barrier(barrier_id=REGS_BARRIER + wg, number_of_threads=128)
-            cute.arch.setmaxregister_increase(self.combine_regs)
 
     @cute.jit
     def watch_consumers(self, ring, decoded: cute.Pointer, progress: cute.Pointer,

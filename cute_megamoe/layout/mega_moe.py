@@ -72,6 +72,14 @@ next call needs no host memset; :meth:`SymmBuffer.zero_workspace_` is for recove
     producer acquires it until 2 per valid row before loading the block's rows. Zeroed by this
     rank at the start of each call, before it publishes its counts (no sender writes a
     destination's pool before it has the destination's counts of the call).
+``pool_block_ready`` int32 [P / 16 + 1]
+    Per pool block, the fused kernel's L1 tiles done (every consumer warp adds 1 once its rows
+    of the block are stored; the block's L2 tiles wait for all of them), and one counter past
+    them. Local. Every fused call leaves it at 0 (its last step).
+``cta_progress`` int32 [MAX_PROGRESS_CTAS, 4]
+    Per CTA and warpgroup of the fused kernel, where it is in the call (`reports.Progress`):
+    written by each warpgroup's first thread as it enters a step, read only by a stall
+    report, which names the CTAs that did not reach the stalled barrier. Local.
 
 Data:
 
@@ -151,6 +159,11 @@ MAX_NUM_RANKS = 8
 MAX_NUM_TOPK = 32
 #: Token slots per rank: a published count has COUNT_BITS bits (see `CountWord`).
 MAX_NUM_TOKENS_PER_RANK = 1 << 20
+#: CTAs of one kernel whose progress a stall report can name (`cta_progress`): one per SM, and
+#: no GPU has more than this many SMs
+MAX_PROGRESS_CTAS = 256
+#: warpgroups per CTA whose progress is kept (the fused kernel has at most four)
+PROGRESS_WARPGROUPS = 4
 
 WORKSPACE_REGION_NAMES = (
     "barrier",
@@ -160,6 +173,8 @@ WORKSPACE_REGION_NAMES = (
     "dispatch_pair_slot",
     "token_src_metadata",
     "pool_block_arrivals",
+    "pool_block_ready",
+    "cta_progress",
 )
 DATA_REGION_NAMES = (
     "x",
@@ -365,6 +380,8 @@ class MegaMoELayout:
             ("dispatch_pair_slot", torch.int32, (t, k), None),
             ("token_src_metadata", torch.int32, (p, 4), None),
             ("pool_block_arrivals", torch.int32, (num_pool_blocks,), None),
+            ("pool_block_ready", torch.int32, (num_pool_blocks + 1,), None),
+            ("cta_progress", torch.int32, (MAX_PROGRESS_CTAS, PROGRESS_WARPGROUPS), None),
             ("x", act_dtype, (t, h), None),
             ("x_sf", sf_dtype, (t, h // 128), None),
             ("topk_idx", torch.int64, (t, k), None),

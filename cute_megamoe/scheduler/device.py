@@ -69,15 +69,18 @@ class ExpertTileScheduler:
         first tile ``group_start(e) * num_n_blocks`` is at most ``tile`` (empty experts
         before the owner start where it does, so the last one is the owner)."""
         num_n = self.num_n_blocks
+        # (the walks stop at the last expert whatever the table holds: a corrupt one, or a tile
+        # past the last, gives a wrong owner rather than a walk past the table's end)
+        last = Int32(self.num_experts - 1)
         if cutlass.const_expr(self.owner_search == "linear"):
-            while tile >= self.group_start(block_start, owner + 1) * num_n:
+            while owner < last and tile >= self.group_start(block_start, owner + 1) * num_n:
                 owner += 1
         else:
             # gallop: probes owner + 1, + 2, + 4, ... until one starts past the tile (expert E
             # does: its start is num_tiles), keeping the last that does not in `owner`
             step = Int32(1)
             hi = owner + 1
-            while tile >= self.group_start(block_start, hi) * num_n:
+            while hi <= last and tile >= self.group_start(block_start, hi) * num_n:
                 owner = hi
                 hi = cutlass.min(hi + step, Int32(self.num_experts))
                 step = step * 2
@@ -112,7 +115,8 @@ class ExpertTileScheduler:
         m_block = Int32(0)
         valid_m = Int32(0)
         if pool_block < block_start[self.num_experts]:
-            while pool_block >= block_start[expert + 1]:
+            last = Int32(self.num_experts - 1)
+            while expert < last and pool_block >= block_start[expert + 1]:
                 expert += 1
             m_block = pool_block - block_start[expert]
             count = row_start[expert + 1] - row_start[expert]

@@ -8,16 +8,37 @@ arguments, `cutlass.cute.runtime.make_fake_compact_tensor` for tensors, `fake_st
 
 SASS needs `nvdisasm` (pip `nvidia-cuda-nvdisasm`, at least the DSL's CUDA version); where it is
 missing `sass` is `None` and callers that assert on SASS skip with that reason.
+
+**Compile cache.** Tests compile the same kernel build more than once (a kernel object of the
+same state, the same argument types, arch and options). With `enable_compile_cache(directory)`
+(the test suite's conftest does it: one directory shared by the pytest-xdist workers, kept in
+pytest's cache between runs) `compile_for_arch` keeps each build's PTX, SASS and cubin, keyed
+by a fingerprint of all of that, the DSL's environment, the package's source and the DSL's and
+tools' versions, in memory and on disk, and returns them for a later compile of the same build
+without compiling. A build read from disk has ``compiled`` None (the tests read the PTX, SASS
+and cubin only); the plain-data attributes that tracing set on the kernel object or its parts
+(such as a stage's transaction bytes) are set on the new kernel object as the compile would
+have. A kernel whose state cannot be fingerprinted (an object of an unknown type) is compiled
+every time.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
+import dataclasses
+import enum
+import fcntl
+import functools
+import hashlib
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,11 +157,56 @@ def fake_stream():
 
 def compile_for_arch(kernel, *args, arch: str = "sm_90a", options: str = "",
                      keep_sass: bool = True) -> CompiledArtifacts:
-    """Compile `kernel(*args)` for `arch` and return its artifacts (no GPU needed)."""
-    import cutlass.cute as cute
-
+    """Compile `kernel(*args)` for `arch` and return its artifacts (no GPU needed); through the
+    compile cache where it is enabled (see the module doc)."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
+    key = _cache_key(kernel, args, arch, options, keep_sass) if _CACHE.directory else None
+    if key is None:
+        _CACHE.stats["uncached" if _CACHE.directory else "compiled"] += 1
+        return _compile(kernel, args, arch, options, keep_sass)
+    if key in _CACHE.memory:
+        art, traced = _CACHE.memory[key]
+        _CACHE.stats["reused"] += 1
+    else:
+        path = Path(_CACHE.directory, f"{key}{_SUFFIX}")
+        with _locked(Path(_CACHE.directory, f"{key}.lock")):  # one process compiles, others wait
+            entry = _read_cached(path)
+            if entry is None:
+                before = _object_states(kernel)
+                art = _compile(kernel, args, arch, options, keep_sass)
+                traced = _traced_attributes(kernel, before)
+                temporary = path.with_suffix(f".{os.getpid()}.tmp")
+                temporary.write_bytes(zlib.compress(
+                    pickle.dumps((dataclasses.replace(art, compiled=None), traced)), 1))
+                os.replace(temporary, path)
+                _CACHE.stats["compiled"] += 1
+            else:
+                art, traced = entry
+                _CACHE.stats["reused"] += 1
+        _CACHE.memory[key] = (art, traced)
+    for where, name, value in traced:  # what tracing would have set on this kernel object
+        setattr(_object_at(kernel, where), name, copy.deepcopy(value))
+    return art
+
+
+def compile_cache_stats() -> dict[str, int]:
+    """How many builds this process compiled, reused from the cache, or compiled uncached."""
+    return dict(_CACHE.stats)
+
+
+def prune_compile_cache(directory: str | os.PathLike) -> None:
+    """Remove the builds of other sources (or DSL versions) from a cache root given to
+    `enable_compile_cache`, so that a cache kept between runs holds one version's builds."""
+    current = _source_digest()[:16]
+    for path in Path(directory).iterdir():
+        if path.is_dir() and path.name != current:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _compile(kernel, args, arch: str, options: str, keep_sass: bool) -> CompiledArtifacts:
+    import cutlass.cute as cute
+
     nvdisasm = find_cuda_tool("nvdisasm") if keep_sass else None
     with tempfile.TemporaryDirectory(prefix=f"cute_megamoe_{arch}_") as dump:
         flags = f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}"
@@ -185,3 +251,188 @@ def fused_kernel_for(layout, block_m: int, config=None, given_x: bool = False,
     return Sm90MegaMoEKernel(layout, default_fused_config(layout, block_m, given_x, config),
                              activation_clamp=activation_clamp, fast_math=fast_math,
                              has_stats=has_stats, tiled_weights=tiled_weights)
+
+
+# ----------------------------------------------------------------------------- compile cache
+
+@dataclass
+class _CompileCache:
+    directory: str | None = None
+    memory: dict = dataclasses.field(default_factory=dict)
+    stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+_CACHE = _CompileCache()
+
+#: Environment variables that can change a build while it is traced or compiled. (The package's
+#: own `CUTE_MEGAMOE_*` settings are read when a kernel object is constructed and are part of its
+#: state, which the key holds.)
+_ENV_PREFIXES = ("CUTE_DSL_", "CUTLASS_")
+_SUFFIX = ".build"
+
+
+def enable_compile_cache(directory: str | os.PathLike | None) -> None:
+    """Keep `compile_for_arch`'s builds in memory and under `directory` (created if missing),
+    in a subdirectory per version of the package's source; None turns the cache off."""
+    _CACHE.memory.clear()
+    _CACHE.directory = None
+    if directory is not None:
+        _CACHE.directory = os.path.join(directory, _source_digest()[:16])
+        os.makedirs(_CACHE.directory, exist_ok=True)
+
+
+class _Unkeyable(Exception):
+    """A value the fingerprint does not know how to describe."""
+
+
+def _cache_key(kernel, args, arch: str, options: str, keep_sass: bool) -> str | None:
+    """A hex digest naming the build, or None where the kernel or an argument cannot be
+    fingerprinted (then it is compiled without the cache)."""
+    try:
+        description = repr((_fingerprint(kernel, ()), _fingerprint(args, ()), arch, options,
+                            keep_sass and find_cuda_tool("nvdisasm"),
+                            sorted((k, v) for k, v in os.environ.items()
+                                   if k.startswith(_ENV_PREFIXES)),
+                            _source_digest()))
+    except _Unkeyable:
+        return None
+    return hashlib.sha256(description.encode()).hexdigest()
+
+
+def _fingerprint(value, path: tuple):
+    """A deterministic description of `value` (no addresses, no hash order)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, enum.Enum):
+        return ("enum", type(value).__qualname__, value.name)
+    if isinstance(value, type):
+        return ("type", value.__module__, value.__qualname__)
+    if id(value) in path:
+        raise _Unkeyable("a cycle")
+    path = (*path, id(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_fingerprint(v, path) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_fingerprint(v, path)) for v in value)))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(_fingerprint(k, path)), _fingerprint(v, path))
+                                     for k, v in value.items())))
+    if callable(value) and hasattr(value, "__qualname__"):  # functions, methods
+        name = value.__qualname__
+        if "<" in name:  # a lambda or a function defined inside another: no stable name
+            raise _Unkeyable(name)
+        return ("function", getattr(value, "__module__", None), name,
+                _fingerprint(getattr(value, "__self__", None), path))
+    special = _special_fingerprint(value)
+    if special is not None:
+        return special
+    if dataclasses.is_dataclass(value):
+        return ("dataclass", type(value).__module__, type(value).__qualname__,
+                tuple((f.name, _fingerprint(getattr(value, f.name), path))
+                      for f in dataclasses.fields(value)))
+    if type(value).__module__.startswith("cute_megamoe") and hasattr(value, "__dict__"):
+        return ("object", type(value).__module__, type(value).__qualname__,
+                _fingerprint(vars(value), path))
+    raise _Unkeyable(type(value).__qualname__)
+
+
+def _special_fingerprint(value):
+    """The compile-only arguments (`fake_ptr`, `fake_stream`, DSL scalars) and dtypes."""
+    try:
+        import torch
+
+        if isinstance(value, torch.dtype):
+            return ("torch.dtype", str(value))
+    except ImportError:  # pragma: no cover (torch is a dependency)
+        pass
+    from cutlass.cute.typing import Pointer
+
+    if isinstance(value, Pointer):
+        return ("pointer", _fingerprint(value.dtype, ()), str(value.memspace),
+                getattr(value, "_assumed_align", None), getattr(value, "_pointer", None))
+    if type(value).__name__ == "_FakeStream":
+        return ("fake_stream", repr(sorted(vars(value).items())))
+    if type(value).__module__.startswith("cutlass") and hasattr(value, "value") and \
+            isinstance(value.value, (bool, int, float)):  # Int32(132) and its kin
+        return ("scalar", type(value).__qualname__, value.value)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """The package's Python source and the DSL's and tools' versions, so that a cache kept
+    across runs misses after any edit or upgrade."""
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    for name in ("nvidia-cutlass-dsl", "nvidia-cuda-nvdisasm", "nvidia-cuda-cuobjdump"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            digest.update(f"{name}=={metadata.version(name)}".encode())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _package_objects(root, where: tuple = (), seen: set | None = None):
+    """(attribute path, object) of `root` and of every package object reachable through
+    attributes from it (a kernel's GEMM phases, scheduler, layout ...)."""
+    seen = set() if seen is None else seen
+    if id(root) in seen:
+        return
+    seen.add(id(root))
+    yield where, root
+    for name, value in list(vars(root).items()):
+        if type(value).__module__.startswith("cute_megamoe") and hasattr(value, "__dict__"):
+            yield from _package_objects(value, (*where, name), seen)
+
+
+def _object_states(kernel) -> dict:
+    return {where: dict(vars(obj)) for where, obj in _package_objects(kernel)}
+
+
+def _traced_attributes(kernel, before: dict) -> tuple:
+    """The plain-data attributes that tracing set on the kernel or its parts (e.g. a stage's
+    transaction bytes), as (attribute path, name, value), for a cache hit to set them too."""
+    traced = []
+    for where, obj in _package_objects(kernel):
+        old = before.get(where, {})
+        for name, value in vars(obj).items():
+            if (name not in old or old[name] is not value) and _plain(value) and \
+                    (name not in old or not _plain(old[name]) or old[name] != value):
+                traced.append((where, name, value))
+    return tuple(traced)
+
+
+def _object_at(root, where: tuple):
+    for name in where:
+        root = getattr(root, name)
+    return root
+
+
+def _plain(value) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _read_cached(path: Path) -> tuple | None:
+    try:
+        return pickle.loads(zlib.decompress(path.read_bytes()))
+    except (FileNotFoundError, EOFError, pickle.UnpicklingError, zlib.error):
+        return None

@@ -11,8 +11,8 @@ the warps grouped by (kernel, warp slot in its SM, PC), fewest first (a stopped 
 stand out against the many spinning at a barrier), and kills COMMAND (which must be the
 process that runs the kernels, not a launcher of other processes). A kernel missing from
 the list is as telling: on 2026-12-04 a "stalled" two-rank loopback showed only rank 0's
-combine, so rank 1's host thread had not launched its call (docs/performance.md, "The FP4
-fused experiment's stall explained"). ``--pid``: attach to a process that is already hung
+combine, so rank 1's host thread had not launched its call
+(docs/notes/loopback-warmup-deadlock.md). ``--pid``: attach to a process that is already hung
 (a job of yours), leaving it running. Needs the CUDA toolkit's ``cuda-gdb`` (``--gdb``) and
 permission to attach (ptrace).
 """

@@ -239,9 +239,10 @@ def read_call_tag(buf) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- traps
 
 def _trap_scenario(scenario: str) -> None:
-    """Run in a fresh process (`expect_trap`): two loopback ranks that must end in a trap;
-    prints the ranks' reports after it."""
-    ranks = Ranks.loopback(2, 8, 64, 2, 256, 128, "bf16xbf16")
+    """Run in a fresh process (`expect_trap`): two loopback ranks (one for "held_cta") that
+    must end in a trap; prints the ranks' reports after it."""
+    ranks = Ranks.loopback(1 if scenario == "held_cta" else 2, 8, 64, 2, 256, 128,
+                           "bf16xbf16")
     try:
         _run_trap_scenario(scenario, ranks)
     except RuntimeError:  # (the trap: print what the kernels reported, as a user would see)
@@ -288,6 +289,8 @@ def _run_trap_scenario(scenario: str, ranks) -> None:
         _run_with_row_transfers(ranks, inputs)
     elif scenario == "fused_and_staged":
         _run_fused_against_staged(ranks, inputs)
+    elif scenario == "held_cta":
+        _run_with_a_held_cta(ranks, inputs)
     elif scenario == "lost_rank":
         # rank 1 never launches its call: rank 0 waits for its counts until the timeout
         staged.dispatch(ranks.buffers[0], *inputs[0], block_m=64, validate_routing=False)
@@ -295,6 +298,31 @@ def _run_trap_scenario(scenario: str, ranks) -> None:
         raise ValueError(scenario)
     torch.cuda.synchronize(device)
     print("FINISHED WITHOUT A TRAP", flush=True)
+
+
+def _run_with_a_held_cta(ranks: Ranks, inputs) -> None:
+    """One rank's fused call whose CTA `sm90_mega_moe.HELD_CTA` is held back before its combine
+    (the "hold_cta" test build, an injected stall): the other CTAs' split-barrier report must
+    name it and its step."""
+    from ..config import Sm90FusedConfig
+    from ..expert_gemm import ExpertWeights
+    from ..heuristics import default_fused_config
+    from ..launch import buffer_state, fused_call
+    from ..staged import stage_inputs
+
+    (buf,) = ranks.buffers
+    layout = buf.layout
+    gen = torch.Generator().manual_seed(3)
+    w1 = torch.randn(layout.num_local_experts, 2 * layout.intermediate_hidden, layout.hidden,
+                     generator=gen).to(torch.bfloat16).to(buf.device)
+    w2 = torch.randn(layout.num_local_experts, layout.hidden, layout.intermediate_hidden,
+                     generator=gen).to(torch.bfloat16).to(buf.device)
+    weights = ExpertWeights.from_bf16(w1, w2, layout.recipe)
+    stage_inputs(buf, *inputs[0], validate_routing=False)
+    n = inputs[0][0].shape[0]
+    y = torch.empty(n, layout.hidden, dtype=torch.bfloat16, device=buf.device)
+    config = default_fused_config(layout, 128, False, Sm90FusedConfig(debug="hold_cta"))
+    fused_call(buf, weights, n, y, buffer_state(buf).num_sms, None, None, True, config)()
 
 
 def _run_with_row_transfers(ranks: Ranks, inputs) -> None:

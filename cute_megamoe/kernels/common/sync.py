@@ -54,8 +54,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ...layout.mega_moe import BarrierSlots
-from ...reports import REPORT_FIELDS, REPORT_NAMES, ReportKind
+from ...layout.mega_moe import PROGRESS_WARPGROUPS, BarrierSlots
+from ...reports import (
+    PROGRESS_ENTRIES,
+    PROGRESS_ENTRY_WORDS,
+    PROGRESS_OFFSET,
+    REPORT_FIELDS,
+    REPORT_NAMES,
+    Progress,
+    ReportKind,
+)
 from ...runtime import spin_timeout_ns
 
 __all__ = [
@@ -83,11 +91,13 @@ def _claim_report(barrier_slots: cute.Pointer) -> cutlass.Boolean:
 
 @cute.jit
 def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: Int32,
-           target: Int32, source: Int32 = 0, expert: Int32 = 0):
+           target: Int32, source: Int32 = 0, expert: Int32 = 0, progress: cute.Pointer = None,
+           warpgroups: cutlass.Constexpr = 0):
     """Record a report of `kind` (`reports.ReportKind`) naming `what` (one of
     `reports.REPORT_NAMES`, or its index as a runtime value) into the rank's pinned host
     record, if this thread is the rank's first to report and the buffer has a record (see
-    `reports`), then trap."""
+    `reports`), then trap. With ``progress`` (the fused kernel's ``cta_progress``, of
+    ``warpgroups`` warpgroups per CTA): also the CTAs not at its combine (`record_laggards`)."""
     if _claim_report(barrier_slots):
         low = cute.arch.load(barrier_slots + BarrierSlots.REPORT, Int32)
         high = cute.arch.load(barrier_slots + BarrierSlots.REPORT + 1, Int32)
@@ -102,10 +112,44 @@ def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: In
                           expert=expert)
             for i, field in enumerate(REPORT_FIELDS[1:], 1):
                 cute.arch.store(record + i, Int32(fields[field]))
+            if cutlass.const_expr(progress is not None):
+                record_laggards(record, progress, warpgroups)
             cute.arch.fence_acq_rel_sys()  # the fields reach host memory before the kind
             cute.arch.store(record, Int32(kind))
             cute.arch.fence_acq_rel_sys()
     cute.arch.inline_ptx("trap;")
+
+
+@cute.jit
+def record_laggards(record: cute.Pointer, progress: cute.Pointer,
+                    warpgroups: cutlass.Constexpr):
+    """The reporting thread, at the fused kernel's combine: into the record after its fields
+    (`reports.PROGRESS_OFFSET`), how many of the grid's CTAs have a warpgroup whose progress
+    word is not at this call's combine, the call's tag (low byte: this CTA's own word's),
+    the warpgroups, and the first `PROGRESS_ENTRIES` such CTAs with their words."""
+    bidx, _, _ = cute.arch.block_idx()
+    num_ctas, _, _ = cute.arch.grid_dim()
+    W = PROGRESS_WARPGROUPS
+    tag = (cute.arch.load(progress + bidx * W, Int32, sem="relaxed", scope="gpu") >> 24) & 0xFF
+    at_combine = (tag << 24) | (Progress.COMBINE << 16)
+    count = Int32(0)
+    for cta in cutlass.range(num_ctas):
+        behind = Int32(0)
+        for w in cutlass.range_constexpr(warpgroups):
+            word = cute.arch.load(progress + cta * W + w, Int32, sem="relaxed", scope="gpu")
+            if word != at_combine:
+                behind = Int32(1)
+        if behind != 0:
+            if count < PROGRESS_ENTRIES:
+                entry = record + PROGRESS_OFFSET + 3 + count * PROGRESS_ENTRY_WORDS
+                cute.arch.store(entry, cta)
+                for w in cutlass.range_constexpr(warpgroups):
+                    cute.arch.store(entry + 1 + w, cute.arch.load(
+                        progress + cta * W + w, Int32, sem="relaxed", scope="gpu"))
+            count += 1
+    cute.arch.store(record + PROGRESS_OFFSET, count)
+    cute.arch.store(record + PROGRESS_OFFSET + 1, tag)
+    cute.arch.store(record + PROGRESS_OFFSET + 2, Int32(warpgroups))
 
 
 @cute.jit
@@ -156,11 +200,13 @@ def wait_eq(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
 def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
                  scope: cutlass.Constexpr, what: cutlass.Constexpr,
                  timeout_ns: cutlass.Constexpr, arrivals: cute.Pointer = None,
-                 barrier: Int32 = 0):
+                 barrier: Int32 = 0, progress: cute.Pointer = None,
+                 warpgroups: cutlass.Constexpr = 0):
     """Spin until the int32 counter at `ptr` has reached `target` (acquire at `scope`), for
     counters that only grow and may wrap: `value - target >= 0` in 32-bit arithmetic. With
     ``arrivals`` (a split barrier's: `split_barrier_wait`), a stall report also carries this
-    rank's arrival count at split barrier ``barrier`` (`reports.ReportKind.SPLIT_STALL`)."""
+    rank's arrival count at split barrier ``barrier`` (`reports.ReportKind.SPLIT_STALL`), and
+    with ``progress`` the CTAs that did not arrive (`report`)."""
     value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
     if value - target < 0:
         start = cute.arch.globaltimer()
@@ -173,7 +219,7 @@ def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
                     else:
                         report(barrier_slots, ReportKind.SPLIT_STALL, what, value, target,
                                cute.arch.load(arrivals, Int32, sem="relaxed", scope="gpu"),
-                               barrier)
+                               barrier, progress, warpgroups)
 
 
 @cute.jit
@@ -368,10 +414,12 @@ def split_barrier_arrive(barrier_slots: cute.Pointer, peer_bases: cute.Tensor,
 @cute.jit
 def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass.Constexpr,
                        target: Int32, timeout_ns: cutlass.Constexpr,
-                       scope: cutlass.Constexpr = "sys"):
+                       scope: cutlass.Constexpr = "sys", progress: cute.Pointer = None,
+                       warpgroups: cutlass.Constexpr = 0):
     """Every thread of a CTA: wait until every rank has arrived at split barriers
     first .. first + count - 1 (`target` from `split_barrier_target`; ``scope``:
-    `group_scope`)."""
+    `group_scope`). ``progress``, ``warpgroups``: the fused kernel's progress words, whose
+    CTAs not at the combine a stall report names."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx < count:
         # (a stall report also says how many of this rank's CTAs have arrived at the run,
@@ -380,7 +428,7 @@ def split_barrier_wait(barrier_slots: cute.Pointer, first: Int32, count: cutlass
         wait_reached(barrier_slots, barrier_slots + BarrierSlots.SPLIT_SIGNAL + first + tidx,
                      target, scope, "split barrier signal", timeout_ns,
                      arrivals=barrier_slots + BarrierSlots.SPLIT_ARRIVAL + first,
-                     barrier=first + tidx)
+                     barrier=first + tidx, progress=progress, warpgroups=warpgroups)
         fence_acq_rel(scope)
     cute.arch.sync_threads()
 

@@ -1,0 +1,170 @@
+"""Reliability soak: several processes on one GPU, each looping random fused layer calls,
+every one checked bit for bit against the staged layer.
+
+    python -m bench.soak --processes 4 --ranks 1 --seconds 120
+    python -m bench.soak --processes 4 --ranks 2 --seconds 120 --row-transfer mixed
+
+Each process builds a loopback group of ``--ranks`` ranks on the GPU
+(`testing.fused_checks.FusedLayer`: 16 experts, at most 200 tokens per rank, top-4, H 512,
+I 256, ``--recipe``), warms every kernel up, then until ``--seconds`` have passed draws calls
+as `testing.fused_checks.check_fused_calls` does: per rank a token count from {0, 1, 0..200,
+200} and a BLOCK_M from {64, 128}, the routings in turn (random, masked, one expert, skewed);
+each call runs the staged layer, then the fused one, and compares ``y``, the counts and the
+statistics bit for bit (`FusedLayer.check_call`, without the reference). The processes share
+the GPU as a server's neighbours would (time-sliced contexts), which is what exposed the fused
+kernel's register handover stall (docs/notes/register-handover.md).
+
+A stall (a kernel's report after the spin limit, ``CUTE_MEGAMOE_SPIN_TIMEOUT_S``, default 20 s
+here) or a mismatch ends that process; its row carries the message. A process that neither
+finishes nor reports by the deadline is killed and counted as a stall ("hung"). Writes
+``bench/results/soak-<stamp>.json``, one row per process: ``ranks``, ``processes``,
+``row_transfer``, ``recipe``, ``seconds``, ``calls``, ``stalls``, ``mismatches``, ``gpu``,
+``error``. Exits non-zero if any process stalled or mismatched.
+
+``--row-transfer``: the fused kernel's row transfer per rank: ``default`` (each rank's
+default), ``counted``, ``with_gemm``, ``barrier``, or ``mixed`` (rank 0 ``counted``, the others
+``with_gemm``: one row protocol, two ways of moving the rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROW_TRANSFERS = ("default", "counted", "with_gemm", "barrier", "mixed")
+SHAPE = dict(num_experts=16, max_tokens=200, num_topk=4, hidden=512, intermediate=256)
+
+
+def _row_transfers(choice: str, num_ranks: int) -> dict:
+    if choice == "default":
+        return {}
+    if choice == "mixed":
+        return {r: "counted" if r == 0 else "with_gemm" for r in range(num_ranks)}
+    return dict.fromkeys(range(num_ranks), choice)
+
+
+def worker(index: int, args, out: Path) -> None:
+    """One process's loop; writes its row to ``out``."""
+    import torch
+
+    from cute_megamoe.testing.fused_checks import ROUTINGS, FusedLayer
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    row = dict(process=index, ranks=args.ranks, processes=args.processes,
+               row_transfer=args.row_transfer, recipe=args.recipe, seconds=0.0, calls=0,
+               stalls=0, mismatches=0, gpu=torch.cuda.get_device_name(), error=None)
+
+    def save():
+        out.write_text(json.dumps(row))
+
+    save()
+    s = SHAPE
+    layer = FusedLayer(Ranks.loopback(args.ranks, s["num_experts"], s["max_tokens"],
+                                      s["num_topk"], s["hidden"], s["intermediate"],
+                                      args.recipe),
+                       seed=index, row_transfers=_row_transfers(args.row_transfer, args.ranks))
+    layer.warm_up((64, 128))
+    rng = random.Random(1000 * args.seed + index)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < args.seconds:
+            n = s["max_tokens"]
+            tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n)) for _ in range(args.ranks))
+            block_ms = {b.rank: rng.choice((64, 128)) for b in layer.ranks.buffers}
+            layer.check_call(tokens, ROUTINGS[row["calls"] % len(ROUTINGS)], block_ms,
+                             rng.randrange(1 << 30), against_reference=False)
+            row["calls"] += 1
+            if row["calls"] % 1000 == 0:
+                row["seconds"] = round(time.monotonic() - start, 1)
+                save()
+    except AssertionError as error:
+        text = str(error)
+        # a kernel that trapped (its report is in the message) is a stall; a difference from
+        # the staged layer is a mismatch
+        row["stalls" if "the calls failed" in text else "mismatches"] += 1
+        row["error"] = text[:2000]
+    row["seconds"] = round(time.monotonic() - start, 1)
+    save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=1, choices=(1, 2, 4))
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--row-transfer", default="default", choices=ROW_TRANSFERS)
+    parser.add_argument("--recipe", default="fp8xfp8", choices=("fp8xfp8", "bf16xbf16"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spin-timeout-s", type=float, default=20.0,
+                        help="the kernels' spin limit (CUTE_MEGAMOE_SPIN_TIMEOUT_S)")
+    parser.add_argument("--no-save", action="store_true", help="print, write no JSON")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.processes < 1 or args.seconds <= 0:
+        parser.error("--processes and --seconds must be positive")
+    if args.worker is not None:
+        worker(args.worker, args, args.out)
+        return
+
+    env = dict(os.environ, CUTE_MEGAMOE_SPIN_TIMEOUT_S=str(args.spin_timeout_s))
+    with tempfile.TemporaryDirectory(prefix="cute_megamoe_soak_") as tmp:
+        outs = [Path(tmp) / f"{i}.json" for i in range(args.processes)]
+        procs = []
+        for i, out in enumerate(outs):
+            cmd = [sys.executable, "-m", "bench.soak", "--worker", str(i), "--out", str(out),
+                   "--processes", str(args.processes), "--ranks", str(args.ranks),
+                   "--seconds", str(args.seconds), "--row-transfer", args.row_transfer,
+                   "--recipe", args.recipe, "--seed", str(args.seed)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        # warm-up and compiles, the loop, one call's spin limit (the combine waits twice it)
+        deadline = time.monotonic() + 300 + args.seconds + 3 * args.spin_timeout_s
+        rows = []
+        for i, (proc, out) in enumerate(zip(procs, outs, strict=True)):
+            try:
+                log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log, _ = proc.communicate()
+                log = f"hung: killed by the soak at its deadline\n{log}"
+            row = json.loads(out.read_text()) if out.exists() and out.stat().st_size else \
+                dict(process=i, ranks=args.ranks, processes=args.processes,
+                     row_transfer=args.row_transfer, recipe=args.recipe, calls=0, stalls=0,
+                     mismatches=0, error=None)
+            if proc.returncode != 0 and not (row["stalls"] or row["mismatches"]):
+                row["stalls"] += 1  # (it died or hung without a report of its own)
+                row["error"] = log[-2000:]
+            rows.append(row)
+    from bench.common import Results
+
+    results = Results("soak", meta=dict(processes=args.processes, ranks=args.ranks,
+                                        row_transfer=args.row_transfer, recipe=args.recipe,
+                                        seconds=args.seconds,
+                                        spin_timeout_s=args.spin_timeout_s))
+    for row in rows:
+        row.setdefault("gpu", results.meta["gpu"])
+        results.add(**row)
+    print(results.table(["process", "ranks", "row_transfer", "seconds", "calls", "stalls",
+                         "mismatches"]))
+    for row in rows:
+        if row.get("error"):
+            print(f"process {row['process']}: {row['error']}")
+    total = sum(r["calls"] for r in rows)
+    bad = sum(r["stalls"] + r["mismatches"] for r in rows)
+    print(f"{total} calls, {sum(r['stalls'] for r in rows)} stalls, "
+          f"{sum(r['mismatches'] for r in rows)} mismatches")
+    if not args.no_save:
+        print(f"wrote {results.save()}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
