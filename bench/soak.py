@@ -6,7 +6,9 @@ every one checked bit for bit against the staged layer.
 
 Each process builds a loopback group of ``--ranks`` ranks on the GPU
 (`testing.fused_checks.FusedLayer`: 16 experts, at most 200 tokens per rank, top-4, H 512,
-I 256, ``--recipe``), warms every kernel up, then until ``--seconds`` have passed draws calls
+I 256, ``--recipe``), warms every kernel up (compiling it where the cache does not hold it),
+then until ``--seconds`` after the soak's start (warm-up included; every process stops at the
+same time, so all of them run together throughout) draws calls
 as `testing.fused_checks.check_fused_calls` does: per rank a token count from {0, 1, 0..200,
 200} and a BLOCK_M from {64, 128}, the routings in turn (random, masked, one expert, skewed);
 each call runs the staged layer, then the fused one, and compares ``y``, the counts and the
@@ -16,14 +18,16 @@ kernel's register handover stall (docs/notes/register-handover.md).
 
 A stall (a kernel's report after the spin limit, ``CUTE_MEGAMOE_SPIN_TIMEOUT_S``, default 20 s
 here) or a mismatch ends that process; its row carries the message. A process that neither
-finishes nor reports by the deadline is killed and counted as a stall ("hung"). Writes
-``bench/results/soak-<stamp>.json``, one row per process: ``ranks``, ``processes``,
-``row_transfer``, ``recipe``, ``seconds``, ``calls``, ``stalls``, ``mismatches``, ``gpu``,
-``error``. Exits non-zero if any process stalled or mismatched.
+finishes nor reports by the deadline (the end plus three spin limits) is killed and counted
+as a stall ("hung"). Writes ``bench/results/soak-<stamp>.json``, one row per process:
+``ranks``, ``processes``, ``row_transfer``, ``recipe``, ``seconds`` (of calls, after the
+warm-up), ``calls``, ``stalls``, ``mismatches``, ``gpu``, ``error``. Exits non-zero if any
+process stalled or mismatched.
 
 ``--row-transfer``: the fused kernel's row transfer per rank: ``default`` (each rank's
 default), ``counted``, ``with_gemm``, ``barrier``, or ``mixed`` (rank 0 ``counted``, the others
-``with_gemm``: one row protocol, two ways of moving the rows).
+``with_gemm``: one row protocol, two ways of moving the rows); a comma list gives the
+processes these in turn (``mixed,barrier``: half of them each).
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ def worker(index: int, args, out: Path) -> None:
     from cute_megamoe.testing.fused_checks import ROUTINGS, FusedLayer
     from cute_megamoe.testing.protocol_checks import Ranks
 
+    row_transfer = args.row_transfer.split(",")[index % len(args.row_transfer.split(","))]
     row = dict(process=index, ranks=args.ranks, processes=args.processes,
-               row_transfer=args.row_transfer, recipe=args.recipe, seconds=0.0, calls=0,
+               row_transfer=row_transfer, recipe=args.recipe, seconds=0.0, calls=0,
                stalls=0, mismatches=0, gpu=torch.cuda.get_device_name(), error=None)
 
     def save():
@@ -69,12 +74,12 @@ def worker(index: int, args, out: Path) -> None:
     layer = FusedLayer(Ranks.loopback(args.ranks, s["num_experts"], s["max_tokens"],
                                       s["num_topk"], s["hidden"], s["intermediate"],
                                       args.recipe),
-                       seed=index, row_transfers=_row_transfers(args.row_transfer, args.ranks))
+                       seed=index, row_transfers=_row_transfers(row_transfer, args.ranks))
     layer.warm_up((64, 128))
     rng = random.Random(1000 * args.seed + index)
     start = time.monotonic()
     try:
-        while time.monotonic() - start < args.seconds:
+        while time.time() < args.until:
             n = s["max_tokens"]
             tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n)) for _ in range(args.ranks))
             block_ms = {b.rank: rng.choice((64, 128)) for b in layer.ranks.buffers}
@@ -99,7 +104,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=1, choices=(1, 2, 4))
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--row-transfer", default="default", choices=ROW_TRANSFERS)
+    parser.add_argument("--row-transfer", default="default",
+                        help=f"one of {ROW_TRANSFERS}, or a comma list of them")
     parser.add_argument("--recipe", default="fp8xfp8", choices=("fp8xfp8", "bf16xbf16"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spin-timeout-s", type=float, default=20.0,
@@ -107,14 +113,18 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="print, write no JSON")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--until", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.processes < 1 or args.seconds <= 0:
         parser.error("--processes and --seconds must be positive")
+    if not set(args.row_transfer.split(",")) <= set(ROW_TRANSFERS):
+        parser.error(f"--row-transfer: one of {ROW_TRANSFERS}, or a comma list of them")
     if args.worker is not None:
         worker(args.worker, args, args.out)
         return
 
     env = dict(os.environ, CUTE_MEGAMOE_SPIN_TIMEOUT_S=str(args.spin_timeout_s))
+    until = time.time() + args.seconds
     with tempfile.TemporaryDirectory(prefix="cute_megamoe_soak_") as tmp:
         outs = [Path(tmp) / f"{i}.json" for i in range(args.processes)]
         procs = []
@@ -122,11 +132,11 @@ def main() -> None:
             cmd = [sys.executable, "-m", "bench.soak", "--worker", str(i), "--out", str(out),
                    "--processes", str(args.processes), "--ranks", str(args.ranks),
                    "--seconds", str(args.seconds), "--row-transfer", args.row_transfer,
-                   "--recipe", args.recipe, "--seed", str(args.seed)]
+                   "--recipe", args.recipe, "--seed", str(args.seed), "--until", str(until)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-        # warm-up and compiles, the loop, one call's spin limit (the combine waits twice it)
-        deadline = time.monotonic() + 300 + args.seconds + 3 * args.spin_timeout_s
+        # the end, then one call's spin limit (the combine waits twice it) and the report
+        deadline = time.monotonic() + args.seconds + 3 * args.spin_timeout_s + 30
         rows = []
         for i, (proc, out) in enumerate(zip(procs, outs, strict=True)):
             try:
@@ -135,10 +145,11 @@ def main() -> None:
                 proc.kill()
                 log, _ = proc.communicate()
                 log = f"hung: killed by the soak at its deadline\n{log}"
+            transfers = args.row_transfer.split(",")
             row = json.loads(out.read_text()) if out.exists() and out.stat().st_size else \
                 dict(process=i, ranks=args.ranks, processes=args.processes,
-                     row_transfer=args.row_transfer, recipe=args.recipe, calls=0, stalls=0,
-                     mismatches=0, error=None)
+                     row_transfer=transfers[i % len(transfers)], recipe=args.recipe, calls=0,
+                     stalls=0, mismatches=0, error=None)
             if proc.returncode != 0 and not (row["stalls"] or row["mismatches"]):
                 row["stalls"] += 1  # (it died or hung without a report of its own)
                 row["error"] = log[-2000:]
