@@ -2,7 +2,7 @@
 every one checked bit for bit against the staged layer.
 
     python -m bench.soak --processes 4 --ranks 1 --seconds 120
-    python -m bench.soak --processes 4 --ranks 2 --seconds 120 --row-transfer mixed
+    python -m bench.soak --processes 4 --ranks 2 --seconds 120 --row-transfer counted,barrier
 
 Each process builds a loopback group of ``--ranks`` ranks on the GPU
 (`testing.fused_checks.FusedLayer`: 16 experts, at most 200 tokens per rank, top-4, H 512,
@@ -24,10 +24,9 @@ as a stall ("hung"). Writes ``bench/results/soak-<stamp>.json``, one row per pro
 warm-up), ``calls``, ``stalls``, ``mismatches``, ``gpu``, ``error``. Exits non-zero if any
 process stalled or mismatched.
 
-``--row-transfer``: the fused kernel's row transfer per rank: ``default`` (each rank's
-default), ``counted``, ``with_gemm``, ``barrier``, or ``mixed`` (rank 0 ``counted``, the others
-``with_gemm``: one row protocol, two ways of moving the rows); a comma list gives the
-processes these in turn (``mixed,barrier``: half of them each).
+``--row-transfer``: the fused kernel's row transfer on every rank (`config.ROW_TRANSFERS`, or
+``default``: the buffer's); a comma list gives the processes these in turn
+(``counted,barrier``: half of them each).
 """
 
 from __future__ import annotations
@@ -42,16 +41,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROW_TRANSFERS = ("default", "counted", "with_gemm", "barrier", "mixed")
+ROW_TRANSFERS = ("default", "counted", "barrier")
 SHAPE = dict(num_experts=16, max_tokens=200, num_topk=4, hidden=512, intermediate=256)
 
 
-def _row_transfers(choice: str, num_ranks: int) -> dict:
-    if choice == "default":
-        return {}
-    if choice == "mixed":
-        return {r: "counted" if r == 0 else "with_gemm" for r in range(num_ranks)}
-    return dict.fromkeys(range(num_ranks), choice)
+def _configs(choice: str, num_ranks: int) -> dict:
+    """Per rank, the fused layer's configuration (`testing.fused_checks.rows_config`)."""
+    from cute_megamoe.testing.fused_checks import rows_config
+
+    return dict.fromkeys(range(num_ranks), rows_config(None if choice == "default" else choice))
 
 
 def worker(index: int, args, out: Path) -> None:
@@ -59,7 +57,7 @@ def worker(index: int, args, out: Path) -> None:
     import torch
 
     from cute_megamoe.testing.fused_checks import ROUTINGS, FusedLayer
-    from cute_megamoe.testing.protocol_checks import Ranks
+    from cute_megamoe.testing.ranks import Ranks
 
     row_transfer = args.row_transfer.split(",")[index % len(args.row_transfer.split(","))]
     row = dict(process=index, ranks=args.ranks, processes=args.processes,
@@ -74,7 +72,7 @@ def worker(index: int, args, out: Path) -> None:
     layer = FusedLayer(Ranks.loopback(args.ranks, s["num_experts"], s["max_tokens"],
                                       s["num_topk"], s["hidden"], s["intermediate"],
                                       args.recipe),
-                       seed=index, row_transfers=_row_transfers(row_transfer, args.ranks))
+                       seed=index, configs=_configs(row_transfer, args.ranks))
     layer.warm_up((64, 128))
     rng = random.Random(1000 * args.seed + index)
     start = time.monotonic()
