@@ -10,7 +10,7 @@ from cute_megamoe import launch, runtime
 from cute_megamoe import precompile as pc
 from cute_megamoe.heuristics import block_m_for_call, expected_tokens_per_expert
 from cute_megamoe.heuristics import select_combine_rounds as rounds_for
-from cute_megamoe.launch import sm90_runs_transposed
+from cute_megamoe.expert_gemm import expert_ffn_configs
 
 
 @pytest.mark.compile
@@ -66,16 +66,18 @@ def test_precompile_covers_every_choice_the_layer_makes(no_compiles):
     pytest.importorskip("cutlass")
     e, k, h, i, t = 256, 8, 7168, 2048, 8192
     report = pc.precompile(e, k, h, i, t, "fp8xfp8", arch="sm_90a")
-    gemms = {(key[2], key[8], key[12][1]) for key in no_compiles if key[0] == "expert_gemm"}
-    # every (phase, BLOCK_M, transposed mainloop) the heuristics pick for 0..t tokens
+    gemms = {(key[2], key[11]) for key in no_compiles if key[0] == "expert_gemm"}
+    # every (phase, complete GEMM configuration) the heuristics pick for 0..t tokens
     want = set()
     for n in range(t + 1):
         bm = block_m_for_call(n, 1, k, e, "sm_90a")
-        transposed = sm90_runs_transposed("sm_90a", "fp8xfp8", bm,
-                                          expected_tokens_per_expert(n, 1, k, e))
-        want |= {("l1", bm, transposed), ("l2", bm, transposed)}
+        l1, l2 = expert_ffn_configs("sm_90a", "fp8xfp8", bm, h, i,
+                                    expected_tokens_per_expert(n, 1, k, e), True, None)
+        want |= {("l1", l1), ("l2", l2)}
     assert gemms == want and len(want) == 6
-    fused = {key[3] for key in no_compiles if key[0] == "mega_moe"}
+    assert {(c.block_m, c.transposed) for _, c in gemms} == {(64, True), (64, False),
+                                                               (128, False)}
+    fused = {key[7].block_m for key in no_compiles if key[0] == "mega_moe"}
     assert fused == {64, 128}  # the fused kernel at both BLOCK_Ms (one rank, sm_90a)
     combine = {(key[3], key[4]) for key in no_compiles if key[0] == "combine"}
     assert combine == {(64, "epilogue"), (128, "epilogue")}
