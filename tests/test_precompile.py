@@ -8,9 +8,9 @@ import torch
 
 from cute_megamoe import launch, runtime
 from cute_megamoe import precompile as pc
+from cute_megamoe.expert_gemm import expert_ffn_configs
 from cute_megamoe.heuristics import block_m_for_call, expected_tokens_per_expert
 from cute_megamoe.heuristics import select_combine_rounds as rounds_for
-from cute_megamoe.expert_gemm import expert_ffn_configs
 
 
 @pytest.mark.compile
