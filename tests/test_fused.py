@@ -392,7 +392,7 @@ def test_the_two_gemm_phases_share_one_ring():
     # one transaction count for the ring: each phase expects exactly its stage's bytes
     for g in (l1, l2):
         assert g.ring_tx_bytes + g.extra_tx_bytes == g.stage_tx_bytes
-        assert g.extra_tx_bytes >= 0 and g.wg_skew == 0 and g.cluster_m == k.cluster_m == 1
+        assert g.extra_tx_bytes >= 0 and g.wg_skew == 0 and g.cluster_m == 1
     assert l1.signals_ready and not l2.signals_ready
     # L2 waits for one arrival per consumer warp of every L1 n-block of its pool block
     assert l2.waits_ready == (2 * 2048 // 256) * 2 * 4

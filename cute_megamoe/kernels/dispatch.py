@@ -762,22 +762,20 @@ class DispatchKernel:
 
     @cute.jit
     def push_in_pool_order(self, peer_bases: cute.Tensor, rank: Int32, sender: Int32,
-                           num_senders: Int32, lane: Int32, arrays,
-                           unroll: cutlass.Constexpr):
+                           num_senders: Int32, lane: Int32, arrays):
         """Step 7 for the fused kernel (`pool_order`), by sender warp `sender` of `num_senders`
-        (every warp of every CTA, or spare warps while the GEMMs run, after `exchange_counts`):
-        this rank's rows to each destination in that destination's pool order, each batch of
-        32 rows followed by +1 per row on its pool block's `pool_block_arrivals` there (one
-        fence per batch, `count_arrival`), so the destination's L1 tiles start block by block
-        while later rows are still on the way.
+        (every warp of every CTA, after `exchange_counts`): this rank's rows to each
+        destination in that destination's pool order, each batch of 32 rows followed by +1 per
+        row on its pool block's `pool_block_arrivals` there (one fence per batch,
+        `count_arrival`), so the destination's L1 tiles start block by block while later rows
+        are still on the way.
 
         The rows to all destinations are merged, destination-fastest (merged row i: row
         i // R to destination i % R), so every destination's pool fills front to back at the
         same pace; sender v takes merged rows v, v + V, ... (V senders), a lane looking up one
         row of each batch of 32: its expert (binary search of `send_start`), its slot, the
         (token, k) pair the scatter left in the destination's `src_token_topk_idx`, and the
-        pool row (`index_of_source`, the destination's BLOCK_M). Copies move `unroll`-vector
-        groups per lane (the fused kernel's spare warps keep few registers)."""
+        pool row (`index_of_source`, the destination's BLOCK_M)."""
         E_l, R, K = self.num_local_experts, self.num_ranks, self.num_topk
         (_slots, recv_count, _totals, _rows, block_start, dest_block_m, send_start) = arrays
         most = Int32(0)  # rows to the destination that gets the most
@@ -805,14 +803,12 @@ class DispatchKernel:
                 if row_j >= 0:
                     token_j = cute.arch.shuffle_sync(token, j)
                     dest_j = (first + j * num_senders) % R
-                    # (this rank's `x` is addressed again per row: the spare warps have 32-40
-                    # registers)
                     x = Int64(peer_bases[rank]) + self.regions.offset("x")
                     copy_row_in_registers(x + Int64(token_j) * self.row_bytes,
                                           Int64(peer_bases[dest_j])
                                           + self.regions.offset("l1_acts")
                                           + Int64(row_j) * self.row_bytes, lane,
-                                          self.row_bytes, unroll)
+                                          self.row_bytes)
             # the warp's stores of the batch, then every lane fences once and counts its own
             # row: one fence per batch of 32 rows, not a release per row
             cute.arch.sync_warp()

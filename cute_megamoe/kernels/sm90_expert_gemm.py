@@ -373,8 +373,6 @@ class Sm90ExpertGemmKernel:
         self.extra_packed_tx_bytes = 0
         self.signals_ready = False
         self.waits_ready = 0  # arrivals an L2 tile waits for per pool block (0: no wait)
-        # with a slot: every L1 tile signals that one counter and L2 waits once, for all of them
-        self.ready_slot: int | None = None
         self.timeout_ns = spin_timeout_ns()
         # bounded stage waits with stall reports in every role (`bounded_stage_wait`; the
         # fused kernel's FP4 experiment sets it)
@@ -713,9 +711,8 @@ class Sm90ExpertGemmKernel:
                 first_tile: Int32, num_clusters: Int32, raster_group: Int32, rank: Int32,
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
-                log_first: Int32 = 0, ready_target: Int32 = None,
-                rows_arrived: cute.Pointer = None, arrivals_per_row: cutlass.Constexpr = 1,
-                preloaded: Int32 = None):
+                log_first: Int32 = 0, rows_arrived: cute.Pointer = None,
+                arrivals_per_row: cutlass.Constexpr = 1, preloaded: Int32 = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles`` (FP4 weights: A and
         the scale vectors; `produce_packed` loads the weights); in a cluster whose
@@ -724,16 +721,14 @@ class Sm90ExpertGemmKernel:
         `pool_block_arrivals`), a tile's loads start once its pool block's counter reaches
         ``arrivals_per_row`` per valid row. With ``waits_ready`` (L2 of the fused kernel), a
         tile's loads start once ``ready[pool_block]`` (the L1 tiles of the block done) reaches
-        it, or with a ``ready_slot`` its first tile once ``ready[ready_slot]`` reaches
-        ``ready_target`` (every L1 tile done). A tile that waits for its pool block loads the
-        weights of its first stages before the wait (they depend on nothing; FP8 and BF16
-        weights, whose B this warp loads). ``preloaded``: the weights of that many first
-        stages of tile ``first_tile`` were loaded already (`load_first_weights`, from ``state``
-        on); their rows follow once the block is ready. With
-        ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of this walk is
-        recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
-        ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index past
-        num_tiles)``."""
+        it. A tile that waits for its pool block loads the weights of its first stages before
+        the wait (they depend on nothing; FP8 and BF16 weights, whose B this warp loads).
+        ``preloaded``: the weights of that many first stages of tile ``first_tile`` were loaded
+        already (`load_first_weights`, from ``state`` on); their rows follow once the block is
+        ready. With ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of
+        this walk is recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
+        ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index
+        past num_tiles)``."""
         g_a = cute.local_tile(m_a, (self.a_box_rows, self.block_k), (None, None))
         # (the stages as A boxes: box t of stage s is slot s * boxes per block + t, the same
         # bytes and swizzle atoms as `sa`)
@@ -748,11 +743,6 @@ class Sm90ExpertGemmKernel:
         b_blocks_per_expert = self.n // WG_N
         tile = first_tile
         owner = Int32(0)
-        if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is not None):
-            if tile < num_tiles:
-                wait_reached(barrier_slots, ready + self.ready_slot, ready_target, "gpu",
-                             "every L1 tile", self.timeout_ns)
-                cute.arch.fence_proxy("async.global")  # (as below)
         while tile < num_tiles:
             owner, multicast, expert, n_block, pool_block, valid_m = self.pair_tile(
                 tile, owner, block_start, row_start, raster_group, rank)
@@ -767,8 +757,7 @@ class Sm90ExpertGemmKernel:
             # of the stages it can take (they depend on nothing), then waits, then loads their
             # A; a ready tile loads A and B stage by stage (weights first there would delay its
             # first stage by the others' weights)
-            gated = rows_arrived is not None or (self.waits_ready > 0
-                                                 and self.ready_slot is None)
+            gated = rows_arrived is not None or self.waits_ready > 0
             prefill = min(self.num_stages, self.num_k_blocks) if gated and not \
                 self.fp4_weights and self.weights_first else 0
             early = preloaded is not None
@@ -811,7 +800,7 @@ class Sm90ExpertGemmKernel:
                                  valid_m * arrivals_per_row, self.sync_scope,
                                  "rows of a pool block (pool_block_arrivals)", self.timeout_ns)
                     cute.arch.fence_proxy("async.global")
-            if cutlass.const_expr(self.waits_ready > 0 and self.ready_slot is None):
+            if cutlass.const_expr(self.waits_ready > 0):
                 wait_reached(barrier_slots, ready + pool_block, Int32(self.waits_ready), "gpu",
                              "L1 tiles of a pool block", self.timeout_ns)
                 # the L1 rows came through bulk (async proxy) stores and generic stores; the
@@ -1503,11 +1492,8 @@ class Sm90ExpertGemmKernel:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_warp()
-        index = pool_block
-        if cutlass.const_expr(self.ready_slot is not None):
-            index = Int32(self.ready_slot)
         if lane == 0:
-            cute.arch.red(ready + index, Int32(1), op="add", dtype="s32", sem="release",
+            cute.arch.red(ready + pool_block, Int32(1), op="add", dtype="s32", sem="release",
                           scope="gpu")
 
     @cute.jit

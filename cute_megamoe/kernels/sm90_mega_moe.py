@@ -110,7 +110,6 @@ from ..layout.device import BufferRegions
 from ..layout.mega_moe import PROGRESS_WARPGROUPS, BarrierSlots, MegaMoELayout
 from ..reports import REPORT_NAMES, Progress, ReportKind
 from .combine import CombineKernel
-from .common.pool import ROW_COPY_UNROLL
 from .common.sync import call_tags, finish_call, grid_barrier, report, spin_timeout_ns
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
@@ -140,11 +139,6 @@ SM_SMEM_CAPACITY = 227 * 1024 - 2048
 # registers of every thread in the combine phase: the consumers give back what the producer
 # warpgroup takes (2 x 128 x (232 - 168) = 128 x (168 - 40) at BLOCK_M 128)
 COMBINE_REGS = 168
-# by (FP4 weights, BLOCK_M): registers of the producer warpgroup, whose spare warps send the
-# rows, and the 16-byte vectors a sender lane loads before storing them (no spills; FP4
-# weights at BLOCK_M 128 with the rows moving during the GEMMs, not the default, spill 3)
-SENDER_REGS = {(False, 64): (80, 4), (False, 128): (40, 2), (True, 64): (40, 2),
-               (True, 128): (40, 2)}
 REGS_BARRIER = 2  # named barriers 2 + warpgroup: a warpgroup's warps meet before a setmaxnreg
 # Named barrier of the register handover (every warpgroup of the GEMM roles once): the GEMM
 # consumers arrive once their setmaxnreg.inc has its registers, the other warpgroups wait there
@@ -159,14 +153,14 @@ HELD_CTA = 5
 LATE_CONSUMERS_NS = 200_000
 
 
-def walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters):
-    """How many L1 and L2 tiles cluster ``cluster`` of ``num_clusters`` takes in the fused
-    walk (L1 tiles ``cluster``, ``cluster + num_clusters``, ..., then the L2 walk on from the
-    first index past the L1 tiles, as `scheduler.fused_tile_walk`): ``(l1, l2)``, for Python
-    ints and DSL Int32 alike."""
-    l1 = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
-    first_l2 = cluster + l1 * num_clusters - l1_tiles
-    return l1, (cutlass.max(l2_tiles - first_l2, 0) + num_clusters - 1) // num_clusters
+def walk_lengths(l1_tiles, l2_tiles, cta, num_ctas):
+    """How many L1 and L2 tiles CTA ``cta`` of ``num_ctas`` takes in the fused walk (L1 tiles
+    ``cta``, ``cta + num_ctas``, ..., then the L2 walk on from the first index past the L1
+    tiles, as `scheduler.fused_tile_walk`): ``(l1, l2)``, for Python ints and DSL Int32
+    alike."""
+    l1 = (cutlass.max(l1_tiles - cta, 0) + num_ctas - 1) // num_ctas
+    first_l2 = cta + l1 * num_ctas - l1_tiles
+    return l1, (cutlass.max(l2_tiles - first_l2, 0) + num_ctas - 1) // num_ctas
 
 
 class Sm90MegaMoEKernel:
@@ -212,18 +206,11 @@ class Sm90MegaMoEKernel:
         self.num_ranks = layout.num_ranks
         self.num_local_experts = layout.num_local_experts
         self.num_pool_blocks = layout.num_pool_rows // block_m
-        # no clusters: CTA pairs multicasting the weight tile (as the staged GEMMs at BLOCK_M
-        # 128) were bit-identical, but took 1.20x the fused layer's time at 4096 / 8192 tokens
-        # on an H200 (R = 1, 2026-12-04; pairs of 128-row blocks often straddle two experts
-        # there, docs/performance.md); and ranks that share a GPU (loopback tests) can leave a
-        # cooperative grid no room for its SM pairs
-        self.cluster_m = 1
         # how the rows move (step 1, `config.ROW_TRANSFERS`): "barrier" and "counted" are
         # different row protocols, which every rank of a call must share (published in the
         # count words and checked, `layout.CountWord`); ranks may mix BLOCK_Ms
         self.row_transfer = config.row_transfer
         self.rows_counted = config.row_transfer == "counted"
-        self.rows_with_gemm = False
         # `stages_inputs`: this kernel quantizes the caller's activations into the buffer and
         # copies the routing itself (step 0), instead of a staging launch before it: one launch
         # per layer call. Each CTA copies the routing of the (token, slot) pairs it counts next
@@ -246,9 +233,6 @@ class Sm90MegaMoEKernel:
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
                                        has_stats=has_stats, transfer="push",
                                        pool_order=self.rows_counted, local=self.local_dispatch)
-        # the producer warpgroup's warps that load nothing send this rank's rows (step 1)
-        self.first_sender_warp = 2 if self.fp4_weights else 1
-        self.sender_warps = 4 - self.first_sender_warp
         self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
                                      send_mode="epilogue")
         # the combine's barriers wait behind every other wait of the call: a CTA stalled
@@ -265,9 +249,13 @@ class Sm90MegaMoEKernel:
         reserved = self.dispatch.smem_bytes()
         e_l, p = layout.num_local_experts, layout.num_pool_rows
         h, inter = layout.hidden, layout.intermediate_hidden
-        # the GEMM phases (no clusters, the staged kernels' mainloop; the L1 rows go to the L2
-        # pool by row copies: the TMA store is not built into the fused kernel; L2 sends its
-        # rows to the combine buffers as `config.row_stores` says)
+        # the GEMM phases (the staged kernels' mainloop; the L1 rows go to the L2 pool by row
+        # copies: the TMA store is not built into the fused kernel; L2 sends its rows to the
+        # combine buffers as `config.row_stores` says). No clusters: CTA pairs multicasting the
+        # weight tile (as the staged GEMMs at BLOCK_M 128) were bit-identical, but took 1.20x
+        # the fused layer's time at 4096 / 8192 tokens on an H200 (R = 1, 2026-12-04; pairs of
+        # 128-row blocks often straddle two experts there, docs/performance.md); and ranks that
+        # share a GPU (loopback tests) can leave a cooperative grid no room for its SM pairs
         gemm = Sm90GemmConfig(block_m=block_m, cluster_m=1, transposed=False,
                               promotion=config.promotion, k_unroll=config.k_unroll,
                               tma_store=False, row_stores="bulk",
@@ -279,16 +267,12 @@ class Sm90MegaMoEKernel:
                                        replace(gemm, row_stores=config.row_stores),
                                        fast_math=fast_math, combine_layout=layout,
                                        tiled_weights=tiled_weights, smem_reserved=reserved)
-        # L2 tiles start when the L1 tiles of their pool block are done (a gate on all L1
-        # tiles, one counter, took 1.01-1.03x the time at 128 / 4096 tokens and 0.99x at 8192
-        # on an H200: docs/performance.md, the phase clock; deleted)
-        self.ready_slot = None
         assert self.l1.decode_wgs == decode_wgs
-        # (the rows move before the GEMMs: the producer warpgroup keeps the GEMM kernel's
-        # registers)
-        self.sender_regs, self.sender_unroll = SENDER_REGS[(self.fp4_weights, block_m)]
         assert 128 * (self.l1.producer_regs + decode_wgs * self.l1.decode_regs
                       + self.l1.num_mma_wgs * self.l1.consumer_regs) <= 65536
+        # L2 tiles start when the L1 tiles of their pool block are done (a gate on all L1
+        # tiles, one counter, took 1.01-1.03x the time at 128 / 4096 tokens and 0.99x at 8192
+        # on an H200: docs/performance.md, the phase clock)
         share_ring(self.l1, self.l2)
         self.l1.sync_scope = self.l2.sync_scope = self.dispatch.scope
         # the loads (and the FP4 decode warps) wait for their stages with time limits and
@@ -300,23 +284,22 @@ class Sm90MegaMoEKernel:
         self.l1.stage_reports = self.l2.stage_reports = True
         # and instead a watchdog warp over the consumers' k-blocks, which reports which state
         # of their next stage they stopped at (`watch_consumers`; the producer warpgroup's
-        # warp 2, idle while the GEMMs run when the rows move before them)
-        self.watchdog = (self.fp4_weights and not self.rows_with_gemm
-                         and spin_timeout_ns() > 0)
+        # warp 2, idle while the GEMMs run)
+        self.watchdog = self.fp4_weights and spin_timeout_ns() > 0
         self.l2.late_metadata = self.rows_counted  # (no grid barrier after the metadata)
         # `weights_first`: tiles whose pool block is not ready load their first stages'
         # weights before they wait (`Sm90ExpertGemmKernel.produce`). Loading them first for
         # every waiting tile (the A/B of docs/performance.md) delayed ready tiles' first stages
         # (1.02-1.04x at 4096-8192 with barrier rows); the variant that checks the pool block
         # first measured no change at 1 token, where with counted rows a CTA's own pushes come
-        # before its first tile. So with the counted transfers (FP8 / BF16 weights, no
-        # clusters, BLOCK_M 64) warp 0 also loads its first L1 tile's first stages' weights
+        # before its first tile. So with the counted transfers (FP8 / BF16 weights, BLOCK_M
+        # 64) warp 0 also loads its first L1 tile's first stages' weights
         # once the pool's prefix sums are in place, before the metadata and the rows: 1 token
         # 108 us graph against 114 (R = 1, H200), 128 tokens unchanged. By default on with the
         # counted transfers at BLOCK_M 64 (`heuristics.default_fused_config`)
         self.l1.weights_first = self.l2.weights_first = config.weights_first
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
-                              and not self.fp4_weights and self.cluster_m == 1)
+                              and not self.fp4_weights)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
@@ -404,10 +387,10 @@ class Sm90MegaMoEKernel:
         tiled_mma, a_layout, b_layout = self.l1.mma_and_stage_layouts()
         tma_a1, m_a1, tma_b1, m_b1 = self.l1.tma_loads(l1_acts, w1, a_layout, b_layout)
         tma_a2, m_a2, tma_b2, m_b2 = self.l2.tma_loads(l2_acts, w2, a_layout, b_layout)
+        # NOTES: `Sm90ExpertGemmKernel.produce`'s multicast atoms: with no clusters, the weight
+        # atoms again, never used to load; as kernel parameters of their own (dropping them
+        # moves every later parameter by 2 x 128 bytes, a change of the build)
         tma_b1_mc, tma_b2_mc = tma_b1, tma_b2
-        if cutlass.const_expr(self.cluster_m > 1):
-            tma_b1_mc = self.l1.tma_multicast_b(w1, b_layout)
-            tma_b2_mc = self.l2.tma_multicast_b(w2, b_layout)
         k = self.l1
 
         @cute.struct
@@ -439,7 +422,7 @@ class Sm90MegaMoEKernel:
                     l2_acts_sf, token_src_metadata, w1_sf, w2_sf, pool_block_ready, phase_clock,
                     tile_log, y, w1_group_sf, w2_group_sf, x, topk_idx, topk_weights).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1],
-            cluster=[self.cluster_m, 1, 1], min_blocks_per_mp=1, stream=stream,
+            cluster=[1, 1, 1], min_blocks_per_mp=1, stream=stream,
             cooperative=True)
 
     @cute.kernel
@@ -461,12 +444,6 @@ class Sm90MegaMoEKernel:
         grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        # the tile walk goes by clusters; cta_rank: this CTA's pool block within its cluster's
-        cta_rank = Int32(0)
-        if cutlass.const_expr(self.cluster_m > 1):
-            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster = bidx // self.cluster_m
-        num_clusters = grid // self.cluster_m
         peer_bases = cute.make_tensor(peer_bases_ptr, cute.make_layout(self.num_ranks))
         my_base = Int64(peer_bases[rank])
         barrier = self.regions.ptr(my_base, "barrier")
@@ -485,12 +462,11 @@ class Sm90MegaMoEKernel:
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # every consumer warp frees a stage in each CTA of the cluster (the peer's
-            # multicast writes into this CTA's stages too)
+            # (every consumer warp frees a stage)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.cluster_m * self.l1.num_mma_wgs * 4),
+                                                     self.l1.num_mma_wgs * 4),
             tx_count=self.l1.ring_tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         packed_pipe, decoded, raw_b = None, None, None
         if cutlass.const_expr(self.fp4_weights):
             packed_pipe = self.l1.packed_pipeline(storage.packed_mbar.data_ptr())
@@ -501,9 +477,6 @@ class Sm90MegaMoEKernel:
                 cute.make_tensor(storage.consumer_progress.data_ptr(),
                                  cute.make_layout(1))[0] = Int32(0)
         cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(self.cluster_m > 1):
-            cute.arch.cluster_arrive()  # the peer's barriers exist before any multicast
-            cute.arch.cluster_wait()
 
         # this call's readiness and arrival counters start at 0: every call leaves them so
         # (step 4), and the exchanged dispatch zeroes them here too (ordered before any use by
@@ -520,11 +493,11 @@ class Sm90MegaMoEKernel:
 
         # 1. dispatch: counts, prefix sums, scatter, metadata, and the rows: "barrier": all
         # of it, then a grid barrier (the pool is complete); counted: every CTA has the pool's
-        # layout, and the pool blocks count their rows and metadata in (no barrier), the rows
-        # moving now ("counted", every warp) or while the GEMMs run ("with_gemm")
+        # layout, and the pool blocks count their rows and metadata in (no barrier), every
+        # warp moving the rows
         dispatch = None
         preloaded = None  # (the early weights: stages of the first L1 tile loaded)
-        early = (tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cluster, warp, lane)
+        early = (tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, bidx, warp, lane)
         if cutlass.const_expr(self.local_dispatch):
             dispatch = self.dispatch.allocate_arrays(smem)
             batch = self.dispatch.allocate_batch(smem)
@@ -550,12 +523,10 @@ class Sm90MegaMoEKernel:
                 self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
                                              block_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
-            if cutlass.const_expr(not self.rows_with_gemm):
-                num_warps = self.num_threads // 32
-                self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
-                                                 grid * num_warps, lane, dispatch,
-                                                 ROW_COPY_UNROLL)
-                self.stamp(stamps, "rows_sent", tidx == 0)
+            num_warps = self.num_threads // 32
+            self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
+                                             grid * num_warps, lane, dispatch)
+            self.stamp(stamps, "rows_sent", tidx == 0)
             # every warp of a warpgroup must reach its setmaxnreg below together (the warps
             # finish their metadata rows, and rows, at different times; without this a
             # two-rank call with counted rows hung)
@@ -581,21 +552,20 @@ class Sm90MegaMoEKernel:
                 log = tile_log if cutlass.const_expr(self.tile_log) else None
                 state, tile = self.l1.produce(
                     tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb_load, sfa, sfb, l1_acts_sf,
-                    w1_sf, ring, block_start, row_start, l1_tiles, cluster, num_clusters,
-                    Int32(self.l1.raster_group), cta_rank, lane, state,
+                    w1_sf, ring, block_start, row_start, l1_tiles, bidx, grid,
+                    Int32(self.l1.raster_group), Int32(0), lane, state,
                     barrier_slots=barrier, tile_log=log,
                     rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
                     else None, arrivals_per_row=self.dispatch.arrivals_per_row,
                     preloaded=preloaded)
                 # (the L2 tiles of the walk come after this CTA's L1 tiles)
                 self.mark(peer_bases, rank, Progress.L2_TILES)
-                l1_count = (cutlass.max(l1_tiles - cluster, 0) + num_clusters - 1) // num_clusters
+                l1_count = (cutlass.max(l1_tiles - bidx, 0) + grid - 1) // grid
                 state, _ = self.l2.produce(
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb_load, sfa, sfb, l2_acts_sf,
-                    w2_sf, ring, block_start, row_start, l2_tiles, tile - l1_tiles,
-                    num_clusters, Int32(self.l2.raster_group), cta_rank, lane, state,
-                    pool_block_ready, barrier, tile_log=log, log_first=l1_count,
-                    ready_target=l1_tiles * (self.l1.num_mma_wgs * 4))
+                    w2_sf, ring, block_start, row_start, l2_tiles, tile - l1_tiles, grid,
+                    Int32(self.l2.raster_group), Int32(0), lane, state, pool_block_ready,
+                    barrier, tile_log=log, log_first=l1_count)
                 self.mark(peer_bases, rank, Progress.LOADS_TAIL)
                 self.l2.producer_tail(ring, state, barrier)
                 self.stamp(stamps, "loads_done", lane == 0)
@@ -606,12 +576,12 @@ class Sm90MegaMoEKernel:
                     state, tile = self.l1.produce_packed(
                         tma_b1, m_b1, raw_b, packed_pipe, w1_sf, w1_group_sf,
                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                        row_start, l1_tiles, cluster, num_clusters,
-                        Int32(self.l1.raster_group), lane, state, barrier)
+                        row_start, l1_tiles, bidx, grid, Int32(self.l1.raster_group), lane,
+                        state, barrier)
                     state, _ = self.l2.produce_packed(
                         tma_b2, m_b2, raw_b, packed_pipe, w2_sf, w2_group_sf,
                         storage.sfb_packed.data_ptr(), storage.sfg.data_ptr(), block_start,
-                        row_start, l2_tiles, tile - l1_tiles, num_clusters,
+                        row_start, l2_tiles, tile - l1_tiles, grid,
                         Int32(self.l2.raster_group), lane, state, barrier)
                     self.l2.producer_tail(packed_pipe, state, barrier,
                                           "the last packed weight stages, freed (packed loads)")
@@ -620,15 +590,7 @@ class Sm90MegaMoEKernel:
                     if warp == 2:
                         self.watch_consumers(ring, decoded,
                                              storage.consumer_progress.data_ptr(), barrier,
-                                             l1_tiles, l2_tiles, cluster, num_clusters, lane)
-            if cutlass.const_expr(self.rows_with_gemm):
-                if warp >= self.first_sender_warp:  # this rank's rows, in the pools' order
-                    self.dispatch.push_in_pool_order(
-                        peer_bases, rank,
-                        bidx * self.sender_warps + warp - self.first_sender_warp,
-                        grid * self.sender_warps, lane, dispatch, self.sender_unroll)
-                    self.stamp(stamps, "rows_sent",
-                               warp == self.first_sender_warp and lane == 0)
+                                             l1_tiles, l2_tiles, bidx, grid, lane)
             # the registers for the combine come from the consumers' decrease: wait until the
             # consumers hold theirs for the GEMMs (`REGS_TAKEN_BARRIER`; setmaxnreg is
             # warpgroup-wide, and this also lets the four warps meet: warp 0 comes late)
@@ -652,8 +614,8 @@ class Sm90MegaMoEKernel:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             state, prev, tile = self.l1.consume(
-                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, cluster,
-                num_clusters, Int32(self.l1.raster_group), cta_rank, wg - 1, warp % 4, lane,
+                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx, grid,
+                Int32(self.l1.raster_group), Int32(0), wg - 1, warp % 4, lane,
                 l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
                 staging, state, state.clone(), pool_block_ready, decoded=decoded,
                 progress=progress)
@@ -661,8 +623,8 @@ class Sm90MegaMoEKernel:
             # (no mark for the L2 walk here: its registers made ptxas spill around it)
             state, _, _ = self.l2.consume(
                 tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
-                tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), cta_rank, wg - 1,
-                warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
+                tile - l1_tiles, grid, Int32(self.l2.raster_group), Int32(0), wg - 1, warp % 4,
+                lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
                 token_src_metadata, staging, state, prev, decoded=decoded,
                 progress=progress)
             if cutlass.const_expr(self.watchdog):
@@ -674,12 +636,8 @@ class Sm90MegaMoEKernel:
             cute.arch.setmaxregister_decrease(self.combine_regs)
         elif self.l1.is_decode_wg(wg):  # FP4 weights: decode both walks' weight tiles
             self.decode(ring, packed_pipe, storage, decoded, block_start, row_start, l1_tiles,
-                        l2_tiles, cluster, num_clusters, wg, tidx, lane, stamps, barrier)
+                        l2_tiles, bidx, grid, wg, tidx, lane, stamps, barrier)
             self.handover(peer_bases, rank)
-
-        if cutlass.const_expr(self.cluster_m > 1):
-            cute.arch.cluster_arrive()  # the peer's multicasts into this CTA are over
-            cute.arch.cluster_wait()
 
         if cutlass.const_expr(self.hold_cta is not None):
             if bidx == self.hold_cta:
@@ -751,12 +709,12 @@ class Sm90MegaMoEKernel:
         """With the early weights, warp 0 once the pool's prefix sums are in: its first L1
         tile's first stages' weights (`Sm90ExpertGemmKernel.load_first_weights`; ``early``:
         what it loads them with). Returns how many stages (0 in the other warps)."""
-        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cluster, warp, lane = early
+        tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cta, warp, lane = early
         loaded = Int32(0)
         if warp == 0:
             loaded = self.l1.load_first_weights(
                 tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
-                self.l1.scheduler.num_tiles(block_start), cluster, Int32(self.l1.raster_group),
+                self.l1.scheduler.num_tiles(block_start), cta, Int32(self.l1.raster_group),
                 lane, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                    self.num_stages))
         return loaded
@@ -764,9 +722,9 @@ class Sm90MegaMoEKernel:
     @cute.jit
     def zero_counters(self, pool_block_ready: cute.Pointer, rows_arrived: cute.Pointer,
                       tidx: Int32, bidx: Int32, grid: Int32):
-        """The grid's share of this call's readiness and arrival counters set to 0 (a
-        cluster's dummy block past the pool's last has a counter too, or the one counter of
-        every L1 tile takes that place)."""
+        """The grid's share of this call's readiness and arrival counters set to 0, and the
+        pair past the pool's last block (no tile of this kernel counts there since the
+        clusters and the gate on all L1 tiles went; kept so that the build stays as it was)."""
         i = bidx * self.num_threads + tidx
         while i < self.num_pool_blocks + 1:
             cute.arch.store(pool_block_ready + i, Int32(0))
@@ -835,7 +793,7 @@ class Sm90MegaMoEKernel:
 
     @cute.jit
     def decode(self, ring, packed_pipe, storage, decoded: cute.Pointer, block_start, row_start,
-               l1_tiles: Int32, l2_tiles: Int32, cluster: Int32, num_clusters: Int32, wg: Int32,
+               l1_tiles: Int32, l2_tiles: Int32, cta: Int32, num_ctas: Int32, wg: Int32,
                tidx: Int32, lane: Int32, stamps: cute.Pointer, barrier: cute.Pointer):
         """A decode warpgroup (FP4 weights; nothing in other kernels): the weight tiles of the
         L1 walk, then of the L2 walk, then the combine's registers. (``barrier``: the rank's
@@ -848,18 +806,18 @@ class Sm90MegaMoEKernel:
             state, packed = self.l1.decode_states()
             state, packed, tile = self.l1.decode_weights(
                 ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
-                l1_tiles, cluster, num_clusters, Int32(self.l1.raster_group), tid, lane, state,
-                packed, barrier)
+                l1_tiles, cta, num_ctas, Int32(self.l1.raster_group), tid, lane, state, packed,
+                barrier)
             self.l2.decode_weights(
                 ring, packed_pipe, raw_b, sb, sfb, sfg, decoded, block_start, row_start,
-                l2_tiles, tile - l1_tiles, num_clusters, Int32(self.l2.raster_group), tid, lane,
+                l2_tiles, tile - l1_tiles, num_ctas, Int32(self.l2.raster_group), tid, lane,
                 state, packed, barrier)
             self.stamp(stamps, "decode_done", tid == 0)
 
     @cute.jit
     def watch_consumers(self, ring, decoded: cute.Pointer, progress: cute.Pointer,
-                        barrier: cute.Pointer, l1_tiles: Int32, l2_tiles: Int32, cluster: Int32,
-                        num_clusters: Int32, lane: Int32):
+                        barrier: cute.Pointer, l1_tiles: Int32, l2_tiles: Int32, cta: Int32,
+                        num_ctas: Int32, lane: Int32):
         """The watchdog (`watchdog`; lane 0 of one warp): until the consumers have done every
         k-block of this CTA's L1 and L2 tiles and left their last epilogue (their ring state's
         count, which they store in ``progress`` after each k-block, and one more at the end),
@@ -869,7 +827,7 @@ class Sm90MegaMoEKernel:
         trap. The consumers themselves carry no bounded wait: its report's registers made
         ptxas spill their accumulators."""
         if lane == 0:
-            l1_count, l2_count = walk_lengths(l1_tiles, l2_tiles, cluster, num_clusters)
+            l1_count, l2_count = walk_lengths(l1_tiles, l2_tiles, cta, num_ctas)
             total = l1_count * self.l1.num_k_blocks + l2_count * self.l2.num_k_blocks
             seen = cute.arch.atomic_add(progress, Int32(0), scope="cta")
             start = cute.arch.globaltimer()
