@@ -24,6 +24,10 @@ as a stall ("hung"). Writes ``bench/results/soak-<stamp>.json``, one row per pro
 warm-up), ``calls``, ``stalls``, ``mismatches``, ``gpu``, ``error``. Exits non-zero if any
 process stalled or mismatched.
 
+``--gpus N``: instead, one group of N ranks, one process per GPU (the fused kernel across
+GPUs, which `config.LayerConfig.experimental_fused_multi_gpu` gates): every process draws the
+same calls, and they stop together (a flag reduced over the group every 64 calls).
+
 ``--row-transfer``: the fused kernel's row transfer on every rank (`config.ROW_TRANSFERS`, or
 ``default``: the buffer's); a comma list gives the processes these in turn
 (``counted,barrier``: half of them each).
@@ -97,6 +101,55 @@ def worker(index: int, args, out: Path) -> None:
     save()
 
 
+def gpu_worker(rank: int, args, out: Path) -> None:
+    """One rank of a group with one process per GPU (``--gpus``); writes its row to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.testing.fused_checks import ROUTINGS, FusedLayer
+    from cute_megamoe.testing.ranks import Ranks, init_rank_process
+
+    R = args.gpus
+    row_transfer = args.row_transfer.split(",")[0]
+    init_rank_process(rank, R, args.port)
+    row = dict(process=rank, ranks=R, processes=R, gpus=R, row_transfer=row_transfer,
+               recipe=args.recipe, seconds=0.0, calls=0, stalls=0, mismatches=0,
+               gpu=torch.cuda.get_device_name(), error=None)
+    out.write_text(json.dumps(row))
+    s = SHAPE
+    buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, s["num_experts"], s["max_tokens"],
+                                       s["num_topk"], s["hidden"], s["intermediate"],
+                                       mma_type=args.recipe)
+    layer = FusedLayer(Ranks([buf], [torch.cuda.Stream()]), seed=args.seed,
+                       configs=_configs(row_transfer, R))
+    layer.warm_up((64, 128))
+    rng = random.Random(args.seed)  # (the same draws on every rank)
+    start = time.monotonic()
+    try:
+        while True:
+            if row["calls"] % 64 == 0:  # (every rank stops at the same call)
+                stop = torch.tensor([int(time.time() >= args.until)], device="cuda")
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                if stop.item():
+                    break
+            n = s["max_tokens"]
+            tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n)) for _ in range(R))
+            block_ms = [rng.choice((64, 128)) for _ in range(R)]
+            layer.check_call(tokens, ROUTINGS[row["calls"] % len(ROUTINGS)],
+                             {rank: block_ms[rank]}, rng.randrange(1 << 30),
+                             against_reference=False)
+            row["calls"] += 1
+    except AssertionError as error:
+        text = str(error)
+        row["stalls" if "the calls failed" in text else "mismatches"] += 1
+        row["error"] = text[:2000]
+    row["seconds"] = round(time.monotonic() - start, 1)
+    out.write_text(json.dumps(row))
+    if not (row["stalls"] or row["mismatches"]):
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=4)
@@ -105,6 +158,8 @@ def main() -> None:
     parser.add_argument("--row-transfer", default="default",
                         help=f"one of {ROW_TRANSFERS}, or a comma list of them")
     parser.add_argument("--recipe", default="fp8xfp8", choices=("fp8xfp8", "bf16xbf16"))
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="one group of this many ranks, one process per GPU (>= 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spin-timeout-s", type=float, default=20.0,
                         help="the kernels' spin limit (CUTE_MEGAMOE_SPIN_TIMEOUT_S)")
@@ -112,13 +167,18 @@ def main() -> None:
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--until", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=29631, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.processes < 1 or args.seconds <= 0:
         parser.error("--processes and --seconds must be positive")
     if not set(args.row_transfer.split(",")) <= set(ROW_TRANSFERS):
         parser.error(f"--row-transfer: one of {ROW_TRANSFERS}, or a comma list of them")
+    if args.gpus and (args.gpus < 2 or args.ranks != 1 or "," in args.row_transfer):
+        parser.error("--gpus: at least 2, with one --row-transfer and without --ranks")
+    if args.gpus:
+        args.processes = args.gpus
     if args.worker is not None:
-        worker(args.worker, args, args.out)
+        (gpu_worker if args.gpus else worker)(args.worker, args, args.out)
         return
 
     env = dict(os.environ, CUTE_MEGAMOE_SPIN_TIMEOUT_S=str(args.spin_timeout_s))
@@ -130,7 +190,8 @@ def main() -> None:
             cmd = [sys.executable, "-m", "bench.soak", "--worker", str(i), "--out", str(out),
                    "--processes", str(args.processes), "--ranks", str(args.ranks),
                    "--seconds", str(args.seconds), "--row-transfer", args.row_transfer,
-                   "--recipe", args.recipe, "--seed", str(args.seed), "--until", str(until)]
+                   "--recipe", args.recipe, "--seed", str(args.seed), "--until", str(until),
+                   "--gpus", str(args.gpus), "--port", str(args.port)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         # the end, then one call's spin limit (the combine waits twice it) and the report
@@ -145,7 +206,7 @@ def main() -> None:
                 log = f"hung: killed by the soak at its deadline\n{log}"
             transfers = args.row_transfer.split(",")
             row = json.loads(out.read_text()) if out.exists() and out.stat().st_size else \
-                dict(process=i, ranks=args.ranks, processes=args.processes,
+                dict(process=i, ranks=args.gpus or args.ranks, processes=args.processes,
                      row_transfer=transfers[i % len(transfers)], recipe=args.recipe, calls=0,
                      stalls=0, mismatches=0, error=None)
             if proc.returncode != 0 and not (row["stalls"] or row["mismatches"]):
@@ -154,7 +215,8 @@ def main() -> None:
             rows.append(row)
     from bench.common import Results
 
-    results = Results("soak", meta=dict(processes=args.processes, ranks=args.ranks,
+    results = Results("soak", meta=dict(processes=args.processes, ranks=args.gpus or args.ranks,
+                                        gpus=args.gpus,
                                         row_transfer=args.row_transfer, recipe=args.recipe,
                                         seconds=args.seconds,
                                         spin_timeout_s=args.spin_timeout_s))

@@ -32,6 +32,8 @@ def test_a_process_that_dies_is_a_stall_with_its_output():
     (("--row-transfer", "with_gemm"), "--row-transfer: one of"),
     (("--processes", "0"), "--processes and --seconds must be positive"),
     (("--ranks", "3"), "invalid choice: 3"),
+    (("--gpus", "1"), "--gpus: at least 2"),
+    (("--gpus", "2", "--ranks", "2"), "without --ranks"),
 ])
 def test_bad_options_stop_before_any_process(args, message):
     run = _soak(*args, "--no-save")
