@@ -50,9 +50,9 @@ FUSED_RECIPES: dict[str, tuple[str, ...]] = {
 #: Fused recipes that run only as experiments (`config.LayerConfig.experimental_fused_fp4`):
 #: fp8xfp4_sm90 matches the staged layer bit-exactly on the H200 and passed all of its GPU tests
 #: on 12-04 (the loopback stops before were the test warm-ups': a kernel first loaded mid-call),
-#: but it takes 1.29x the staged MXFP4 layer's time at 128 tokens (R = 1), and two one-rank
-#: stalls of 12-04 are not explained (issue 19; docs/performance.md, "The FP4 fused experiment's
-#: stall").
+#: but it takes 1.29x the staged MXFP4 layer's time at 128 tokens (R = 1), and its one-rank
+#: stalls of 12-01 / 12-04 fit the register handover fixed on 12-07, not yet soaked on a GPU
+#: (docs/notes/register-handover.md).
 EXPERIMENTAL_FUSED_RECIPES: dict[str, tuple[str, ...]] = {
     "sm_90a": ("fp8xfp4_sm90",),
     "sm_100a": (),

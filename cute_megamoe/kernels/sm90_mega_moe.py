@@ -282,9 +282,9 @@ class Sm90MegaMoEKernel:
         # the loads (and the FP4 decode warps) wait for their stages with time limits and
         # stall reports (which wait, CTA and thread), as the cross-rank waits do: a CTA whose
         # consumers stop otherwise shows up only as the other CTAs' stall at the combine's
-        # barrier, since the first wait to time out is the rank's one report
-        # (docs/performance.md, "a loopback stall of the fused kernel"). Not the consumers: a
-        # report's registers in their loop made ptxas spill the accumulators
+        # barrier, since the first wait to time out is the rank's one report (the CTAs stuck
+        # elsewhere are named by that report's progress scan, docs/notes/register-handover.md).
+        # Not the consumers: a report's registers in their loop made ptxas spill the accumulators
         self.l1.stage_reports = self.l2.stage_reports = True
         # and instead a watchdog warp over the consumers' k-blocks, which reports which state
         # of their next stage they stopped at (`watch_consumers`; the producer warpgroup's
