@@ -186,7 +186,7 @@ class Sm90MegaMoEKernel:
         block_m = config.block_m
         self.layout = layout
         self.regions = BufferRegions(layout)
-        # ``cta_progress`` from the ``barrier`` region, in int32 words (`mark_at`)
+        # ``cta_progress`` from the ``barrier`` region, in int32 words (`mark`)
         self.progress_offset = (self.regions.offset("cta_progress")
                                 - self.regions.offset("barrier")) // 4
         # write each CTA's phase boundaries (`PHASE_STAMPS`, ns) to `phase_clock` (diagnostic)
@@ -685,23 +685,16 @@ class Sm90MegaMoEKernel:
 
     @cute.jit
     def mark(self, peer_bases: cute.Tensor, rank: Int32, step: cutlass.Constexpr):
-        """`mark_at` this rank's barrier slots. The buffer's base is loaded here, relaxed, so
-        that the compiler cannot keep the kernel's first load of it in registers through the
-        GEMM roles (ptxas spilled the FP4 consumers' accumulators when it did)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx % 128 == 0:
-            base = cute.arch.load(peer_bases.iterator + rank, Int64, sem="relaxed", scope="gpu")
-            self.mark_at(self.regions.ptr(base, "barrier"), step)
-
-    @cute.jit
-    def mark_at(self, barrier: cute.Pointer, step: cutlass.Constexpr):
         """The first thread of this thread's warpgroup: its progress word in ``cta_progress``
-        (``barrier``: the rank's barrier slots, the region before it) is ``step`` of this
-        call (`reports.Progress`; the call: the split barriers' count, which changes only
-        after the combine)."""
+        is ``step`` of this call (`reports.Progress`; the call: the split barriers' count, which
+        changes only after the combine). The buffer's base is loaded here, relaxed, so that the
+        compiler cannot keep the kernel's first load of it in registers through the GEMM roles
+        (ptxas spilled the FP4 consumers' accumulators when it did)."""
         tidx, _, _ = cute.arch.thread_idx()
         if tidx % 128 == 0:
             bidx, _, _ = cute.arch.block_idx()
+            base = cute.arch.load(peer_bases.iterator + rank, Int64, sem="relaxed", scope="gpu")
+            barrier = self.regions.ptr(base, "barrier")
             calls = cute.arch.load(barrier + BarrierSlots.SPLIT_CALLS, Int32)
             word = ((calls & 0xFF) << 24) | Int32(step << 16)
             cute.arch.store(barrier + self.progress_offset + bidx * PROGRESS_WARPGROUPS
