@@ -6,12 +6,11 @@ every one checked bit for bit against the staged layer.
 
 Each process builds a loopback group of ``--ranks`` ranks on the GPU
 (`testing.fused_checks.FusedLayer`: 16 experts, at most 200 tokens per rank, top-4, H 512,
-I 256, ``--recipe``), warms every kernel up (compiling it where the cache does not hold it),
-then until ``--seconds`` after the soak's start (warm-up included; every process stops at the
-same time, so all of them run together throughout) draws calls
-as `testing.fused_checks.check_fused_calls` does: per rank a token count from {0, 1, 0..200,
-200} and a BLOCK_M from {64, 128}, the routings in turn (random, masked, one expert, skewed);
-each call runs the staged layer, then the fused one, and compares ``y``, the counts and the
+I 256, ``--recipe``), warms every kernel up, then until ``--seconds`` after the soak's start
+(warm-up included: every process stops at the same time, so all run together throughout) draws
+calls as `testing.fused_checks.check_fused_calls` does: per rank a token count from {0, 1,
+0..200, 200} and a BLOCK_M from {64, 128}, the routings in turn (random, masked, one expert,
+skewed); each call runs the staged layer, then the fused one, and compares ``y``, the counts and the
 statistics bit for bit (`FusedLayer.check_call`, without the reference). The processes share
 the GPU as a server's neighbours would (time-sliced contexts), which is what exposed the fused
 kernel's register handover stall (docs/notes/register-handover.md).
