@@ -23,7 +23,13 @@ import torch
 
 from .heuristics import get_num_sms
 from .layout import RECIPES, REGION_NAMES, BarrierSlots, MegaMoELayout
-from .reports import REPORT_WORDS, format_report
+from .reports import (
+    REPORT_WORDS,
+    ROUTING_FIELDS,
+    ROUTING_OFFSET,
+    format_report,
+    format_routing_error,
+)
 
 __all__ = ["SymmBuffer", "get_symm_buffer_for_mega_moe"]
 
@@ -162,6 +168,27 @@ class SymmBuffer:
         checks first: nothing may run on a context a trap has lost)."""
         if self._report_words is not None and self._report_words[0] != 0:
             raise RuntimeError(f"{self.report()} (a kernel trapped; the CUDA context is lost)")
+
+    def raise_routing_error(self) -> None:
+        """Raise `ValueError` naming the first bad routing slot (token, slot, value) and how
+        many there were, if a dispatch of this rank recorded one (`kernels/common/routing.py`)
+        since the last raise, and take the record. No synchronization: it sees the calls the
+        GPU has run so far (~0.1 us); the layer entry points call it after their launches."""
+        words = self._report_words
+        if words is None or words[ROUTING_OFFSET] == 0:
+            return
+        fields = words[ROUTING_OFFSET:ROUTING_OFFSET + len(ROUTING_FIELDS)].tolist()
+        words[ROUTING_OFFSET:ROUTING_OFFSET + len(ROUTING_FIELDS)] = 0
+        layout = self.layout
+        raise ValueError(format_routing_error(fields, layout.num_topk, layout.num_experts,
+                                              self.rank))
+
+    def check_routing_errors(self) -> None:
+        """Wait for the buffer's device, then `raise_routing_error`: every call made so far
+        has been checked (after CUDA-graph replays, say, which no host code follows)."""
+        if self.report_record is not None:
+            torch.cuda.synchronize(self.device)
+            self.raise_routing_error()
 
     @classmethod
     def loopback(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int,

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import torch
 
 from .buffer import SymmBuffer
-from .runtime import env_flag
+from .runtime import env_choice
 from .tables import BLOCK_MS, normalize_arch
 
 __all__ = [
     "MAX_INT32",
+    "ROUTING_CHECKS",
     "check_activation",
     "check_activation_clamp",
     "check_block_m",
@@ -34,7 +35,7 @@ __all__ = [
     "check_sym_buffer",
     "check_tensor",
     "check_token_count",
-    "routing_checks_on",
+    "routing_check",
 ]
 
 MAX_INT32 = 2**31 - 1
@@ -91,12 +92,28 @@ def check_mn_major(name: str, t: object, dtype: torch.dtype, rows: int, cols: in
     return t
 
 
-def routing_checks_on(validate_routing: bool | None) -> bool:
-    """``validate_routing``, or the ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (`runtime.env_flag`:
-    on unless set false) when None."""
+#: how a layer call checks its routing (`routing_check`)
+ROUTING_CHECKS = ("device", "host", "off")
+
+
+def routing_check(validate_routing: bool | str | None) -> str:
+    """How a call checks its routing, one of `ROUTING_CHECKS`: "device" (the dispatch checks
+    every slot on the GPU, masks the bad ones and records them; the host raises the record
+    after a later call's launch, or at `SymmBuffer.check_routing_errors`; no synchronization),
+    "host" (also `check_routing` before the launch: synchronizes, so no CUDA graphs) or "off"
+    (nothing raised; the dispatch still masks bad slots). ``validate_routing``: one of those,
+    True ("device") or False ("off"); None: the ``CUTE_MEGAMOE_CHECK_ROUTING`` deployment
+    setting (`runtime.env_choice`, "device" when unset)."""
     if validate_routing is None:
-        return env_flag("CUTE_MEGAMOE_CHECK_ROUTING", default=True)
-    return bool(validate_routing)
+        return env_choice("CUTE_MEGAMOE_CHECK_ROUTING", ROUTING_CHECKS)
+    if validate_routing is True:
+        return "device"
+    if validate_routing is False:
+        return "off"
+    if isinstance(validate_routing, str) and validate_routing in ROUTING_CHECKS:
+        return validate_routing
+    raise ValueError(f"validate_routing: one of {ROUTING_CHECKS}, True, False or None, got "
+                     f"{validate_routing!r}")
 
 
 def check_routing(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:

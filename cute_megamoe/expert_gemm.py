@@ -29,7 +29,7 @@ from .checks import (
     check_gemm_block_m,
     check_mn_major,
     check_tensor,
-    routing_checks_on,
+    routing_check,
 )
 from .chunks import ALL_EXPERTS, chunk_experts_for, map_experts
 from .config import Sm90GemmConfig, Sm100GemmConfig
@@ -617,9 +617,9 @@ def expert_ffn(acts: torch.Tensor, acts_sf: torch.Tensor | None, topk_weights: t
         l2_acts, l2_acts_sf, out: optional outputs (the L2 pool ``[P, I]``, its scales
             ``[P, I/128]`` strides ``(1, P)``, and ``[P, H]`` bf16); allocated when None.
         validate_counts: check that the counts fit the pool (`check_pool_capacity`; a host
-            synchronization, so not inside CUDA-graph capture). Default: the
-            ``CUTE_MEGAMOE_CHECK_ROUTING`` switch (on). The staged layer skips it: the dispatch
-            sizes the pool for the worst case.
+            synchronization, so not inside CUDA-graph capture). Default: unless the
+            ``CUTE_MEGAMOE_CHECK_ROUTING`` setting is "off". The staged layer skips it: the
+            dispatch sizes the pool for the worst case.
         combine_buffer: the `SymmBuffer` whose pool this is: L2 writes each row
             straight into its source rank's ``combine[slot, token]`` over NVLink, as the
             buffer's ``token_src_metadata`` (filled by the dispatch) says; ``out`` is not used.
@@ -670,7 +670,7 @@ def _prepare_expert_ffn(acts, acts_sf, topk_weights, expert_recv_tokens, weights
     check_tensor("acts", acts, act_dtype, (pool_rows, hidden), device)
     check_tensor("topk_weights", topk_weights, torch.float32, (pool_rows,), device)
     check_tensor("expert_recv_tokens", expert_recv_tokens, torch.int32, (e_l,), device)
-    if routing_checks_on(validate_counts):
+    if routing_check(None) != "off" if validate_counts is None else validate_counts:
         check_pool_capacity(expert_recv_tokens, block_m, pool_rows)
     if sf_dtype is not None:
         if acts_sf is None:

@@ -29,7 +29,7 @@ from .checks import (
     check_routing,
     check_sym_buffer,
     check_tensor,
-    routing_checks_on,
+    routing_check,
 )
 from .config import LayerConfig, Sm90FusedConfig, Sm100GemmConfig
 from .expert_gemm import ExpertWeights
@@ -54,6 +54,7 @@ from .staged import (
     grid_size,
     layer_config,
     prepare_layer_call,
+    raise_routing_errors,
 )
 from .tables import EXPERIMENTAL_FUSED_RECIPES, FUSED_RECIPES
 
@@ -165,8 +166,8 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
     (sm_90a, `config.Sm90FusedConfig`; None fields: `heuristics.default_fused_config`); its
     row transfer, "barrier" or "counted", must be the same on every rank (a mismatch traps).
     Every check runs before the first launch; one that fails gives the call up on this rank
-    (`staged.gives_up_call_on_error`). No host synchronization with
-    ``validate_routing=False``: CUDA-graph capturable."""
+    (`staged.gives_up_call_on_error`). No host synchronization unless ``validate_routing``
+    is "host" (`checks.routing_check`): CUDA-graph capturable."""
     key = _plan_key(sym_buffer, x, weights, num_tokens, y, activation_clamp, fast_math,
                     block_m, num_sms, cumulative_local_expert_recv_stats, config)
     state = existing_buffer_state(sym_buffer) if key is not None else None
@@ -176,8 +177,10 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         n = x.shape[0] if x is not None else num_tokens
     if plan is not None and plan.accepts(x, topk_idx, topk_weights, weights, n, y,
                                          cumulative_local_expert_recv_stats):
-        return plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
-                           cumulative_local_expert_recv_stats, validate_routing)
+        y = plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
+                        cumulative_local_expert_recv_stats, validate_routing)
+        raise_routing_errors(sym_buffer, validate_routing)
+        return y
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         config = layer_config(config)
@@ -218,6 +221,7 @@ def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,
         plans[key] = _FusedPlan(sym_buffer, weights, x is not None, launches, in_kernel)
     for launch in launches:
         launch()
+    raise_routing_errors(sym_buffer, validate_routing)
     return y
 
 
@@ -256,8 +260,8 @@ class _FusedPlan(_LayerPlan):
     def launch(self, sym_buffer: SymmBuffer, x, topk_idx, topk_weights, n: int,
                y: torch.Tensor | None, stats: torch.Tensor | None,
                validate_routing: bool | None) -> torch.Tensor:
-        if self.staged and routing_checks_on(validate_routing):
-            with gives_up_call_on_error(sym_buffer):
+        with gives_up_call_on_error(sym_buffer):
+            if routing_check(validate_routing) == "host" and self.staged:
                 check_routing(topk_idx, self.num_experts)
         path = self.path
         ptr = path.ptr

@@ -17,7 +17,7 @@ Paths (`MegaMoEConfig.path`):
 * ``"kernels"``: CUDA, an arch with grouped-GEMM kernels for the recipe (`tables.GEMM_RECIPES`):
   every step on our kernels (`staged.staged_mega_moe` with `ExpertWeights`: staging, dispatch,
   L1, L2, combine; what ``stage_inputs`` + `api.mega_moe` run). Capturable in a CUDA graph
-  with ``validate_routing=False`` (routing validation synchronizes).
+  (unless ``validate_routing="host"``, which synchronizes).
 * ``"torch"``: CUDA, other recipes (fp8xfp4 on Hopper; fp8xfp8, fp8xfp4_sm90 on Blackwell):
   our staging, dispatch and combine kernels around ``torch._grouped_mm`` experts
   (`staged.TorchExpertWeights`); one host synchronization per call, so not capturable.
@@ -49,7 +49,7 @@ from .checks import (
     check_gemm_block_m,
     check_routing,
     check_tensor,
-    routing_checks_on,
+    routing_check,
 )
 from .config import LayerConfig
 from .deepgemm_api import get_symm_buffer_for_mega_moe
@@ -78,7 +78,7 @@ class MegaMoEConfig:
     fast_math: bool
     transfer: str  # "push" or "pull"; every rank must build with the same
     l2_sends: bool  # the L2 epilogue sends the rows (kernels path); every rank the same
-    validate_routing: bool  # check the routing on the host (synchronizes)
+    validate_routing: str  # "device", "host" or "off" (`checks.routing_check`)
     block_m: int | None  # None: the heuristics per call
     num_sms: int | None  # None: the buffer's default
     fused: bool = False  # one persistent kernel for the layer (`fused.choose` decided)
@@ -114,9 +114,12 @@ class MegaMoE(torch.nn.Module):
         activation_clamp, fast_math: the SwiGLU's clamp (None or ``>= 0``) and SiLU flavour.
         transfer, l2_sends: how rows cross (`staged.dispatch`) and whether the L2 epilogue
             sends them back (`staged.staged_mega_moe`); ranks must agree.
-        validate_routing: check every expert index on the host per call (synchronizes: pass
-            False to capture the layer in a CUDA graph). None: the ``CUTE_MEGAMOE_CHECK_ROUTING``
-            switch (on).
+        validate_routing: how each call checks its expert indices (`checks.routing_check`):
+            "device" (True) on the GPU, no synchronization, CUDA-graph capturable: bad slots
+            (out of range, an expert named twice) are masked and recorded, and a later call
+            raises them after its launch, or `check_routing_errors`; "host" also checks them
+            before each launch (synchronizes, not capturable); "off" (False) raises nothing.
+            None: the ``CUTE_MEGAMOE_CHECK_ROUTING`` setting ("device").
         block_m, num_sms: fixed BLOCK_M (a multiple of 16; on the kernels path one the arch's
             kernels implement) and SM count; None: per call by the heuristics / all SMs.
         fused: run the layer as one persistent kernel (`fused.fused_mega_moe`: the kernels
@@ -226,7 +229,7 @@ class MegaMoE(torch.nn.Module):
         self.config = MegaMoEConfig(
             recipe=recipe, path=path, arch=arch, activation_clamp=activation_clamp,
             fast_math=fast_math, transfer=transfer, l2_sends=l2_sends,
-            validate_routing=routing_checks_on(validate_routing), block_m=block_m,
+            validate_routing=routing_check(validate_routing), block_m=block_m,
             num_sms=num_sms, fused=fused, layer=config)
         self.layer_id = next(_IDS)
         _LAYERS[self.layer_id] = weakref.ref(self)
@@ -259,6 +262,14 @@ class MegaMoE(torch.nn.Module):
                 f"path={cfg.path!r}, arch={cfg.arch!r}, fused={cfg.fused}, "
                 f"device={self.device}")
 
+    def check_routing_errors(self) -> None:
+        """Wait for this rank's GPU work, then raise `ValueError` naming the first bad routing
+        slot (token, slot, value) the GPU found in the calls made so far, if any (the layer's
+        calls raise it themselves after a later launch; after CUDA-graph replays call this).
+        Nothing on the CPU path, which checks before it runs."""
+        if self.sym_buffer is not None:
+            self.sym_buffer.check_routing_errors()
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -285,7 +296,7 @@ class MegaMoE(torch.nn.Module):
                              f"(num_max_tokens_per_rank={limit})")
         if cfg.path == "reference":
             self._check_inputs(x, topk_idx, topk_weights)
-            if cfg.validate_routing:
+            if cfg.validate_routing != "off":  # (on the CPU: no synchronization to spare)
                 check_routing(topk_idx, self.layout.num_experts)
             w1, w2 = self.weights
             return reference.mega_moe_reference(
@@ -298,10 +309,10 @@ class MegaMoE(torch.nn.Module):
                 raise RuntimeError(
                     f"MegaMoE: the torch-experts path ({cfg.recipe} on {cfg.arch}) reads the "
                     f"pool size back to the host and cannot be captured in a CUDA graph")
-            if cfg.validate_routing:
-                raise RuntimeError("MegaMoE: validate_routing synchronizes with the host; build "
-                                   "the layer with validate_routing=False to capture it in a "
-                                   "CUDA graph")
+            if cfg.validate_routing == "host":
+                raise RuntimeError("MegaMoE: validate_routing='host' synchronizes with the "
+                                   "host; build the layer with validate_routing='device' (the "
+                                   "default) to capture it in a CUDA graph")
         with torch.cuda.device(self.sym_buffer.device):
             if cfg.fused:
                 return fused_mega_moe(

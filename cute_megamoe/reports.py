@@ -30,7 +30,14 @@ PROGRESS_ENTRIES = 8
 #: CTAs, each (cta, its warpgroups' `Progress` words)
 PROGRESS_OFFSET = len(REPORT_FIELDS)
 PROGRESS_ENTRY_WORDS = 1 + PROGRESS_WARPGROUPS
-REPORT_WORDS = PROGRESS_OFFSET + 3 + PROGRESS_ENTRIES * PROGRESS_ENTRY_WORDS
+#: after those, the routing errors (`kernels/common/routing.py`): not a trap, a record the
+#: dispatch leaves for the host, which raises it after a later call's launch
+#: (`SymmBuffer.raise_routing_error`): ``bad_slots`` (nonzero: a record; written last) is how
+#: many slots were bad in the calls since the host last took the record, ``pair``
+#: (``token * K + slot``) and ``value`` (two words) the first bad slot of the first such call
+ROUTING_OFFSET = PROGRESS_OFFSET + 3 + PROGRESS_ENTRIES * PROGRESS_ENTRY_WORDS
+ROUTING_FIELDS = ("bad_slots", "pair", "value_low", "value_high")
+REPORT_WORDS = ROUTING_OFFSET + len(ROUTING_FIELDS)
 
 
 class ReportKind:
@@ -177,3 +184,20 @@ def format_report(words, rank: int) -> str | None:
                 f"published expert {f['expert']} for call {f['target']} (its word holds call "
                 f"{f['value']})")
     return f"cute_megamoe: unknown report kind {f['kind']} ({where}): {f}"
+
+
+def format_routing_error(words, num_topk: int, num_experts: int, rank: int) -> str | None:
+    """The message of the routing section of the record ``words`` (`ROUTING_FIELDS`, from
+    `ROUTING_OFFSET`), or None when it holds no bad slot."""
+    bad_slots, pair, low, high = (int(w) for w in words[:len(ROUTING_FIELDS)])
+    if bad_slots == 0:
+        return None
+    value = (high << 32) | (low & 0xFFFFFFFF)
+    token, slot = divmod(pair, num_topk)
+    why = (f"names expert {value} again (a token names an expert once; mask repeats with -1)"
+           if 0 <= value < num_experts else
+           f"holds expert index {value}, out of range (valid: -1 for a masked slot, or "
+           f"0..{num_experts - 1})")
+    more = f"; {bad_slots} bad slots in all" if bad_slots != 1 else ""
+    return (f"topk_idx: token {token} slot {slot} {why} (rank {rank}, found by the dispatch "
+            f"on the GPU in an earlier call, which treated the bad slots as masked{more})")

@@ -38,7 +38,7 @@ from .checks import (
     check_sym_buffer,
     check_tensor,
     check_token_count,
-    routing_checks_on,
+    routing_check,
 )
 from .chunks import ALL_EXPERTS, chunk_experts_for, map_experts
 from .config import LayerConfig, Sm90GemmConfig
@@ -132,10 +132,10 @@ def stage_inputs(sym_buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor
     """Quantize `x` (BF16 `[n, hidden]`) into `sym_buffer.x` / `x_sf` and copy the routing.
 
     One GPU kernel (`kernels/staging.py`), bit-exact with `quant.quantize_activations_for_recipe`
-    for the buffer's recipe. Not collective. `validate_routing` (default: the
-    `CUTE_MEGAMOE_CHECK_ROUTING` switch, on unless set to 0) checks every expert index on the
-    host first; it synchronizes the stream, so hot loops that trust their router (and CUDA
-    graph capture) turn it off.
+    for the buffer's recipe. Not collective. `validate_routing` (`checks.routing_check`;
+    default: the ``CUTE_MEGAMOE_CHECK_ROUTING`` setting, "device"): "host" checks every expert
+    index on the host first, which synchronizes the stream; otherwise the dispatch checks
+    them on the GPU.
     """
     check_sym_buffer(sym_buffer)
     launch = _prepare_staging(sym_buffer, x, topk_idx, topk_weights, validate_routing)
@@ -164,7 +164,7 @@ def _prepare_staging(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
     check_tensor("topk_weights", topk_weights, torch.float32, (n, layout.num_topk), device)
     if n * layout.hidden > MAX_INT32:
         raise ValueError(f"x: num_tokens * hidden = {n * layout.hidden} exceeds 2**31 - 1")
-    if routing_checks_on(validate_routing):
+    if routing_check(validate_routing) == "host":
         check_routing(topk_idx, layout.num_experts)
     if n == 0 or not launch:
         return None
@@ -198,7 +198,17 @@ def dispatch(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: torch.Ten
             cumulative_local_expert_recv_stats, validate_routing, transfer)
     for launch in launches:
         launch()
+    raise_routing_errors(sym_buffer, validate_routing)
     return dispatched
+
+
+def raise_routing_errors(sym_buffer: SymmBuffer, validate_routing: bool | str | None) -> None:
+    """After a collective call's launches (so that every rank made the call, and the ranks
+    stay in step): raise the bad routing slots this rank's dispatches recorded on the GPU in
+    the calls it has run so far (`SymmBuffer.raise_routing_error`), unless the call's routing
+    check is "off" (`checks.routing_check`)."""
+    if routing_check(validate_routing) != "off":
+        sym_buffer.raise_routing_error()
 
 
 def grid_size(sym_buffer: SymmBuffer, num_sms: int | None) -> int:
@@ -223,6 +233,7 @@ def prepare_layer_call(sym_buffer: SymmBuffer, x, topk_idx, topk_weights,
     nothing, the token count, BLOCK_M)."""
     layout = sym_buffer.layout
     device = check_cuda_buffer(sym_buffer)
+    routing_check(validate_routing)  # (a bad value raises, also without x)
     if stats is not None:
         check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32,
                      (layout.num_local_experts,), device)
@@ -545,7 +556,9 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
     configuration, `config.Sm90GemmConfig`; None: the heuristics') may differ.
     Every check runs before the first launch; one that fails gives the call up on this rank
     (`gives_up_call_on_error`). The torch experts read the pool size back to the host, so only
-    the kernel path can be captured in a CUDA graph (with `validate_routing=False`).
+    the kernel path can be captured in a CUDA graph (unless `validate_routing` is "host":
+    `checks.routing_check`; the default checks the routing on the GPU, and raises what it
+    found after a later call's launches, `raise_routing_errors`).
 
     On our kernels, the first call of a configuration keeps its launches as a plan on the
     buffer (`_LayerPlan`); later calls with that configuration check their inputs, fill in
@@ -555,8 +568,10 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
                               cumulative_local_expert_recv_stats, l2_sends, transfer, send_mode,
                               rounds, config)
     if plan is not None:
-        return plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
-                           cumulative_local_expert_recv_stats, validate_routing)
+        y = plan.launch(sym_buffer, x, topk_idx, topk_weights, n, y,
+                        cumulative_local_expert_recv_stats, validate_routing)
+        raise_routing_errors(sym_buffer, validate_routing)
+        return y
     check_sym_buffer(sym_buffer)
     with gives_up_call_on_error(sym_buffer):
         config = layer_config(config)
@@ -594,8 +609,10 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
             launch()
         expert_out = torch_experts(dispatched, weights, sym_buffer.recipe, activation_clamp,
                                    fast_math)
-        return combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms,
-                       send_mode=send_mode, rounds=rounds)
+        y = combine(sym_buffer, expert_out, dispatched, y, num_sms=num_sms,
+                    send_mode=send_mode, rounds=rounds)
+        raise_routing_errors(sym_buffer, validate_routing)
+        return y
     if key is not None and dispatched.num_tokens > 0:
         plans = buffer_state(sym_buffer).plans
         if len(plans) >= _MAX_PLANS:  # (weights at ever new addresses, say)
@@ -604,6 +621,7 @@ def staged_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None, topk_idx: to
                                 combine_launch)
     for launch in (*launches, *expert_launches, combine_launch):
         launch()
+    raise_routing_errors(sym_buffer, validate_routing)
     return y
 
 
@@ -672,8 +690,8 @@ class _LayerPlan:
     def launch(self, sym_buffer: SymmBuffer, x, topk_idx, topk_weights, n: int,
                y: torch.Tensor | None, stats: torch.Tensor | None,
                validate_routing: bool | None) -> torch.Tensor:
-        if self.staging is not None and routing_checks_on(validate_routing):
-            with gives_up_call_on_error(sym_buffer):
+        with gives_up_call_on_error(sym_buffer):
+            if routing_check(validate_routing) == "host" and self.staging is not None:
                 check_routing(topk_idx, self.num_experts)
         path = self.path
         ptr, int32 = path.ptr, path.int32
@@ -772,5 +790,6 @@ def _check_torch_weights(sym_buffer: SymmBuffer, weights: TorchExpertWeights) ->
 
 
 __all__ = ["SEND_MODES", "TRANSFERS", "DispatchResult", "ExpertWeights", "TorchExpertWeights",
-           "combine", "dispatch", "gives_up_call_on_error", "kernel_experts", "stage_inputs",
+           "combine", "dispatch", "gives_up_call_on_error", "kernel_experts",
+           "raise_routing_errors", "stage_inputs",
            "staged_mega_moe", "torch_experts"]

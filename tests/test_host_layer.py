@@ -78,7 +78,7 @@ def test_module_config_is_frozen_and_chosen_at_construction():
                      activation_clamp=7)
     cfg = moe.config
     assert (cfg.transfer, cfg.l2_sends, cfg.fast_math, cfg.validate_routing) == \
-        ("pull", False, False, False)
+        ("pull", False, False, "off")
     assert cfg.activation_clamp == 7.0 and isinstance(cfg.activation_clamp, float)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.transfer = "push"
@@ -457,10 +457,11 @@ def test_module_on_gpu_forced_torch_experts_match_reference(recipe):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ("fp8xfp8", "bf16xbf16", "fp8xfp4"))
 def test_module_in_a_cuda_graph(recipe):
-    """Captured once with validate_routing=False, replayed on new inputs copied into the
-    captured tensors: the reference of the new inputs. The torch-experts path refuses to be
+    """Captured once with the defaults (the routing checked on the GPU), replayed on new
+    inputs copied into the captured tensors: the reference of the new inputs; a bad slot
+    copied in is raised by `check_routing_errors`. The torch-experts path refuses to be
     captured, naming why."""
-    moe, w1, w2 = _gpu_module(recipe, validate_routing=False)
+    moe, w1, w2 = _gpu_module(recipe)
     s = GPU_SHAPE
     n = 160
     x, idx, w = _inputs(n, s["num_experts"], s["num_topk"], s["hidden"], 41, "masked", "cuda")
@@ -489,18 +490,25 @@ def test_module_in_a_cuda_graph(recipe):
         graph.replay()
         torch.cuda.synchronize()
         _check_against_reference(recipe, y, x2, idx2, w2_, w1, w2)
+    moe.check_routing_errors()  # (nothing bad so far)
+    idx[3, 1] = s["num_experts"] + 1
+    graph.replay()
+    with pytest.raises(ValueError, match=f"token 3 slot 1 holds expert index "
+                                         f"{s['num_experts'] + 1},"):
+        moe.check_routing_errors()
+    moe.check_routing_errors()  # (taken)
 
 
 @pytest.mark.gpu
-def test_module_in_a_cuda_graph_needs_validate_routing_off():
-    moe, _, _ = _gpu_module("bf16xbf16", validate_routing=True)
+def test_module_in_a_cuda_graph_refuses_host_routing_checks():
+    moe, _, _ = _gpu_module("bf16xbf16", validate_routing="host")
     if moe.config.path != "kernels":
         pytest.skip("bf16xbf16 runs on our kernels on Hopper and Blackwell")
     s = GPU_SHAPE
     x, idx, w = _inputs(16, s["num_experts"], s["num_topk"], s["hidden"], 44, "random", "cuda")
     moe(x, idx, w)
     torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match="validate_routing=False"):
+    with pytest.raises(RuntimeError, match="validate_routing='device'"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             moe(x, idx, w)
 

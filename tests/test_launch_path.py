@@ -217,7 +217,8 @@ def test_layer_checks_still_run_before_any_launch_with_a_plan(fake_cuda, path):
                                                    topk_idx=torch.zeros(9999, K, dtype=torch.int64),
                                                    topk_weights=torch.zeros(9999, K))),
         (TypeError, "y: expected dtype", dict(y=y_wrong)),
-        (ValueError, "out of range", dict(topk_idx=idx + E, validate_routing=True)),
+        (ValueError, "out of range", dict(topk_idx=idx + E, validate_routing="host")),
+        (ValueError, "validate_routing: one of", dict(validate_routing="gpu")),
         (TypeError, "fast_math: expected a bool", dict(fast_math=1)),
         (TypeError, "activation_clamp: expected None or a float", dict(activation_clamp=True)),
     ]
@@ -417,7 +418,7 @@ def test_fused_layer_staging_in_the_kernel_is_one_launch(fake_cuda, path, stagin
     before = len(log)
     with pytest.raises(ValueError, match="topk_idx"):
         fused.fused_mega_moe(buf, x, bad, w, weights, y=y, activation_clamp=10.0,
-                             validate_routing=True, config=config)
+                             validate_routing="host", config=config)
     assert len(log) == before
     # the caller staged the inputs: the kernel without step 0, the inputs' slots unused
     before = len(log)
@@ -643,13 +644,20 @@ def test_deployment_variables_parse_strictly(monkeypatch):
         with pytest.raises(ValueError, match="CUTE_MEGAMOE_SPIN_TIMEOUT_S: seconds"):
             runtime.spin_timeout_ns()
     monkeypatch.delenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S")
-    for value, on in (("", True), ("1", True), ("yes", True), ("0", False), ("False", False)):
+    for value, mode in (("", "device"), ("device", "device"), (" Host ", "host"),
+                        ("off", "off")):
         monkeypatch.setenv("CUTE_MEGAMOE_CHECK_ROUTING", value)
-        assert checks.routing_checks_on(None) is on
-        assert checks.routing_checks_on(True) is True  # (the argument wins)
-    monkeypatch.setenv("CUTE_MEGAMOE_CHECK_ROUTING", "maybe")
-    with pytest.raises(ValueError, match="CUTE_MEGAMOE_CHECK_ROUTING: one of"):
-        checks.routing_checks_on(None)
+        assert checks.routing_check(None) == mode
+        # (the argument wins)
+        assert [checks.routing_check(v) for v in (True, False, "host", "device", "off")] == \
+            ["device", "off", "host", "device", "off"]
+    for bad in ("maybe", "1", "0"):
+        monkeypatch.setenv("CUTE_MEGAMOE_CHECK_ROUTING", bad)
+        with pytest.raises(ValueError, match="CUTE_MEGAMOE_CHECK_ROUTING: one of"):
+            checks.routing_check(None)
+    for bad in ("gpu", 1, 0, "HOST"):
+        with pytest.raises(ValueError, match="validate_routing: one of"):
+            checks.routing_check(bad)
     monkeypatch.setenv("CUTE_MEGAMOE_TVM_FFI", "0")
     assert runtime._default_path().name == "cute-dsl"
     monkeypatch.setenv("CUTE_MEGAMOE_TVM_FFI", "sometimes")

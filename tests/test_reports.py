@@ -135,3 +135,44 @@ def test_a_buffer_with_a_report_refuses_to_launch():
     for call in (buf.raise_if_reported, lambda: buffer_state(buf)):
         with pytest.raises(RuntimeError, match=r"stalled \(rank 0, cta 3.*a kernel trapped"):
             call()
+
+
+@pytest.mark.parametrize("fields,message", [
+    ([1, 4 * 7 + 2, 19, 0], "token 7 slot 2 holds expert index 19, out of range (valid: -1 "
+     "for a masked slot, or 0..15) (rank 1, found by the dispatch on the GPU in an earlier "
+     "call, which treated the bad slots as masked)"),
+    ([3, 1, -5, -1], "token 0 slot 1 holds expert index -5, out of range (valid: -1 for a "
+     "masked slot, or 0..15) (rank 1, found by the dispatch on the GPU in an earlier call, "
+     "which treated the bad slots as masked; 3 bad slots in all)"),
+    ([1, 9, 3, 0], "token 2 slot 1 names expert 3 again (a token names an expert once; mask "
+     "repeats with -1) (rank 1, found by the dispatch on the GPU in an earlier call, which "
+     "treated the bad slots as masked)"),
+])
+def test_routing_errors_name_the_token_the_slot_and_the_value(fields, message):
+    from cute_megamoe.reports import format_routing_error
+
+    assert format_routing_error([0, 0, 0, 0], 4, 16, 1) is None
+    assert format_routing_error(fields, 4, 16, 1) == f"topk_idx: {message}"
+    # (a value past int32: both words)
+    assert "expert index 1099511627779," in format_routing_error([1, 0, 3, 256], 4, 16, 0)
+
+
+def test_a_routing_error_is_raised_once_and_taken():
+    """The record the dispatch leaves (`kernels/common/routing.py`) raises `ValueError` once
+    (a CPU buffer stands in: its record is set by hand); the stall report is untouched."""
+    import torch
+
+    from cute_megamoe.buffer import SymmBuffer
+    from cute_megamoe.reports import ROUTING_OFFSET
+
+    buf = SymmBuffer(None, 8, 64, 2, 256, 128, mma_type="fp8xfp8", device="cpu")
+    buf.raise_routing_error()  # (no record)
+    buf.check_routing_errors()
+    buf.report_record = torch.zeros(REPORT_WORDS, dtype=torch.int32)
+    buf._report_words = buf.report_record.numpy()
+    buf.raise_routing_error()  # (an empty record)
+    buf.report_record[ROUTING_OFFSET:] = torch.tensor([2, 5, 8, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"token 2 slot 1 holds expert index 8, .*2 bad slots"):
+        buf.raise_routing_error()
+    buf.raise_routing_error()  # (taken)
+    assert buf.report() is None and not bool(buf.report_record.any())

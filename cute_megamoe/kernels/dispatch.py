@@ -98,6 +98,7 @@ from .common.pool import (
     expert_of_row,
     gmem_vector,
 )
+from .common.routing import checked_row, publish_bad_slots
 from .common.sync import (
     call_tags,
     cross_rank_barrier,
@@ -113,10 +114,6 @@ from .common.sync import (
 
 TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
 SF_GROUP_WORDS = 64  # scale words a metadata thread loads before it stores them
-
-
-# `count_locally`: routing loads in flight per thread
-LOCAL_UNROLL = 4
 
 
 def _part(t: cute.Tensor, start, length: int) -> cute.Tensor:
@@ -211,7 +208,8 @@ class DispatchKernel:
                     num_tokens, cute.make_tensor(expert_recv_tokens, per_expert),
                     cute.make_tensor(stats, per_expert)).launch(
             grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-            cooperative=True)
+            # (one CTA per SM, cooperative: told so, ptxas does not spill to fit three)
+            cooperative=True, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, peer_bases: cute.Tensor, rank: Int32, num_tokens: Int32,
@@ -293,10 +291,20 @@ class DispatchKernel:
         placed = smem.allocate_tensor(Int32, cute.make_layout(1))
         return rows, tokens, placed
 
+    def token_share(self, num_tokens: Int32, cta: Int32, num_ctas: Int32) -> tuple:
+        """``[begin, end)``: the contiguous share of this rank's tokens whose (token, slot)
+        pairs CTA ``cta`` checks, counts and scatters (steps 1 and 3; the fused kernel's
+        in-kernel staging copies the same share of the routing, so the CTA reads only what it
+        wrote itself). Whole tokens: the routing check compares a token's slots."""
+        share = (num_tokens + num_ctas - 1) // num_ctas
+        begin = cutlass.min(cta * share, num_tokens)
+        return begin, cutlass.min(begin + share, num_tokens)
+
     def pair_share(self, num_tokens: Int32, cta: Int32, num_ctas: Int32) -> tuple:
         """``[begin, end)``: the contiguous share of this rank's (token, slot) pairs that CTA
-        ``cta`` counts and scatters (steps 1 and 3; the fused kernel's in-kernel staging copies
-        the same share of the routing, so the CTA reads only what it wrote itself)."""
+        ``cta`` places in the `local` dispatch (`count_locally` checks every token in every
+        CTA, so its shares need not hold whole tokens; finer than `token_share` at decode
+        sizes, where each pair's row is quantized by its CTA)."""
         num_pairs = num_tokens * self.num_topk
         share = (num_pairs + num_ctas - 1) // num_ctas
         begin = cutlass.min(cta * share, num_pairs)
@@ -330,15 +338,18 @@ class DispatchKernel:
             e += self.num_threads
         cute.arch.sync_threads()
 
-        # 1. count this CTA's contiguous share of the (token, slot) pairs
+        # 1. check and count this CTA's contiguous share of the tokens' (token, slot) pairs
+        # (bad slots become -1 in the buffer's routing, `routing.checked_row`)
         topk_idx = self.regions.ptr(my_base, "topk_idx")
-        pair_begin, pair_end = self.pair_share(num_tokens, bidx, num_ctas)
-        p = pair_begin + tidx
-        while p < pair_end:
-            expert = Int32(cute.arch.load(topk_idx + p, Int64))
-            if expert >= 0 and expert < E:
-                cute.arch.atomic_add(expert_slot.iterator + expert, Int32(1), scope="cta")
-            p += self.num_threads
+        token_begin, token_end = self.token_share(num_tokens, bidx, num_ctas)
+        t = token_begin + tidx
+        while t < token_end:
+            experts = checked_row(topk_idx, t, self.num_topk, E, barrier, rewrite=True)
+            for k in cutlass.range_constexpr(self.num_topk):
+                if experts[k] >= 0:
+                    cute.arch.atomic_add(expert_slot.iterator + experts[k], Int32(1),
+                                         scope="cta")
+            t += self.num_threads
         cute.arch.sync_threads()
 
         # 2. prefix: one 64-bit atomic per expert allocates this CTA's slots
@@ -357,7 +368,8 @@ class DispatchKernel:
 
         # 3. scatter token * K + k into the destination rank's source index table
         pair_slot = self.regions.ptr(my_base, "dispatch_pair_slot")
-        p = pair_begin + tidx
+        p = token_begin * self.num_topk + tidx
+        pair_end = token_end * self.num_topk
         while p < pair_end:
             expert = Int32(cute.arch.load(topk_idx + p, Int64))
             if expert >= 0 and expert < E:
@@ -377,6 +389,8 @@ class DispatchKernel:
         # every rank (no grid barrier: every CTA waits for the published counts next, its own
         # rank's among them)
         if grid_arrive(barrier, num_ctas, expert_slot.iterator, self.scope):
+            if tidx == 0:  # (every CTA has checked its share)
+                publish_bad_slots(barrier)
             e = tidx
             while e < E:
                 total = cute.arch.load(send_count + e, Int64) & 0xFFFFFFFF
@@ -455,10 +469,12 @@ class DispatchKernel:
     def count_locally(self, my_base: Int64, topk_idx: cute.Pointer, num_tokens: Int32,
                       expert_recv_tokens: cute.Tensor, stats: cute.Tensor, arrays):
         """`local`, every thread of every CTA, alone: steps 1-5 of a one-rank group without
-        the other CTAs. The CTA counts all of this rank's pairs (``topk_idx``: int64
-        ``[num_tokens * K]``), per expert in all and before its own share (`pair_share`), and
-        builds the pool prefix sums from the counts (at most ``T`` per expert, as the scatter
-        keeps); CTA 0 reports the counts. Every CTA gets the same pool layout, so no counts are
+        the other CTAs. The CTA checks and counts all of this rank's pairs (``topk_idx``: the
+        caller's int64 ``[num_tokens, K]``; `routing.checked_row`), per expert in all and
+        before its own share (`pair_share`), stores its share's checked routing into the
+        buffer (for `place_pairs` and the combine), and builds the pool prefix sums from the
+        counts (at most ``T`` per expert, as the scatter keeps); CTA 0 records the bad slots
+        and reports the counts. Every CTA gets the same pool layout, so no counts are
         exchanged (CTA 0 still writes this rank's count words, tagged with the call, as step 4
         would). Returns ``(row_start, block_start)`` in shared memory; ``expert_slot[e]`` is
         left at this CTA's first slot of expert ``e`` (slots in `place_pairs`)."""
@@ -467,6 +483,8 @@ class DispatchKernel:
         num_ctas, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         E = self.num_experts
+        barrier = self.regions.ptr(my_base, "barrier")
+        routing = self.regions.ptr(my_base, "topk_idx")
         expert_slot, _, expert_count, row_start, block_start, _, _ = arrays
         e = tidx
         while e < E:
@@ -474,23 +492,21 @@ class DispatchKernel:
             expert_count[e] = 0
             e += self.num_threads
         cute.arch.sync_threads()
-        begin, _ = self.pair_share(num_tokens, bidx, num_ctas)
-        num_pairs = num_tokens * self.num_topk
-        first = Int32(0)
-        while first < num_pairs:  # (LOCAL_UNROLL loads in flight per thread)
-            experts = []
-            for u in cutlass.range_constexpr(LOCAL_UNROLL):
-                p = cutlass.min(first + u * self.num_threads + tidx, num_pairs - 1)
-                experts.append(Int32(cute.arch.load(topk_idx + p, Int64)))
-            for u in cutlass.range_constexpr(LOCAL_UNROLL):
-                p = first + u * self.num_threads + tidx
-                expert = experts[u]
-                if p < num_pairs and expert >= 0 and expert < E:
-                    cute.arch.atomic_add(expert_count.iterator + expert, Int32(1), scope="cta")
+        begin, end = self.pair_share(num_tokens, bidx, num_ctas)
+        t = tidx
+        while t < num_tokens:  # (a token's K loads in flight per thread)
+            experts = checked_row(topk_idx, t, self.num_topk, E, barrier, note=bidx == 0)
+            for k in cutlass.range_constexpr(self.num_topk):
+                p = t * self.num_topk + k
+                if p >= begin and p < end:
+                    cute.arch.store(routing + p, Int64(experts[k]))
+                if experts[k] >= 0:
+                    cute.arch.atomic_add(expert_count.iterator + experts[k], Int32(1),
+                                         scope="cta")
                     if p < begin:
-                        cute.arch.atomic_add(expert_slot.iterator + expert, Int32(1),
+                        cute.arch.atomic_add(expert_slot.iterator + experts[k], Int32(1),
                                              scope="cta")
-            first += LOCAL_UNROLL * self.num_threads
+            t += self.num_threads
         cute.arch.sync_threads()
         e = tidx
         while e < E:
@@ -505,7 +521,8 @@ class DispatchKernel:
             # (the count words too, tagged with this call as step 4 does: nobody waits for
             # them in this call, but the next call's readers take an older tag for a skipped
             # call)
-            barrier = self.regions.ptr(my_base, "barrier")
+            if tidx == 0:  # (CTA 0 checked every pair; its notes are ordered by the barriers)
+                publish_bad_slots(barrier)
             tag = call_tags(barrier)[0]
             recv = self.regions.ptr(my_base, "expert_recv_count")
             e = tidx
@@ -519,11 +536,12 @@ class DispatchKernel:
         return _part(row_start, 0, E + 1), _part(block_start, 0, E + 1)
 
     @cute.jit
-    def place_pairs(self, my_base: Int64, topk_idx: cute.Pointer, topk_weights: cute.Pointer,
-                    first: Int32, end: Int32, arrays, batch):
+    def place_pairs(self, my_base: Int64, topk_weights: cute.Pointer, first: Int32, end: Int32,
+                    arrays, batch):
         """`local`, every thread of the CTA, after `count_locally`: the pairs ``first + tidx``
-        (< ``end``, one per thread) of this CTA's share: the routing into the buffer (for the
-        combine), and for each kept pair a slot of its expert (shared atomics from this CTA's
+        (< ``end``, one per thread) of this CTA's share: the routing weight into the buffer
+        (for the combine), and for each kept pair (of the checked routing `count_locally` left
+        in the buffer) a slot of its expert (shared atomics from this CTA's
         first), its pool row's metadata and routing weight, and its pool row and token into
         ``batch`` (`allocate_batch`, in any order; ``placed`` counts them). The rows and
         their arrivals follow (`InputStagingKernel.stage_rows`, `count_placed`)."""
@@ -536,12 +554,11 @@ class DispatchKernel:
         cute.arch.sync_threads()
         p = first + tidx
         if p < end:
-            expert = cute.arch.load(topk_idx + p, Int64)
+            # (the checked routing `count_locally` stored: bad slots are -1 there)
+            e = Int32(cute.arch.load(self.regions.ptr(my_base, "topk_idx") + p, Int64))
             weight = cute.arch.load(topk_weights + p, Float32)
-            cute.arch.store(self.regions.ptr(my_base, "topk_idx") + p, expert)
             cute.arch.store(self.regions.ptr(my_base, "topk_weights") + p, weight)
-            e = Int32(expert)
-            if expert >= 0 and expert < self.num_experts:
+            if e >= 0:
                 slot = cute.arch.atomic_add(expert_slot.iterator + e, Int32(1), scope="cta")
                 if slot < self.num_slots:
                     pool_row = block_start[e] * self.block_m + slot

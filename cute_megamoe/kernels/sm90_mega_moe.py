@@ -39,7 +39,7 @@ warpgroups, 512 in all), launched cooperatively.
      Every CTA counts all of the call's pairs from the caller's routing
      (`DispatchKernel.count_locally`: in all and before its own share, so each has the pool's
      layout and its first slot per expert), then places its share of the pairs in batches of
-     one per thread (`place_pairs`: routing copy, slot, metadata, weight), quantizes their
+     one per thread (`place_pairs`: slot, metadata, weight), quantizes their
      rows from the caller's activations straight into their pool rows
      (`InputStagingKernel.stage_rows`, the staging kernel's numerics; the buffer's `x` is not
      written) and counts each row into its pool block (`count_placed`, 2 per row as above).
@@ -511,7 +511,7 @@ class Sm90MegaMoEKernel:
             if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
                 preloaded = self.load_early_weights(early, block_start, row_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
-            self.place_locally(x, topk_idx, topk_weights, my_base, num_tokens, dispatch, batch,
+            self.place_locally(x, topk_weights, my_base, num_tokens, dispatch, batch,
                                tidx, bidx, grid, lane)
             self.stamp(stamps, "rows_sent", tidx == 0)
             cute.arch.sync_threads()  # (as below: every warp before the setmaxnreg)
@@ -729,12 +729,12 @@ class Sm90MegaMoEKernel:
             i += grid * self.num_threads
 
     @cute.jit
-    def place_locally(self, x: cute.Pointer, topk_idx: cute.Pointer,
-                      topk_weights: cute.Pointer, my_base: Int64, num_tokens: Int32, dispatch,
-                      batch, tidx: Int32, bidx: Int32, grid: Int32, lane: Int32):
+    def place_locally(self, x: cute.Pointer, topk_weights: cute.Pointer, my_base: Int64,
+                      num_tokens: Int32, dispatch, batch, tidx: Int32, bidx: Int32, grid: Int32,
+                      lane: Int32):
         """Step 1 of the local dispatch after `DispatchKernel.count_locally`, every thread:
-        this CTA's share of the pairs in batches of one per thread: their routing into the
-        buffer, their slots, metadata and weights (`DispatchKernel.place_pairs`), their rows
+        this CTA's share of the pairs in batches of one per thread: their routing weights into
+        the buffer, their slots, metadata and weights (`DispatchKernel.place_pairs`), their rows
         quantized from the caller's activations straight into the pool
         (`InputStagingKernel.stage_rows`: each token's row once per pair, the staging kernel's
         numerics), then counted into their pool blocks (`DispatchKernel.count_placed`)."""
@@ -744,8 +744,7 @@ class Sm90MegaMoEKernel:
             self.layout.has_sf) else my_base
         first = begin
         while first < end:
-            self.dispatch.place_pairs(my_base, topk_idx, topk_weights, first, end, dispatch,
-                                      batch)
+            self.dispatch.place_pairs(my_base, topk_weights, first, end, dispatch, batch)
             self.staging.stage_rows(Int64(x.toint()), tokens,
                                     my_base + self.regions.offset("l1_acts"), rows, pool_sf,
                                     self.layout.num_pool_rows, placed[0], tidx, lane)
@@ -761,7 +760,8 @@ class Sm90MegaMoEKernel:
         writes them; a CTA barrier then orders the routing before this CTA's count. A thread's
         first routing pair is loaded before the activations, so both loads are in flight
         together (at decode sizes a CTA has one pair per thread at most)."""
-        begin, end = self.dispatch.pair_share(num_tokens, bidx, grid)
+        begin, end = self.dispatch.token_share(num_tokens, bidx, grid)
+        begin, end = begin * self.layout.num_topk, end * self.layout.num_topk
         out_idx = self.regions.ptr(my_base, "topk_idx")
         out_weights = self.regions.ptr(my_base, "topk_weights")
         p = begin + tidx

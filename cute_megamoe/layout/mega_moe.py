@@ -207,6 +207,13 @@ class BarrierSlots:
     REPORT = 10
     SPLIT_ARRIVAL = 16  # local, one per split barrier: CTAs of this rank arrived in this call
     SPLIT_SIGNAL = 24  # one per split barrier: +1 per rank per call, added to by every rank
+    # local: the routing slots of this call the dispatch found bad (`kernels/common/routing`),
+    # until the call publishes them into the pinned record and zeroes these
+    BAD_SLOTS = 32
+    # local, two int64 in slots (34, 35) and (36, 37): the first bad slot's key, by atomic max:
+    # ``(2**31 - 1 - pair) << 32`` with the low, then the high word of its value
+    FIRST_BAD_LOW = 34
+    FIRST_BAD_HIGH = 36
 
 
 class CountWord:

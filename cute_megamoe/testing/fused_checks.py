@@ -69,11 +69,13 @@ class FusedLayer:
                               for buf in self.ranks.buffers}
 
     def run(self, kind: str | dict, inputs: dict, block_ms: dict, ys: dict,
-            stats: str | None = None) -> None:
+            stats: str | None = None, validate_routing: str | bool = False) -> None:
         """Every local rank's layer call (`kind` "fused" or "staged", or per rank a dict of
         them) into ``ys[rank]``, counting into the ranks' ``stats`` statistics ("fused" or
         "staged"; default: `kind`'s), with the rank's configuration (`config`: its
-        ``fused_kernel`` for the fused layer, its ``gemm`` for the staged one)."""
+        ``fused_kernel`` for the fused layer, its ``gemm`` for the staged one) and
+        ``validate_routing`` (`checks.routing_check`; default "off": the checks compare
+        layers, `check_bad_routing` the routing check)."""
         from .. import fused, staged
 
         kinds = kind if isinstance(kind, dict) else {b.rank: kind for b in self.ranks.buffers}
@@ -82,7 +84,7 @@ class FusedLayer:
             x, idx, w = inputs[buf.rank]
             kind = kinds[buf.rank]
             kwargs = dict(y=ys[buf.rank], activation_clamp=self.clamp,
-                          block_m=block_ms[buf.rank], validate_routing=False,
+                          block_m=block_ms[buf.rank], validate_routing=validate_routing,
                           cumulative_local_expert_recv_stats=self.stats[buf.rank][stats or kind],
                           config=self.config(buf.rank))
             if kind == "fused":
@@ -198,6 +200,96 @@ class FusedLayer:
                 err = float((y - want).norm() / want.norm())
                 assert err < LAYER_TOLERANCE[layout.recipe], \
                     f"{what}: rank {buf.rank}: rel. error {err:.3g} against the reference"
+
+
+#: the bad slots `check_bad_routing` puts into a routing: (token, slot, value) from the
+#: token count ``n``, the experts ``E`` and the routing's row ``row`` of that token
+BAD_SLOTS = {
+    "out_of_range": lambda n, e, row: (n // 2, row.numel() - 1, e + 3),
+    "negative": lambda n, e, row: (0, 1, -5),
+    "duplicate": lambda n, e, row: (n - 1, 2, int(row[0])),
+}
+
+
+def check_bad_routing(layer: FusedLayer, kind: str, tokens: tuple[int, ...], block_m: int,
+                      seed: int) -> None:
+    """The device routing check (`kernels/common/routing.py`) through ``kind``'s layer
+    ("fused" or "staged"), every rank of the group at once: per case of `BAD_SLOTS`, and
+    then all of them in one call, every rank with ``n > 2`` tokens gets bad slots. The call
+    (routing check "off": nothing raised) must give bit for bit the `y` of the same routing
+    with those slots masked, every row written; `SymmBuffer.check_routing_errors` must raise
+    naming each such rank's first bad slot and their count (the others' raise nothing); and
+    with the default check, the next clean call must raise it after its launch, and that call
+    and the one after must equal the staged layer (`check_call`, against the reference)."""
+    layout = layer.ranks.layout
+    hidden, experts = layout.hidden, layout.num_experts
+    block_ms = {b.rank: block_m for b in layer.ranks.buffers}
+    cases = [[name] for name in BAD_SLOTS] + [list(BAD_SLOTS)]
+    for i, names in enumerate(cases):
+        _, _, _, inputs = layer.inputs(tokens, "random", seed + i)
+        bad_inputs, masked_inputs, expected = {}, {}, {}
+        for buf in layer.ranks.buffers:
+            x, idx, w = inputs[buf.rank]
+            bad, masked = idx.clone(), idx.clone()
+            slots = []
+            if x.shape[0] > 2:
+                for name in names:
+                    t, k, value = BAD_SLOTS[name](x.shape[0], experts, idx[x.shape[0] - 1])
+                    bad[t, k], masked[t, k] = value, -1
+                    slots.append((t * layout.num_topk + k, t, k, value))
+                expected[buf.rank] = (min(slots), len(slots))
+            bad_inputs[buf.rank], masked_inputs[buf.rank] = (x, bad, w), (x, masked, w)
+        ys = {which: {b.rank: torch.full((tokens[b.rank], hidden), float("nan"),
+                                         dtype=torch.bfloat16, device=layer.device)
+                      for b in layer.ranks.buffers} for which in ("bad", "masked")}
+        what = f"{kind}, tokens {tokens}, bad slots {names}, block_m {block_m}"
+        layer.run(kind, bad_inputs, block_ms, ys["bad"])
+        layer.run(kind, masked_inputs, block_ms, ys["masked"])
+        layer.synchronize(what)
+        for buf in layer.ranks.buffers:
+            got, want = ys["bad"][buf.rank], ys["masked"][buf.rank]
+            assert not bool(got.isnan().any()), f"{what}: rank {buf.rank}: rows not written"
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                f"{what}: rank {buf.rank}: y differs from the masked routing's"
+        for buf in layer.ranks.buffers:
+            _expect_routing_error(buf.check_routing_errors, expected.get(buf.rank), what)
+        # the default check: the next call raises it after its launch (which ran)
+        layer.run(kind, bad_inputs, block_ms, ys["bad"])
+        layer.synchronize(what)
+        clean = {b.rank: torch.full((tokens[b.rank], hidden), float("nan"),
+                                    dtype=torch.bfloat16, device=layer.device)
+                 for b in layer.ranks.buffers}
+        if layout.num_ranks == 1:
+            _expect_routing_error(lambda: layer.run(kind, masked_inputs, block_ms, clean,
+                                                    validate_routing="device"),
+                                  expected.get(0), what)
+        else:  # (in one process the ranks' calls run in turn: none may stop before the last)
+            layer.run(kind, masked_inputs, block_ms, clean)
+            for buf in layer.ranks.buffers:
+                _expect_routing_error(buf.raise_routing_error, expected.get(buf.rank), what)
+        layer.synchronize(what)
+        for buf in layer.ranks.buffers:
+            assert torch.equal(clean[buf.rank].view(torch.int16),
+                               ys["masked"][buf.rank].view(torch.int16)), \
+                f"{what}: rank {buf.rank}: the call that raised gave another y"
+        layer.check_call(tokens, "masked", block_ms, seed + 100 + i)
+
+
+def _expect_routing_error(call, expected, what: str) -> None:
+    """``call()`` raises the routing error ``expected`` (``((pair, token, slot, value),
+    count)``), or nothing when None."""
+    try:
+        call()
+    except ValueError as error:
+        message = str(error)
+        assert expected is not None, f"{what}: unexpected {message}"
+        (_, token, slot, value), count = expected
+        assert f"token {token} slot {slot} " in message, f"{what}: {message}"
+        assert (f"names expert {value} again" in message
+                or f"holds expert index {value}," in message), f"{what}: {message}"
+        assert (f"{count} bad slots in all" in message) == (count > 1), f"{what}: {message}"
+        return
+    assert expected is None, f"{what}: no routing error raised, expected {expected}"
 
 
 def check_fused_calls(layer: FusedLayer, num_calls: int, max_tokens: int, seed: int = 0,

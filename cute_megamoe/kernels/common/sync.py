@@ -69,9 +69,9 @@ from ...runtime import spin_timeout_ns
 __all__ = [
     "SPLIT_BARRIER_COUNT", "call_tags", "cross_rank_barrier", "fence_acq_rel", "finish_call",
     "grid_arrive", "grid_barrier", "group_scope",
-    "report", "report_disagreement", "spin_timeout_ns", "split_barrier_arrive",
-    "split_barrier_finish", "split_barrier_target", "split_barrier_wait", "wait_call_tag",
-    "wait_reached", "wait_stage",
+    "report", "report_disagreement", "report_record_address", "spin_timeout_ns",
+    "split_barrier_arrive", "split_barrier_finish", "split_barrier_target",
+    "split_barrier_wait", "wait_call_tag", "wait_reached", "wait_stage",
 ]
 
 # Split-phase cross-rank barriers (arrive now, wait later): every call of a kernel that uses
@@ -90,6 +90,14 @@ def _claim_report(barrier_slots: cute.Pointer) -> cutlass.Boolean:
 
 
 @cute.jit
+def report_record_address(barrier_slots: cute.Pointer) -> Int64:
+    """The address of the rank's pinned host record (`reports`), 0 where it has none."""
+    low = cute.arch.load(barrier_slots + BarrierSlots.REPORT, Int32)
+    high = cute.arch.load(barrier_slots + BarrierSlots.REPORT + 1, Int32)
+    return (Int64(high) << 32) | (Int64(low) & 0xFFFFFFFF)
+
+
+@cute.jit
 def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: Int32,
            target: Int32, source: Int32 = 0, expert: Int32 = 0, progress: cute.Pointer = None,
            warpgroups: cutlass.Constexpr = 0):
@@ -99,9 +107,7 @@ def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: In
     `reports`), then trap. With ``progress`` (the fused kernel's ``cta_progress``, of
     ``warpgroups`` warpgroups per CTA): also the CTAs not at its combine (`record_laggards`)."""
     if _claim_report(barrier_slots):
-        low = cute.arch.load(barrier_slots + BarrierSlots.REPORT, Int32)
-        high = cute.arch.load(barrier_slots + BarrierSlots.REPORT + 1, Int32)
-        address = (Int64(high) << 32) | (Int64(low) & 0xFFFFFFFF)
+        address = report_record_address(barrier_slots)
         if address != 0:
             record = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
             bidx, _, _ = cute.arch.block_idx()
