@@ -2,6 +2,10 @@
 
     python3 -m bench.host_overhead [--tokens 1] [--recipe fp8xfp8] [--calls 200]
                                    [--paths tvm-ffi cute-dsl]
+    python3 -m bench.host_overhead --routing-checks --tokens 1 128
+
+``--routing-checks``: `MegaMoE`'s default routing check (on the GPU) against none and the
+host's, eager and in a CUDA graph (`routing_check_rows`; issue 64: at most 1.05x none's time).
 
 For each launch path (`runtime.LaunchPath`: ``tvm-ffi``, the raw TVM-FFI functions, and
 ``cute-dsl``, CuTe DSL's own call path; the package's default is what `CUTE_MEGAMOE_TVM_FFI`
@@ -78,6 +82,48 @@ def _host_us(fn, calls: int) -> float:
 
 #: Issue 16's goal: eager minus graph time of a 1-token layer call, in us.
 GOAL_US = 40.0
+#: Issue 64's goal: the default (device) routing check's eager time over no check, at most
+ROUTING_CHECK_GOAL = 1.05
+
+
+def routing_check_rows(res, args, weights, rounds: int = 7) -> None:
+    """`MegaMoE` with its defaults (the routing checked on the GPU) against the same layer with
+    ``validate_routing="off"`` and ``"host"``, per token count: back-to-back eager calls (CUDA
+    events; the layers interleaved ``rounds`` times, medians), and the default layer captured
+    in a CUDA graph (which "host" refuses). Rows ``check="routing"``."""
+    import cute_megamoe as cm
+    from cute_megamoe.testing.dispatch_checks import make_routing
+
+    gen = torch.Generator().manual_seed(1)
+    layers = {mode: cm.MegaMoE(None, args.experts, max(args.tokens), args.topk, args.hidden,
+                               args.intermediate, args.recipe, weights=weights,
+                               activation_clamp=10.0,
+                               validate_routing=None if mode == "default" else mode)
+              for mode in ("default", "off", "host")}
+    assert layers["default"].config.validate_routing == "device"
+    for n in args.tokens:
+        idx, w = make_routing(n, args.experts, args.topk, "random", gen)
+        x = torch.randn(n, args.hidden, generator=gen).to(torch.bfloat16).cuda()
+        idx, w = idx.cuda(), w.cuda()
+        ys = {mode: layer(x, idx, w) for mode, layer in layers.items()}
+        same = all(torch.equal(y.view(torch.int16), ys["off"].view(torch.int16))
+                   for y in ys.values())
+        samples = {mode: [] for mode in layers}
+        for _ in range(rounds):
+            for mode, layer in layers.items():
+                samples[mode].append(_events_us(lambda layer=layer: layer(x, idx, w), 20, 1))
+        eager = {mode: statistics.median(v) for mode, v in samples.items()}
+        graph = _graph_us(lambda: layers["default"](x, idx, w), 20)
+        res.add(check="routing", layer="module", tokens=n, default_eager_us=eager["default"],
+                unchecked_eager_us=eager["off"], host_checked_eager_us=eager["host"],
+                default_over_unchecked=eager["default"] / eager["off"],
+                default_graph_us=graph, y_identical=same)
+        ratio = eager["default"] / eager["off"]
+        print(f"{n} tokens, MegaMoE defaults: eager {eager['default']:.1f} us, unchecked "
+              f"{eager['off']:.1f} us ({ratio:.3f}x, goal <= {ROUTING_CHECK_GOAL}), host check "
+              f"{eager['host']:.1f} us; graph {graph:.1f} us; same y: {same}")
+    for layer in layers.values():
+        layer.sym_buffer.destroy()
 
 
 def main() -> None:
@@ -94,6 +140,9 @@ def main() -> None:
                         help="the staged layer (five launches) and / or the fused one (two)")
     parser.add_argument("--paths", nargs="+", default=None,
                         help="launch paths (default: every one that imports here)")
+    parser.add_argument("--routing-checks", action="store_true",
+                        help="only the MegaMoE routing checks' eager and graph times "
+                             "(`routing_check_rows`)")
     args = parser.parse_args()
 
     from cute_megamoe import fused, runtime, staged
@@ -113,6 +162,16 @@ def main() -> None:
         "intermediate": inter, "paths": paths, "default_launch_path": default_path,
         "tvm_ffi_available": runtime.tvm_ffi_available(), "goal_us": GOAL_US,
         "clocks_before": gpu_clocks()})
+    if args.routing_checks:
+        routing_check_rows(res, args, weights)
+        print(f"saved {res.save()}")
+        print(res.table(["tokens", "default_eager_us", "unchecked_eager_us",
+                         "host_checked_eager_us", "default_over_unchecked", "default_graph_us",
+                         "y_identical"]))
+        buf.destroy()
+        if not all(row["y_identical"] for row in res.rows):
+            raise SystemExit("the routing checks changed y (see above)")
+        return
     inputs = {}
     for n in args.tokens:
         idx, w = make_routing(n, e, args.topk, "random", gen)

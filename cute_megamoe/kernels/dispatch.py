@@ -18,7 +18,9 @@ sends consecutive rows to different ranks). The order of one source's rows is no
 (slots come from atomics); everything downstream is row-local, so results are.
 
 How (the seed analysis' count -> prefix -> scatter):
-1. Count: each CTA walks its contiguous share of the (token, slot) pairs and counts pairs per
+1. Check and count: each CTA walks its contiguous share of the tokens, checks their top-k
+   rows (`common.routing`: a slot outside [-1, E) or naming an expert twice is bad; it
+   becomes -1 in the buffer's routing and is recorded for the host) and counts the pairs per
    global expert in shared memory (block-scope atomics).
 2. Prefix: per expert one 64-bit global atomic add of `(1 << 32) | count` on
    `expert_send_count`; the old value's low half is this CTA's first slot for the expert.
@@ -26,8 +28,9 @@ How (the seed analysis' count -> prefix -> scatter):
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
    symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
 4. Every CTA arrives at the grid barrier's counter without waiting (`sync.grid_arrive`);
-   the last to arrive reads the totals, zeroes `expert_send_count` for the next call, and
-   publishes a `layout.CountWord` `tag << 32 | settings << 24 | count` into every rank's
+   the last to arrive publishes the call's bad routing slots into the rank's pinned record
+   (`common.routing.publish_bad_slots`), reads the totals, zeroes `expert_send_count` for the
+   next call, and publishes a `layout.CountWord` `tag << 32 | settings << 24 | count` into every rank's
    `expert_recv_count[my_rank][e]` with system-scope release stores (all experts to all
    ranks: a pushing rank needs its destinations' counts from every source, and spinning on
    local memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the
@@ -76,8 +79,7 @@ Constraints:
 * a pushing peer writes this rank's `l1_acts` during the call; it starts only after it has
   every rank's counts of the call, which this rank publishes once its dispatch runs, i.e.
   after its earlier work on the stream (the previous call's GEMMs) has finished;
-* the routing has been validated (indices in [-1, E), distinct experts per token); indices out
-  of range or slots past T are skipped instead of corrupting memory;
+* the routing is checked here (step 1): bad slots are masked and recorded, never used;
 * `hidden * element_size % 16 == 0` (true since `hidden % 128 == 0`).
 """
 
