@@ -111,9 +111,10 @@ def routing_check_rows(res, args, weights, rounds: int = 7) -> None:
         samples = {mode: [] for mode in layers}
         for _ in range(rounds):
             for mode, layer in layers.items():
-                samples[mode].append(_events_us(lambda layer=layer: layer(x, idx, w), 20, 1))
+                samples[mode].append(_events_us(
+                    lambda layer=layer, x=x, idx=idx, w=w: layer(x, idx, w), 20, 1))
         eager = {mode: statistics.median(v) for mode, v in samples.items()}
-        graph = _graph_us(lambda: layers["default"](x, idx, w), 20)
+        graph = _graph_us(lambda x=x, idx=idx, w=w: layers["default"](x, idx, w), 20)
         res.add(check="routing", layer="module", tokens=n, default_eager_us=eager["default"],
                 unchecked_eager_us=eager["off"], host_checked_eager_us=eager["host"],
                 default_over_unchecked=eager["default"] / eager["off"],

@@ -260,9 +260,10 @@ def check_bad_routing(layer: FusedLayer, kind: str, tokens: tuple[int, ...], blo
                                     dtype=torch.bfloat16, device=layer.device)
                  for b in layer.ranks.buffers}
         if layout.num_ranks == 1:
-            _expect_routing_error(lambda: layer.run(kind, masked_inputs, block_ms, clean,
-                                                    validate_routing="device"),
-                                  expected.get(0), what)
+            _expect_routing_error(
+                lambda inputs=masked_inputs, ys=clean: layer.run(
+                    kind, inputs, block_ms, ys, validate_routing="device"),
+                expected.get(0), what)
         else:  # (in one process the ranks' calls run in turn: none may stop before the last)
             layer.run(kind, masked_inputs, block_ms, clean)
             for buf in layer.ranks.buffers:
