@@ -31,9 +31,9 @@ How (the seed analysis' count -> prefix -> scatter):
    the last to arrive publishes the call's bad routing slots into the rank's pinned record
    (`common.routing.publish_bad_slots`), reads the totals, zeroes `expert_send_count` for
    the next call, and publishes a `layout.CountWord` `tag << 32 | settings << 24 | count`
-   into every rank's `expert_recv_count[my_rank][e]` with system-scope release stores (all experts to all
-   ranks: a pushing rank needs its destinations' counts from every source, and spinning on
-   local memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the
+   into every rank's `expert_recv_count[my_rank][e]` with system-scope release stores (all
+   experts to all ranks: a pushing rank needs its destinations' counts from every source,
+   and spinning on local memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the
    same on every rank unless one skipped a call, which traps), so counts left from the
    previous call never pass for this one's; nothing is reset. The settings carry the
    publisher's `block_m`, recipe, push bit and row protocol (`pool_order`). Ranks may choose
