@@ -27,23 +27,22 @@ How (the seed analysis' count -> prefix -> scatter):
 3. Scatter: a second walk takes slots (shared atomics from the CTA's first slot) and stores
    `t * K + k` into the destination rank's `src_token_topk_idx[e_l][my_rank][slot]` through its
    symmetric address (and, when pushing, the slot into the local `dispatch_pair_slot`).
-4. Every CTA arrives at the grid barrier's counter without waiting (`sync.grid_arrive`);
-   the last to arrive publishes the call's bad routing slots into the rank's pinned record
-   (`common.routing.publish_bad_slots`), reads the totals, zeroes `expert_send_count` for
-   the next call, and publishes a `layout.CountWord` `tag << 32 | settings << 24 | count`
-   into every rank's `expert_recv_count[my_rank][e]` with system-scope release stores (all
-   experts to all ranks: a pushing rank needs its destinations' counts from every source,
-   and spinning on local memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the
-   same on every rank unless one skipped a call, which traps), so counts left from the
-   previous call never pass for this one's; nothing is reset. The settings carry the
-   publisher's `block_m`, recipe, push bit and row protocol (`pool_order`). Ranks may choose
-   different `block_m`s (each lays out its own pool; a pushing source places a destination's
-   rows with the `block_m` that destination published). The recipe, the transfer and the row
-   protocol must agree (a rank pushing to a pulling peer would itself receive that peer's rows
-   from nobody; a rank counting rows into pool blocks would wait for counts a staged peer
-   never sends, which would wait at a cross-rank barrier the other never enters): every
-   reader compares them with its own and, on a mismatch, reports which setting and both
-   values (`reports`), and traps.
+4. Every CTA arrives at the grid barrier's counter without waiting (`sync.grid_arrive`); the
+   last to arrive publishes the call's bad routing slots into the rank's pinned record
+   (`common.routing.publish_bad_slots`), reads the totals, zeroes `expert_send_count` for the
+   next call, and publishes a `layout.CountWord` `tag << 32 | settings << 24 | count` into every
+   rank's `expert_recv_count[my_rank][e]` with system-scope release stores (all experts to all
+   ranks: a pushing rank needs its destinations' counts from every source, and spinning on local
+   memory is cheaper than on a peer's). The tag numbers the call (`sync.call_tags`: the same on
+   every rank unless one skipped a call, which traps), so counts left from the previous call
+   never pass for this one's; nothing is reset. The settings carry the publisher's `block_m`,
+   recipe, push bit and row protocol (`pool_order`). Ranks may choose different `block_m`s (each
+   lays out its own pool; a pushing source places a destination's rows with the `block_m` that
+   destination published). The recipe, the transfer and the row protocol must agree (a rank
+   pushing to a pulling peer would itself receive that peer's rows from nobody; a rank counting
+   rows into pool blocks would wait for counts a staged peer never sends, which would wait at a
+   cross-rank barrier the other never enters): every reader compares them with its own and, on a
+   mismatch, reports which setting and both values (`reports`), and traps.
 5. Every CTA acquires the R x E_l counts of its own experts (when pushing: of every rank's) and
    builds the row and pool-block prefix sums in shared memory, one warp per rank.
 6. Metadata: one thread per received row finds its source (token, k) in `src_token_topk_idx`,
