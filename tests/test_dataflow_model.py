@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +227,15 @@ def test_makespan_at_the_deepseek_v3_ep8_shape():
     senders = simulate_dataflow(counts, *shape, 132, lag, ring_slots=lag + 3, row_slots=16,
                                 sources=[[256] * 8] * 32, costs=DataflowCosts(row=0.0072))
     assert senders.completed and senders.makespan / bound < 1.01
+
+
+def test_the_note_states_the_bound_and_the_sizes_the_code_gives():
+    """docs/notes/dataflow.md: at most 150 lines, and its numbers are the code's."""
+    from cute_megamoe.layout.dataflow import dataflow_buffer_bytes
+
+    note = (Path(__file__).resolve().parent.parent / "docs/notes/dataflow.md").read_text()
+    assert len(note.splitlines()) <= 150
+    total = dataflow_buffer_bytes(8, 256, 8192, 8, 7168, 2048)["total"] / 2**20
+    assert f"**{total:.1f} ({total / 1024:.2f} GiB)**" in note
+    lag = dataflow_lag(132, 16, 28)
+    assert "`S >= lag + 1`" in note and f"dataflow_lag(132, 16, 28) = {lag}" in note

@@ -6,7 +6,8 @@ whether every tile finishes (and when, in abstract time units) or where the wait
 
 Executors, each in order, one item at a time:
 
-* every CTA, through its work list of L1 and L2 tiles;
+* every CTA, through its work list of L1 and L2 tiles: positions ``c, c + S, ...`` of the
+  sequence ("static"), or the next position whenever it is free ("ticket", the default);
 * every source rank's sender (the warps that push its rows into this rank's pool), through
   its rows of this rank's pool blocks in pool order (one item per (source, block)).
 
