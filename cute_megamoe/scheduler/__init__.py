@@ -5,13 +5,18 @@ agree with (pool block offsets, tile order, the persistent-grid walk).
 """
 
 from .host_model import (
+    DataflowTile,
     HostMegaMoETileScheduler,
     HostTileScheduler,
     Tile,
     assign_tiles,
+    dataflow_lag,
+    dataflow_sequence,
+    dataflow_tile_walk,
     fused_tile_walk,
     grouped_gemm_tiles,
     mega_moe_tile_sequence,
+    min_ring_slots,
     num_m_blocks,
     pool_block_offsets,
     raster_order,
@@ -19,12 +24,17 @@ from .host_model import (
 )
 
 __all__ = [
+    "DataflowTile",
     "HostMegaMoETileScheduler",
     "fused_tile_walk",
     "HostTileScheduler",
     "Tile",
     "assign_tiles",
+    "dataflow_lag",
+    "dataflow_sequence",
+    "dataflow_tile_walk",
     "grouped_gemm_tiles",
+    "min_ring_slots",
     "mega_moe_tile_sequence",
     "num_m_blocks",
     "pool_block_offsets",

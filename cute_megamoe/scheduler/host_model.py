@@ -18,6 +18,11 @@ Conventions (the kernels must agree):
   ``L1(wave 0), L2(wave 0), L1(wave 1), L2(wave 1), ...``; CTA ``c`` of ``S`` takes positions
   ``c, c + S, c + 2S, ...`` of that whole sequence, so the linear index carries over from one
   phase to the next.
+* The dataflow kernel (issue 65, ``docs/notes/dataflow.md``; not built yet) runs one
+  lag-ordered sequence instead: ``L1(0) .. L1(lag - 1)``, then per pool block ``b``
+  ``L1(b), L2(b - lag)``, then the last ``lag`` blocks' L2; block ``b``'s L1 outputs live in
+  slot ``b % ring_slots`` of a ring, which ``ring_slots >= lag + 1`` keeps deadlock-free
+  (:func:`dataflow_sequence`, :func:`dataflow_tile_walk`).
 """
 
 from __future__ import annotations
@@ -30,12 +35,17 @@ import torch
 from ..utils import ceil_div
 
 __all__ = [
+    "DataflowTile",
     "HostMegaMoETileScheduler",
     "fused_tile_walk",
     "HostTileScheduler",
     "Tile",
     "assign_tiles",
+    "dataflow_lag",
+    "dataflow_sequence",
+    "dataflow_tile_walk",
     "grouped_gemm_tiles",
+    "min_ring_slots",
     "mega_moe_tile_sequence",
     "num_m_blocks",
     "pool_block_offsets",
@@ -350,3 +360,109 @@ def fused_tile_walk(
     seq += [(PHASE_L2, t) for t in grouped_gemm_tiles(expert_counts, block_m, l2_block_n, l2_n,
                                                        raster_groups[1])]
     return [seq[i] for i in range(cta, len(seq), num_ctas)]
+
+
+@dataclass(frozen=True)
+class DataflowTile:
+    """One entry of the dataflow kernel's lag-ordered sequence.
+
+    ``phase`` is ``'l1'`` or ``'l2'``; ``position`` the entry's index in the whole sequence
+    (:func:`dataflow_sequence`; CTA ``c`` of ``S`` takes positions ``c, c + S, ...``);
+    ``ring_slot`` the slot of the L1-output ring that holds ``tile.pool_block``'s L1 outputs
+    (``pool_block % ring_slots``): where the L1 tile writes and the L2 tile reads.
+    """
+
+    phase: str
+    tile: Tile
+    ring_slot: int
+    position: int
+
+
+def min_ring_slots(lag: int) -> int:
+    """The fewest L1-output ring slots the lag-ordered sequence with lag ``lag`` is
+    deadlock-free with under every routing and grid: ``lag + 1`` (``docs/notes/dataflow.md``;
+    one slot fewer deadlocks a one-CTA grid as soon as there are ``lag + 1`` pool blocks)."""
+    return _non_negative("lag", lag) + 1
+
+
+def dataflow_sequence(
+    expert_counts: Sequence[int] | torch.Tensor,
+    block_m: int,
+    l1_block_n: int,
+    l1_n: int,
+    l2_block_n: int,
+    l2_n: int,
+    lag: int,
+    ring_slots: int | None = None,
+) -> list[DataflowTile]:
+    """The whole lag-ordered L1/L2 sequence of one rank's dataflow kernel.
+
+    Pool blocks ``b`` in pool order (expert-major, :func:`pool_block_offsets`); for
+    ``j = 0, 1, ..., B - 1 + lag``: block ``j``'s L1 tiles (n-blocks ascending) if ``j < B``,
+    then block ``j - lag``'s L2 tiles if ``j >= lag``. So the L2 of block ``b`` comes right
+    after the L1 of block ``b + lag`` (after the last L1 at the tail), ``lag * n1`` L1 tiles
+    after its own; each block's L1 and L2 tiles are consecutive positions, so a round-robin
+    grid spreads one block's ``n2`` L2 tiles over ``n2`` neighbouring CTAs.
+    ``ring_slots`` (default :func:`min_ring_slots`) numbers the L1-output ring's slots; any
+    value >= 1 is accepted so a model can show what too small a ring does.
+    """
+    counts = _counts(expert_counts)
+    _positive("block_m", block_m)
+    num_n1 = _num_n_blocks(l1_block_n, l1_n, "l1_n")
+    num_n2 = _num_n_blocks(l2_block_n, l2_n, "l2_n")
+    slots = min_ring_slots(lag) if ring_slots is None else _positive("ring_slots", ring_slots)
+    offsets = pool_block_offsets(counts, block_m)
+    blocks = []  # (expert, m_block, valid_m) per pool block
+    for e, count in enumerate(counts):
+        blocks += [(e, m, min(block_m, count - m * block_m))
+                   for m in range(num_m_blocks(count, block_m))]
+    seq: list[DataflowTile] = []
+
+    def emit(phase: str, b: int, num_n: int) -> None:
+        e, m, valid = blocks[b]
+        for nb in range(num_n):
+            seq.append(DataflowTile(phase, Tile(e, m, nb, offsets[e] + m, valid), b % slots,
+                                    len(seq)))
+
+    for j in range(len(blocks) + lag):
+        if j < len(blocks):
+            emit(PHASE_L1, j, num_n1)
+        if j >= lag and j - lag < len(blocks):
+            emit(PHASE_L2, j - lag, num_n2)
+    return seq
+
+
+def dataflow_tile_walk(
+    expert_counts: Sequence[int] | torch.Tensor,
+    block_m: int,
+    l1_block_n: int,
+    l1_n: int,
+    l2_block_n: int,
+    l2_n: int,
+    num_ctas: int,
+    cta: int,
+    lag: int,
+    ring_slots: int | None = None,
+) -> list[DataflowTile]:
+    """One CTA's work list in the dataflow kernel: positions ``cta, cta + num_ctas, ...`` of
+    :func:`dataflow_sequence`, in order (L1 and L2 tiles interleaved, each L2 a fixed ``lag``
+    blocks behind its L1). The device walk would count the same positions without a list."""
+    _positive("num_ctas", num_ctas)
+    if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
+        raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+    seq = dataflow_sequence(expert_counts, block_m, l1_block_n, l1_n, l2_block_n, l2_n, lag,
+                            ring_slots)
+    return seq[cta::num_ctas]
+
+
+def dataflow_lag(num_ctas: int, num_n1: int, num_n2: int, grids: int = 2) -> int:
+    """The lag (pool blocks) that puts ``grids`` grids' worth of tiles between the first L1
+    tile of a block and its first L2 tile: ``ceil(grids * num_ctas / (num_n1 + num_n2))``,
+    at least 1. Block ``b``'s L1 tiles then ran about ``grids`` tile times before a CTA
+    reaches its L2, so a CTA rarely waits for them (a performance choice, not a safety one:
+    every lag is deadlock-free with :func:`min_ring_slots` slots)."""
+    _positive("num_ctas", num_ctas)
+    _positive("num_n1", num_n1)
+    _positive("num_n2", num_n2)
+    _positive("grids", grids)
+    return max(1, ceil_div(grids * num_ctas, num_n1 + num_n2))
