@@ -51,6 +51,11 @@ def test_dispatch_compiles_with_scoped_atomics_and_row_copies(arch, recipe, num_
     assert "st.release.sys.global.b64" in ptx  # count publication to the expert's rank
     assert "ld.acquire.sys.global.b64" in ptx  # ... read with acquire
     assert "red.release.sys.global.add.s32" in ptx  # cross-rank barrier signal
+    # the routing check: bad slots counted, the first kept by two 64-bit maxima, and the call's
+    # record taken (and zeroed) by the last CTA (`kernels/common/routing.py`)
+    assert "red.relaxed.gpu.global.add.s32" in ptx
+    assert ptx.count("red.relaxed.gpu.global.max.s64") == 2
+    assert ptx.count("atom.global.exch.b64") == 2 and "atom.global.exch.b32" in ptx
     bulk = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
             and "cp.async.bulk.global.shared::cta.bulk_group" in ptx)
     assert bulk == (transfer == "pull")  # pull: bulk copies; push: register copies

@@ -135,6 +135,9 @@ def test_local_dispatch_compiles_for_one_rank(recipe, block_m, monkeypatch):
                                 local_dispatch=False)
     assert kernel.local_dispatch and not exchanged.local_dispatch
     assert kernel.num_stages == exchanged.num_stages
+    for checked in (art, plain):  # the routing check (`kernels/common/routing.py`) in both
+        assert checked.ptx.count("red.relaxed.gpu.global.max.s64") == 2
+        assert checked.ptx.count("atom.global.exch.b64") == 2
     two = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe)
     fp4 = MegaMoELayout(1, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90")
     for layout, options in ((two, {"stages_inputs": True}),
