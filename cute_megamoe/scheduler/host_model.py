@@ -97,6 +97,12 @@ def _non_negative(name: str, value: int) -> int:
     return value
 
 
+def _check_cta(cta: int, num_ctas: int) -> None:
+    _positive("num_ctas", num_ctas)
+    if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
+        raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+
+
 def num_m_blocks(count: int, block_m: int) -> int:
     """Pool blocks of ``block_m`` rows one expert with ``count`` rows occupies.
 
@@ -352,9 +358,7 @@ def fused_tile_walk(
     (no clusters; ``raster_groups`` of L1 and L2), CTA ``cta`` taking positions
     ``cta, cta + num_ctas, ...`` of the concatenation: the linear index carries from L1 into
     L2, so the grid stays busy across the phase change."""
-    _positive("num_ctas", num_ctas)
-    if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
-        raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+    _check_cta(cta, num_ctas)
     seq = [(PHASE_L1, t) for t in grouped_gemm_tiles(expert_counts, block_m, l1_block_n, l1_n,
                                                       raster_groups[0])]
     seq += [(PHASE_L2, t) for t in grouped_gemm_tiles(expert_counts, block_m, l2_block_n, l2_n,
@@ -447,9 +451,7 @@ def dataflow_tile_walk(
     """One CTA's work list in the dataflow kernel: positions ``cta, cta + num_ctas, ...`` of
     :func:`dataflow_sequence`, in order (L1 and L2 tiles interleaved, each L2 a fixed ``lag``
     blocks behind its L1). The device walk would count the same positions without a list."""
-    _positive("num_ctas", num_ctas)
-    if isinstance(cta, bool) or not isinstance(cta, int) or not 0 <= cta < num_ctas:
-        raise ValueError(f"cta must be an int in [0, {num_ctas}), got {cta!r}")
+    _check_cta(cta, num_ctas)
     seq = dataflow_sequence(expert_counts, block_m, l1_block_n, l1_n, l2_block_n, l2_n, lag,
                             ring_slots)
     return seq[cta::num_ctas]
