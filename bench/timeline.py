@@ -1,0 +1,156 @@
+"""One fused layer call's timeline: which CTA did what when, drawn to a PNG.
+
+    python -m bench.timeline --tokens 8192 --out docs/timeline-8192.png   # a GPU: run, plot
+    python -m bench.timeline --from bench/results/timeline-<stamp>.json --out t.png  # re-plot
+
+On the GPU: the fused kernel (`kernels/sm90_mega_moe.py`) built with its phase clock
+(`config.Sm90FusedConfig.debug="phase_clock"`: every CTA stamps the global timer at the
+`PHASE_STAMPS` boundaries, a store each), a few warm-up calls, then one call on staged inputs;
+its stamps go to ``bench/results/timeline-<stamp>.json`` (or ``CUTE_MEGAMOE_RESULTS_DIR``)
+with the GPU named. `segments` turns a CTA's stamps into the phases it spent its time in
+(dispatch: start to its rows sent; L1: to its consumers' L1 tiles done; L2: to their L2 tiles
+done; combine: to its end), in us from the grid's first start, and `plot` draws one row per
+CTA, one colour per phase (matplotlib, the ``bench`` extra). The uninstrumented kernel's time
+is `bench.bench_layer`'s ``fused_graph_us``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+#: (phase, the stamp it starts at, the stamp it ends at), in the order a CTA runs them today
+PHASES = (("dispatch", "start", "rows_sent"), ("L1", "rows_sent", "l1_done"),
+          ("L2", "l1_done", "l2_done"), ("combine", "l2_done", "end"))
+COLOURS = {"dispatch": "tab:orange", "L1": "tab:blue", "L2": "tab:green", "combine": "tab:red"}
+
+
+def segments(stamps: Sequence[Sequence[int]], names: Sequence[str]) -> list[tuple]:
+    """``(cta, phase, start_us, end_us)`` of every CTA's `PHASES` from its stamps (``stamps``:
+    one row of ns timer values per CTA, in the order of ``names``; 0: not reached, so the
+    phases it bounds are left out), times from the earliest start of any CTA."""
+    column = {name: i for i, name in enumerate(names)}
+    starts = [row[column["start"]] for row in stamps if row[column["start"]]]
+    if not starts:
+        raise ValueError("stamps: no CTA stamped its start")
+    origin = min(starts)
+    out = []
+    for cta, row in enumerate(stamps):
+        for phase, first, last in PHASES:
+            t0, t1 = row[column[first]], row[column[last]]
+            if t0 and t1:
+                if t1 < t0:
+                    raise ValueError(f"stamps: CTA {cta}'s {last} ({t1}) before its {first} "
+                                     f"({t0})")
+                out.append((cta, phase, (t0 - origin) / 1e3, (t1 - origin) / 1e3))
+    return out
+
+
+def plot(spans: list[tuple], num_ctas: int, title: str, out: Path) -> Path:
+    """Draw ``spans`` (`segments`) to the PNG ``out``: one row per CTA, time in us across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 2 + num_ctas * 0.04))
+    for phase in COLOURS:
+        bars = [(t0, t1 - t0) for cta, p, t0, t1 in spans if p == phase]
+        rows = [cta for cta, p, _, _ in spans if p == phase]
+        for cta, bar in zip(rows, bars, strict=True):
+            ax.broken_barh([bar], (cta - 0.4, 0.8), facecolors=COLOURS[phase])
+    ax.set_xlabel("us from the first CTA's start")
+    ax.set_ylabel("CTA")
+    ax.set_ylim(-1, num_ctas)
+    ax.invert_yaxis()
+    ax.set_title(title)
+    ax.legend(handles=[matplotlib.patches.Patch(color=c, label=p) for p, c in COLOURS.items()],
+              loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def record(args) -> tuple[dict, list[list[int]], list[str]]:
+    """One phase-clocked fused call on the GPU: (meta, per-CTA stamps, their names)."""
+    import torch
+
+    from bench.common import gpu_clocks, random_expert_weights
+    from cute_megamoe import api
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.config import Sm90FusedConfig
+    from cute_megamoe.heuristics import block_m_for_call, default_fused_config
+    from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
+    from cute_megamoe.launch import buffer_state, fused_call
+    from cute_megamoe.testing.dispatch_checks import make_routing
+
+    gen = torch.Generator().manual_seed(0)
+    e, h, inter, n = args.experts, args.hidden, args.intermediate, args.tokens
+    weights = random_expert_weights(e, h, inter, args.recipe)
+    buf = get_symm_buffer_for_mega_moe(None, e, n, args.topk, h, inter, mma_type=args.recipe)
+    idx, w = make_routing(n, e, args.topk, "random", gen)
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
+    api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
+    grid = buffer_state(buf).num_sms
+    block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
+    config = default_fused_config(buf.layout, block_m, False,
+                                  Sm90FusedConfig(debug="phase_clock"))
+    y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
+    clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
+    call = fused_call(buf, weights, n, y, grid, None, 10.0, True, config, debug=clock)
+    for _ in range(args.warmup + 1):
+        call()
+    torch.cuda.synchronize()
+    meta = {"gpu": torch.cuda.get_device_name(), "tokens": n, "experts": e, "topk": args.topk,
+            "hidden": h, "intermediate": inter, "recipe": args.recipe, "block_m": block_m,
+            "ctas": grid, "clocks": gpu_clocks()}
+    stamps = clock.cpu().tolist()
+    buf.destroy()
+    return meta, stamps, list(PHASE_STAMPS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--recipe", default="fp8xfp8")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--from", dest="source", type=Path, default=None,
+                        help="plot the stamps of an earlier run's JSON instead of running")
+    parser.add_argument("--out", type=Path, default=None, help="the PNG (default: none)")
+    args = parser.parse_args()
+    if args.tokens < 1:
+        parser.error("--tokens must be positive")
+    if args.source is not None and args.out is None:
+        parser.error("--from needs --out (the PNG to draw)")
+    if args.source is not None:
+        data = json.loads(args.source.read_text())
+        meta, stamps, names = data["meta"], data["meta"]["stamps"], data["meta"]["stamp_names"]
+    else:
+        from bench.common import Results
+
+        meta, stamps, names = record(args)
+        res = Results("timeline", meta={**meta, "stamps": stamps, "stamp_names": names})
+        spans = segments(stamps, names)
+        for phase, _, _ in PHASES:
+            ends = sorted(t1 for _, p, _, t1 in spans if p == phase)
+            if ends:
+                res.add(phase=phase, ctas=len(ends), median_end_us=ends[len(ends) // 2],
+                        last_end_us=ends[-1])
+        print(f"saved {res.save()}")
+        print(res.table(["phase", "ctas", "median_end_us", "last_end_us"]))
+    if args.out is not None:
+        title = (f"fused layer, {meta['tokens']} tokens, {meta['experts']} experts, "
+                 f"{meta['recipe']}, BLOCK_M {meta['block_m']}, {meta['gpu']}")
+        print(f"wrote {plot(segments(stamps, names), len(stamps), title, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
