@@ -519,11 +519,11 @@ class DispatchKernel:
                               _part(block_start, 0, E + 1), E, Int32(self.block_m))
         cute.arch.sync_threads()
         if bidx == 0:
+            if tidx == 0:  # (CTA 0 checked every pair; its notes are ordered by the barriers)
+                publish_bad_slots(barrier)
             # (the count words too, tagged with this call as step 4 does: nobody waits for
             # them in this call, but the next call's readers take an older tag for a skipped
             # call)
-            if tidx == 0:  # (CTA 0 checked every pair; its notes are ordered by the barriers)
-                publish_bad_slots(barrier)
             tag = call_tags(barrier)[0]
             recv = self.regions.ptr(my_base, "expert_recv_count")
             e = tidx
