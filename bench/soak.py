@@ -9,9 +9,10 @@ Each process builds a loopback group of ``--ranks`` ranks on the GPU
 I 256, ``--recipe``), warms every kernel up, then until ``--seconds`` after the soak's start
 (warm-up included: every process stops at the same time, so all run together throughout) draws
 calls as `testing.fused_checks.check_fused_calls` does: per rank a token count from {0, 1,
-0..200, 200} and a BLOCK_M from {64, 128}, the routings in turn (random, masked, one expert,
-skewed); each call runs the staged layer, then the fused one, and compares ``y``, the counts and the
-statistics bit for bit (`FusedLayer.check_call`, without the reference). The processes share
+0..200, 200} and a BLOCK_M from {64, 128}, the routings in turn (`SOAK_ROUTINGS`: random,
+masked, one expert, skewed, bad slots); each call runs the staged layer, then the fused one,
+and compares ``y``, the counts and the statistics bit for bit (`FusedLayer.check_call`,
+without the reference). The processes share
 the GPU as a server's neighbours would (time-sliced contexts), which is what exposed the fused
 kernel's register handover stall (docs/notes/register-handover.md).
 
@@ -45,6 +46,9 @@ import time
 from pathlib import Path
 
 ROW_TRANSFERS = ("default", "counted", "barrier")
+#: the routings the calls take in turn: the checks' (`fused_checks.ROUTINGS`) and "bad" (about
+#: 5 % of the slots out of range or repeated, which both layers' dispatch masks alike)
+SOAK_ROUTINGS = ("random", "masked", "one_expert", "skewed", "bad")
 SHAPE = dict(num_experts=16, max_tokens=200, num_topk=4, hidden=512, intermediate=256)
 
 
@@ -59,7 +63,7 @@ def worker(index: int, args, out: Path) -> None:
     """One process's loop; writes its row to ``out``."""
     import torch
 
-    from cute_megamoe.testing.fused_checks import ROUTINGS, FusedLayer
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.ranks import Ranks
 
     row_transfer = args.row_transfer.split(",")[index % len(args.row_transfer.split(","))]
@@ -84,8 +88,8 @@ def worker(index: int, args, out: Path) -> None:
             n = s["max_tokens"]
             tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n)) for _ in range(args.ranks))
             block_ms = {b.rank: rng.choice((64, 128)) for b in layer.ranks.buffers}
-            layer.check_call(tokens, ROUTINGS[row["calls"] % len(ROUTINGS)], block_ms,
-                             rng.randrange(1 << 30), against_reference=False)
+            layer.check_call(tokens, SOAK_ROUTINGS[row["calls"] % len(SOAK_ROUTINGS)],
+                             block_ms, rng.randrange(1 << 30), against_reference=False)
             row["calls"] += 1
             if row["calls"] % 1000 == 0:
                 row["seconds"] = round(time.monotonic() - start, 1)
@@ -106,7 +110,7 @@ def gpu_worker(rank: int, args, out: Path) -> None:
     import torch.distributed as dist
 
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-    from cute_megamoe.testing.fused_checks import ROUTINGS, FusedLayer
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.ranks import Ranks, init_rank_process
 
     R = args.gpus
@@ -135,7 +139,7 @@ def gpu_worker(rank: int, args, out: Path) -> None:
             n = s["max_tokens"]
             tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n)) for _ in range(R))
             block_ms = [rng.choice((64, 128)) for _ in range(R)]
-            layer.check_call(tokens, ROUTINGS[row["calls"] % len(ROUTINGS)],
+            layer.check_call(tokens, SOAK_ROUTINGS[row["calls"] % len(SOAK_ROUTINGS)],
                              {rank: block_ms[rank]}, rng.randrange(1 << 30),
                              against_reference=False)
             row["calls"] += 1

@@ -38,3 +38,27 @@ def test_a_process_that_dies_is_a_stall_with_its_output():
 def test_bad_options_stop_before_any_process(args, message):
     run = _soak(*args, "--no-save")
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_the_soak_takes_every_routing_of_the_checks_and_bad_slots():
+    """The soak's routings are the fused checks' and "bad" (`make_routing`): about 5 % of the
+    slots out of range, negative or repeating the token's slot 0, which the host check
+    rejects (the dispatch masks them on the GPU, alike in both layers)."""
+    import torch
+
+    from bench.soak import SOAK_ROUTINGS
+    from cute_megamoe.checks import check_routing
+    from cute_megamoe.testing.dispatch_checks import make_routing
+    from cute_megamoe.testing.fused_checks import ROUTINGS
+
+    assert SOAK_ROUTINGS == (*ROUTINGS, "bad")
+    idx, w = make_routing(2000, 16, 4, "bad", torch.Generator().manual_seed(3))
+    good, _ = make_routing(2000, 16, 4, "random", torch.Generator().manual_seed(3))
+    assert torch.equal(idx[:, 0], good[:, 0])
+    out_of_range, negative = int((idx >= 16).sum()), int((idx < -1).sum())
+    repeats = int(((idx[:, 1:] == idx[:, :1]) & (idx[:, 1:] >= 0)).sum())
+    for count in (out_of_range, negative, repeats):
+        assert 60 < count < 200, (out_of_range, negative, repeats)  # ~ 2000 * 3 / 60 each
+    with pytest.raises(ValueError, match="topk_idx"):
+        check_routing(idx, 16)
+    assert w.shape == idx.shape

@@ -45,6 +45,14 @@ def make_routing(n: int, num_experts: int, num_topk: int, routing: str,
         mask[: max(1, n // 7)] = True  # some tokens fully masked
         idx = idx.masked_fill(mask, -1)
         weights = weights.masked_fill(mask, 0.0)
+    if routing == "bad" and num_topk > 1:
+        # about 5 % of the slots bad, a third each: out of range, negative other than -1, and
+        # a repeat of the token's slot 0 (what the dispatch's routing check masks)
+        kind = torch.randint(0, 60, (n, num_topk), generator=gen)
+        kind[:, 0] = 3  # (slot 0 stays: the repeats copy it)
+        idx = torch.where(kind == 0, num_experts + kind.new_tensor(7), idx)
+        idx = torch.where(kind == 1, kind.new_tensor(-3), idx)
+        idx = torch.where(kind == 2, idx[:, :1].expand(-1, num_topk), idx)
     return idx.to(torch.int64), weights.float()
 
 
