@@ -700,10 +700,10 @@ def test_fused_kernel_stages_its_inputs_itself(recipe):
                              block_m=block_m, validate_routing=False,
                              config=barrier if rows == "barrier" else local)
         torch.cuda.synchronize()
-        local = rows != "barrier"
+        local_path = rows != "barrier"
         for r in regions:
             got = getattr(buf, r)[:n].view(torch.uint8)
-            if local and r in ("x", "x_sf"):
+            if local_path and r in ("x", "x_sf"):
                 assert bool((got == 0xFF).all()), (r, n, block_m, "written by the local path")
             else:
                 assert torch.equal(got, staged_bytes[r].view(torch.uint8)), (r, n, block_m)

@@ -161,9 +161,10 @@ class FusedLayer:
 
     def check_call(self, tokens: tuple[int, ...], routing: str, block_ms: dict, seed: int,
                    against_reference: bool = True, fused_ranks: set | None = None) -> None:
-        """One call of both layers on the same inputs: `y`, counts and stats equal, every row
-        written, `y` near the reference. ``fused_ranks``: the ranks that run the fused layer
-        in the "fused" call (default all; the others run the staged one there too)."""
+        """One call of both layers on the same inputs: `y`, counts and the stats it adds
+        equal, every row written, `y` near the reference. ``fused_ranks``: the ranks that run
+        the fused layer in the "fused" call (default all; the others run the staged one there
+        too)."""
         layout = self.ranks.layout
         xs, idxs, ws, inputs = self.inputs(tokens, routing, seed)
         ys = {kind: {b.rank: torch.full((tokens[b.rank], layout.hidden), float("nan"),
@@ -172,6 +173,9 @@ class FusedLayer:
         mixed = {b.rank: "fused" if fused_ranks is None or b.rank in fused_ranks else "staged"
                  for b in self.ranks.buffers}
         what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
+        # (the counts this call adds: earlier calls of one layer alone, `check_bad_routing`'s,
+        # made the running totals differ)
+        before = {r: {k: t.clone() for k, t in s.items()} for r, s in self.stats.items()}
         # (a wait between the two, so that a failure names its layer)
         self.run("staged", inputs, block_ms, ys["staged"])
         self.synchronize(f"{what}, the staged layer")
@@ -183,8 +187,8 @@ class FusedLayer:
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
                 f"{what}: rank {buf.rank}: fused y differs from the staged layer's " \
                 f"({int((got.view(torch.int16) != want.view(torch.int16)).sum())} elements)"
-            stats = self.stats[buf.rank]
-            assert torch.equal(stats["fused"], stats["staged"]), f"{what}: stats differ"
+            added = {k: t - before[buf.rank][k] for k, t in self.stats[buf.rank].items()}
+            assert torch.equal(added["fused"], added["staged"]), f"{what}: stats differ"
         if against_reference:
             # on the device that quantized the kernels' weights: fp8xfp8's weight scales
             # divide differently on the CPU (`reference`, step 2), and that alone moved y

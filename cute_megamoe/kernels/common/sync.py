@@ -43,9 +43,10 @@ Waits give up after `timeout_ns` (a compile-time setting, `CUTE_MEGAMOE_SPIN_TIM
 120 s, 0 = never; part of the compiled-kernel cache key): the first thread of the rank to time
 out records which counter stalled, its value and the target in the rank's pinned host record
 (`reports`; it claims `STALL_REPORTED`, so one record per rank), then every timed-out thread
-traps, so a lost rank shows up as an error naming the counter instead of a silent hang. Checks
-that the ranks agree on a call's settings and tags record what differs and trap too. No
-printf: its function call would make ptxas serialize the WGMMAs of a kernel that waits.
+traps (at a split barrier, once the record is written), so a lost rank shows up as an error
+naming the counter instead of a silent hang. Checks that the ranks agree on a call's settings
+and tags record what differs and trap too. No printf: its function call would make ptxas
+serialize the WGMMAs of a kernel that waits.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ SPLIT_BARRIER_COUNT = 8
 TOP_BIT = 0x80000000
 
 
+# what a split-barrier stall's claimer adds to `STALL_REPORTED` once its record is written
+# (every other reporter adds 1: far fewer)
+REPORT_WRITTEN = 1 << 30
+
+
 @cute.jit
 def _claim_report(barrier_slots: cute.Pointer) -> cutlass.Boolean:
     """True for the first thread of this rank to report (one message per rank, not per
@@ -105,7 +111,8 @@ def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: In
     `reports.REPORT_NAMES`, or its index as a runtime value) into the rank's pinned host
     record, if this thread is the rank's first to report and the buffer has a record (see
     `reports`), then trap. With ``progress`` (the fused kernel's ``cta_progress``, of
-    ``warpgroups`` warpgroups per CTA): also the CTAs not at its combine (`record_laggards`)."""
+    ``warpgroups`` warpgroups per CTA): also the CTAs not at its combine (`record_laggards`),
+    and the rank's other reporters trap only once the record is written."""
     if _claim_report(barrier_slots):
         address = report_record_address(barrier_slots)
         if address != 0:
@@ -123,6 +130,20 @@ def report(barrier_slots: cute.Pointer, kind: cutlass.Constexpr, what, value: In
             cute.arch.fence_acq_rel_sys()  # the fields reach host memory before the kind
             cute.arch.store(record, Int32(kind))
             cute.arch.fence_acq_rel_sys()
+        if cutlass.const_expr(progress is not None):
+            cute.arch.atomic_add(barrier_slots + BarrierSlots.STALL_REPORTED,
+                                 Int32(REPORT_WRITTEN), sem="release", scope="gpu")
+    elif cutlass.const_expr(progress is not None):
+        # A trap ends every CTA of the grid at once, and the threads of a split barrier time
+        # out within microseconds of each other: one that trapped at once killed the claimer
+        # while it read every CTA's progress words, which left no record (an H100,
+        # 2026-12-07). They wait for the record first, bounded by the claimer's code, which
+        # waits for nothing and ends in a trap (also where another report claimed). (Only here:
+        # the other reports write a few words, and this loop at every stage wait made ptxas
+        # spill.)
+        while cute.arch.load(barrier_slots + BarrierSlots.STALL_REPORTED, Int32,
+                             sem="acquire", scope="gpu") < REPORT_WRITTEN:
+            pass
     cute.arch.inline_ptx("trap;")
 
 
