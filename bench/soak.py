@@ -10,9 +10,10 @@ I 256, ``--recipe``), warms every kernel up, then until ``--seconds`` after the 
 (warm-up included: every process stops at the same time, so all run together throughout) draws
 calls as `testing.fused_checks.check_fused_calls` does: per rank a token count from {0, 1,
 0..200, 200} and a BLOCK_M from {64, 128}, the routings in turn (`SOAK_ROUTINGS`: random,
-masked, one expert, skewed, bad slots); each call runs the staged layer, then the fused one,
-and compares ``y``, the counts and the statistics bit for bit (`FusedLayer.check_call`,
-without the reference). The processes share
+masked, one expert, skewed, bad slots), `BATCH` at a time: the staged layer runs them back to
+back, then the fused one (no host wait between two calls), and ``y``, the counts and the
+statistics are compared bit for bit (`FusedLayer.check_calls`, without the reference). The
+processes share
 the GPU as a server's neighbours would (time-sliced contexts), which is what exposed the fused
 kernel's register handover stall (docs/notes/register-handover.md).
 
@@ -50,6 +51,9 @@ ROW_TRANSFERS = ("default", "counted", "barrier")
 #: 5 % of the slots out of range or repeated, which both layers' dispatch masks alike)
 SOAK_ROUTINGS = ("random", "masked", "one_expert", "skewed", "bad")
 SHAPE = dict(num_experts=16, max_tokens=200, num_topk=4, hidden=512, intermediate=256)
+#: calls per check: each layer's calls run back to back, a host wait after them
+#: (`FusedLayer.check_calls`)
+BATCH = 8
 
 
 def _configs(choice: str, num_ranks: int) -> dict:
@@ -86,12 +90,16 @@ def worker(index: int, args, out: Path) -> None:
     try:
         while time.time() < args.until:
             n = s["max_tokens"]
-            tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n)) for _ in range(args.ranks))
-            block_ms = {b.rank: rng.choice((64, 128)) for b in layer.ranks.buffers}
-            layer.check_call(tokens, SOAK_ROUTINGS[row["calls"] % len(SOAK_ROUTINGS)],
-                             block_ms, rng.randrange(1 << 30), against_reference=False)
-            row["calls"] += 1
-            if row["calls"] % 1000 == 0:
+            calls = []
+            for i in range(BATCH):
+                tokens = tuple(rng.choice((0, 1, rng.randint(0, n), n))
+                               for _ in range(args.ranks))
+                block_ms = {b.rank: rng.choice((64, 128)) for b in layer.ranks.buffers}
+                routing = SOAK_ROUTINGS[(row["calls"] + i) % len(SOAK_ROUTINGS)]
+                calls.append((tokens, routing, block_ms, rng.randrange(1 << 30)))
+            layer.check_calls(calls, against_reference=False)
+            row["calls"] += BATCH
+            if row["calls"] % (125 * BATCH) == 0:
                 row["seconds"] = round(time.monotonic() - start, 1)
                 save()
     except AssertionError as error:

@@ -161,49 +161,69 @@ class FusedLayer:
 
     def check_call(self, tokens: tuple[int, ...], routing: str, block_ms: dict, seed: int,
                    against_reference: bool = True, fused_ranks: set | None = None) -> None:
-        """One call of both layers on the same inputs: `y`, counts and the stats it adds
-        equal, every row written, `y` near the reference. ``fused_ranks``: the ranks that run
-        the fused layer in the "fused" call (default all; the others run the staged one there
-        too)."""
+        """One call of both layers on the same inputs (`check_calls`)."""
+        self.check_calls([(tokens, routing, block_ms, seed)], against_reference, fused_ranks)
+
+    def check_calls(self, calls: list, against_reference: bool = True,
+                    fused_ranks: set | None = None) -> None:
+        """Calls of both layers on the same inputs, ``calls`` a list of (tokens per rank,
+        routing, BLOCK_M per rank, seed): the staged layer's back to back, a wait, then the
+        fused layer's back to back (no host wait between two calls, as a server makes them), a
+        wait. Per call: `y` equal, every row written, `y` near the reference; the stats the
+        calls add equal. ``fused_ranks``: the ranks that run the fused layer in the "fused"
+        calls (default all; the others run the staged one there too)."""
         layout = self.ranks.layout
-        xs, idxs, ws, inputs = self.inputs(tokens, routing, seed)
-        ys = {kind: {b.rank: torch.full((tokens[b.rank], layout.hidden), float("nan"),
-                                        dtype=torch.bfloat16, device=self.device)
-                     for b in self.ranks.buffers} for kind in ("fused", "staged")}
         mixed = {b.rank: "fused" if fused_ranks is None or b.rank in fused_ranks else "staged"
                  for b in self.ranks.buffers}
-        what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
-        # (the counts this call adds: earlier calls of one layer alone, `check_bad_routing`'s,
+        made = []
+        for tokens, routing, block_ms, seed in calls:
+            xs, idxs, ws, inputs = self.inputs(tokens, routing, seed)
+            ys = {kind: {b.rank: torch.full((tokens[b.rank], layout.hidden), float("nan"),
+                                            dtype=torch.bfloat16, device=self.device)
+                         for b in self.ranks.buffers} for kind in ("fused", "staged")}
+            what = f"tokens {tokens}, {routing}, block_m {block_ms}, seed {seed}"
+            made.append((what, (xs, idxs, ws), inputs, block_ms, ys))
+        whats = "; ".join(m[0] for m in made)
+        # (the counts these calls add: earlier calls of one layer alone, `check_bad_routing`'s,
         # made the running totals differ)
         before = {r: {k: t.clone() for k, t in s.items()} for r, s in self.stats.items()}
-        # (a wait between the two, so that a failure names its layer)
-        self.run("staged", inputs, block_ms, ys["staged"])
-        self.synchronize(f"{what}, the staged layer")
-        self.run(mixed, inputs, block_ms, ys["fused"], stats="fused")
-        self.synchronize(f"{what}, the fused layer")
-        for buf in self.ranks.buffers:
-            got, want = ys["fused"][buf.rank], ys["staged"][buf.rank]
-            assert not bool(got.isnan().any()), f"{what}: rank {buf.rank}: rows not written"
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
-                f"{what}: rank {buf.rank}: fused y differs from the staged layer's " \
-                f"({int((got.view(torch.int16) != want.view(torch.int16)).sum())} elements)"
-            added = {k: t - before[buf.rank][k] for k, t in self.stats[buf.rank].items()}
-            assert torch.equal(added["fused"], added["staged"]), f"{what}: stats differ"
-        if against_reference:
-            # on the device that quantized the kernels' weights: fp8xfp8's weight scales
-            # divide differently on the CPU (`reference`, step 2), and that alone moved y
-            # 1-2.3 % from the kernels' (a 1-token rank over the tolerance, 2026-12-04)
-            ref = reference.mega_moe_reference(
-                *([t.to(self.device) for t in ts] for ts in (xs, idxs, ws)), self.w1s,
-                self.w2s, recipe=layout.recipe, activation_clamp=self.clamp)
+        # (a wait between the layers, so that a failure names its layer)
+        for _, _, inputs, block_ms, ys in made:
+            self.run("staged", inputs, block_ms, ys["staged"])
+        self.synchronize(f"{whats}, the staged layer")
+        for _, _, inputs, block_ms, ys in made:
+            self.run(mixed, inputs, block_ms, ys["fused"], stats="fused")
+        self.synchronize(f"{whats}, the fused layer")
+        for what, host_inputs, _, _, ys in made:
             for buf in self.ranks.buffers:
-                y, want = ys["fused"][buf.rank].float(), ref.y[buf.rank].float()
-                if want.numel() == 0 or float(want.norm()) == 0.0:
-                    assert bool((y == want).all()), f"{what}: rank {buf.rank}: expected zeros"
-                    continue
-                err = float((y - want).norm() / want.norm())
-                assert err < LAYER_TOLERANCE[layout.recipe], \
-                    f"{what}: rank {buf.rank}: rel. error {err:.3g} against the reference"
+                got, want = ys["fused"][buf.rank], ys["staged"][buf.rank]
+                assert not bool(got.isnan().any()), f"{what}: rank {buf.rank}: rows not written"
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                    f"{what}: rank {buf.rank}: fused y differs from the staged layer's " \
+                    f"({int((got.view(torch.int16) != want.view(torch.int16)).sum())} elements)"
+            if against_reference:
+                self._check_against_reference(what, host_inputs, ys["fused"])
+        for buf in self.ranks.buffers:
+            added = {k: t - before[buf.rank][k] for k, t in self.stats[buf.rank].items()}
+            assert torch.equal(added["fused"], added["staged"]), f"{whats}: stats differ"
+
+    def _check_against_reference(self, what: str, host_inputs, ys: dict) -> None:
+        """Every rank's ``ys`` near `reference.mega_moe_reference` of ``host_inputs``."""
+        layout = self.ranks.layout
+        # on the device that quantized the kernels' weights: fp8xfp8's weight scales divide
+        # differently on the CPU (`reference`, step 2), and that alone moved y 1-2.3 % from
+        # the kernels' (a 1-token rank over the tolerance, 2026-12-04)
+        ref = reference.mega_moe_reference(
+            *([t.to(self.device) for t in ts] for ts in host_inputs), self.w1s, self.w2s,
+            recipe=layout.recipe, activation_clamp=self.clamp)
+        for buf in self.ranks.buffers:
+            y, want = ys[buf.rank].float(), ref.y[buf.rank].float()
+            if want.numel() == 0 or float(want.norm()) == 0.0:
+                assert bool((y == want).all()), f"{what}: rank {buf.rank}: expected zeros"
+                continue
+            err = float((y - want).norm() / want.norm())
+            assert err < LAYER_TOLERANCE[layout.recipe], \
+                f"{what}: rank {buf.rank}: rel. error {err:.3g} against the reference"
 
 
 #: the bad slots `check_bad_routing` puts into a routing: (token, slot, value) from the
