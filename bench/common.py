@@ -285,10 +285,19 @@ class Results:
         out_dir = Path(out_dir or os.environ.get("CUTE_MEGAMOE_RESULTS_DIR") or RESULTS_DIR)
         out_dir.mkdir(parents=True, exist_ok=True)
         stamp = self.meta["date"].replace(":", "").replace("-", "")[:15]
-        path = out_dir / f"{self.name}-{stamp}.json"
-        path.write_text(json.dumps({"name": self.name, "meta": self.meta, "rows": self.rows},
-                                   indent=1))
-        return path
+        text = json.dumps({"name": self.name, "meta": self.meta, "rows": self.rows}, indent=1)
+        # never over another result: two runs started in the same second (two soaks side by
+        # side, 12-07) wrote one file
+        for n in range(1, 100):
+            path = out_dir / (f"{self.name}-{stamp}.json" if n == 1
+                              else f"{self.name}-{stamp}-{n}.json")
+            try:
+                with path.open("x") as f:
+                    f.write(text)
+                return path
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{out_dir}: {self.name}-{stamp}*.json, 99 of them")
 
     def table(self, columns: list[str]) -> str:
         widths = [max(len(c), *(len(_fmt(r.get(c))) for r in self.rows)) for c in columns]

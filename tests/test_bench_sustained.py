@@ -1,6 +1,8 @@
 """`bench.common.sustained_power`: the runs in turn, medians over the rounds (CPU: the
 sampler is replaced)."""
 
+import json
+
 import bench.common as common
 
 
@@ -25,3 +27,16 @@ def test_sustained_power_takes_runs_in_turn_and_medians(monkeypatch):
     assert calls == [(name, 2.5) for _ in range(3) for name in ("a", "b", "c")]
     assert got == {"a": {"watts": 695.0, "sm_mhz": 1350.0, "seconds_per_call": 2e-3},
                    "b": {"watts": 610.0, "sm_mhz": 1550.0, "seconds_per_call": 5e-3}}
+
+
+def test_results_of_the_same_second_keep_both_files(tmp_path):
+    """Two runs stamped alike (two soaks side by side) each get a file of their own."""
+    from bench.common import Results
+
+    first, second = Results("soak"), Results("soak")
+    second.meta["date"] = first.meta["date"]
+    first.add(calls=1)
+    second.add(calls=2)
+    paths = [first.save(tmp_path), second.save(tmp_path)]
+    assert paths[0] != paths[1] and paths[1].name.endswith("-2.json")
+    assert [json.loads(p.read_text())["rows"][0]["calls"] for p in paths] == [1, 2]
