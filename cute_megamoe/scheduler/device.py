@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .host_model import _positive
+from .host_model import _non_negative, _positive
 
 OWNER_SEARCHES = ("linear", "gallop")
 
@@ -122,3 +122,50 @@ class ExpertTileScheduler:
             count = row_start[expert + 1] - row_start[expert]
             valid_m = cutlass.min(count - m_block * self.block_m, Int32(self.block_m))
         return owner, expert, m_block, n_block, pool_block, valid_m
+
+
+class DataflowSequence:
+    """The dataflow kernel's lag-ordered L1 / L2 sequence (`host_model.dataflow_sequence`;
+    docs/notes/dataflow.md): an entry's (phase, pool block, n-block) from its position, as a
+    CTA finds its next tile from a ticket. The device twin of `host_model.dataflow_position`;
+    the pool block's expert, m-block and valid rows then come from the phase's
+    `ExpertTileScheduler` (with one-block raster bands, tile ``pool_block * n + n_block``)."""
+
+    def __init__(self, num_n1: int, num_n2: int, lag: int):
+        self.num_n1 = _positive("num_n1", num_n1)
+        self.num_n2 = _positive("num_n2", num_n2)
+        self.lag = _non_negative("lag", lag)
+
+    @cute.jit
+    def num_positions(self, num_blocks: Int32) -> Int32:
+        """Entries of the sequence over ``num_blocks`` pool blocks."""
+        return num_blocks * (self.num_n1 + self.num_n2)
+
+    @cute.jit
+    def position(self, position: Int32, num_blocks: Int32):
+        """Entry ``position`` (< `num_positions`): ``(is_l2, pool_block, n_block)``."""
+        n1, n2, lag = self.num_n1, self.num_n2, self.lag
+        head = cutlass.min(num_blocks, Int32(lag)) * n1
+        body_end = head + cutlass.max(num_blocks - lag, Int32(0)) * (n1 + n2)
+        is_l2 = Int32(0)
+        pool_block = Int32(0)
+        n_block = Int32(0)
+        if position < head:  # the first blocks' L1 tiles
+            pool_block = position // n1
+            n_block = position - pool_block * n1
+        elif position < body_end:  # block lag + step's L1 tiles, then block step's L2 tiles
+            step = (position - head) // (n1 + n2)
+            offset = position - head - step * (n1 + n2)
+            if offset < n1:
+                pool_block = lag + step
+                n_block = offset
+            else:
+                is_l2 = Int32(1)
+                pool_block = step
+                n_block = offset - n1
+        else:  # the last blocks' L2 tiles
+            tail = position - body_end
+            is_l2 = Int32(1)
+            pool_block = cutlass.max(num_blocks - lag, Int32(0)) + tail // n2
+            n_block = tail - (tail // n2) * n2
+        return is_l2, pool_block, n_block

@@ -42,6 +42,7 @@ __all__ = [
     "Tile",
     "assign_tiles",
     "dataflow_lag",
+    "dataflow_position",
     "dataflow_sequence",
     "dataflow_tile_walk",
     "grouped_gemm_tiles",
@@ -434,6 +435,34 @@ def dataflow_sequence(
         if j >= lag and j - lag < len(blocks):
             emit(PHASE_L2, j - lag, num_n2)
     return seq
+
+
+def dataflow_position(position: int, num_blocks: int, num_n1: int, num_n2: int,
+                      lag: int) -> tuple[str, int, int]:
+    """Entry ``position`` of :func:`dataflow_sequence` over ``num_blocks`` pool blocks, without
+    the list: (phase, pool block, n-block). The sequence has three parts: the L1 tiles of the
+    first ``min(lag, B)`` blocks; then, per block ``j`` in ``[lag, B)``, its ``num_n1`` L1
+    tiles followed by block ``j - lag``'s ``num_n2`` L2 tiles; then the L2 tiles of the last
+    ``min(lag, B)`` blocks. What the device walk computes from a ticket
+    (`scheduler.device.DataflowSequence.position`), in a few integer operations."""
+    _non_negative("num_blocks", num_blocks)
+    _positive("num_n1", num_n1)
+    _positive("num_n2", num_n2)
+    _non_negative("lag", lag)
+    if not 0 <= position < num_blocks * (num_n1 + num_n2):
+        raise ValueError(f"position {position} outside the sequence's "
+                         f"{num_blocks * (num_n1 + num_n2)} entries")
+    head = min(lag, num_blocks) * num_n1
+    body_end = head + max(num_blocks - lag, 0) * (num_n1 + num_n2)
+    if position < head:
+        return PHASE_L1, position // num_n1, position % num_n1
+    if position < body_end:
+        step, offset = divmod(position - head, num_n1 + num_n2)
+        if offset < num_n1:
+            return PHASE_L1, lag + step, offset
+        return PHASE_L2, step, offset - num_n1
+    block, n_block = divmod(position - body_end, num_n2)
+    return PHASE_L2, max(num_blocks - lag, 0) + block, n_block
 
 
 def dataflow_tile_walk(
