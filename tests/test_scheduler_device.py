@@ -14,13 +14,34 @@ import torch
 FIELDS = 5  # expert, m_block, n_block, pool_block, valid_m
 
 
+def _walk_prelude(counts, out, num_experts, block_m, record_words):
+    """The walk kernels' start, in every CTA: the pool prefix in shared memory (as the grouped
+    GEMMs build it), and the CTA's ``record_words`` of ``out``. Returns (thread, CTA, grid,
+    block_start, row_start, record)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_megamoe.kernels.common.pool import build_pool_prefix
+
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    smem = cutlass.memory.SmemAllocator()
+    block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+    row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+    build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
+    cute.arch.sync_threads()
+    record = cute.make_tensor(out + bidx * record_words, cute.make_layout(record_words))
+    return tidx, bidx, grid, block_start, row_start, record
+
+
 def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
                  cluster_m: int = 1, owner_search: str = "linear"):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
-    from cute_megamoe.kernels.common.pool import build_pool_prefix
     from cute_megamoe.scheduler.device import ExpertTileScheduler
 
     class WalkKernel:
@@ -38,16 +59,8 @@ def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
 
         @cute.kernel
         def kernel(self, counts: cute.Tensor, out: cute.Pointer, raster_group: Int32):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            smem = cutlass.memory.SmemAllocator()
-            block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
-            cute.arch.sync_threads()
-            record = cute.make_tensor(out + bidx * (max_tiles * FIELDS),
-                                      cute.make_layout(max_tiles * FIELDS))
+            tidx, bidx, grid, block_start, row_start, record = _walk_prelude(
+                counts, out, num_experts, block_m, max_tiles * FIELDS)
             rank = Int32(0)
             if cutlass.const_expr(cluster_m > 1):
                 rank = cute.arch.block_idx_in_cluster()
@@ -156,28 +169,37 @@ def test_host_cluster_walk_covers_every_block_once():
                     range(tiles[0].pool_block, tiles[0].pool_block + cluster_m))
 
 
+def _run_walk(kernel, counts, num_ctas: int, max_tiles: int, fields: int, *extra):
+    """Run a walk kernel (`_walk_kernel`, `_dataflow_walk_kernel`) on the GPU over ``counts``
+    with ``num_ctas`` CTAs: its record, ``[num_ctas, max_tiles, fields]``, -1 where unwritten."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_megamoe.runtime import as_ptr, current_stream
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out = torch.full((num_ctas, max_tiles, fields), -1, dtype=torch.int32, device="cuda")
+    args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas), *extra,
+            current_stream())
+    cute.compile(kernel, *args)(*args)
+    return out.cpu()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("owner_search", ("linear", "gallop"))
 @pytest.mark.parametrize("counts,block_m,num_n,num_ctas,cluster_m,raster", CASES)
 def test_device_walk_matches_host_model(counts, block_m, num_n, num_ctas, cluster_m, raster,
                                         owner_search):
-    import cutlass.cute as cute
-
-    from cute_megamoe.runtime import as_ptr, current_stream
-    from cute_megamoe.scheduler.host_model import HostTileScheduler
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     from cutlass import Int32
 
+    from cute_megamoe.scheduler.host_model import HostTileScheduler
+
     max_tiles = 64
-    kernel = _walk_kernel(len(counts), block_m, num_n, max_tiles, cluster_m, owner_search)
-    dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    out = torch.full((num_ctas, max_tiles, FIELDS), -1, dtype=torch.int32, device="cuda")
-    args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas), Int32(raster),
-            current_stream())
-    cute.compile(kernel, *args)(*args)
-    got = out.cpu()
+    got = _run_walk(_walk_kernel(len(counts), block_m, num_n, max_tiles, cluster_m,
+                                 owner_search), counts, num_ctas, max_tiles, FIELDS,
+                    Int32(raster))
     for cta in range(num_ctas):
         want = [(t.expert, t.m_block, t.n_block, t.pool_block, t.valid_m)
                 for t in HostTileScheduler(counts, block_m, 128, num_n * 128, num_ctas,
@@ -196,11 +218,9 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
                           max_tiles: int):
     """Every CTA walks positions cta, cta + S, ... of the dataflow sequence
     (`scheduler.device.DataflowSequence`), each tile found by its phase's scheduler."""
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
-    from cute_megamoe.kernels.common.pool import build_pool_prefix
     from cute_megamoe.scheduler.device import DataflowSequence, ExpertTileScheduler
 
     class DataflowWalkKernel:
@@ -216,16 +236,8 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
 
         @cute.kernel
         def kernel(self, counts: cute.Tensor, out: cute.Pointer):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            smem = cutlass.memory.SmemAllocator()
-            block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
-            cute.arch.sync_threads()
-            record = cute.make_tensor(out + bidx * (max_tiles * DATAFLOW_FIELDS),
-                                      cute.make_layout(max_tiles * DATAFLOW_FIELDS))
+            tidx, bidx, grid, block_start, row_start, record = _walk_prelude(
+                counts, out, num_experts, block_m, max_tiles * DATAFLOW_FIELDS)
             if tidx == 0:
                 num_blocks = block_start[num_experts]
                 end = self.sequence.num_positions(num_blocks)
@@ -308,24 +320,12 @@ def test_dataflow_walk_kernel_compiles(arch):
 @pytest.mark.parametrize("counts,block_m,num_n1,num_n2,lag,num_ctas", DATAFLOW_CASES)
 def test_device_dataflow_walk_matches_host_model(counts, block_m, num_n1, num_n2, lag,
                                                  num_ctas):
-    import cutlass.cute as cute
-
-    from cute_megamoe.runtime import as_ptr, current_stream
     from cute_megamoe.scheduler.host_model import PHASE_L2, dataflow_tile_walk
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from cutlass import Int32
-
     max_tiles = 96
-    kernel = _dataflow_walk_kernel(len(counts), block_m, num_n1, num_n2, lag, max_tiles)
-    dev_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    out = torch.full((num_ctas, max_tiles, DATAFLOW_FIELDS), -1, dtype=torch.int32,
-                     device="cuda")
-    args = (as_ptr(dev_counts, align=4), as_ptr(out, align=4), Int32(num_ctas),
-            current_stream())
-    cute.compile(kernel, *args)(*args)
-    got = out.cpu()
+    got = _run_walk(_dataflow_walk_kernel(len(counts), block_m, num_n1, num_n2, lag,
+                                          max_tiles), counts, num_ctas, max_tiles,
+                    DATAFLOW_FIELDS)
     for cta in range(num_ctas):
         want = [(int(e.phase == PHASE_L2), e.tile.expert, e.tile.m_block, e.tile.n_block,
                  e.tile.pool_block, e.tile.valid_m)
