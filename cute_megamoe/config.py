@@ -34,6 +34,7 @@ __all__ = [
     "PROMOTIONS",
     "ROW_STORES",
     "ROW_TRANSFERS",
+    "WALKS",
     "LayerConfig",
     "Sm100GemmConfig",
     "Sm90FusedConfig",
@@ -54,6 +55,11 @@ DECODE_TABLES = ("item", "vote")
 #: how the sm_90a fused kernel moves the rows: every rank meets once they moved, or each row
 #: is counted into its pool block and an L1 tile starts once its block is complete
 ROW_TRANSFERS = ("barrier", "counted")
+#: how the sm_90a fused kernel's CTAs walk the GEMM tiles: "phases", CTA c takes tiles c,
+#: c + G, ... of every L1 tile followed by every L2 tile; "tickets", the lag-ordered L1 / L2
+#: sequence of the dataflow design (docs/notes/dataflow.md), each CTA taking its next position
+#: with one atomic add
+WALKS = ("phases", "tickets")
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
 #: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), into the launch's debug tensor
 DEBUG_MODES = ("phase_clock", "tile_log", "hold_cta", "late_consumers")
@@ -197,6 +203,7 @@ class Sm90FusedConfig(_Config):
     local_dispatch: one-rank groups with counted rows that stage their own inputs: every CTA
         counts all pairs itself and quantizes its own pairs' rows straight into the pool.
     promotion, k_unroll, row_stores, decode_tables: the GEMM phases' (`Sm90GemmConfig`).
+    walk: how the CTAs take the GEMM tiles, `WALKS` (FP8 / BF16 weights for "tickets").
     debug: a diagnostic, `DEBUG_MODES`: "phase_clock" and "tile_log" write into the launch's
         debug tensor; "hold_cta" and "late_consumers" are test builds with an injected delay.
     """
@@ -210,11 +217,12 @@ class Sm90FusedConfig(_Config):
     k_unroll: int | None = None
     row_stores: str | None = None
     decode_tables: str | None = None
+    walk: str | None = None
     debug: str | None = None
 
     _choices = {"block_m": (64, 128), "row_transfer": ROW_TRANSFERS, "promotion": PROMOTIONS,
                 "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES,
-                "debug": DEBUG_MODES}
+                "walk": WALKS, "debug": DEBUG_MODES}
     _flags = ("weights_first", "stages_inputs", "local_dispatch")
     _optional = ("debug",)
 
@@ -226,6 +234,9 @@ class Sm90FusedConfig(_Config):
             raise ValueError(f"{name}.local_dispatch: with counted rows and stages_inputs "
                              f"only, got row_transfer={self.row_transfer!r}, "
                              f"stages_inputs={self.stages_inputs!r}")
+        if self.walk == "tickets" and self.debug == "tile_log":
+            raise ValueError(f"{name}.walk: 'tickets' has no tile log (a CTA's tiles are not "
+                             f"known in advance), got debug='tile_log'")
 
 
 @dataclass(frozen=True)

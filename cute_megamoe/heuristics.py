@@ -229,6 +229,9 @@ FUSED_DECODE_TABLES = "item"
 #: against bulk row copies (fused layer, R = 1, graph time): FP8 0.975-0.992x at 4096 tokens
 #: and 0.986-0.989x at 8192 in four runs, BF16 0.959x / 0.994x.
 FUSED_ROW_STORES = "lanes"
+#: how the fused kernel's CTAs take their GEMM tiles: "phases" (every L1 tile, then every L2
+#: tile) until the ticket walk of the dataflow design has been measured against it on a GPU.
+FUSED_WALK = "phases"
 #: The fused kernel's row transfer follows the buffer's token capacity, which every rank shares
 #: (the two protocols must not mix): "counted" up to this many tokens per rank (decode
 #: buffers), "barrier" above. At R = 1, layer calls back to back in one process (CUDA graphs),
@@ -361,7 +364,7 @@ def default_fused_config(layout, block_m: int, given_x: bool,
                    promotion=promotion, k_unroll=k_unroll,
                    row_stores=config.row_stores or FUSED_ROW_STORES,
                    decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
-                   else FUSED_DECODE_TABLES)
+                   else FUSED_DECODE_TABLES, walk=config.walk or FUSED_WALK)
 
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:

@@ -420,6 +420,39 @@ def test_fused_kernel_rejects_what_it_cannot_run():
         Sm90FusedConfig(row_transfer="with_gemm")
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
+    """``walk="tickets"`` (the dataflow design's lag-ordered L1 / L2 sequence, a CTA's next
+    position by one atomic add): compiled for sm_90a with tensor cores, its ticket counter
+    the pool's spare readiness counter, the tile queue in shared memory, the lag of a
+    132-SM grid; no spills where the waits never time out, WGMMAs asynchronous. Refused
+    with FP4 weights and with the tile log."""
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, block_m, walk="tickets")
+    plain, plain_art = _compile(recipe, block_m)
+    assert kernel.tickets and not plain.tickets and plain.config.walk == "phases"
+    assert (kernel.sequence.num_n1, kernel.sequence.num_n2) == (16, 28)
+    assert kernel.sequence.lag == 6  # ceil(2 * 132 / 44)
+    assert kernel.smem_bytes() <= 227 * 1024 - 2048
+    assert not kernel.early_weights  # (its first tile is not known before its first ticket)
+    add = "atom.global.add.u32"  # (relaxed, GPU scope: the ticket)
+    assert art.ptx.count(add) > plain_art.ptx.count(add)
+    with pytest.raises(ValueError, match="walk"):
+        _kernel("fp8xfp4_sm90", block_m, MegaMoELayout(2, 64, 512, 8, 7168, 2048,
+                                                      "fp8xfp4_sm90"), walk="tickets")
+    with pytest.raises(ValueError, match="walk"):
+        Sm90FusedConfig(walk="tickets", debug="tile_log")
+    with pytest.raises(ValueError, match="walk"):
+        Sm90FusedConfig(walk="static")
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    assert art.count("HGMMA" if recipe == "bf16xbf16" else "QGMMA") > 0
+    assert art.count("USETMAXREG") == 4
+    _assert_no_spills_and_async_wgmma(art)
+
+
 def test_host_model_of_the_fused_walk():
     """Every L1 and L2 tile exactly once over the grid, L1 before L2 on every CTA, and the
     index carries from L1 into L2."""
@@ -644,6 +677,38 @@ def test_fused_matches_staged_uneven_shape(recipe, monkeypatch):
     layer.warm_up((64, 128))
     for i, (n, routing) in enumerate([(200, "random"), (37, "masked"), (200, "one_expert")]):
         layer.check_call((n,), routing, {0: 64 if i % 2 else 128}, seed=100 + i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_ticket_walk_matches_staged(recipe):
+    """``walk="tickets"`` against the staged layer, bit for bit: at R = 1 with routings that
+    leave experts empty, mask slots, skew or give one expert everything, 0 and 1 tokens, both
+    BLOCK_Ms, and blocks past the lag (H 1024, I 512: 4 + 4 n-blocks, lag 33 blocks; 2048
+    tokens x 4 are 128+ blocks of 64 rows), so L2 tiles run between later blocks' L1 tiles;
+    then a two-rank loopback group with different BLOCK_M and token counts per rank, 0 tokens
+    on a rank, barrier rows, and back-to-back calls."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    tickets = dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(walk="tickets"))
+    layer = FusedLayer(_one_rank(recipe, 16, 2048, 4, 1024, 512), configs={0: tickets})
+    layer.warm_up((64, 128))
+    cases = [(2048, "random"), (2048, "skewed"), (1500, "one_expert"), (777, "masked"),
+             (0, "random"), (1, "random"), (3, "masked")]
+    for i, (n, routing) in enumerate(cases):
+        for block_m in (64, 128):
+            layer.check_call((n,), routing, {0: block_m}, seed=200 + i)
+    barrier = dataclasses.replace(
+        EXPERIMENTS, fused_kernel=Sm90FusedConfig(walk="tickets", row_transfer="barrier"))
+    for config in (tickets, barrier):
+        pair = FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe),
+                          configs={0: config, 1: config})
+        pair.warm_up((64, 128))
+        pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
+        pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
+        check_fused_calls(pair, 20, 512, seed=3)
 
 
 @pytest.mark.gpu

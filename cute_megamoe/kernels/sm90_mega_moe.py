@@ -106,11 +106,21 @@ from cutlass import Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import cpasync
 
 from ..config import Sm90FusedConfig, Sm90GemmConfig
+from ..heuristics import DEFAULT_NUM_SMS
 from ..layout.device import BufferRegions
 from ..layout.mega_moe import PROGRESS_WARPGROUPS, BarrierSlots, MegaMoELayout
 from ..reports import REPORT_NAMES, Progress, ReportKind
+from ..scheduler.device import DataflowSequence
+from ..scheduler.host_model import dataflow_lag
 from .combine import CombineKernel
-from .common.sync import call_tags, finish_call, grid_barrier, report, spin_timeout_ns
+from .common.sync import (
+    call_tags,
+    finish_call,
+    grid_barrier,
+    report,
+    spin_timeout_ns,
+    wait_stage,
+)
 from .dispatch import DispatchKernel
 from .sm90_expert_gemm import (
     FP4_WARPGROUPS,
@@ -151,6 +161,9 @@ REGS_TAKEN_BARRIER = 8
 # back before its combine, "late_consumers" starts the odd CTAs' GEMM consumers this late (ns)
 HELD_CTA = 5
 LATE_CONSUMERS_NS = 200_000
+# `walk` "tickets": positions of the tile sequence warp 0 has taken and the consumer warps have
+# not yet read (the shared-memory tile queue between them)
+TILE_QUEUE_SLOTS = 4
 
 
 def walk_lengths(l1_tiles, l2_tiles, cta, num_ctas):
@@ -302,8 +315,21 @@ class Sm90MegaMoEKernel:
         # 108 us graph against 114 (R = 1, H200), 128 tokens unchanged. By default on with the
         # counted transfers at BLOCK_M 64 (`heuristics.default_fused_config`)
         self.l1.weights_first = self.l2.weights_first = config.weights_first
+        # `walk` "tickets" (docs/notes/dataflow.md, sections 1-3; the pools keep their size, no
+        # rings yet): the L1 and L2 tiles of the lag-ordered sequence (`DataflowSequence`,
+        # one-block raster bands), warp 0 taking the next position with one atomic add on this
+        # call's ticket counter (`pool_block_ready[num_pool_blocks]`, zeroed with the
+        # readiness counters) and handing it to the consumers through the tile queue; every
+        # wait points to an earlier position (an L2 tile's to its block's L1 tiles, which
+        # signal once each is stored), so the walk ends for any grid and routing
+        self.tickets = config.walk == "tickets"
+        if self.tickets and self.fp4_weights:
+            raise ValueError("config.walk: 'tickets' with FP8 / BF16 weights only (the decode "
+                             "warpgroups walk their tiles in phases)")
+        n1, n2 = self.l1.num_n_blocks, self.l2.num_n_blocks
+        self.sequence = DataflowSequence(n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2))
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
-                              and not self.fp4_weights)
+                              and not self.fp4_weights and not self.tickets)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
@@ -356,7 +382,8 @@ class Sm90MegaMoEKernel:
             packed = packed_stages or self.packed_stages
             ring += packed * (k.block_n * (k.b_load_k() + 4) + 4 * k.packed_sfb_stride + 16)
             ring += num_stages * 8 + 3 * 128
-        return ring + k.staging_bytes + self.dispatch.smem_bytes() + 3 * 1024
+        queue = TILE_QUEUE_SLOTS * (2 * 8 + 4) + 16 if self.tickets else 0
+        return ring + k.staging_bytes + self.dispatch.smem_bytes() + queue + 3 * 1024
 
     @cute.jit
     def __call__(
@@ -416,6 +443,9 @@ class Sm90MegaMoEKernel:
                 decoded: cute.struct.MemRange[Int64, self.num_stages]
                 # the consumers' k-blocks so far (the watchdog's, `watch_consumers`)
                 consumer_progress: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
+            if cutlass.const_expr(self.tickets):  # the tile queue: barriers, then positions
+                queue_mbar: cute.struct.MemRange[Int64, TILE_QUEUE_SLOTS * 2]
+                queue: cute.struct.Align[cute.struct.MemRange[Int32, TILE_QUEUE_SLOTS], 16]
 
         self.shared_storage = SharedStorage
         per_expert = cute.make_layout(self.num_local_experts)
@@ -480,6 +510,15 @@ class Sm90MegaMoEKernel:
             if tidx == 0:  # (ordered before any use by the barriers ahead of the roles)
                 cute.make_tensor(storage.consumer_progress.data_ptr(),
                                  cute.make_layout(1))[0] = Int32(0)
+        queue = None  # (`walk` "tickets": the tile queue and its positions)
+        if cutlass.const_expr(self.tickets):
+            queue = (pipeline.PipelineAsync.create(
+                barrier_storage=storage.queue_mbar.data_ptr(), num_stages=TILE_QUEUE_SLOTS,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.l1.num_mma_wgs * 4),
+                defer_sync=True),
+                cute.make_tensor(storage.queue.data_ptr(), cute.make_layout(TILE_QUEUE_SLOTS)))
         cute.arch.mbarrier_init_fence()
 
         # this call's readiness and arrival counters start at 0: every call leaves them so
@@ -553,23 +592,30 @@ class Sm90MegaMoEKernel:
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.num_stages)
-                log = tile_log if cutlass.const_expr(self.tile_log) else None
-                state, tile = self.l1.produce(
-                    tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb_load, sfa, sfb, l1_acts_sf,
-                    w1_sf, ring, block_start, row_start, l1_tiles, bidx, grid,
-                    Int32(self.l1.raster_group), Int32(0), lane, state,
-                    barrier_slots=barrier, tile_log=log,
-                    rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
-                    else None, arrivals_per_row=self.dispatch.arrivals_per_row,
-                    preloaded=preloaded)
-                # (the L2 tiles of the walk come after this CTA's L1 tiles)
-                self.mark(peer_bases, rank, Progress.L2_TILES)
-                l1_count = (cutlass.max(l1_tiles - bidx, 0) + grid - 1) // grid
-                state, _ = self.l2.produce(
-                    tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb_load, sfa, sfb, l2_acts_sf,
-                    w2_sf, ring, block_start, row_start, l2_tiles, tile - l1_tiles, grid,
-                    Int32(self.l2.raster_group), Int32(0), lane, state, pool_block_ready,
-                    barrier, tile_log=log, log_first=l1_count)
+                if cutlass.const_expr(self.tickets):
+                    state = self.produce_by_ticket(
+                        (tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, l1_acts_sf, w1_sf),
+                        (tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, l2_acts_sf, w2_sf), sa,
+                        sb_load, sfa, sfb, ring, queue, pool_block_ready, block_start,
+                        row_start, lane, state, barrier, rows_arrived)
+                else:
+                    log = tile_log if cutlass.const_expr(self.tile_log) else None
+                    state, tile = self.l1.produce(
+                        tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb_load, sfa, sfb, l1_acts_sf,
+                        w1_sf, ring, block_start, row_start, l1_tiles, bidx, grid,
+                        Int32(self.l1.raster_group), Int32(0), lane, state,
+                        barrier_slots=barrier, tile_log=log,
+                        rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
+                        else None, arrivals_per_row=self.dispatch.arrivals_per_row,
+                        preloaded=preloaded)
+                    # (the L2 tiles of the walk come after this CTA's L1 tiles)
+                    self.mark(peer_bases, rank, Progress.L2_TILES)
+                    l1_count = (cutlass.max(l1_tiles - bidx, 0) + grid - 1) // grid
+                    state, _ = self.l2.produce(
+                        tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb_load, sfa, sfb, l2_acts_sf,
+                        w2_sf, ring, block_start, row_start, l2_tiles, tile - l1_tiles, grid,
+                        Int32(self.l2.raster_group), Int32(0), lane, state, pool_block_ready,
+                        barrier, tile_log=log, log_first=l1_count)
                 self.mark(peer_bases, rank, Progress.LOADS_TAIL)
                 self.l2.producer_tail(ring, state, barrier)
                 self.stamp(stamps, "loads_done", lane == 0)
@@ -617,20 +663,26 @@ class Sm90MegaMoEKernel:
                                                                * self.l1.staging_stride)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
-            state, prev, tile = self.l1.consume(
-                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx, grid,
-                Int32(self.l1.raster_group), Int32(0), wg - 1, warp % 4, lane,
-                l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
-                staging, state, state.clone(), pool_block_ready, decoded=decoded,
-                progress=progress)
-            self.stamp(stamps, "l1_done", tidx == 128)
-            # (no mark for the L2 walk here: its registers made ptxas spill around it)
-            state, _, _ = self.l2.consume(
-                tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
-                tile - l1_tiles, grid, Int32(self.l2.raster_group), Int32(0), wg - 1, warp % 4,
-                lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
-                token_src_metadata, staging, state, prev, decoded=decoded,
-                progress=progress)
+            if cutlass.const_expr(self.tickets):
+                state = self.consume_by_ticket(
+                    tiled_mma, sa, sb, sfa, sfb, ring, queue, block_start, row_start, wg - 1,
+                    warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
+                    token_src_metadata, staging, state, pool_block_ready, barrier)
+            else:
+                state, prev, tile = self.l1.consume(
+                    tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx, grid,
+                    Int32(self.l1.raster_group), Int32(0), wg - 1, warp % 4, lane,
+                    l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr, token_src_metadata,
+                    staging, state, state.clone(), pool_block_ready, decoded=decoded,
+                    progress=progress)
+                self.stamp(stamps, "l1_done", tidx == 128)
+                # (no mark for the L2 walk here: its registers made ptxas spill around it)
+                state, _, _ = self.l2.consume(
+                    tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l2_tiles,
+                    tile - l1_tiles, grid, Int32(self.l2.raster_group), Int32(0), wg - 1, warp % 4,
+                    lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
+                    token_src_metadata, staging, state, prev, decoded=decoded,
+                    progress=progress)
             if cutlass.const_expr(self.watchdog):
                 if tidx == 128:  # (past the last tile's epilogue: one more than the k-blocks)
                     cute.make_tensor(progress, cute.make_layout(1))[0] = state.count + 1
@@ -669,6 +721,115 @@ class Sm90MegaMoEKernel:
         if bidx == 0 and tidx == 0 and cutlass.const_expr(self.rows_counted):
             finish_call(barrier, call_tags(barrier)[0])
         self.stamp(stamps, "end", tidx == 0)
+
+    @cute.jit
+    def produce_by_ticket(self, l1_loads, l2_loads, sa, sb, sfa, sfb, ring, queue,
+                          pool_block_ready: cute.Pointer, block_start: cute.Tensor,
+                          row_start: cute.Tensor, lane: Int32, state, barrier: cute.Pointer,
+                          rows_arrived: cute.Pointer):
+        """Warp 0 with `walk` "tickets": take positions of the lag-ordered sequence until it
+        is done, hand each to the consumers (`next_position`) and load its tile's stages as
+        the phase's own walk would (a walk of one tile, pool block ``b`` and n-block ``n``
+        being tile ``b * n_blocks + n`` of one-block raster bands). ``l1_loads`` /
+        ``l2_loads``: each phase's TMA atoms and views, its activation and weight scales.
+        Returns the ring's producer state."""
+        tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, a1_sf, w1_sf = l1_loads
+        tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, a2_sf, w2_sf = l2_loads
+        num_blocks = block_start[self.num_local_experts]
+        num_positions = self.sequence.num_positions(num_blocks)
+        ticket = pool_block_ready + self.num_pool_blocks
+        slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                            TILE_QUEUE_SLOTS)
+        position, slot = self.next_position(queue, slot, ticket, barrier, lane)
+        while position < num_positions:
+            is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
+            if is_l2 == 0:
+                tile = pool_block * self.l1.num_n_blocks + n_block
+                state, _ = self.l1.produce(
+                    tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb, sfa, sfb, a1_sf, w1_sf, ring,
+                    block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
+                    state, barrier_slots=barrier,
+                    rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
+                    else None, arrivals_per_row=self.dispatch.arrivals_per_row)
+            else:
+                tile = pool_block * self.l2.num_n_blocks + n_block
+                state, _ = self.l2.produce(
+                    tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, a2_sf, w2_sf, ring,
+                    block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
+                    state, pool_block_ready, barrier)
+            position, slot = self.next_position(queue, slot, ticket, barrier, lane)
+        return state
+
+    @cute.jit
+    def next_position(self, queue, slot, ticket: cute.Pointer, barrier: cute.Pointer,
+                      lane: Int32):
+        """Warp 0: take the next position (one atomic add on the call's ``ticket`` counter;
+        positions past the sequence mean its end) and put it into the tile queue's next slot
+        once the consumers have read that slot's last one. Returns ``(position, slot)``."""
+        pipe, positions = queue
+        position = Int32(0)
+        if lane == 0:
+            position = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
+        position = cute.arch.shuffle_sync(position, 0)
+        wait_stage(barrier, pipe.sync_object_empty.get_barrier(slot.index), slot.phase,
+                   slot.index, "a free tile-queue slot (loads)", self.timeout_ns)
+        if lane == 0:
+            positions[slot.index] = position
+            pipe.producer_commit(slot)  # (the mbarrier arrive releases the store to the CTA)
+        slot.advance()
+        return position, slot
+
+    @cute.jit
+    def consume_by_ticket(self, tiled_mma, sa, sb, sfa, sfb, ring, queue,
+                          block_start: cute.Tensor, row_start: cute.Tensor, mma_wg: Int32,
+                          warp_in_wg: Int32, lane: Int32, l1_topk_weights: cute.Pointer,
+                          l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
+                          peer_bases: cute.Pointer, token_src_metadata: cute.Pointer,
+                          staging: cute.Pointer, state, pool_block_ready: cute.Pointer,
+                          barrier: cute.Pointer):
+        """A consumer warp with `walk` "tickets": the positions warp 0 took, in its order,
+        each a walk of one tile of its phase (`produce_by_ticket`). An L1 tile signals its
+        pool block's readiness once its rows are stored, before the warp reads the next
+        position, so an L2 tile never waits for a signal its own CTA still holds. Returns
+        the ring's consumer state."""
+        num_blocks = block_start[self.num_local_experts]
+        num_positions = self.sequence.num_positions(num_blocks)
+        slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                            TILE_QUEUE_SLOTS)
+        prev = state.clone()
+        position, slot = self.read_position(queue, slot, barrier, lane)
+        while position < num_positions:
+            is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
+            if is_l2 == 0:
+                tile = pool_block * self.l1.num_n_blocks + n_block
+                state, prev, _ = self.l1.consume(
+                    tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
+                    Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
+                    l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
+                    pool_block_ready)
+            else:
+                tile = pool_block * self.l2.num_n_blocks + n_block
+                state, prev, _ = self.l2.consume(
+                    tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
+                    Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
+                    l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev)
+            position, slot = self.read_position(queue, slot, barrier, lane)
+        return state
+
+    @cute.jit
+    def read_position(self, queue, slot, barrier: cute.Pointer, lane: Int32):
+        """A consumer warp: the next position from the tile queue (bounded wait), then the
+        slot freed for warp 0 (one arrive per warp, once every lane has read it). Returns
+        ``(position, slot)``."""
+        pipe, positions = queue
+        wait_stage(barrier, pipe.sync_object_full.get_barrier(slot.index), slot.phase,
+                   slot.index, "a position in the tile queue (GEMM consumers)", self.timeout_ns)
+        position = positions[slot.index]
+        cute.arch.sync_warp()
+        if lane == 0:
+            pipe.consumer_release(slot)
+        slot.advance()
+        return position, slot
 
     @cute.jit
     def handover(self, peer_bases: cute.Tensor, rank: Int32):
