@@ -126,7 +126,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
             staged.staged_mega_moe(buf, x, idx, w, weights, activation_clamp=10.0,
                                    validate_routing=False)
 
-        def base(x=x, idx=idx, w=w):
+        def torch_baseline(x=x, idx=idx, w=w):
             torch_moe_layer(x, idx, w, weights, num_experts=experts, recipe=recipe,
                             activation_clamp=10.0, group=dist.group.WORLD)
 
@@ -215,7 +215,7 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         for name, fn in steps.items():
             t = _time_graph(fn, 5)
             step_us[f"{name}_graph_us"] = None if t is None else t * 1e6
-        t_staged, t_base = _time(staged_torch, 5), _time(base, 5)
+        t_staged, t_base = _time(staged_torch, 5), _time(torch_baseline, 5)
         best = min(t_ours, t_graph or t_ours)
         res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
                 ours_graph_us=None if t_graph is None else t_graph * 1e6,
