@@ -1289,7 +1289,8 @@ class Sm90ExpertGemmKernel:
                 out_sf: cute.Pointer, peer_bases: cute.Pointer, src_metadata: cute.Pointer,
                 staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
                 decoded: cute.Pointer = None, exchange: cute.Pointer = None, out_store=None,
-                progress: cute.Pointer = None):
+                progress: cute.Pointer = None, owed_block: Int32 = None,
+                signal_last: cutlass.Constexpr = True):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
@@ -1300,7 +1301,12 @@ class Sm90ExpertGemmKernel:
         past num_tiles)``; all of the warp's stores are complete on return. (``exchange``: the
         transposed kernel's; ``out_store``: `tma_store`'s TMA atom, ``out`` tensor and staging
         boxes; ``progress``: a shared-memory word where the first thread stores the ring
-        state's count after each k-block, for a watchdog.)"""
+        state's count after each k-block, for a watchdog.) With ``signals_ready``, a walk that
+        continues another (the fused kernel's ticket walk): ``owed_block``, the pool block
+        whose signal the previous walk still owes (-1: none), signalled after the first
+        tile's mainloop; with ``signal_last`` False the last tile's block is not signalled nor
+        its stores awaited, and it is returned after the state: ``(state, prev, tile,
+        owed)``."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -1329,6 +1335,8 @@ class Sm90ExpertGemmKernel:
         tile = first_tile
         owner = Int32(0)
         pending = Int32(-1)  # the pool block of the previous tile, not signalled yet
+        if cutlass.const_expr(owed_block is not None):
+            pending = owed_block
         if cutlass.const_expr(self.wg_skew > 0):
             if mma_wg == 1 and tile < num_tiles:
                 cute.arch.barrier(barrier_id=SKEW_BARRIER, number_of_threads=256)
@@ -1416,6 +1424,8 @@ class Sm90ExpertGemmKernel:
                           row0, col0, valid_m, n_block, lane, store)
             pending = pool_block
             tile += num_clusters
+        if cutlass.const_expr(not signal_last):
+            return state, prev, tile, pending
         if cutlass.const_expr(self.signals_ready):
             if pending >= 0:
                 self.signal_ready(ready, pending, lane)

@@ -740,8 +740,12 @@ class Sm90MegaMoEKernel:
         ticket = pool_block_ready + self.num_pool_blocks
         slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                             TILE_QUEUE_SLOTS)
-        position, slot = self.next_position(queue, slot, ticket, barrier, lane)
+        position, slot = self.publish(queue, slot, self.take_ticket(ticket, lane), barrier,
+                                      lane)
         while position < num_positions:
+            # the next ticket's atomic runs while this tile loads (its value is read when
+            # published): the consumers find their next position ready
+            upcoming = self.take_ticket(ticket, lane)
             is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
             if is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
@@ -757,20 +761,25 @@ class Sm90MegaMoEKernel:
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, a2_sf, w2_sf, ring,
                     block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
                     state, pool_block_ready, barrier)
-            position, slot = self.next_position(queue, slot, ticket, barrier, lane)
+            position, slot = self.publish(queue, slot, upcoming, barrier, lane)
         return state
 
     @cute.jit
-    def next_position(self, queue, slot, ticket: cute.Pointer, barrier: cute.Pointer,
-                      lane: Int32):
-        """Warp 0: take the next position (one atomic add on the call's ``ticket`` counter;
-        positions past the sequence mean its end) and put it into the tile queue's next slot
-        once the consumers have read that slot's last one. Returns ``(position, slot)``."""
-        pipe, positions = queue
-        position = Int32(0)
+    def take_ticket(self, ticket: cute.Pointer, lane: Int32) -> Int32:
+        """Warp 0: lane 0 takes the next position (one atomic add on the call's ``ticket``
+        counter; positions past the sequence mean its end), which `publish` reads."""
+        mine = Int32(0)
         if lane == 0:
-            position = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
-        position = cute.arch.shuffle_sync(position, 0)
+            mine = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
+        return mine
+
+    @cute.jit
+    def publish(self, queue, slot, mine: Int32, barrier: cute.Pointer, lane: Int32):
+        """Warp 0: the position lane 0 took (`take_ticket`) to every lane, and into the tile
+        queue's next slot once the consumers have read that slot's last one. Returns
+        ``(position, slot)``."""
+        pipe, positions = queue
+        position = cute.arch.shuffle_sync(mine, 0)
         wait_stage(barrier, pipe.sync_object_empty.get_barrier(slot.index), slot.phase,
                    slot.index, "a free tile-queue slot (loads)", self.timeout_ns)
         if lane == 0:
@@ -789,31 +798,38 @@ class Sm90MegaMoEKernel:
                           barrier: cute.Pointer):
         """A consumer warp with `walk` "tickets": the positions warp 0 took, in its order,
         each a walk of one tile of its phase (`produce_by_ticket`). An L1 tile signals its
-        pool block's readiness once its rows are stored, before the warp reads the next
-        position, so an L2 tile never waits for a signal its own CTA still holds. Returns
-        the ring's consumer state."""
+        pool block's readiness one tile late, after the next L1 tile's mainloop, while its
+        stores drain (as in the phase walk), but before any L2 tile's: an L2 tile (of this CTA
+        or any other) never waits for a signal held behind a wait of its own. Returns the
+        ring's consumer state."""
         num_blocks = block_start[self.num_local_experts]
         num_positions = self.sequence.num_positions(num_blocks)
         slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                             TILE_QUEUE_SLOTS)
         prev = state.clone()
+        owed = Int32(-1)  # the pool block of this warp's last L1 tile, not signalled yet
         position, slot = self.read_position(queue, slot, barrier, lane)
         while position < num_positions:
             is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
             if is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
-                state, prev, _ = self.l1.consume(
+                state, prev, _, owed = self.l1.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
-                    pool_block_ready)
+                    pool_block_ready, owed_block=owed, signal_last=False)
             else:
+                if owed >= 0:
+                    self.l1.signal_ready(pool_block_ready, owed, lane)
+                    owed = Int32(-1)
                 tile = pool_block * self.l2.num_n_blocks + n_block
                 state, prev, _ = self.l2.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev)
             position, slot = self.read_position(queue, slot, barrier, lane)
+        if owed >= 0:  # (waits for the stores, as a phase walk's end)
+            self.l1.signal_ready(pool_block_ready, owed, lane)
         return state
 
     @cute.jit
