@@ -425,10 +425,10 @@ def test_fused_kernel_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("block_m", (64, 128))
 def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
     """``walk="tickets"`` (the dataflow design's lag-ordered L1 / L2 sequence, a CTA's next
-    position by one atomic add): compiled for sm_90a with tensor cores, its ticket counter
-    the pool's spare readiness counter, the tile queue in shared memory, the lag of a
-    132-SM grid; no spills where the waits never time out, WGMMAs asynchronous. Refused
-    with FP4 weights and with the tile log."""
+    position by one atomic add): compiled for sm_90a with tensor cores, exchanged and local
+    dispatch, its ticket counter the pool's spare readiness counter, the tile queue in shared
+    memory, the lag of a 132-SM grid; no spills where the waits never time out, WGMMAs
+    asynchronous. Refused with FP4 weights and with the tile log."""
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
     kernel, art = _compile(recipe, block_m, walk="tickets")
     plain, plain_art = _compile(recipe, block_m)
@@ -436,7 +436,8 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
     assert (kernel.sequence.num_n1, kernel.sequence.num_n2) == (16, 28)
     assert kernel.sequence.lag == 6  # ceil(2 * 132 / 44)
     assert kernel.smem_bytes() <= 227 * 1024 - 2048
-    assert not kernel.early_weights  # (its first tile is not known before its first ticket)
+    # (the early weights: of the first ticket's tile, taken once the prefix sums are in)
+    assert kernel.early_weights == (block_m == 64)
     add = "atom.global.add.u32"  # (relaxed, GPU scope: the ticket)
     assert art.ptx.count(add) > plain_art.ptx.count(add)
     with pytest.raises(ValueError, match="walk"):
@@ -446,11 +447,17 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         Sm90FusedConfig(walk="tickets", debug="tile_log")
     with pytest.raises(ValueError, match="walk"):
         Sm90FusedConfig(walk="static")
+    # the one-rank default: the local dispatch
+    one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
+    local, local_art = _compile(recipe, block_m, layout=one, stages_inputs=True,
+                                walk="tickets")
+    assert local.local_dispatch and local.tickets
     if art.sass is None:
         pytest.skip("nvdisasm not available: PTX only")
-    assert art.count("HGMMA" if recipe == "bf16xbf16" else "QGMMA") > 0
-    assert art.count("USETMAXREG") == 4
-    _assert_no_spills_and_async_wgmma(art)
+    for built in (art, local_art):
+        assert built.count("HGMMA" if recipe == "bf16xbf16" else "QGMMA") > 0
+        assert built.count("USETMAXREG") == 4
+        _assert_no_spills_and_async_wgmma(built)
 
 
 def test_host_model_of_the_fused_walk():

@@ -328,8 +328,9 @@ class Sm90MegaMoEKernel:
                              "warpgroups walk their tiles in phases)")
         n1, n2 = self.l1.num_n_blocks, self.l2.num_n_blocks
         self.sequence = DataflowSequence(n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2))
+        # (the ticket walk: of its first ticket's tile, taken as soon as the prefix sums are in)
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
-                              and not self.fp4_weights and not self.tickets)
+                              and not self.fp4_weights)
         # as many ring stages as shared memory holds next to the staging rows and the
         # dispatch's arrays (the phases' own choices keep a margin for a standalone kernel);
         # FP4 weights: the MMA stages the phases chose, and as many packed stages as fit
@@ -540,6 +541,7 @@ class Sm90MegaMoEKernel:
         # warp moving the rows
         dispatch = None
         preloaded = None  # (the early weights: stages of the first L1 tile loaded)
+        first_ticket = None  # (the ticket walk's, taken for its early weights)
         early = (tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, bidx, warp, lane)
         if cutlass.const_expr(self.local_dispatch):
             dispatch = self.dispatch.allocate_arrays(smem)
@@ -548,7 +550,8 @@ class Sm90MegaMoEKernel:
                 my_base, topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
             self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
             if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
-                preloaded = self.load_early_weights(early, block_start, row_start)
+                preloaded, first_ticket = self.load_early_weights(early, block_start,
+                                                                  row_start, pool_block_ready)
             self.stamp(stamps, "prefix_ready", tidx == 0)
             self.place_locally(x, topk_weights, my_base, num_tokens, dispatch, batch,
                                tidx, bidx, grid, lane)
@@ -562,7 +565,8 @@ class Sm90MegaMoEKernel:
             if cutlass.const_expr(self.early_weights):
                 # the first L1 tile's weights stream in while this CTA writes metadata and
                 # pushes rows (its rows follow in `produce`)
-                preloaded = self.load_early_weights(early, block_start, row_start)
+                preloaded, first_ticket = self.load_early_weights(early, block_start,
+                                                                  row_start, pool_block_ready)
                 self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
                                              block_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
@@ -597,7 +601,7 @@ class Sm90MegaMoEKernel:
                         (tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, l1_acts_sf, w1_sf),
                         (tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, l2_acts_sf, w2_sf), sa,
                         sb_load, sfa, sfb, ring, queue, pool_block_ready, block_start,
-                        row_start, lane, state, barrier, rows_arrived)
+                        row_start, lane, state, barrier, rows_arrived, first_ticket, preloaded)
                 else:
                     log = tile_log if cutlass.const_expr(self.tile_log) else None
                     state, tile = self.l1.produce(
@@ -726,13 +730,16 @@ class Sm90MegaMoEKernel:
     def produce_by_ticket(self, l1_loads, l2_loads, sa, sb, sfa, sfb, ring, queue,
                           pool_block_ready: cute.Pointer, block_start: cute.Tensor,
                           row_start: cute.Tensor, lane: Int32, state, barrier: cute.Pointer,
-                          rows_arrived: cute.Pointer):
+                          rows_arrived: cute.Pointer, first_ticket: Int32 = None,
+                          preloaded: Int32 = None):
         """Warp 0 with `walk` "tickets": take positions of the lag-ordered sequence until it
         is done, hand each to the consumers (`next_position`) and load its tile's stages as
         the phase's own walk would (a walk of one tile, pool block ``b`` and n-block ``n``
         being tile ``b * n_blocks + n`` of one-block raster bands). ``l1_loads`` /
         ``l2_loads``: each phase's TMA atoms and views, its activation and weight scales.
-        Returns the ring's producer state."""
+        ``first_ticket`` / ``preloaded``: the early weights' (`load_early_weights`): lane 0's
+        first ticket, and the stages of its tile's weights loaded. Returns the ring's producer
+        state."""
         tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, a1_sf, w1_sf = l1_loads
         tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, a2_sf, w2_sf = l2_loads
         num_blocks = block_start[self.num_local_experts]
@@ -740,8 +747,9 @@ class Sm90MegaMoEKernel:
         ticket = pool_block_ready + self.num_pool_blocks
         slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                             TILE_QUEUE_SLOTS)
-        position, slot = self.publish(queue, slot, self.take_ticket(ticket, lane), barrier,
-                                      lane)
+        if cutlass.const_expr(first_ticket is None):
+            first_ticket = self.take_ticket(ticket, lane)
+        position, slot = self.publish(queue, slot, first_ticket, barrier, lane)
         while position < num_positions:
             # the next ticket's atomic runs while this tile loads (its value is read when
             # published): the consumers find their next position ready
@@ -754,7 +762,10 @@ class Sm90MegaMoEKernel:
                     block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
                     state, barrier_slots=barrier,
                     rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
-                    else None, arrivals_per_row=self.dispatch.arrivals_per_row)
+                    else None, arrivals_per_row=self.dispatch.arrivals_per_row,
+                    preloaded=preloaded)
+                if cutlass.const_expr(preloaded is not None):
+                    preloaded = Int32(0)  # (the first tile's only)
             else:
                 tile = pool_block * self.l2.num_n_blocks + n_block
                 state, _ = self.l2.produce(
@@ -878,20 +889,38 @@ class Sm90MegaMoEKernel:
                             + tidx // 128, word, sem="relaxed", scope="gpu")
 
     @cute.jit
-    def load_early_weights(self, early, block_start: cute.Tensor,
-                           row_start: cute.Tensor) -> Int32:
+    def load_early_weights(self, early, block_start: cute.Tensor, row_start: cute.Tensor,
+                           pool_block_ready: cute.Pointer):
         """With the early weights, warp 0 once the pool's prefix sums are in: its first L1
         tile's first stages' weights (`Sm90ExpertGemmKernel.load_first_weights`; ``early``:
-        what it loads them with). Returns how many stages (0 in the other warps)."""
+        what it loads them with). The ticket walk's first tile is its first ticket's, taken
+        here (a tile ahead of the CTA's pushes: those wait for nothing). Returns how many
+        stages (0 in the other warps), and with the ticket walk lane 0's first ticket (for
+        `produce_by_ticket`; else None)."""
         tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, cta, warp, lane = early
         loaded = Int32(0)
-        if warp == 0:
+        first_ticket = None
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.num_stages)
+        if cutlass.const_expr(self.tickets):
+            first_ticket = Int32(0)
+            if warp == 0:
+                first_ticket = self.take_ticket(pool_block_ready + self.num_pool_blocks, lane)
+                num_blocks = block_start[self.num_local_experts]
+                is_l2, pool_block, n_block = self.sequence.position(
+                    cute.arch.shuffle_sync(first_ticket, 0), num_blocks)
+                tile = pool_block * self.l1.num_n_blocks + n_block
+                # (an L2 tile or the sequence's end: none, as past the L1 tiles)
+                num_tiles = cutlass.select_(is_l2 == 0, tile + 1, Int32(0))
+                loaded = self.l1.load_first_weights(
+                    tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
+                    num_tiles, tile, Int32(1), lane, state)
+        elif warp == 0:
             loaded = self.l1.load_first_weights(
                 tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
                 self.l1.scheduler.num_tiles(block_start), cta, Int32(self.l1.raster_group),
-                lane, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                   self.num_stages))
-        return loaded
+                lane, state)
+        return loaded, first_ticket
 
     @cute.jit
     def zero_counters(self, pool_block_ready: cute.Pointer, rows_arrived: cute.Pointer,
