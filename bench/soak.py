@@ -31,7 +31,9 @@ same calls, and they stop together (a flag reduced over the group every 64 calls
 
 ``--row-transfer``: the fused kernel's row transfer on every rank (`config.ROW_TRANSFERS`, or
 ``default``: the buffer's); a comma list gives the processes these in turn
-(``counted,barrier``: half of them each).
+(``counted,barrier``: half of them each). ``--config KEY=VALUE`` (repeatable): the fused
+layer's configuration on top of that (`bench.common.parse_config`, e.g.
+``fused_kernel.walk=tickets``); the JSON's meta and rows carry it.
 """
 
 from __future__ import annotations
@@ -56,11 +58,14 @@ SHAPE = dict(num_experts=16, max_tokens=200, num_topk=4, hidden=512, intermediat
 BATCH = 8
 
 
-def _configs(choice: str, num_ranks: int) -> dict:
-    """Per rank, the fused layer's configuration (`testing.fused_checks.rows_config`)."""
+def _configs(choice: str, num_ranks: int, settings=()) -> dict:
+    """Per rank, the fused layer's configuration (`testing.fused_checks.rows_config`, with the
+    ``--config`` settings)."""
+    from bench.common import parse_config
     from cute_megamoe.testing.fused_checks import rows_config
 
-    return dict.fromkeys(range(num_ranks), rows_config(None if choice == "default" else choice))
+    config = parse_config(settings, rows_config(None if choice == "default" else choice))
+    return dict.fromkeys(range(num_ranks), config)
 
 
 def worker(index: int, args, out: Path) -> None:
@@ -72,8 +77,9 @@ def worker(index: int, args, out: Path) -> None:
 
     row_transfer = args.row_transfer.split(",")[index % len(args.row_transfer.split(","))]
     row = dict(process=index, ranks=args.ranks, processes=args.processes,
-               row_transfer=row_transfer, recipe=args.recipe, seconds=0.0, calls=0,
-               stalls=0, mismatches=0, gpu=torch.cuda.get_device_name(), error=None)
+               row_transfer=row_transfer, config=" ".join(args.config), recipe=args.recipe,
+               seconds=0.0, calls=0, stalls=0, mismatches=0,
+               gpu=torch.cuda.get_device_name(), error=None)
 
     def save():
         out.write_text(json.dumps(row))
@@ -83,7 +89,7 @@ def worker(index: int, args, out: Path) -> None:
     layer = FusedLayer(Ranks.loopback(args.ranks, s["num_experts"], s["max_tokens"],
                                       s["num_topk"], s["hidden"], s["intermediate"],
                                       args.recipe),
-                       seed=index, configs=_configs(row_transfer, args.ranks))
+                       seed=index, configs=_configs(row_transfer, args.ranks, args.config))
     layer.warm_up((64, 128))
     rng = random.Random(1000 * args.seed + index)
     start = time.monotonic()
@@ -125,7 +131,8 @@ def gpu_worker(rank: int, args, out: Path) -> None:
     row_transfer = args.row_transfer.split(",")[0]
     init_rank_process(rank, R, args.port)
     row = dict(process=rank, ranks=R, processes=R, gpus=R, row_transfer=row_transfer,
-               recipe=args.recipe, seconds=0.0, calls=0, stalls=0, mismatches=0,
+               config=" ".join(args.config), recipe=args.recipe, seconds=0.0, calls=0,
+               stalls=0, mismatches=0,
                gpu=torch.cuda.get_device_name(), error=None)
     out.write_text(json.dumps(row))
     s = SHAPE
@@ -133,7 +140,7 @@ def gpu_worker(rank: int, args, out: Path) -> None:
                                        s["num_topk"], s["hidden"], s["intermediate"],
                                        mma_type=args.recipe)
     layer = FusedLayer(Ranks([buf], [torch.cuda.Stream()]), seed=args.seed,
-                       configs=_configs(row_transfer, R))
+                       configs=_configs(row_transfer, R, args.config))
     layer.warm_up((64, 128))
     rng = random.Random(args.seed)  # (the same draws on every rank)
     start = time.monotonic()
@@ -171,6 +178,9 @@ def main() -> None:
     parser.add_argument("--recipe", default="fp8xfp8", choices=("fp8xfp8", "bf16xbf16"))
     parser.add_argument("--gpus", type=int, default=0,
                         help="one group of this many ranks, one process per GPU (>= 2)")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="the fused layer's configuration (repeatable; config.LayerConfig "
+                             "fields, dotted: fused_kernel.walk=tickets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spin-timeout-s", type=float, default=20.0,
                         help="the kernels' spin limit (CUTE_MEGAMOE_SPIN_TIMEOUT_S)")
@@ -188,6 +198,11 @@ def main() -> None:
         parser.error("--gpus: at least 2, with one --row-transfer and without --ranks")
     if args.gpus:
         args.processes = args.gpus
+    from bench.common import parse_config
+    try:  # (a bad setting stops here, named, before any process)
+        parse_config(args.config)
+    except SystemExit as error:
+        parser.error(str(error))
     if args.worker is not None:
         (gpu_worker if args.gpus else worker)(args.worker, args, args.out)
         return
@@ -202,7 +217,8 @@ def main() -> None:
                    "--processes", str(args.processes), "--ranks", str(args.ranks),
                    "--seconds", str(args.seconds), "--row-transfer", args.row_transfer,
                    "--recipe", args.recipe, "--seed", str(args.seed), "--until", str(until),
-                   "--gpus", str(args.gpus), "--port", str(args.port)]
+                   "--gpus", str(args.gpus), "--port", str(args.port),
+                   *(a for setting in args.config for a in ("--config", setting))]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         # the end, then one call's spin limit (the combine waits twice it) and the report
@@ -218,7 +234,8 @@ def main() -> None:
             transfers = args.row_transfer.split(",")
             row = json.loads(out.read_text()) if out.exists() and out.stat().st_size else \
                 dict(process=i, ranks=args.gpus or args.ranks, processes=args.processes,
-                     row_transfer=transfers[i % len(transfers)], recipe=args.recipe, calls=0,
+                     row_transfer=transfers[i % len(transfers)], config=" ".join(args.config),
+                     recipe=args.recipe, calls=0,
                      stalls=0, mismatches=0, error=None)
             if proc.returncode != 0 and not (row["stalls"] or row["mismatches"]):
                 row["stalls"] += 1  # (it died or hung without a report of its own)
@@ -228,7 +245,8 @@ def main() -> None:
 
     results = Results("soak", meta=dict(processes=args.processes, ranks=args.gpus or args.ranks,
                                         gpus=args.gpus,
-                                        row_transfer=args.row_transfer, recipe=args.recipe,
+                                        row_transfer=args.row_transfer,
+                                        config=" ".join(args.config), recipe=args.recipe,
                                         seconds=args.seconds,
                                         spin_timeout_s=args.spin_timeout_s))
     for row in rows:

@@ -34,6 +34,8 @@ def test_a_process_that_dies_is_a_stall_with_its_output():
     (("--ranks", "3"), "invalid choice: 3"),
     (("--gpus", "1"), "--gpus: at least 2"),
     (("--gpus", "2", "--ranks", "2"), "without --ranks"),
+    (("--config", "fused_kernel.walk=sideways"), "--config fused_kernel.walk=sideways"),
+    (("--config", "walk=tickets"), "LayerConfig has no field 'walk'"),
 ])
 def test_bad_options_stop_before_any_process(args, message):
     run = _soak(*args, "--no-save")

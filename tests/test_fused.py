@@ -694,7 +694,7 @@ def test_ticket_walk_matches_staged(recipe):
     BLOCK_Ms, and blocks past the lag (H 1024, I 512: 4 + 4 n-blocks, lag 33 blocks; 2048
     tokens x 4 are 128+ blocks of 64 rows), so L2 tiles run between later blocks' L1 tiles;
     then a two-rank loopback group with different BLOCK_M and token counts per rank, 0 tokens
-    on a rank, barrier rows, and back-to-back calls."""
+    on a rank, barrier rows, one rank walking in phases, and back-to-back calls."""
     _gpu()
     from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
     from cute_megamoe.testing.protocol_checks import Ranks
@@ -709,9 +709,10 @@ def test_ticket_walk_matches_staged(recipe):
             layer.check_call((n,), routing, {0: block_m}, seed=200 + i)
     barrier = dataclasses.replace(
         EXPERIMENTS, fused_kernel=Sm90FusedConfig(walk="tickets", row_transfer="barrier"))
-    for config in (tickets, barrier):
-        pair = FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe),
-                          configs={0: config, 1: config})
+    # (the walk is a rank's own: one rank may take tickets while the other walks in phases)
+    for configs in ({0: tickets, 1: tickets}, {0: barrier, 1: barrier},
+                    {0: tickets, 1: EXPERIMENTS}):
+        pair = FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe), configs=configs)
         pair.warm_up((64, 128))
         pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
         pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
