@@ -31,6 +31,7 @@ __all__ = [
     "DEBUG_TENSOR_MODES",
     "DECODE_TABLES",
     "K_UNROLLS",
+    "LAG_GRIDS",
     "PROMOTIONS",
     "ROW_STORES",
     "ROW_TRANSFERS",
@@ -60,6 +61,9 @@ ROW_TRANSFERS = ("barrier", "counted")
 #: sequence of the dataflow design (docs/notes/dataflow.md), each CTA taking its next position
 #: with one atomic add
 WALKS = ("phases", "tickets")
+#: the ticket walk's lag, in grids' worth of tiles between a pool block's first L1 and first L2
+#: position (`scheduler.host_model.dataflow_lag`)
+LAG_GRIDS = (1, 2, 3, 4, 6, 8)
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
 #: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), into the launch's debug tensor
 DEBUG_MODES = ("phase_clock", "tile_log", "hold_cta", "late_consumers")
@@ -204,6 +208,7 @@ class Sm90FusedConfig(_Config):
         counts all pairs itself and quantizes its own pairs' rows straight into the pool.
     promotion, k_unroll, row_stores, decode_tables: the GEMM phases' (`Sm90GemmConfig`).
     walk: how the CTAs take the GEMM tiles, `WALKS` (FP8 / BF16 weights for "tickets").
+    lag_grids: the ticket walk's lag, `LAG_GRIDS` (unused by "phases").
     debug: a diagnostic, `DEBUG_MODES`: "phase_clock" and "tile_log" write into the launch's
         debug tensor; "hold_cta" and "late_consumers" are test builds with an injected delay.
     """
@@ -218,11 +223,12 @@ class Sm90FusedConfig(_Config):
     row_stores: str | None = None
     decode_tables: str | None = None
     walk: str | None = None
+    lag_grids: int | None = None
     debug: str | None = None
 
     _choices = {"block_m": (64, 128), "row_transfer": ROW_TRANSFERS, "promotion": PROMOTIONS,
                 "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES,
-                "walk": WALKS, "debug": DEBUG_MODES}
+                "walk": WALKS, "lag_grids": LAG_GRIDS, "debug": DEBUG_MODES}
     _flags = ("weights_first", "stages_inputs", "local_dispatch")
     _optional = ("debug",)
 

@@ -434,7 +434,8 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
     plain, plain_art = _compile(recipe, block_m)
     assert kernel.tickets and not plain.tickets and plain.config.walk == "phases"
     assert (kernel.sequence.num_n1, kernel.sequence.num_n2) == (16, 28)
-    assert kernel.sequence.lag == 6  # ceil(2 * 132 / 44)
+    assert kernel.sequence.lag == 6  # ceil(2 * 132 / 44): `lag_grids` 2
+    assert _kernel(recipe, block_m, walk="tickets", lag_grids=4).sequence.lag == 12
     assert kernel.smem_bytes() <= 227 * 1024 - 2048
     # (the early weights: of the first ticket's tile, taken once the prefix sums are in)
     assert kernel.early_weights == (block_m == 64)
@@ -447,6 +448,8 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         Sm90FusedConfig(walk="tickets", debug="tile_log")
     with pytest.raises(ValueError, match="walk"):
         Sm90FusedConfig(walk="static")
+    with pytest.raises(ValueError, match="lag_grids"):
+        Sm90FusedConfig(lag_grids=5)
     # the one-rank default: the local dispatch
     one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
     local, local_art = _compile(recipe, block_m, layout=one, stages_inputs=True,

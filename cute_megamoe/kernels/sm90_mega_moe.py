@@ -327,7 +327,8 @@ class Sm90MegaMoEKernel:
             raise ValueError("config.walk: 'tickets' with FP8 / BF16 weights only (the decode "
                              "warpgroups walk their tiles in phases)")
         n1, n2 = self.l1.num_n_blocks, self.l2.num_n_blocks
-        self.sequence = DataflowSequence(n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2))
+        self.sequence = DataflowSequence(n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2,
+                                                              config.lag_grids))
         # (the ticket walk: of its first ticket's tile, taken as soon as the prefix sums are in)
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights)
