@@ -12,6 +12,10 @@ with the GPU named. `segments` turns a CTA's stamps into the phases it spent its
 done; combine: to its end), in us from the grid's first start, and `plot` draws one row per
 CTA, one colour per phase (matplotlib, the ``bench`` extra). The uninstrumented kernel's time
 is `bench.bench_layer`'s ``fused_graph_us``.
+
+``--walk tickets``: the ticket walk (`config.Sm90FusedConfig.walk`), whose L1 and L2 tiles
+interleave, built with its tile clock (``debug="tile_clock"``: each CTA's consumers record
+every tile's position and span); `tile_spans` turns them into one bar per tile.
 """
 
 from __future__ import annotations
@@ -48,6 +52,32 @@ def segments(stamps: Sequence[Sequence[int]], names: Sequence[str]) -> list[tupl
     return out
 
 
+def tile_spans(tiles: Sequence[Sequence[Sequence[int]]]) -> list[tuple]:
+    """``(cta, "L1" | "L2", start_us, end_us)`` of every recorded tile of the ticket walk's
+    tile clock (``tiles[cta]``: its entries ``(code, pool block, start, end)``, the times the
+    global timer's low 32 bits in ns, `sm90_mega_moe.TILE_CLOCK_TILES`; code 0: none), times
+    from the earliest start (differences taken modulo 2**32: a call is far shorter)."""
+    entries = [(cta, e) for cta, rows in enumerate(tiles) for e in rows if e[0]]
+    if not entries:
+        raise ValueError("tiles: no CTA recorded a tile")
+    ref = entries[0][1][2]
+
+    def rel(t):  # signed ns from `ref`, modulo 2**32
+        return ((t - ref + 2**31) % 2**32) - 2**31
+
+    origin = min(rel(e[2]) for _, e in entries)
+    out = []
+    for cta, (code, _block, t0, t1) in entries:
+        phase = {1: "L1", 2: "L2"}.get(code >> 24)
+        if phase is None:
+            raise ValueError(f"tiles: CTA {cta} has an entry of code {code:#x}")
+        start, end = rel(t0) - origin, rel(t1) - origin
+        if end < start:
+            raise ValueError(f"tiles: CTA {cta}'s tile ends ({t1}) before it starts ({t0})")
+        out.append((cta, phase, start / 1e3, end / 1e3))
+    return out
+
+
 def plot(spans: list[tuple], num_ctas: int, title: str, out: Path) -> Path:
     """Draw ``spans`` (`segments`) to the PNG ``out``: one row per CTA, time in us across."""
     import matplotlib
@@ -75,8 +105,9 @@ def plot(spans: list[tuple], num_ctas: int, title: str, out: Path) -> Path:
     return out
 
 
-def record(args) -> tuple[dict, list[list[int]], list[str]]:
-    """One phase-clocked fused call on the GPU: (meta, per-CTA stamps, their names)."""
+def record(args) -> tuple[dict, list, list[str]]:
+    """One phase-clocked fused call on the GPU: (meta, per-CTA stamps, their names); with
+    ``--walk tickets`` the tile clock's: (meta, per CTA its recorded tiles, [])."""
     import torch
 
     from bench.common import gpu_clocks, random_expert_weights
@@ -84,7 +115,7 @@ def record(args) -> tuple[dict, list[list[int]], list[str]]:
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.config import Sm90FusedConfig
     from cute_megamoe.heuristics import block_m_for_call, default_fused_config
-    from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS
+    from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS, TILE_CLOCK_TILES
     from cute_megamoe.launch import buffer_state, fused_call
     from cute_megamoe.testing.dispatch_checks import make_routing
 
@@ -97,19 +128,25 @@ def record(args) -> tuple[dict, list[list[int]], list[str]]:
     api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
     grid = buffer_state(buf).num_sms
     block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
-    config = default_fused_config(buf.layout, block_m, False,
-                                  Sm90FusedConfig(debug="phase_clock"))
+    tickets = args.walk == "tickets"
+    config = default_fused_config(buf.layout, block_m, False, Sm90FusedConfig(
+        debug="tile_clock" if tickets else "phase_clock", walk=args.walk))
     y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
-    clock = torch.zeros(grid, len(PHASE_STAMPS), dtype=torch.int64, device="cuda")
+    clock = torch.zeros((grid, TILE_CLOCK_TILES, 4) if tickets else (grid, len(PHASE_STAMPS)),
+                        dtype=torch.int32 if tickets else torch.int64, device="cuda")
     call = fused_call(buf, weights, n, y, grid, None, 10.0, True, config, debug=clock)
-    for _ in range(args.warmup + 1):
+    for _ in range(args.warmup):
         call()
+    clock.zero_()  # (the tile clock appends: the recorded call's entries only)
+    call()
     torch.cuda.synchronize()
     meta = {"gpu": torch.cuda.get_device_name(), "tokens": n, "experts": e, "topk": args.topk,
             "hidden": h, "intermediate": inter, "recipe": args.recipe, "block_m": block_m,
-            "ctas": grid, "clocks": gpu_clocks()}
+            "ctas": grid, "walk": args.walk, "clocks": gpu_clocks()}
     stamps = clock.cpu().tolist()
     buf.destroy()
+    if tickets:  # (each CTA's recorded tiles only)
+        return meta, [[e for e in rows if e[0]] for rows in stamps], []
     return meta, stamps, list(PHASE_STAMPS)
 
 
@@ -122,6 +159,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--walk", default="phases", choices=("phases", "tickets"),
+                        help="the fused kernel's walk (tickets: its tile clock, a bar per tile)")
     parser.add_argument("--from", dest="source", type=Path, default=None,
                         help="plot the stamps of an earlier run's JSON instead of running")
     parser.add_argument("--out", type=Path, default=None, help="the PNG (default: none)")
@@ -138,7 +177,7 @@ def main() -> None:
 
         meta, stamps, names = record(args)
         res = Results("timeline", meta={**meta, "stamps": stamps, "stamp_names": names})
-        spans = segments(stamps, names)
+        spans = tile_spans(stamps) if meta["walk"] == "tickets" else segments(stamps, names)
         for phase, _, _ in PHASES:
             ends = sorted(t1 for _, p, _, t1 in spans if p == phase)
             if ends:
@@ -147,9 +186,12 @@ def main() -> None:
         print(f"saved {res.save()}")
         print(res.table(["phase", "ctas", "median_end_us", "last_end_us"]))
     if args.out is not None:
-        title = (f"fused layer, {meta['tokens']} tokens, {meta['experts']} experts, "
-                 f"{meta['recipe']}, BLOCK_M {meta['block_m']}, {meta['gpu']}")
-        print(f"wrote {plot(segments(stamps, names), len(stamps), title, args.out)}")
+        title = (f"fused layer ({meta.get('walk', 'phases')} walk), {meta['tokens']} tokens, "
+                 f"{meta['experts']} experts, {meta['recipe']}, BLOCK_M {meta['block_m']}, "
+                 f"{meta['gpu']}")
+        spans = (tile_spans(stamps) if meta.get("walk") == "tickets"
+                 else segments(stamps, names))
+        print(f"wrote {plot(spans, len(stamps), title, args.out)}")
 
 
 if __name__ == "__main__":

@@ -65,11 +65,12 @@ WALKS = ("phases", "tickets")
 #: position (`scheduler.host_model.dataflow_lag`)
 LAG_GRIDS = (1, 2, 3, 4, 6, 8)
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
-#: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), into the launch's debug tensor
-DEBUG_MODES = ("phase_clock", "tile_log", "hold_cta", "late_consumers")
+#: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), or with the ticket walk each
+#: tile's start and end (`sm90_mega_moe.TILE_CLOCK_TILES`), into the launch's debug tensor
+DEBUG_MODES = ("phase_clock", "tile_log", "tile_clock", "hold_cta", "late_consumers")
 #: the debug modes that write into a tensor the launch passes (the others are test builds with
 #: an injected delay, `kernels/sm90_mega_moe.py`: "hold_cta", "late_consumers")
-DEBUG_TENSOR_MODES = ("phase_clock", "tile_log")
+DEBUG_TENSOR_MODES = ("phase_clock", "tile_log", "tile_clock")
 
 
 def _check_bool(cls: str, name: str, value: object) -> None:
@@ -209,8 +210,9 @@ class Sm90FusedConfig(_Config):
     promotion, k_unroll, row_stores, decode_tables: the GEMM phases' (`Sm90GemmConfig`).
     walk: how the CTAs take the GEMM tiles, `WALKS` (FP8 / BF16 weights for "tickets").
     lag_grids: the ticket walk's lag, `LAG_GRIDS` (unused by "phases").
-    debug: a diagnostic, `DEBUG_MODES`: "phase_clock" and "tile_log" write into the launch's
-        debug tensor; "hold_cta" and "late_consumers" are test builds with an injected delay.
+    debug: a diagnostic, `DEBUG_MODES`: "phase_clock", "tile_log" and (the ticket walk's)
+        "tile_clock" write into the launch's debug tensor; "hold_cta" and "late_consumers" are
+        test builds with an injected delay.
     """
 
     block_m: int | None = None
@@ -242,7 +244,11 @@ class Sm90FusedConfig(_Config):
                              f"stages_inputs={self.stages_inputs!r}")
         if self.walk == "tickets" and self.debug == "tile_log":
             raise ValueError(f"{name}.walk: 'tickets' has no tile log (a CTA's tiles are not "
-                             f"known in advance), got debug='tile_log'")
+                             f"known in advance; its 'tile_clock' records them), got "
+                             f"debug='tile_log'")
+        if self.debug == "tile_clock" and self.walk != "tickets":
+            raise ValueError(f"{name}.debug: 'tile_clock' with walk='tickets' only, got "
+                             f"walk={self.walk!r}")
 
 
 @dataclass(frozen=True)

@@ -416,10 +416,12 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor
     at BLOCK_M 256). ``debug`` (sm_90a, with ``config.debug``): the diagnostic's tensor,
     "phase_clock" int64 ``[num_ctas, len(PHASE_STAMPS)]`` (each CTA's phase boundaries,
     `bench/fused_phases.py`), "tile_log" int32 ``[tiles per CTA, num_ctas, 4]`` (every CTA's
-    tiles, `testing.fused_checks.check_tile_walk`); "hold_cta" and "late_consumers" (test
-    builds) take none. ``inputs`` (sm_90a, with
-    ``config.stages_inputs``): the caller's ``(x, topk_idx, topk_weights)``, which the kernel
-    stages into the buffer itself instead of a staging launch before it."""
+    tiles, `testing.fused_checks.check_tile_walk`), "tile_clock" int32 ``[num_ctas,
+    sm90_mega_moe.TILE_CLOCK_TILES, 4]`` zeroed (the ticket walk's tiles and their spans,
+    `bench/timeline.py`); "hold_cta" and "late_consumers" (test builds) take none.
+    ``inputs`` (sm_90a, with ``config.stages_inputs``): the caller's ``(x, topk_idx,
+    topk_weights)``, which the kernel stages into the buffer itself instead of a staging
+    launch before it."""
     tiled = bool(getattr(weights, "tiled", False))
     layout = sym_buffer.layout
     state = buffer_state(sym_buffer)
@@ -469,7 +471,7 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor
         "w2_sf": weights.w2_sf if fp8 else spare, "pool_block_ready": sym_buffer.pool_block_ready,
         # (the diagnostics' tensors: unused without them)
         "phase_clock": debug if debug_mode == "phase_clock" else sym_buffer.peer_bases,
-        "tile_log": debug if debug_mode == "tile_log" else state.recv_tokens,
+        "tile_log": debug if debug_mode in ("tile_log", "tile_clock") else state.recv_tokens,
         "y": y if num_tokens > 0 else spare,
         "w1_group_sf": spare, "w2_group_sf": spare,  # (unused without FP4 weights)
     }
@@ -483,5 +485,12 @@ def fused_call(sym_buffer: SymmBuffer, weights, num_tokens: int, y: torch.Tensor
             for name, dtype in kernel.pointer_args()]
     # whole clusters; at most one CTA per SM: the cooperative grid is co-resident
     num_ctas = max(kernel.cluster_m, num_ctas - num_ctas % kernel.cluster_m)
+    if debug_mode == "tile_clock":
+        from .kernels.sm90_mega_moe import TILE_CLOCK_TILES
+
+        shape = (num_ctas, TILE_CLOCK_TILES, 4)
+        if debug.dtype != torch.int32 or tuple(debug.shape) != shape:
+            raise ValueError(f"debug: 'tile_clock' takes an int32 tensor of shape {shape}, got "
+                             f"{debug.dtype} {tuple(debug.shape)}")
     specs = (ptrs[0], sym_buffer.rank, num_tokens, *ptrs[1:], num_ctas, STREAM)
     return _kernel_call(key, lambda: kernel, specs, state.arch)

@@ -57,3 +57,34 @@ def test_plot_writes_a_png_from_a_runs_json(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["timeline", "--from", str(source), "--out", str(out)])
     timeline.main()
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 2000
+
+
+def test_tile_spans_of_the_ticket_walks_clock_across_a_timer_wrap():
+    """`tile_spans`: one bar per recorded tile ((1 + is_l2) << 24 | n-block, pool block,
+    start, end: the timer's low 32 bits), times from the earliest start, across the low
+    word's wrap; an empty entry (code 0) ends a CTA's list; bad entries raise."""
+    top = 2**32
+    tiles = [[(1 << 24 | 3, 0, top - 2_000, top - 1_000), (2 << 24, 0, top - 500, 1_500)],
+             [(1 << 24, 1, top - 3_000, top - 2_500), (0, 0, 0, 0)]]
+    assert timeline.tile_spans(tiles) == [(0, "L1", 1.0, 2.0), (0, "L2", 2.5, 4.5),
+                                          (1, "L1", 0.0, 0.5)]
+    with pytest.raises(ValueError, match="no CTA recorded"):
+        timeline.tile_spans([[(0, 0, 0, 0)]])
+    with pytest.raises(ValueError, match="code 0x3000000"):
+        timeline.tile_spans([[(3 << 24, 0, 10, 20)]])
+    with pytest.raises(ValueError, match="ends"):
+        timeline.tile_spans([[(1 << 24, 0, 30, 20)]])
+
+
+def test_plot_writes_a_png_of_the_ticket_walks_tiles(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) draws the PNG")
+    tiles = [[(1 << 24 | n, c, 1_000 * n, 1_000 * n + 900) for n in range(4)]
+             + [(2 << 24, c, 5_000, 5_500)] for c in range(4)]
+    source = tmp_path / "timeline.json"
+    source.write_text(json.dumps({"meta": {
+        "stamps": tiles, "stamp_names": [], "walk": "tickets", "tokens": 8192, "experts": 128,
+        "recipe": "fp8xfp8", "block_m": 128, "gpu": "test"}, "rows": []}))
+    out = tmp_path / "t.png"
+    monkeypatch.setattr("sys.argv", ["timeline", "--from", str(source), "--out", str(out)])
+    timeline.main()
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 2000

@@ -450,6 +450,11 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         Sm90FusedConfig(walk="static")
     with pytest.raises(ValueError, match="lag_grids"):
         Sm90FusedConfig(lag_grids=5)
+    for walk in (None, "phases"):  # (the tile clock is the ticket walk's)
+        with pytest.raises(ValueError, match="tile_clock"):
+            Sm90FusedConfig(walk=walk, debug="tile_clock")
+    clocked = _compile(recipe, block_m, walk="tickets", debug="tile_clock")[1]
+    assert clocked.ptx.count("globaltimer") >= art.ptx.count("globaltimer") + 2
     # the one-rank default: the local dispatch
     one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
     local, local_art = _compile(recipe, block_m, layout=one, stages_inputs=True,
@@ -720,6 +725,61 @@ def test_ticket_walk_matches_staged(recipe):
         pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
         pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
         check_fused_calls(pair, 20, 512, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", (64, 128))
+def test_ticket_walk_takes_every_position_once(block_m):
+    """One ticket-walk call with its tile clock (``debug="tile_clock"``, R = 1, counted rows,
+    H 1024, I 512: 4 + 4 n-blocks, 2048 tokens x 4): every L1 and L2 tile of every pool block
+    recorded exactly once over the grid, each ending after it started, and each L2 tile
+    ending after every L1 tile of its block (its loads waited for their signal)."""
+    _gpu()
+    from bench.common import random_expert_weights
+    from cute_megamoe import api
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.heuristics import default_fused_config
+    from cute_megamoe.kernels.sm90_mega_moe import TILE_CLOCK_TILES
+    from cute_megamoe.launch import buffer_state, fused_call
+    from cute_megamoe.testing.dispatch_checks import make_routing
+    from cute_megamoe.utils import ceil_div
+
+    e, n, k, h, inter = 16, 2048, 4, 1024, 512
+    gen = torch.Generator().manual_seed(7)
+    weights = random_expert_weights(e, h, inter, "fp8xfp8")
+    buf = get_symm_buffer_for_mega_moe(None, e, n, k, h, inter, mma_type="fp8xfp8")
+    idx, w = make_routing(n, e, k, "skewed", gen)
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
+    api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
+    grid = buffer_state(buf).num_sms
+    config = default_fused_config(buf.layout, block_m, False,
+                                  Sm90FusedConfig(walk="tickets", debug="tile_clock"))
+    assert config.row_transfer == "counted"
+    y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
+    clock = torch.zeros(grid, TILE_CLOCK_TILES, 4, dtype=torch.int32, device="cuda")
+    fused_call(buf, weights, n, y, grid, None, 10.0, True, config, debug=clock)()
+    torch.cuda.synchronize()
+    counts = torch.bincount(idx[idx >= 0].flatten(), minlength=e).tolist()
+    blocks = sum(ceil_div(c, block_m) for c in counts)
+    n1, n2 = 2 * inter // 256, h // 256
+    entries = [tuple(row) for rows in clock.cpu().tolist() for row in rows if row[0]]
+    seen = sorted((code >> 24, block, code & 0xFFFFFF) for code, block, _, _ in entries)
+    assert seen == sorted([(1, b, j) for b in range(blocks) for j in range(n1)]
+                          + [(2, b, j) for b in range(blocks) for j in range(n2)])
+    ref = entries[0][2]
+
+    def rel(t):
+        return ((t - ref + 2**31) % 2**32) - 2**31
+
+    l1_end = {}
+    for code, block, t0, t1 in entries:
+        assert rel(t1) >= rel(t0)
+        if code >> 24 == 1:
+            l1_end[block] = max(l1_end.get(block, -2**31), rel(t1))
+    for code, block, _, t1 in entries:
+        if code >> 24 == 2:
+            assert rel(t1) > l1_end[block], block
+    buf.destroy()
 
 
 @pytest.mark.gpu

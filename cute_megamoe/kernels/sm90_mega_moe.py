@@ -164,6 +164,11 @@ LATE_CONSUMERS_NS = 200_000
 # `walk` "tickets": positions of the tile sequence warp 0 has taken and the consumer warps have
 # not yet read (the shared-memory tile queue between them)
 TILE_QUEUE_SLOTS = 4
+# `debug` "tile_clock" (the ticket walk): per CTA, the first TILE_CLOCK_TILES tiles its
+# consumers ran, each int32 x 4: ((1 + is_l2) << 24 | n-block, pool block, the global timer's
+# low 32 bits (ns) when the consumers read the position and when its epilogue was done);
+# the debug tensor is int32 [grid, TILE_CLOCK_TILES, 4], zeroed by the caller
+TILE_CLOCK_TILES = 512
 
 
 def walk_lengths(l1_tiles, l2_tiles, cta, num_ctas):
@@ -206,6 +211,8 @@ class Sm90MegaMoEKernel:
         self.phase_clock = config.debug == "phase_clock"
         # record every CTA's tiles in `tile_log` (diagnostic: the walk against the host model)
         self.tile_log = config.debug == "tile_log"
+        # record each tile's span in the ticket walk (`TILE_CLOCK_TILES`; diagnostic)
+        self.tile_clock = config.debug == "tile_clock"
         # (tests) CTA `HELD_CTA` waits before its combine until well past the combine's time
         # limit: an injected stall, which the other CTAs' stall report must name
         self.hold_cta = HELD_CTA if config.debug == "hold_cta" else None
@@ -407,7 +414,7 @@ class Sm90MegaMoEKernel:
         w2_sf: cute.Pointer,
         pool_block_ready: cute.Pointer,  # Int32 [P / BLOCK_M], per-call readiness counters
         phase_clock: cute.Pointer,  # Int64 [grid, len(PHASE_STAMPS)], written with phase_clock
-        tile_log: cute.Pointer,  # Int32 [tiles per CTA, grid, 4], written with tile_log
+        tile_log: cute.Pointer,  # Int32 [tiles per CTA, grid, 4] with tile_log; tile_clock's
         y: cute.Pointer,  # BF16 [num_tokens, H]
         w1_group_sf: cute.Pointer,  # FP4 weights: UE8M0 per 32 (`ExpertWeights.w1_sf`)
         w2_group_sf: cute.Pointer,
@@ -672,7 +679,8 @@ class Sm90MegaMoEKernel:
                 state = self.consume_by_ticket(
                     tiled_mma, sa, sb, sfa, sfb, ring, queue, block_start, row_start, wg - 1,
                     warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
-                    token_src_metadata, staging, state, pool_block_ready, barrier)
+                    token_src_metadata, staging, state, pool_block_ready, barrier,
+                    tile_log if cutlass.const_expr(self.tile_clock) else None)
             else:
                 state, prev, tile = self.l1.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx, grid,
@@ -807,12 +815,13 @@ class Sm90MegaMoEKernel:
                           l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
                           peer_bases: cute.Pointer, token_src_metadata: cute.Pointer,
                           staging: cute.Pointer, state, pool_block_ready: cute.Pointer,
-                          barrier: cute.Pointer):
+                          barrier: cute.Pointer, clock: cute.Pointer = None):
         """A consumer warp with `walk` "tickets": the positions warp 0 took, in its order,
         each a walk of one tile of its phase (`produce_by_ticket`). An L1 tile signals its
         pool block's readiness one tile late, after the next L1 tile's mainloop, while its
         stores drain (as in the phase walk), but before any L2 tile's: an L2 tile (of this CTA
-        or any other) never waits for a signal held behind a wait of its own. Returns the
+        or any other) never waits for a signal held behind a wait of its own. ``clock``
+        (`TILE_CLOCK_TILES`): the first consumer thread records each tile's span. Returns the
         ring's consumer state."""
         num_blocks = block_start[self.num_local_experts]
         num_positions = self.sequence.num_positions(num_blocks)
@@ -820,9 +829,14 @@ class Sm90MegaMoEKernel:
                                             TILE_QUEUE_SLOTS)
         prev = state.clone()
         owed = Int32(-1)  # the pool block of this warp's last L1 tile, not signalled yet
+        clocked = Int32(0)  # (tiles recorded)
+        clocks = mma_wg == 0 and warp_in_wg == 0 and lane == 0
         position, slot = self.read_position(queue, slot, barrier, lane)
         while position < num_positions:
             is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
+            start = Int64(0)
+            if cutlass.const_expr(clock is not None):
+                start = cute.arch.globaltimer()
             if is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
                 state, prev, _, owed = self.l1.consume(
@@ -839,6 +853,16 @@ class Sm90MegaMoEKernel:
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev)
+            if cutlass.const_expr(clock is not None):
+                if clocks and clocked < TILE_CLOCK_TILES:
+                    bidx, _, _ = cute.arch.block_idx()
+                    entry = clock + (bidx * TILE_CLOCK_TILES + clocked) * 4
+                    end = cute.arch.globaltimer()
+                    cute.arch.store(entry, ((1 + is_l2) << 24) | n_block)
+                    cute.arch.store(entry + 1, pool_block)
+                    cute.arch.store(entry + 2, Int32(start & 0xFFFFFFFF))
+                    cute.arch.store(entry + 3, Int32(end & 0xFFFFFFFF))
+                clocked += 1
             position, slot = self.read_position(queue, slot, barrier, lane)
         if owed >= 0:  # (waits for the stores, as a phase walk's end)
             self.l1.signal_ready(pool_block_ready, owed, lane)
