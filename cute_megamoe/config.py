@@ -32,6 +32,7 @@ __all__ = [
     "DECODE_TABLES",
     "K_UNROLLS",
     "LAG_GRIDS",
+    "WALK_BANDS",
     "PROMOTIONS",
     "ROW_STORES",
     "ROW_TRANSFERS",
@@ -64,6 +65,9 @@ WALKS = ("phases", "tickets")
 #: the ticket walk's lag, in grids' worth of tiles between a pool block's first L1 and first L2
 #: position (`scheduler.host_model.dataflow_lag`)
 LAG_GRIDS = (1, 2, 3, 4, 6, 8)
+#: the ticket walk's bands: pool blocks whose tiles take each weight tile at neighbouring
+#: positions (`scheduler.host_model.dataflow_sequence`)
+WALK_BANDS = (1, 2, 3, 4, 8)
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
 #: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), or with the ticket walk each
 #: tile's start and end (`sm90_mega_moe.TILE_CLOCK_TILES`), into the launch's debug tensor
@@ -210,6 +214,7 @@ class Sm90FusedConfig(_Config):
     promotion, k_unroll, row_stores, decode_tables: the GEMM phases' (`Sm90GemmConfig`).
     walk: how the CTAs take the GEMM tiles, `WALKS` (FP8 / BF16 weights for "tickets").
     lag_grids: the ticket walk's lag, `LAG_GRIDS` (unused by "phases").
+    band: the ticket walk's bands of pool blocks, `WALK_BANDS` (unused by "phases").
     debug: a diagnostic, `DEBUG_MODES`: "phase_clock", "tile_log" and (the ticket walk's)
         "tile_clock" write into the launch's debug tensor; "hold_cta" and "late_consumers" are
         test builds with an injected delay.
@@ -226,11 +231,13 @@ class Sm90FusedConfig(_Config):
     decode_tables: str | None = None
     walk: str | None = None
     lag_grids: int | None = None
+    band: int | None = None
     debug: str | None = None
 
     _choices = {"block_m": (64, 128), "row_transfer": ROW_TRANSFERS, "promotion": PROMOTIONS,
                 "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES,
-                "walk": WALKS, "lag_grids": LAG_GRIDS, "debug": DEBUG_MODES}
+                "walk": WALKS, "lag_grids": LAG_GRIDS, "band": WALK_BANDS,
+                "debug": DEBUG_MODES}
     _flags = ("weights_first", "stages_inputs", "local_dispatch")
     _optional = ("debug",)
 

@@ -235,6 +235,9 @@ FUSED_WALK = "phases"
 #: the ticket walk's lag in grids of tiles (`config.LAG_GRIDS`): the dataflow model's choice
 #: (docs/notes/dataflow.md, section 5), not measured against the others yet
 FUSED_LAG_GRIDS = 2
+#: the ticket walk's bands of pool blocks (`config.WALK_BANDS`): one block, as modelled; wider
+#: bands (each weight tile at neighbouring positions) not measured yet
+FUSED_WALK_BAND = 1
 #: The fused kernel's row transfer follows the buffer's token capacity, which every rank shares
 #: (the two protocols must not mix): "counted" up to this many tokens per rank (decode
 #: buffers), "barrier" above. At R = 1, layer calls back to back in one process (CUDA graphs),
@@ -368,7 +371,8 @@ def default_fused_config(layout, block_m: int, given_x: bool,
                    row_stores=config.row_stores or FUSED_ROW_STORES,
                    decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
                    else FUSED_DECODE_TABLES, walk=config.walk or FUSED_WALK,
-                   lag_grids=config.lag_grids or FUSED_LAG_GRIDS)
+                   lag_grids=config.lag_grids or FUSED_LAG_GRIDS,
+                   band=config.band or FUSED_WALK_BAND)
 
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:

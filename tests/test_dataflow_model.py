@@ -88,8 +88,51 @@ def test_a_lag_past_the_last_block_is_todays_fused_walk():
                                                                        num_ctas, c)
 
 
+@pytest.mark.parametrize("case", COUNT_CASES)
+@pytest.mark.parametrize("band,lag", [(2, 0), (3, 1), (4, 2), (4, 50)])
+def test_banded_sequences_read_each_weight_tile_at_neighbouring_positions(case, band, lag):
+    """Bands of ``band`` pool blocks: every tile once, positions counting the last band's
+    padding; inside a band's L1 (L2) tiles the n-block is slowest, so the band's blocks take
+    one weight tile at consecutive positions; a band's L2 tiles come right after the L1 tiles
+    of the band ``lag`` later (its own L1 when that is past the end)."""
+    counts = COUNT_CASES[case]
+    seq = dataflow_sequence(counts, *SHAPE, lag, band=band)
+    assert Counter((s.phase, s.tile.pool_block, s.tile.n_block) for s in seq) == \
+        _expected_runs(counts, 64)
+    blocks = sum(num_m_blocks(c, 64) for c in counts)
+    bands = -(-blocks // band)
+    assert len({s.position for s in seq}) == len(seq)
+    assert all(0 <= s.position < bands * band * (N1 + N2) for s in seq)
+    for s in seq:
+        assert s.ring_slot == s.tile.pool_block % min_ring_slots(lag, band)
+    for u in range(bands):
+        for phase in ("l1", "l2"):
+            mine = [s for s in seq if s.phase == phase and s.tile.pool_block // band == u]
+            assert [s.tile.n_block for s in mine] == sorted(s.tile.n_block for s in mine)
+            assert all(b.position - a.position == 1 for a, b in zip(mine, mine[1:], strict=False)
+                       if a.tile.n_block == b.tile.n_block)
+        l2 = min(s.position for s in seq if s.phase == "l2" and s.tile.pool_block // band == u)
+        l1_after = max(s.position for s in seq if s.phase == "l1"
+                       and s.tile.pool_block // band == min(u + lag, bands - 1))
+        assert l1_after < l2 and all(not (l1_after < s.position < l2) or s.phase == "l2"
+                                     for s in seq)
+
+
+@pytest.mark.parametrize("band", [1, 2, 4])
+def test_the_model_completes_banded_walks_with_their_ring(band):
+    """With bands the L1-output ring needs ``(lag + 1) * band`` slots (`min_ring_slots`);
+    the model completes every routing on small and large grids with that ring."""
+    for case in ("random", "skewed", "single_row"):
+        for num_ctas in (1, 5, 40):
+            lag = dataflow_lag(num_ctas, N1, N2, band=band)
+            result = simulate_dataflow(COUNT_CASES[case], *SHAPE, num_ctas, lag,
+                                       ring_slots=min_ring_slots(lag, band), band=band)
+            assert result.completed, (case, num_ctas, band, result.stuck)
+
+
 def test_lag_and_ring_rules():
     assert [min_ring_slots(lag) for lag in (0, 1, 6)] == [1, 2, 7]
+    assert min_ring_slots(2, band=4) == 12 and dataflow_lag(132, 16, 28, band=4) == 2
     # DeepSeek-V3 at BLOCK_M 128: L1 4096 / 256 = 16 tiles, L2 7168 / 256 = 28 per block
     assert dataflow_lag(132, 16, 28) == 6 and dataflow_lag(1, 16, 28) == 1
     assert dataflow_lag(132, 16, 28, grids=1) == 3

@@ -215,9 +215,10 @@ DATAFLOW_FIELDS = 6  # is_l2, expert, m_block, n_block, pool_block, valid_m
 
 
 def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: int, lag: int,
-                          max_tiles: int):
+                          max_tiles: int, band: int = 1):
     """Every CTA walks positions cta, cta + S, ... of the dataflow sequence
-    (`scheduler.device.DataflowSequence`), each tile found by its phase's scheduler."""
+    (`scheduler.device.DataflowSequence`, bands of ``band`` blocks: the padding's positions
+    skipped), each tile found by its phase's scheduler."""
     import cutlass.cute as cute
     from cutlass import Int32
 
@@ -225,7 +226,7 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
 
     class DataflowWalkKernel:
         def __init__(self):
-            self.sequence = DataflowSequence(num_n1, num_n2, lag)
+            self.sequence = DataflowSequence(num_n1, num_n2, lag, band)
             self.l1 = ExpertTileScheduler(num_experts, block_m, num_n1)
             self.l2 = ExpertTileScheduler(num_experts, block_m, num_n2)
 
@@ -247,59 +248,71 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
                 i = Int32(0)
                 while position < end:
                     is_l2, pool_block, n = self.sequence.position(position, num_blocks)
-                    expert, m_block, n_block, block, valid_m = (Int32(0),) * 5
-                    if is_l2 == 0:
-                        owner1, expert, m_block, n_block, block, valid_m = self.l1.tile(
-                            pool_block * num_n1 + n, owner1, block_start, row_start, Int32(1))
-                    else:
-                        owner2, expert, m_block, n_block, block, valid_m = self.l2.tile(
-                            pool_block * num_n2 + n, owner2, block_start, row_start, Int32(1))
-                    if i < max_tiles:
-                        first = i * DATAFLOW_FIELDS
-                        record[first + 0] = is_l2
-                        record[first + 1] = expert
-                        record[first + 2] = m_block
-                        record[first + 3] = n_block
-                        record[first + 4] = block
-                        record[first + 5] = valid_m
-                    i += 1
+                    if pool_block < num_blocks:  # (else the last band's padding)
+                        expert, m_block, n_block, block, valid_m = (Int32(0),) * 5
+                        if is_l2 == 0:
+                            owner1, expert, m_block, n_block, block, valid_m = self.l1.tile(
+                                pool_block * num_n1 + n, owner1, block_start, row_start,
+                                Int32(1))
+                        else:
+                            owner2, expert, m_block, n_block, block, valid_m = self.l2.tile(
+                                pool_block * num_n2 + n, owner2, block_start, row_start,
+                                Int32(1))
+                        if i < max_tiles:
+                            first = i * DATAFLOW_FIELDS
+                            record[first + 0] = is_l2
+                            record[first + 1] = expert
+                            record[first + 2] = m_block
+                            record[first + 3] = n_block
+                            record[first + 4] = block
+                            record[first + 5] = valid_m
+                        i += 1
                     position += grid
 
     return DataflowWalkKernel()
 
 
 def test_host_dataflow_position_is_the_sequence():
-    """`host_model.dataflow_position` gives every entry of `dataflow_sequence`: random counts
-    (empty experts, one row), both BLOCK_Ms, lags from 0 to past the block count."""
+    """`host_model.dataflow_position` gives every entry of `dataflow_sequence`, and the last
+    band's padding (a block past the pool) at every other position: random counts (empty
+    experts, one row), both BLOCK_Ms, lags from 0 to past the block count, bands of 1-4."""
     import random
 
     from cute_megamoe.scheduler.host_model import (
         dataflow_position,
+        dataflow_positions,
         dataflow_sequence,
         pool_block_offsets,
     )
 
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(300):
         counts = [rng.choice((0, 1, rng.randint(0, 700))) for _ in range(rng.randint(1, 10))]
         block_m, n1, n2, lag = rng.choice((64, 128)), rng.randint(1, 5), rng.randint(1, 6), \
             rng.randint(0, 12)
+        band = rng.choice((1, 1, 2, 3, 4))
         num_blocks = pool_block_offsets(counts, block_m)[-1]
-        seq = dataflow_sequence(counts, block_m, 128, 128 * n1, 128, 128 * n2, lag)
+        seq = dataflow_sequence(counts, block_m, 128, 128 * n1, 128, 128 * n2, lag, band=band)
         assert len(seq) == num_blocks * (n1 + n2)
-        for entry in seq:
-            assert dataflow_position(entry.position, num_blocks, n1, n2, lag) == \
-                (entry.phase, entry.tile.pool_block, entry.tile.n_block)
+        by_position = {e.position: (e.phase, e.tile.pool_block, e.tile.n_block) for e in seq}
+        for position in range(dataflow_positions(num_blocks, n1, n2, band)):
+            entry = dataflow_position(position, num_blocks, n1, n2, lag, band)
+            assert by_position.get(position, entry) == entry
+            assert (position in by_position) == (entry[1] < num_blocks)
     with pytest.raises(ValueError, match="outside the sequence"):
         dataflow_position(12, 2, 3, 3, 1)
+    with pytest.raises(ValueError, match="outside the sequence"):
+        dataflow_position(24, 3, 3, 3, 1, band=2)  # (two bands of 2: 24 positions)
 
 
-DATAFLOW_CASES = [  # counts, block_m, L1 n-blocks, L2 n-blocks, lag, CTAs
-    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 3, 7),
-    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 16, 28, 6, 132),
-    ([0, 0, 0, 0], 64, 3, 2, 2, 5),
-    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 9, 3),  # lag past the block count
-    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 2, 3, 0, 16),
+DATAFLOW_CASES = [  # counts, block_m, L1 n-blocks, L2 n-blocks, lag, CTAs, band
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 3, 7, 1),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 128, 16, 28, 6, 132, 1),
+    ([0, 0, 0, 0], 64, 3, 2, 2, 5, 1),
+    ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 9, 3, 1),  # lag past the block count
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 2, 3, 0, 16, 1),
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 2, 9, 3),  # bands, the last one padded
+    ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 128, 16, 28, 2, 132, 4),
 ]
 
 
@@ -310,27 +323,27 @@ def test_dataflow_walk_kernel_compiles(arch):
 
     from cute_megamoe.testing.compile import compile_for_arch, fake_ptr, fake_stream
 
-    art = compile_for_arch(_dataflow_walk_kernel(8, 64, 3, 5, 2, 16), fake_ptr(Int32, 4),
+    art = compile_for_arch(_dataflow_walk_kernel(8, 64, 3, 5, 2, 16, band=3), fake_ptr(Int32, 4),
                            fake_ptr(Int32, 4), Int32(4), fake_stream(), arch=arch,
                            keep_sass=False)
     assert "st.global" in art.ptx
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts,block_m,num_n1,num_n2,lag,num_ctas", DATAFLOW_CASES)
+@pytest.mark.parametrize("counts,block_m,num_n1,num_n2,lag,num_ctas,band", DATAFLOW_CASES)
 def test_device_dataflow_walk_matches_host_model(counts, block_m, num_n1, num_n2, lag,
-                                                 num_ctas):
+                                                 num_ctas, band):
     from cute_megamoe.scheduler.host_model import PHASE_L2, dataflow_tile_walk
 
     max_tiles = 96
     got = _run_walk(_dataflow_walk_kernel(len(counts), block_m, num_n1, num_n2, lag,
-                                          max_tiles), counts, num_ctas, max_tiles,
+                                          max_tiles, band), counts, num_ctas, max_tiles,
                     DATAFLOW_FIELDS)
     for cta in range(num_ctas):
         want = [(int(e.phase == PHASE_L2), e.tile.expert, e.tile.m_block, e.tile.n_block,
                  e.tile.pool_block, e.tile.valid_m)
                 for e in dataflow_tile_walk(counts, block_m, 128, num_n1 * 128, 128,
-                                            num_n2 * 128, num_ctas, cta, lag)]
+                                            num_n2 * 128, num_ctas, cta, lag, band=band)]
         assert len(want) <= max_tiles
         rows = [tuple(r) for r in got[cta].tolist() if r[0] != -1]
         assert rows == want, f"cta {cta}"

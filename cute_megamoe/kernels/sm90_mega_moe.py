@@ -334,8 +334,9 @@ class Sm90MegaMoEKernel:
             raise ValueError("config.walk: 'tickets' with FP8 / BF16 weights only (the decode "
                              "warpgroups walk their tiles in phases)")
         n1, n2 = self.l1.num_n_blocks, self.l2.num_n_blocks
-        self.sequence = DataflowSequence(n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2,
-                                                              config.lag_grids))
+        self.sequence = DataflowSequence(
+            n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2, config.lag_grids, config.band),
+            config.band)
         # (the ticket walk: of its first ticket's tile, taken as soon as the prefix sums are in)
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights)
@@ -764,7 +765,9 @@ class Sm90MegaMoEKernel:
             # published): the consumers find their next position ready
             upcoming = self.take_ticket(ticket, lane)
             is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
-            if is_l2 == 0:
+            if pool_block >= num_blocks:  # the last band's padding: no tile
+                pass
+            elif is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
                 state, _ = self.l1.produce(
                     tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb, sfa, sfb, a1_sf, w1_sf, ring,
@@ -837,7 +840,9 @@ class Sm90MegaMoEKernel:
             start = Int64(0)
             if cutlass.const_expr(clock is not None):
                 start = cute.arch.globaltimer()
-            if is_l2 == 0:
+            if pool_block >= num_blocks:  # the last band's padding: no tile
+                pass
+            elif is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
                 state, prev, _, owed = self.l1.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
@@ -854,15 +859,16 @@ class Sm90MegaMoEKernel:
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev)
             if cutlass.const_expr(clock is not None):
-                if clocks and clocked < TILE_CLOCK_TILES:
-                    bidx, _, _ = cute.arch.block_idx()
-                    entry = clock + (bidx * TILE_CLOCK_TILES + clocked) * 4
-                    end = cute.arch.globaltimer()
-                    cute.arch.store(entry, ((1 + is_l2) << 24) | n_block)
-                    cute.arch.store(entry + 1, pool_block)
-                    cute.arch.store(entry + 2, Int32(start & 0xFFFFFFFF))
-                    cute.arch.store(entry + 3, Int32(end & 0xFFFFFFFF))
-                clocked += 1
+                if pool_block < num_blocks:
+                    if clocks and clocked < TILE_CLOCK_TILES:
+                        bidx, _, _ = cute.arch.block_idx()
+                        entry = clock + (bidx * TILE_CLOCK_TILES + clocked) * 4
+                        end = cute.arch.globaltimer()
+                        cute.arch.store(entry, ((1 + is_l2) << 24) | n_block)
+                        cute.arch.store(entry + 1, pool_block)
+                        cute.arch.store(entry + 2, Int32(start & 0xFFFFFFFF))
+                        cute.arch.store(entry + 3, Int32(end & 0xFFFFFFFF))
+                    clocked += 1
             position, slot = self.read_position(queue, slot, barrier, lane)
         if owed >= 0:  # (waits for the stores, as a phase walk's end)
             self.l1.signal_ready(pool_block_ready, owed, lane)
@@ -935,8 +941,10 @@ class Sm90MegaMoEKernel:
                 is_l2, pool_block, n_block = self.sequence.position(
                     cute.arch.shuffle_sync(first_ticket, 0), num_blocks)
                 tile = pool_block * self.l1.num_n_blocks + n_block
-                # (an L2 tile or the sequence's end: none, as past the L1 tiles)
-                num_tiles = cutlass.select_(is_l2 == 0, tile + 1, Int32(0))
+                # (an L2 tile, the last band's padding or the sequence's end: none, as past
+                # the L1 tiles)
+                num_tiles = cutlass.select_((is_l2 == 0) & (pool_block < num_blocks),
+                                            tile + 1, Int32(0))
                 loaded = self.l1.load_first_weights(
                     tma_b1, tma_b1_mc, m_b1, sb, sfb, w1_sf, ring, block_start, row_start,
                     num_tiles, tile, Int32(1), lane, state)

@@ -127,45 +127,51 @@ class ExpertTileScheduler:
 class DataflowSequence:
     """The dataflow kernel's lag-ordered L1 / L2 sequence (`host_model.dataflow_sequence`;
     docs/notes/dataflow.md): an entry's (phase, pool block, n-block) from its position, as a
-    CTA finds its next tile from a ticket. The device twin of `host_model.dataflow_position`;
-    the pool block's expert, m-block and valid rows then come from the phase's
+    CTA finds its next tile from a ticket. The device twin of `host_model.dataflow_position`,
+    with bands of ``band`` pool blocks (the last padded: a pool block past the pool holds no
+    tile); the pool block's expert, m-block and valid rows then come from the phase's
     `ExpertTileScheduler` (with one-block raster bands, tile ``pool_block * n + n_block``)."""
 
-    def __init__(self, num_n1: int, num_n2: int, lag: int):
+    def __init__(self, num_n1: int, num_n2: int, lag: int, band: int = 1):
         self.num_n1 = _positive("num_n1", num_n1)
         self.num_n2 = _positive("num_n2", num_n2)
         self.lag = _non_negative("lag", lag)
+        self.band = _positive("band", band)
 
     @cute.jit
     def num_positions(self, num_blocks: Int32) -> Int32:
-        """Entries of the sequence over ``num_blocks`` pool blocks."""
-        return num_blocks * (self.num_n1 + self.num_n2)
+        """Entries of the sequence over ``num_blocks`` pool blocks (the padding included)."""
+        return (num_blocks + self.band - 1) // self.band * self.band * (self.num_n1
+                                                                          + self.num_n2)
 
     @cute.jit
     def position(self, position: Int32, num_blocks: Int32):
         """Entry ``position`` (< `num_positions`): ``(is_l2, pool_block, n_block)``."""
-        n1, n2, lag = self.num_n1, self.num_n2, self.lag
-        head = cutlass.min(num_blocks, Int32(lag)) * n1
-        body_end = head + cutlass.max(num_blocks - lag, Int32(0)) * (n1 + n2)
+        band, lag = self.band, self.lag
+        u1, u2 = band * self.num_n1, band * self.num_n2  # a band's L1 / L2 entries
+        num_bands = (num_blocks + band - 1) // band
+        head = cutlass.min(num_bands, Int32(lag)) * u1
+        body_end = head + cutlass.max(num_bands - lag, Int32(0)) * (u1 + u2)
         is_l2 = Int32(0)
-        pool_block = Int32(0)
-        n_block = Int32(0)
-        if position < head:  # the first blocks' L1 tiles
-            pool_block = position // n1
-            n_block = position - pool_block * n1
-        elif position < body_end:  # block lag + step's L1 tiles, then block step's L2 tiles
-            step = (position - head) // (n1 + n2)
-            offset = position - head - step * (n1 + n2)
-            if offset < n1:
-                pool_block = lag + step
-                n_block = offset
+        unit = Int32(0)
+        offset = Int32(0)
+        if position < head:  # the first bands' L1 tiles
+            unit = position // u1
+            offset = position - unit * u1
+        elif position < body_end:  # band lag + step's L1 tiles, then band step's L2 tiles
+            step = (position - head) // (u1 + u2)
+            offset = position - head - step * (u1 + u2)
+            if offset < u1:
+                unit = lag + step
             else:
                 is_l2 = Int32(1)
-                pool_block = step
-                n_block = offset - n1
-        else:  # the last blocks' L2 tiles
+                unit = step
+                offset = offset - u1
+        else:  # the last bands' L2 tiles
             tail = position - body_end
             is_l2 = Int32(1)
-            pool_block = cutlass.max(num_blocks - lag, Int32(0)) + tail // n2
-            n_block = tail - (tail // n2) * n2
-        return is_l2, pool_block, n_block
+            unit = cutlass.max(num_bands - lag, Int32(0)) + tail // u2
+            offset = tail - (tail // u2) * u2
+        # (inside a band's tiles of a phase the n-block is slowest)
+        n_block = offset // band
+        return is_l2, unit * band + (offset - n_block * band), n_block

@@ -43,6 +43,7 @@ __all__ = [
     "assign_tiles",
     "dataflow_lag",
     "dataflow_position",
+    "dataflow_positions",
     "dataflow_sequence",
     "dataflow_tile_walk",
     "grouped_gemm_tiles",
@@ -383,11 +384,12 @@ class DataflowTile:
     position: int
 
 
-def min_ring_slots(lag: int) -> int:
-    """The fewest L1-output ring slots the lag-ordered sequence with lag ``lag`` is
-    deadlock-free with under every routing and grid: ``lag + 1`` (``docs/notes/dataflow.md``;
-    one slot fewer deadlocks a one-CTA grid as soon as there are ``lag + 1`` pool blocks)."""
-    return _non_negative("lag", lag) + 1
+def min_ring_slots(lag: int, band: int = 1) -> int:
+    """The fewest L1-output ring slots (pool blocks) the lag-ordered sequence with lag ``lag``
+    bands of ``band`` blocks is deadlock-free with under every routing and grid:
+    ``(lag + 1) * band`` (``docs/notes/dataflow.md``; with one-block bands, one slot fewer
+    deadlocks a one-CTA grid as soon as there are ``lag + 1`` pool blocks)."""
+    return (_non_negative("lag", lag) + 1) * _positive("band", band)
 
 
 def dataflow_sequence(
@@ -399,15 +401,20 @@ def dataflow_sequence(
     l2_n: int,
     lag: int,
     ring_slots: int | None = None,
+    band: int = 1,
 ) -> list[DataflowTile]:
     """The whole lag-ordered L1/L2 sequence of one rank's dataflow kernel.
 
-    Pool blocks ``b`` in pool order (expert-major, :func:`pool_block_offsets`); for
-    ``j = 0, 1, ..., B - 1 + lag``: block ``j``'s L1 tiles (n-blocks ascending) if ``j < B``,
-    then block ``j - lag``'s L2 tiles if ``j >= lag``. So the L2 of block ``b`` comes right
-    after the L1 of block ``b + lag`` (after the last L1 at the tail), ``lag * n1`` L1 tiles
-    after its own; each block's L1 and L2 tiles are consecutive positions, so a round-robin
-    grid spreads one block's ``n2`` L2 tiles over ``n2`` neighbouring CTAs.
+    Pool blocks in pool order (expert-major, :func:`pool_block_offsets`), in bands of
+    ``band`` consecutive blocks (the last one padded to ``band`` with blocks past the pool);
+    for ``j = 0, 1, ..., NB - 1 + lag`` over the ``NB`` bands: band ``j``'s L1 tiles if
+    ``j < NB``, then band ``j - lag``'s L2 tiles if ``j >= lag``; inside a band's tiles of a
+    phase the n-block is slowest, so the band's blocks read each weight tile at neighbouring
+    positions (at the same time on neighbouring CTAs). So the L2 of band ``u`` comes right
+    after the L1 of band ``u + lag`` (after the last L1 at the tail); with one-block bands
+    (the default) the L2 of block ``b`` comes ``lag * n1`` L1 tiles after its own L1 and its
+    ``n2`` L2 tiles spread over ``n2`` neighbouring CTAs of a round-robin grid. Positions of
+    the padding blocks are counted but hold no tile (`dataflow_position` names them).
     ``ring_slots`` (default :func:`min_ring_slots`) numbers the L1-output ring's slots; any
     value >= 1 is accepted so a model can show what too small a ring does.
     """
@@ -415,54 +422,76 @@ def dataflow_sequence(
     _positive("block_m", block_m)
     num_n1 = _num_n_blocks(l1_block_n, l1_n, "l1_n")
     num_n2 = _num_n_blocks(l2_block_n, l2_n, "l2_n")
-    slots = min_ring_slots(lag) if ring_slots is None else _positive("ring_slots", ring_slots)
+    _positive("band", band)
+    slots = min_ring_slots(lag, band) if ring_slots is None else _positive("ring_slots",
+                                                                           ring_slots)
     offsets = pool_block_offsets(counts, block_m)
     blocks = []  # (expert, m_block, valid_m) per pool block
     for e, count in enumerate(counts):
         blocks += [(e, m, min(block_m, count - m * block_m))
                    for m in range(num_m_blocks(count, block_m))]
     seq: list[DataflowTile] = []
+    position = 0
 
-    def emit(phase: str, b: int, num_n: int) -> None:
-        e, m, valid = blocks[b]
+    def emit(phase: str, unit: int, num_n: int) -> None:
+        nonlocal position
         for nb in range(num_n):
-            seq.append(DataflowTile(phase, Tile(e, m, nb, offsets[e] + m, valid), b % slots,
-                                    len(seq)))
+            for b in range(unit * band, (unit + 1) * band):
+                if b < len(blocks):
+                    e, m, valid = blocks[b]
+                    seq.append(DataflowTile(phase, Tile(e, m, nb, offsets[e] + m, valid),
+                                            b % slots, position))
+                position += 1
 
-    for j in range(len(blocks) + lag):
-        if j < len(blocks):
+    num_bands = ceil_div(len(blocks), band)
+    for j in range(num_bands + lag):
+        if j < num_bands:
             emit(PHASE_L1, j, num_n1)
-        if j >= lag and j - lag < len(blocks):
+        if j >= lag and j - lag < num_bands:
             emit(PHASE_L2, j - lag, num_n2)
     return seq
 
 
+def dataflow_positions(num_blocks: int, num_n1: int, num_n2: int, band: int = 1) -> int:
+    """Positions of :func:`dataflow_sequence` over ``num_blocks`` pool blocks, the padding of
+    the last band included."""
+    return ceil_div(num_blocks, band) * band * (num_n1 + num_n2)
+
+
 def dataflow_position(position: int, num_blocks: int, num_n1: int, num_n2: int,
-                      lag: int) -> tuple[str, int, int]:
+                      lag: int, band: int = 1) -> tuple[str, int, int]:
     """Entry ``position`` of :func:`dataflow_sequence` over ``num_blocks`` pool blocks, without
-    the list: (phase, pool block, n-block). The sequence has three parts: the L1 tiles of the
-    first ``min(lag, B)`` blocks; then, per block ``j`` in ``[lag, B)``, its ``num_n1`` L1
-    tiles followed by block ``j - lag``'s ``num_n2`` L2 tiles; then the L2 tiles of the last
-    ``min(lag, B)`` blocks. What the device walk computes from a ticket
-    (`scheduler.device.DataflowSequence.position`), in a few integer operations."""
+    the list: (phase, pool block, n-block); a pool block past the pool (``>= num_blocks``) is
+    the last band's padding: no tile. Over ``NB`` bands of ``band`` blocks the sequence has
+    three parts: the L1 tiles of the first ``min(lag, NB)`` bands; then, per band ``j`` in
+    ``[lag, NB)``, its L1 tiles followed by band ``j - lag``'s L2 tiles; then the L2 tiles of
+    the last ``min(lag, NB)`` bands; inside a band's tiles of a phase the n-block is slowest.
+    What the device walk computes from a ticket (`scheduler.device.DataflowSequence.position`),
+    in a few integer operations."""
     _non_negative("num_blocks", num_blocks)
     _positive("num_n1", num_n1)
     _positive("num_n2", num_n2)
     _non_negative("lag", lag)
-    if not 0 <= position < num_blocks * (num_n1 + num_n2):
-        raise ValueError(f"position {position} outside the sequence's "
-                         f"{num_blocks * (num_n1 + num_n2)} entries")
-    head = min(lag, num_blocks) * num_n1
-    body_end = head + max(num_blocks - lag, 0) * (num_n1 + num_n2)
+    _positive("band", band)
+    end = dataflow_positions(num_blocks, num_n1, num_n2, band)
+    if not 0 <= position < end:
+        raise ValueError(f"position {position} outside the sequence's {end} entries")
+    num_bands = ceil_div(num_blocks, band)
+    u1, u2 = band * num_n1, band * num_n2  # entries of a band's L1 / L2 tiles
+    head = min(lag, num_bands) * u1
+    body_end = head + max(num_bands - lag, 0) * (u1 + u2)
     if position < head:
-        return PHASE_L1, position // num_n1, position % num_n1
-    if position < body_end:
-        step, offset = divmod(position - head, num_n1 + num_n2)
-        if offset < num_n1:
-            return PHASE_L1, lag + step, offset
-        return PHASE_L2, step, offset - num_n1
-    block, n_block = divmod(position - body_end, num_n2)
-    return PHASE_L2, max(num_blocks - lag, 0) + block, n_block
+        phase, unit, offset = PHASE_L1, position // u1, position % u1
+    elif position < body_end:
+        step, offset = divmod(position - head, u1 + u2)
+        phase, unit = PHASE_L1, lag + step
+        if offset >= u1:
+            phase, unit, offset = PHASE_L2, step, offset - u1
+    else:
+        unit, offset = divmod(position - body_end, u2)
+        phase, unit = PHASE_L2, max(num_bands - lag, 0) + unit
+    n_block, in_band = divmod(offset, band)
+    return phase, unit * band + in_band, n_block
 
 
 def dataflow_tile_walk(
@@ -476,24 +505,29 @@ def dataflow_tile_walk(
     cta: int,
     lag: int,
     ring_slots: int | None = None,
+    band: int = 1,
 ) -> list[DataflowTile]:
     """One CTA's work list in the dataflow kernel: positions ``cta, cta + num_ctas, ...`` of
     :func:`dataflow_sequence`, in order (L1 and L2 tiles interleaved, each L2 a fixed ``lag``
-    blocks behind its L1). The device walk would count the same positions without a list."""
+    bands behind its L1; the padding's positions hold no tile). The device walk would count
+    the same positions without a list."""
     _check_cta(cta, num_ctas)
     seq = dataflow_sequence(expert_counts, block_m, l1_block_n, l1_n, l2_block_n, l2_n, lag,
-                            ring_slots)
-    return seq[cta::num_ctas]
+                            ring_slots, band)
+    return [entry for entry in seq if entry.position % num_ctas == cta]
 
 
-def dataflow_lag(num_ctas: int, num_n1: int, num_n2: int, grids: int = 2) -> int:
-    """The lag (pool blocks) that puts ``grids`` grids' worth of tiles between the first L1
-    tile of a block and its first L2 tile: ``ceil(grids * num_ctas / (num_n1 + num_n2))``,
-    at least 1. Block ``b``'s L1 tiles then ran about ``grids`` tile times before a CTA
-    reaches its L2, so a CTA rarely waits for them (a performance choice, not a safety one:
-    every lag is deadlock-free with :func:`min_ring_slots` slots)."""
+def dataflow_lag(num_ctas: int, num_n1: int, num_n2: int, grids: int = 2,
+                 band: int = 1) -> int:
+    """The lag (bands of ``band`` pool blocks) that puts ``grids`` grids' worth of tiles
+    between the first L1 tile of a band and its first L2 tile:
+    ``ceil(grids * num_ctas / (band * (num_n1 + num_n2)))``, at least 1. Band ``u``'s L1
+    tiles then ran about ``grids`` tile times before a CTA reaches its L2, so a CTA rarely
+    waits for them (a performance choice, not a safety one: every lag is deadlock-free with
+    :func:`min_ring_slots` slots)."""
     _positive("num_ctas", num_ctas)
     _positive("num_n1", num_n1)
     _positive("num_n2", num_n2)
     _positive("grids", grids)
-    return max(1, ceil_div(grids * num_ctas, num_n1 + num_n2))
+    _positive("band", band)
+    return max(1, ceil_div(grids * num_ctas, band * (num_n1 + num_n2)))

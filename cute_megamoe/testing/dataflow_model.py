@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from ..scheduler.host_model import (
     PHASE_L1,
     dataflow_sequence,
+    min_ring_slots,
     num_m_blocks,
 )
 
@@ -113,22 +114,24 @@ def simulate_dataflow(
     seed: int = 0,
     assignment: str = "ticket",
     senders_on_ctas: bool = False,
+    band: int = 1,
 ) -> DataflowRun:
     """Run one rank's dataflow schedule (see the module docstring).
 
-    ``expert_counts``, the tile shape, ``num_ctas``, ``lag`` and ``ring_slots`` (default
-    ``lag + 1``) as `scheduler.host_model.dataflow_sequence`; ``row_slots``: slots of the
-    received-rows ring (None: a whole pool, no back-pressure); ``sources[e][s]``: expert
-    ``e``'s rows from source rank ``s`` (None: one source); ``jitter``: each item's duration
-    is multiplied by a seeded uniform factor in ``[1, 1 + jitter]``; ``assignment``: one of
+    ``expert_counts``, the tile shape, ``num_ctas``, ``lag``, ``ring_slots`` (default
+    `min_ring_slots`) and ``band`` as `scheduler.host_model.dataflow_sequence`;
+    ``row_slots``: slots of the received-rows ring (None: a whole pool, no back-pressure);
+    ``sources[e][s]``: expert ``e``'s rows from source rank ``s`` (None: one source);
+    ``jitter``: each item's duration is multiplied by a seeded uniform factor in
+    ``[1, 1 + jitter]``; ``assignment``: one of
     `ASSIGNMENTS`; ``senders_on_ctas``: the rows are moved by the CTAs themselves, each its
     share (round-robin over (source, block) items) before its tiles, as the fused kernel's
     threads do today, instead of by senders of their own (the negative case of the note).
     """
     counts = [int(c) for c in expert_counts]
     seq = dataflow_sequence(counts, block_m, l1_block_n, l1_n, l2_block_n, l2_n, lag,
-                            ring_slots)
-    slots = lag + 1 if ring_slots is None else ring_slots
+                            ring_slots, band)
+    slots = min_ring_slots(lag, band) if ring_slots is None else ring_slots
     if row_slots is not None and row_slots < 1:
         raise ValueError(f"row_slots must be >= 1 or None, got {row_slots}")
     if jitter < 0:
