@@ -152,7 +152,7 @@ REPORT_NAMES = (
     # value: the stage, target: the phase parity awaited)
     "the ring's last stages, freed (loads)",
     "the last packed weight stages, freed (packed loads)",
-    # the ticket walk's tile queue (`Sm90MegaMoEKernel.next_position`, `read_position`; value:
+    # the ticket walk's tile queue (`Sm90MegaMoEKernel.publish`, `read_position`; value:
     # the slot, target: the phase parity awaited)
     "a free tile-queue slot (loads)",
     "a position in the tile queue (GEMM consumers)",

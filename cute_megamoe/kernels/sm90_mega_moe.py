@@ -743,7 +743,7 @@ class Sm90MegaMoEKernel:
                           rows_arrived: cute.Pointer, first_ticket: Int32 = None,
                           preloaded: Int32 = None):
         """Warp 0 with `walk` "tickets": take positions of the lag-ordered sequence until it
-        is done, hand each to the consumers (`next_position`) and load its tile's stages as
+        is done, hand each to the consumers (`publish`) and load its tile's stages as
         the phase's own walk would (a walk of one tile, pool block ``b`` and n-block ``n``
         being tile ``b * n_blocks + n`` of one-block raster bands). ``l1_loads`` /
         ``l2_loads``: each phase's TMA atoms and views, its activation and weight scales.
