@@ -50,6 +50,14 @@ def test_layer_variants_and_gemm_ab_settings():
     assert label == "gemm_transposed_1__gemm_promotion_chunk"
     with pytest.raises(SystemExit, match="--fused-config"):
         _variant("fused_kernel.k_unroll=8", LayerConfig(), "--fused-config")
+    # the ticket walk's A/B fields
+    config, label = _variant("fused_kernel.walk=tickets+fused_kernel.band=4+"
+                             "fused_kernel.lag_grids=3", LayerConfig(), "--fused-config")
+    assert config.fused_kernel == Sm90FusedConfig(walk="tickets", band=4, lag_grids=3)
+    assert label == ("fused_kernel_walk_tickets__fused_kernel_band_4__"
+                     "fused_kernel_lag_grids_3")
+    with pytest.raises(SystemExit, match="band"):
+        _variant("fused_kernel.band=5", LayerConfig(), "--fused-config")
     assert _parse_config_ab("k_unroll=1,promotion=chunk", Sm90GemmConfig()) == \
         Sm90GemmConfig(k_unroll=1, promotion="chunk")
     with pytest.raises(SystemExit, match="--config-ab"):
