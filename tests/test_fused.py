@@ -769,8 +769,8 @@ def test_ticket_walk_takes_every_position_once(block_m):
     api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
     grid = buffer_state(buf).num_sms
     config = default_fused_config(buf.layout, block_m, False,
-                                  Sm90FusedConfig(walk="tickets", debug="tile_clock"))
-    assert config.row_transfer == "counted"
+                                  Sm90FusedConfig(walk="tickets", debug="tile_clock",
+                                                  row_transfer="counted"))
     y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
     clock = torch.zeros(grid, TILE_CLOCK_TILES, 4, dtype=torch.int32, device="cuda")
     fused_call(buf, weights, n, y, grid, None, 10.0, True, config, debug=clock)()

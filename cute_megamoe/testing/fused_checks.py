@@ -156,8 +156,20 @@ class FusedLayer:
         ys = {b.rank: torch.empty(tokens[b.rank], self.ranks.layout.hidden,
                                   dtype=torch.bfloat16, device=self.device)
               for b in self.ranks.buffers}
-        self.run("fused", inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
-        self.synchronize(f"warm-up, {tokens[0]}-token calls, block_m {block_m}")
+        # ranks that differ in their fused configuration (each rank's walk is its own) each
+        # warm up with every rank on it: a rank after the first may not compile
+        configs = self.configs
+        distinct = []
+        for rank in sorted(b.rank for b in self.ranks.buffers):
+            if self.config(rank) not in distinct:
+                distinct.append(self.config(rank))
+        try:
+            for config in distinct:
+                self.configs = {b.rank: config for b in self.ranks.buffers}
+                self.run("fused", inputs, {b.rank: block_m for b in self.ranks.buffers}, ys)
+                self.synchronize(f"warm-up, {tokens[0]}-token calls, block_m {block_m}")
+        finally:
+            self.configs = configs
 
     def check_call(self, tokens: tuple[int, ...], routing: str, block_ms: dict, seed: int,
                    against_reference: bool = True, fused_ranks: set | None = None) -> None:
