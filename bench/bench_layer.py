@@ -26,6 +26,10 @@ parse_config`: ``gemm.promotion=chunk``, ``fused_kernel.row_transfer=barrier``,
 those row transfers too (graph, alternating with the rest); `--staged-config
 gemm.transposed=1` / `--fused-config ...`: the staged / fused layer with those settings too
 (`A=1+B=4`: both in one variant; outputs checked equal to the default's before timing).
+`--power S` (one rank): also each layer (and variant) and each staged step back to back for
+about S seconds, in turn, `--power-rounds` times (`bench.common.sustained_power`): its time,
+watts, SM clock and energy per call under a steady load, and the steps' energy over the power
+limit (`power_floor_us`, `bench.common.energy_columns`): at the limit, speed is energy.
 """
 
 from __future__ import annotations
@@ -38,7 +42,16 @@ import torch
 import torch.distributed as dist
 
 from bench.bench_dispatch import _time, _time_graph, _time_graphs_interleaved
-from bench.common import Results, config_label, copy_ceiling, gpu_clocks, parse_config
+from bench.common import (
+    Results,
+    config_label,
+    copy_ceiling,
+    energy_columns,
+    gpu_clocks,
+    parse_config,
+    power_limit_w,
+    sustained_power,
+)
 
 
 def _variant(setting: str, base, option: str):
@@ -50,7 +63,7 @@ def _variant(setting: str, base, option: str):
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
             quick=False, fused_rows=(), staged_configs=(), fused_configs=(), storage_ab=False,
-            settings=()):
+            settings=(), power=0.0, power_rounds=1):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -99,6 +112,8 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     res = Results("layer", meta={"ranks": num_ranks, "recipe": recipe, "experts": experts,
                                  "topk": topk, "hidden": hidden, "intermediate": inter,
                                  "config": list(settings), "clocks_before": gpu_clocks()})
+    if power:
+        res.meta["power_limit_w"] = power_limit_w()
     for n in tokens:
         idx, w = make_routing(n, experts, topk, "random", gen)
         x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).cuda()
@@ -193,6 +208,34 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 if t_rows is not None:
                     fused_cols[f"fused_{rows}_graph_us"] = t_rows * 1e6
                     fused_cols[f"fused_{rows}_over_floor"] = t_rows / weight_floor
+        steps = None
+        if power or not quick:
+            # the steps alone (each repeated on its own; the rows the L2 epilogue re-sends are
+            # the same every time and no combine reads them meanwhile)
+            dispatched = staged.dispatch(buf, x, idx, w, block_m=block_m,
+                                         validate_routing=False)
+            y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+            steps = {
+                "dispatch": partial(staged.dispatch, buf, x, idx, w, block_m=block_m,
+                                    validate_routing=False),
+                "experts": partial(staged.kernel_experts, buf, dispatched, kernel_weights, 10.0,
+                                   send_to_combine=True),
+            }
+            steps["combine"] = partial(staged.combine, buf, steps["experts"](), dispatched, y)
+        if power:  # (the layers as timed above, each variant's configuration)
+            runs = {"staged": ours}
+            if fused_ok:
+                runs["fused"] = fused_layer
+                runs.update({f"fused_{label}": partial(fused_layer, config=config)
+                             for label, config in fused_variants.items()})
+            runs.update({f"staged_{label}": partial(ours, config=config)
+                         for label, config in staged_variants.items()})
+            runs.update(steps)
+            fused_cols.update(energy_columns(sustained_power(runs, power, power_rounds),
+                                             res.meta["power_limit_w"]))
+            if "staged_sustained_us" in fused_cols and "fused_sustained_us" in fused_cols:
+                fused_cols["staged_over_fused_sustained"] = (fused_cols["staged_sustained_us"]
+                                                             / fused_cols["fused_sustained_us"])
         if quick:
             best = min(t_ours, t_graph or t_ours)
             res.add(tokens=n, block_m=block_m, ours_us=t_ours * 1e6,
@@ -200,17 +243,6 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                     ours_tflops=flops / best / 1e12, **fused_cols)
             continue
 
-        # the steps alone (each repeated on its own; the rows the L2 epilogue re-sends are the
-        # same every time and no combine reads them meanwhile)
-        dispatched = staged.dispatch(buf, x, idx, w, block_m=block_m, validate_routing=False)
-        y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
-        steps = {
-            "dispatch": partial(staged.dispatch, buf, x, idx, w, block_m=block_m,
-                                validate_routing=False),
-            "experts": partial(staged.kernel_experts, buf, dispatched, kernel_weights, 10.0,
-                               send_to_combine=True),
-        }
-        steps["combine"] = partial(staged.combine, buf, steps["experts"](), dispatched, y)
         step_us = {}
         for name, fn in steps.items():
             t = _time_graph(fn, 5)
@@ -243,6 +275,13 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                      "combine_graph_us", "staged_torch_us", "torch_baseline_us",
                      "speedup_vs_baseline"]
         print(res.table(cols))
+        if power:  # (a table of its own: per run, its time, watts, clock and energy)
+            names = ["staged", "fused", *(f"fused_{v}" for v in fused_variants),
+                     *(f"staged_{v}" for v in staged_variants), "dispatch", "experts", "combine"]
+            print(res.table(["tokens", "power_floor_us", "staged_over_fused_sustained"]))
+            for name in names:
+                print(res.table(["tokens"] + [f"{name}_{col}" for col in (
+                    "sustained_us", "watts", "sm_mhz", "mj", "over_power_floor")]))
     buf.destroy()
     dist.barrier()
     dist.destroy_process_group()
@@ -282,7 +321,17 @@ def main() -> None:
                         "boxes, fp8xfp4_sm90 to rows), alternating in the graph rounds, "
                         "outputs checked equal (columns ours_other_storage_graph_us, "
                         "fused_other_storage_graph_us)")
+    p.add_argument("--power", type=float, default=0.0, metavar="S",
+                   help="one rank: also each layer, variant and staged step back to back for "
+                        "about S seconds in turn (watts, SM clock, energy per call; "
+                        "power_floor_us: the steps' energy over the power limit)")
+    p.add_argument("--power-rounds", type=int, default=1,
+                   help="rounds of --power (medians over them)")
     a = p.parse_args()
+    if a.power and a.ranks != 1:
+        p.error("--power: one rank only (the watts of one GPU)")
+    if a.power < 0 or a.power_rounds < 1:
+        p.error("--power: seconds >= 0; --power-rounds: at least 1")
     # (every setting read here first: a bad one stops before any GPU work)
     base = parse_config(a.config)
     staged = tuple(e for e in a.staged_config.split(",") if e)
@@ -294,7 +343,7 @@ def main() -> None:
                             a.experts, a.topk, a.hidden, a.intermediate,
                             os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick,
                             tuple(r for r in a.fused_rows.split(",") if r), staged, fused,
-                            a.storage_ab, tuple(a.config)),
+                            a.storage_ab, tuple(a.config), a.power, a.power_rounds),
              nprocs=a.ranks, join=True)
 
 

@@ -180,6 +180,48 @@ def gpu_clocks() -> dict[str, str]:
         return {"nvidia_smi": "unavailable"}
 
 
+def _this_gpu() -> list[str]:
+    """nvidia-smi's option for the current CUDA device (by its UUID; CUDA's device numbers
+    need not be nvidia-smi's), or none (every GPU) when torch does not know it."""
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return [f"--id=GPU-{uuid}"] if uuid else []
+
+
+def power_limit_w() -> float | None:
+    """The current GPU's board power limit as nvidia-smi reports it now (W); None when
+    unavailable."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=power.limit",
+                              "--format=csv,noheader,nounits", *_this_gpu()],
+                             capture_output=True, text=True, timeout=10).stdout
+        return float(out.splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def energy_columns(sustained: dict, limit_w: float | None,
+                   steps: tuple[str, ...] = ("dispatch", "experts", "combine")) -> dict:
+    """Row columns from `sustained_power` readings: per name ``{name}_sustained_us``,
+    ``{name}_watts``, ``{name}_sm_mhz`` and ``{name}_mj`` (energy per call, watts x seconds).
+    With every one of ``steps`` read and the power limit known, ``power_floor_us``: their
+    energies' sum over the limit, the time that work takes at the limit at those energies
+    (an estimate, not a bound: at a lower clock the GPU runs at a lower voltage and spends
+    less per operation), and ``{name}_over_power_floor`` for the others."""
+    cols = {}
+    for name, r in sustained.items():
+        cols[f"{name}_sustained_us"] = r["seconds_per_call"] * 1e6
+        cols[f"{name}_watts"] = r["watts"]
+        cols[f"{name}_sm_mhz"] = r["sm_mhz"]
+        cols[f"{name}_mj"] = r["watts"] * r["seconds_per_call"] * 1e3
+    if limit_w and all(step in sustained for step in steps):
+        floor_us = sum(cols[f"{step}_mj"] for step in steps) / limit_w * 1e3
+        cols["power_floor_us"] = floor_us
+        for name in sustained:
+            if name not in steps:
+                cols[f"{name}_over_power_floor"] = cols[f"{name}_sustained_us"] / floor_us
+    return cols
+
+
 def power_during(fn: Callable[[], None], seconds: float, calls_per_replay: int = 5,
                  sample_ms: int = 50, settle_s: float = 0.3) -> dict:
     """Board power and SM clock while `fn` runs back to back for about `seconds` (captured in a
@@ -210,7 +252,8 @@ def power_during(fn: Callable[[], None], seconds: float, calls_per_replay: int =
     try:
         smi = subprocess.Popen(
             ["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
-             f"-lms={sample_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             f"-lms={sample_ms}", *_this_gpu()], stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True)
     except OSError:
         return {}
     t0 = time.monotonic()

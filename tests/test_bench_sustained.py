@@ -40,3 +40,35 @@ def test_results_of_the_same_second_keep_both_files(tmp_path):
     paths = [first.save(tmp_path), second.save(tmp_path)]
     assert paths[0] != paths[1] and paths[1].name.endswith("-2.json")
     assert [json.loads(p.read_text())["rows"][0]["calls"] for p in paths] == [1, 2]
+
+
+def test_energy_columns_and_the_power_floor():
+    """Energy per call is watts x seconds; the floor is the steps' energy over the limit, and
+    without every step (or the limit) there is none."""
+    from bench.common import energy_columns
+
+    readings = {"staged": {"watts": 690.0, "sm_mhz": 1400.0, "seconds_per_call": 6e-3},
+                "dispatch": {"watts": 400.0, "sm_mhz": 1900.0, "seconds_per_call": 0.2e-3},
+                "experts": {"watts": 700.0, "sm_mhz": 1400.0, "seconds_per_call": 5.6e-3},
+                "combine": {"watts": 500.0, "sm_mhz": 1800.0, "seconds_per_call": 0.3e-3}}
+    cols = energy_columns(readings, 700.0)
+    assert cols["staged_mj"] == 690.0 * 6e-3 * 1e3
+    assert cols["dispatch_sustained_us"] == 0.2e-3 * 1e6 and cols["experts_sm_mhz"] == 1400.0
+    floor_us = (400.0 * 0.2e-3 + 700.0 * 5.6e-3 + 500.0 * 0.3e-3) / 700.0 * 1e6
+    assert abs(cols["power_floor_us"] - floor_us) < 1e-9
+    assert abs(cols["staged_over_power_floor"] - 6000.0 / floor_us) < 1e-12
+    assert "experts_over_power_floor" not in cols
+    del readings["combine"]
+    assert "power_floor_us" not in energy_columns(readings, 700.0)
+    assert "power_floor_us" not in energy_columns({**readings, "combine": readings["dispatch"]},
+                                                  None)
+
+
+def test_bench_layer_power_needs_one_rank():
+    """`--power` is refused before any GPU work with more than one rank."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "bench.bench_layer", "--ranks", "2", "--power",
+                          "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--power: one rank only" in out.stderr
