@@ -31,6 +31,7 @@ __all__ = [
     "DEBUG_TENSOR_MODES",
     "DECODE_TABLES",
     "K_UNROLLS",
+    "L1_RING_ROWS",
     "LAG_GRIDS",
     "WALK_BANDS",
     "PROMOTIONS",
@@ -68,6 +69,10 @@ LAG_GRIDS = (1, 2, 3, 4, 6, 8)
 #: the ticket walk's bands: pool blocks whose tiles take each weight tile at neighbouring
 #: positions (`scheduler.host_model.dataflow_sequence`)
 WALK_BANDS = (1, 2, 3, 4, 8)
+#: the ticket walk's L1-output ring, in pool rows (a multiple of both BLOCK_Ms): an L1 tile
+#: stores its block's rows in slot ``block mod (rows / BLOCK_M)`` once the L2 tiles of the
+#: block before in that slot have read theirs (docs/notes/dataflow.md, W2); 0: the whole pool
+L1_RING_ROWS = (0, 1024, 2048, 4096, 8192)
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
 #: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), or with the ticket walk each
 #: tile's start and end (`sm90_mega_moe.TILE_CLOCK_TILES`), into the launch's debug tensor
@@ -215,6 +220,8 @@ class Sm90FusedConfig(_Config):
     walk: how the CTAs take the GEMM tiles, `WALKS` (FP8 / BF16 weights for "tickets").
     lag_grids: the ticket walk's lag, `LAG_GRIDS` (unused by "phases").
     band: the ticket walk's bands of pool blocks, `WALK_BANDS` (unused by "phases").
+    l1_ring_rows: the ticket walk's L1-output ring, `L1_RING_ROWS` (0: the whole pool; a ring
+        with walk "tickets" only, of at least ``(lag + 1) * band`` slots).
     debug: a diagnostic, `DEBUG_MODES`: "phase_clock", "tile_log" and (the ticket walk's)
         "tile_clock" write into the launch's debug tensor; "hold_cta" and "late_consumers" are
         test builds with an injected delay.
@@ -232,12 +239,13 @@ class Sm90FusedConfig(_Config):
     walk: str | None = None
     lag_grids: int | None = None
     band: int | None = None
+    l1_ring_rows: int | None = None
     debug: str | None = None
 
     _choices = {"block_m": (64, 128), "row_transfer": ROW_TRANSFERS, "promotion": PROMOTIONS,
                 "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES,
                 "walk": WALKS, "lag_grids": LAG_GRIDS, "band": WALK_BANDS,
-                "debug": DEBUG_MODES}
+                "l1_ring_rows": L1_RING_ROWS, "debug": DEBUG_MODES}
     _flags = ("weights_first", "stages_inputs", "local_dispatch")
     _optional = ("debug",)
 
@@ -253,6 +261,10 @@ class Sm90FusedConfig(_Config):
             raise ValueError(f"{name}.walk: 'tickets' has no tile log (a CTA's tiles are not "
                              f"known in advance; its 'tile_clock' records them), got "
                              f"debug='tile_log'")
+        if self.l1_ring_rows and self.walk != "tickets":
+            # (the phase walk runs every L1 tile before any L2 tile: a ring would wait forever)
+            raise ValueError(f"{name}.l1_ring_rows: a ring with walk='tickets' only, got "
+                             f"walk={self.walk!r}")
         if self.debug == "tile_clock" and self.walk != "tickets":
             raise ValueError(f"{name}.debug: 'tile_clock' with walk='tickets' only, got "
                              f"walk={self.walk!r}")

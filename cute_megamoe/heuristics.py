@@ -238,6 +238,9 @@ FUSED_LAG_GRIDS = 2
 #: the ticket walk's bands of pool blocks (`config.WALK_BANDS`): one block, as modelled; wider
 #: bands (each weight tile at neighbouring positions) not measured yet
 FUSED_WALK_BAND = 1
+#: the ticket walk's L1-output ring (`config.L1_RING_ROWS`): none, the whole pool, until a ring
+#: has been measured against it on a GPU
+FUSED_L1_RING_ROWS = 0
 #: The fused kernel's row transfer follows the buffer's token capacity, which every rank shares
 #: (the two protocols must not mix): "counted" up to this many tokens per rank (decode
 #: buffers), "barrier" above. At R = 1, layer calls back to back in one process (CUDA graphs),
@@ -372,7 +375,9 @@ def default_fused_config(layout, block_m: int, given_x: bool,
                    decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
                    else FUSED_DECODE_TABLES, walk=config.walk or FUSED_WALK,
                    lag_grids=config.lag_grids or FUSED_LAG_GRIDS,
-                   band=config.band or FUSED_WALK_BAND)
+                   band=config.band or FUSED_WALK_BAND,
+                   l1_ring_rows=FUSED_L1_RING_ROWS if config.l1_ring_rows is None
+                   else config.l1_ring_rows)
 
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:

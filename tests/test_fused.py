@@ -452,9 +452,18 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         Sm90FusedConfig(walk="static")
     with pytest.raises(ValueError, match="lag_grids"):
         Sm90FusedConfig(lag_grids=5)
-    for walk in (None, "phases"):  # (the tile clock is the ticket walk's)
+    for walk in (None, "phases"):  # (the tile clock and the ring are the ticket walk's)
         with pytest.raises(ValueError, match="tile_clock"):
             Sm90FusedConfig(walk=walk, debug="tile_clock")
+        with pytest.raises(ValueError, match="l1_ring_rows"):
+            Sm90FusedConfig(walk=walk, l1_ring_rows=2048)
+    with pytest.raises(ValueError, match="l1_ring_rows"):
+        Sm90FusedConfig(walk="tickets", l1_ring_rows=1000)
+    assert kernel.ring_blocks == 0 and kernel.config.l1_ring_rows == 0  # (the whole pool)
+    # too few slots for the lag: 1024 rows are 8 blocks of 128 or 16 of 64; lag 12 needs 13
+    with pytest.raises(ValueError, match="fewer than the 13"):
+        _kernel(recipe, 128, walk="tickets", lag_grids=4, l1_ring_rows=1024)
+    assert _kernel(recipe, 64, walk="tickets", lag_grids=4, l1_ring_rows=1024).ring_blocks == 16
     # (each variant in one of the four builds: the suite's time)
     variants = [art]
     if (recipe, block_m) == ("fp8xfp8", 64):
@@ -462,6 +471,12 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         assert clocked.ptx.count("globaltimer") >= art.ptx.count("globaltimer") + 2
     if (recipe, block_m) == ("fp8xfp8", 128):
         variants.append(_compile(recipe, block_m, walk="tickets", band=3)[1])
+    if block_m == 64:  # the L1-output ring: L1 waits for its slot, L2 counts its loads
+        ringed, ring_art = _compile(recipe, block_m, walk="tickets", l1_ring_rows=1024)
+        assert (ringed.ring_blocks, ringed.l1.ring_reads) == (16, 16 * 4 + 28)  # (one MMA wg)
+        for op in ("red.", "acquire.gpu"):  # (the L2 tiles' counts; the slot waits)
+            assert ring_art.ptx.count(op) > art.ptx.count(op), op
+        variants.append(ring_art)
     if recipe == "bf16xbf16":  # the one-rank default: the local dispatch
         one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, recipe)
         local, local_art = _compile(recipe, block_m, layout=one, stages_inputs=True,
@@ -709,7 +724,7 @@ def test_ticket_walk_matches_staged(recipe):
     leave experts empty, mask slots, skew or give one expert everything, 0 and 1 tokens, both
     BLOCK_Ms, and blocks past the lag (H 1024, I 512: 4 + 4 n-blocks, lag 33 blocks; 2048
     tokens x 4 are 128+ blocks of 64 rows), so L2 tiles run between later blocks' L1 tiles;
-    again in bands of 3 blocks with a longer lag;
+    again in bands of 3 blocks with a longer lag, and with an L1-output ring the pool wraps;
     then a two-rank loopback group with different BLOCK_M and token counts per rank, 0 tokens
     on a rank, barrier rows, one rank walking in phases, and back-to-back calls."""
     _gpu()
@@ -731,6 +746,15 @@ def test_ticket_walk_matches_staged(recipe):
     layer.warm_up((64, 128))
     for i, (n, routing) in enumerate(cases[:5]):
         layer.check_call((n,), routing, {0: 64 if i % 2 else 128}, seed=300 + i)
+    # an L1-output ring of 4096 rows, 64 / 32 slots at BLOCK_M 64 / 128 (lag 17 blocks at
+    # lag_grids 1 needs 18): 2048 tokens x 4 wrap it twice, each L1 tile past the first
+    # round waiting for the L2 tiles of its slot's previous block
+    layer.configs = {0: dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(
+        walk="tickets", lag_grids=1, l1_ring_rows=4096))}
+    layer.warm_up((64, 128))
+    for i, (n, routing) in enumerate(cases[:5]):
+        for block_m in (64, 128):
+            layer.check_call((n,), routing, {0: block_m}, seed=400 + i)
     barrier = dataclasses.replace(
         EXPERIMENTS, fused_kernel=Sm90FusedConfig(walk="tickets", row_transfer="barrier"))
     # (the walk is a rank's own: one rank may take tickets while the other walks in phases)

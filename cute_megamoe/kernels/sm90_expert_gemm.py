@@ -373,6 +373,13 @@ class Sm90ExpertGemmKernel:
         self.extra_packed_tx_bytes = 0
         self.signals_ready = False
         self.waits_ready = 0  # arrivals an L2 tile waits for per pool block (0: no wait)
+        # the fused kernel's L1-output ring (`config.Sm90FusedConfig.l1_ring_rows`), in pool
+        # blocks (0: none, block b's rows at pool block b): L1 stores block b's rows and scales
+        # at slot b mod ring_blocks once ``ready[b - ring_blocks]`` reaches `ring_reads` (the
+        # L1 signals and one per L2 tile that loaded its rows); L2 loads them from the slot and
+        # adds that one per tile once its loads are complete
+        self.ring_blocks = 0
+        self.ring_reads = 0
         self.timeout_ns = spin_timeout_ns()
         # bounded stage waits with stall reports in every role (`bounded_stage_wait`; the
         # fused kernel's FP4 experiment sets it)
@@ -750,9 +757,12 @@ class Sm90ExpertGemmKernel:
                 self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
                               pool_block, n_block, valid_m, lane)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
+            a_block = pool_block  # (where the block's rows are: its slot of the L1-output ring)
+            if cutlass.const_expr(self.ring_blocks > 0 and self.phase == "l2"):
+                a_block = pool_block % self.ring_blocks
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
-            sf_block = cutlass.min(pool_block, Int32(self.num_pool_rows // self.block_m - 1))
+            sf_block = cutlass.min(a_block, Int32(self.num_pool_rows // self.block_m - 1))
             # `weights_first`: a tile whose pool block is not ready yet first loads the weights
             # of the stages it can take (they depend on nothing), then waits, then loads their
             # A; a ready tile loads A and B stage by stage (weights first there would delay its
@@ -808,7 +818,7 @@ class Sm90ExpertGemmKernel:
                 cute.arch.fence_proxy("async.global")
             if cutlass.const_expr(prefill > 0 or early):
                 for kb in cutlass.range(n_pre):
-                    self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
+                    self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, a_block, sf_block, kb,
                                    a_state.index, ab_pipe.producer_get_barrier(a_state), lane,
                                    valid_m)
                     ab_pipe.producer_commit(a_state)
@@ -816,7 +826,7 @@ class Sm90ExpertGemmKernel:
             for kb in cutlass.range(n_pre, self.num_k_blocks):
                 bar = self.acquire_stage(ab_pipe, state, self.extra_tx_bytes, lane,
                                          barrier_slots)
-                self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, pool_block, sf_block, kb,
+                self.load_rows(tma_a, t_ga, t_sa, sfa, a_sf, a_block, sf_block, kb,
                                state.index, bar, lane, valid_m)
                 if cutlass.const_expr(not self.fp4_weights):
                     self.load_weights(tma_b, tma_b_mc, t_gb, t_sb, t_gb_mc, t_sb_mc, sfb, b_sf,
@@ -1290,7 +1300,7 @@ class Sm90ExpertGemmKernel:
                 staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
                 decoded: cute.Pointer = None, exchange: cute.Pointer = None, out_store=None,
                 progress: cute.Pointer = None, owed_block: Int32 = None,
-                signal_last: cutlass.Constexpr = True):
+                signal_last: cutlass.Constexpr = True, barrier_slots: cute.Pointer = None):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
@@ -1306,7 +1316,9 @@ class Sm90ExpertGemmKernel:
         whose signal the previous walk still owes (-1: none), signalled after the first
         tile's mainloop; with ``signal_last`` False the last tile's block is not signalled nor
         its stores awaited, and it is returned after the state: ``(state, prev, tile,
-        owed)``."""
+        owed)``. With `ring_blocks` (the ticket walk's L1-output ring): L1 stores a tile's rows
+        in its block's slot once the slot's previous block was read (a bounded wait, reported
+        through ``barrier_slots``), L2 counts a tile's loads into ``ready`` as done."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -1344,11 +1356,14 @@ class Sm90ExpertGemmKernel:
             owner, _e, _m, n_block, pool_block, valid_m = self.scheduler.tile(
                 tile, owner, block_start, row_start, raster_group, rank)
             row_base = pool_block * self.block_m
+            out_base = row_base  # (the rows' place in ``out``: L1, their ring slot's)
+            if cutlass.const_expr(self.ring_blocks > 0 and self.phase == "l1"):
+                out_base = (pool_block % self.ring_blocks) * self.block_m
             # where lane i < 16 sends the tile's row warp_row0 + i (loaded before the mainloop;
             # with `late_metadata`, once the tile's first stage is in)
             row_dst = Int64(0)
             if cutlass.const_expr(not self.late_metadata):
-                row_dst = self.row_destination(out, peer_bases, src_metadata, row_base,
+                row_dst = self.row_destination(out, peer_bases, src_metadata, out_base,
                                                warp_row0 + lane, valid_m, n_block, lane)
             for c in cutlass.range_constexpr(self.chunks):
                 accs[c].fill(0.0)
@@ -1362,7 +1377,7 @@ class Sm90ExpertGemmKernel:
                     if cutlass.const_expr(self.late_metadata):
                         if kb == 0:
                             row_dst = self.row_destination(out, peer_bases, src_metadata,
-                                                           row_base, warp_row0 + lane, valid_m,
+                                                           out_base, warp_row0 + lane, valid_m,
                                                            n_block, lane)
                     sa0 = sfa[row0, state.index]
                     sa1 = sfa[row0 + 8, state.index]
@@ -1400,7 +1415,7 @@ class Sm90ExpertGemmKernel:
                     if cutlass.const_expr(self.late_metadata):
                         if kb == 0:
                             row_dst = self.row_destination(out, peer_bases, src_metadata,
-                                                           row_base, warp_row0 + lane, valid_m,
+                                                           out_base, warp_row0 + lane, valid_m,
                                                            n_block, lane)
                     warpgroup.fence()
                     for c in cutlass.range_constexpr(self.chunks):
@@ -1417,11 +1432,25 @@ class Sm90ExpertGemmKernel:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(prev)
                 prev.advance()
+            if cutlass.const_expr(self.ring_blocks > 0 and self.phase == "l2"):
+                # every stage of the tile has landed (its rows left the ring slot): one count
+                if mma_wg == 0 and warp_in_wg == 0 and lane == 0 and valid_m > 0:
+                    cute.arch.red(ready + pool_block, Int32(1), op="add", dtype="s32",
+                                  sem="release", scope="gpu")
             if cutlass.const_expr(self.signals_ready):
                 if pending >= 0:
                     self.signal_ready(ready, pending, lane)
+            if cutlass.const_expr(self.ring_blocks > 0 and self.phase == "l1"):
+                # (after the owed signal: the slot's previous block never waits on this warp)
+                if pool_block >= self.ring_blocks:
+                    wait_reached(barrier_slots, ready + (pool_block - self.ring_blocks),
+                                 Int32(self.ring_reads), "gpu",
+                                 "L2 tiles of an L1-output ring slot's previous block",
+                                 self.timeout_ns)
+                    # (their TMA reads are done; order this tile's bulk stores after the acquire)
+                    cute.arch.fence_proxy("async.global")
             self.epilogue(accs, topk_weights, row_dst, out_sf, staging, row_base, warp_row0,
-                          row0, col0, valid_m, n_block, lane, store)
+                          row0, col0, valid_m, n_block, lane, store, out_base)
             pending = pool_block
             tile += num_clusters
         if cutlass.const_expr(not signal_last):
@@ -1547,25 +1576,29 @@ class Sm90ExpertGemmKernel:
     def epilogue(self, accs: list, topk_weights: cute.Pointer, row_dst: Int64,
                  out_sf: cute.Pointer, staging: cute.Pointer, row_base: Int32,
                  warp_row0: Int32, row0: Int32, col0: Int32, valid_m: Int32, n_block: Int32,
-                 lane: Int32, store=None):
+                 lane: Int32, store=None, out_base: Int32 = None):
         """One tile's output from the accumulators of the warpgroup's chunks: L2 BF16, L1
         SwiGLU (BF16 or FP8 with its scales), through the staging rows (whole, or chunk by
-        chunk, see ``staging_parts``; ``store``: `tma_store`'s swizzled boxes)."""
+        chunk, see ``staging_parts``; ``store``: `tma_store`'s swizzled boxes). ``row_base``:
+        the tile's first pool row (its routing weights); ``out_base``: its first row in the
+        outputs (default ``row_base``; L1 with `ring_blocks`, its ring slot's)."""
+        if cutlass.const_expr(out_base is None):
+            out_base = row_base
         self.wait_staging(lane)
         if cutlass.const_expr(store is not None and self.phase == "l2"):
             for c in cutlass.range_constexpr(self.chunks):
                 vals = cute.make_rmem_tensor(accs[c].shape, BFloat16)
                 vals.store(accs[c].load().to(BFloat16))
                 self.stage_boxes(vals, staging, lane, c * WG_N)
-            self.store_boxes(store, staging, row_dst, row_base, warp_row0, valid_m, n_block,
+            self.store_boxes(store, staging, row_dst, out_base, warp_row0, valid_m, n_block,
                              lane)
         elif cutlass.const_expr(self.phase == "l1" and self.is_fp8):
             w0, w1 = self.routing_weights(topk_weights, row_base, row0)
             self.requant_stage([self.swiglu_chunk(accs[c], w0, w1)
-                                for c in range(self.chunks)], out_sf, staging, row_base,
+                                for c in range(self.chunks)], out_sf, staging, out_base,
                                row0, col0, valid_m, n_block, lane, boxes=store is not None)
             if cutlass.const_expr(store is not None):
-                self.store_boxes(store, staging, row_dst, row_base, warp_row0, valid_m,
+                self.store_boxes(store, staging, row_dst, out_base, warp_row0, valid_m,
                                  n_block, lane)
             else:
                 self.flush_rows(staging, row_dst, warp_row0, valid_m, lane, 0,

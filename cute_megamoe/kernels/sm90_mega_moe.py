@@ -111,7 +111,7 @@ from ..layout.device import BufferRegions
 from ..layout.mega_moe import PROGRESS_WARPGROUPS, BarrierSlots, MegaMoELayout
 from ..reports import REPORT_NAMES, Progress, ReportKind
 from ..scheduler.device import DataflowSequence
-from ..scheduler.host_model import dataflow_lag
+from ..scheduler.host_model import dataflow_lag, min_ring_slots
 from .combine import CombineKernel
 from .common.sync import (
     call_tags,
@@ -337,6 +337,22 @@ class Sm90MegaMoEKernel:
         self.sequence = DataflowSequence(
             n1, n2, dataflow_lag(DEFAULT_NUM_SMS, n1, n2, config.lag_grids, config.band),
             config.band)
+        # `l1_ring_rows` (the ticket walk): the L1 outputs in a ring of pool blocks, each
+        # reused once the L2 tiles of its previous block loaded their rows (the readiness
+        # counter counts those too); deadlock-free from `min_ring_slots` slots on
+        # (docs/notes/dataflow.md, section 2). The buffer keeps the whole pool for now
+        self.ring_blocks = config.l1_ring_rows // block_m
+        if self.ring_blocks:
+            fewest = min_ring_slots(self.sequence.lag, config.band)
+            if self.ring_blocks < fewest:
+                raise ValueError(
+                    f"config.l1_ring_rows: {config.l1_ring_rows} rows are {self.ring_blocks} "
+                    f"blocks of {block_m}, fewer than the {fewest} the ticket walk's lag "
+                    f"{self.sequence.lag} (lag_grids {config.lag_grids}, band {config.band}) "
+                    f"needs to be deadlock-free")
+            for phase in (self.l1, self.l2):
+                phase.ring_blocks = self.ring_blocks
+            self.l1.ring_reads = self.l1.tile_signals() + n2
         # (the ticket walk: of its first ticket's tile, taken as soon as the prefix sums are in)
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights)
@@ -848,7 +864,8 @@ class Sm90MegaMoEKernel:
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
-                    pool_block_ready, owed_block=owed, signal_last=False)
+                    pool_block_ready, owed_block=owed, signal_last=False,
+                    barrier_slots=barrier)
             else:
                 if owed >= 0:
                     self.l1.signal_ready(pool_block_ready, owed, lane)
@@ -857,7 +874,8 @@ class Sm90MegaMoEKernel:
                 state, prev, _ = self.l2.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
-                    l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev)
+                    l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
+                    pool_block_ready)
             if cutlass.const_expr(clock is not None):
                 if pool_block < num_blocks:
                     if clocks and clocked < TILE_CLOCK_TILES:
