@@ -156,6 +156,9 @@ REPORT_NAMES = (
     # the slot, target: the phase parity awaited)
     "a free tile-queue slot (loads)",
     "a position in the tile queue (GEMM consumers)",
+    # its L1-output ring (`Sm90ExpertGemmKernel.consume`: value / target, the readiness
+    # counter of the block before in the slot: its L1 warps' signals and L2 tiles' loads)
+    "L2 tiles of an L1-output ring slot's previous block",
 )
 
 

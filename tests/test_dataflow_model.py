@@ -272,6 +272,24 @@ def test_makespan_at_the_deepseek_v3_ep8_shape():
     assert senders.completed and senders.makespan / bound < 1.01
 
 
+def test_a_decode_call_wants_its_first_grid_of_positions_all_l1():
+    """One token (8 experts of 128 with one row each, BLOCK_M 64): 128 L1 and 224 L2 tiles on
+    132 CTAs. At the default lag (6 blocks: 96 L1 positions, then L2 tiles of block 0) the
+    last two blocks' L1 tiles start a round late, 9 units against the 5.5 (one L1 tile, two
+    rounds of L2 tiles) once every L1 tile comes first (lag 7 here; any call's first 132
+    positions are L1 tiles from ``lag * 16 >= 132`` on: 9). The measured ticket walk took
+    1.10x the phase walk's time at one token (H200, `layer-20261207T180425.json`). Abstract
+    units: nothing here is measured."""
+    counts = [0] * 128
+    for e in (3, 17, 40, 41, 77, 90, 101, 126):
+        counts[e] = 1
+    shape = (64, 256, 4096, 256, 7168)
+    assert dataflow_lag(132, 16, 28) == 6
+    runs = {lag: simulate_dataflow(counts, *shape, 132, lag) for lag in (6, 7, 9, 12)}
+    assert all(run.completed for run in runs.values())
+    assert [runs[lag].makespan for lag in (6, 7, 9, 12)] == [9.0, 5.5, 5.5, 5.5]
+
+
 def test_the_note_states_the_bound_and_the_sizes_the_code_gives():
     """docs/notes/dataflow.md: at most 150 lines, and its numbers are the code's."""
     from cute_megamoe.layout.dataflow import dataflow_buffer_bytes
