@@ -277,7 +277,7 @@ def test_a_decode_call_wants_its_first_grid_of_positions_all_l1():
     132 CTAs. At the default lag (6 blocks: 96 L1 positions, then L2 tiles of block 0) the
     last two blocks' L1 tiles start a round late, 9 units against the 5.5 (one L1 tile, two
     rounds of L2 tiles) once every L1 tile comes first (lag 7 here; any call's first 132
-    positions are L1 tiles from ``lag * 16 >= 132`` on: 9). The measured ticket walk took
+    positions are L1 tiles from ``(lag + 1) * 16 >= 132`` on: 8). The measured ticket walk took
     1.10x the phase walk's time at one token (H200, `layer-20261207T180425.json`). Abstract
     units: nothing here is measured."""
     counts = [0] * 128
