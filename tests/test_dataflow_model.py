@@ -12,6 +12,7 @@ import pytest
 
 from cute_megamoe.layout.dataflow import OUT_RING_ROWS, ROW_RING_ROWS
 from cute_megamoe.scheduler import (
+    banded_blocks,
     dataflow_lag,
     dataflow_sequence,
     dataflow_tile_walk,
@@ -24,6 +25,7 @@ from cute_megamoe.testing.dataflow_model import (
     DataflowCosts,
     block_sources,
     simulate_dataflow,
+    weight_reads,
 )
 
 # small tiles: L1 2 n-blocks (n1), L2 3 (n2)
@@ -91,29 +93,36 @@ def test_a_lag_past_the_last_block_is_todays_fused_walk():
 @pytest.mark.parametrize("case", COUNT_CASES)
 @pytest.mark.parametrize("band,lag", [(2, 0), (3, 1), (4, 2), (4, 50)])
 def test_banded_sequences_read_each_weight_tile_at_neighbouring_positions(case, band, lag):
-    """Bands of ``band`` pool blocks: every tile once, positions counting the last band's
-    padding; inside a band's L1 (L2) tiles the n-block is slowest, so the band's blocks take
-    one weight tile at consecutive positions; a band's L2 tiles come right after the L1 tiles
-    of the band ``lag`` later (its own L1 when that is past the end)."""
+    """Bands of ``band`` blocks of one expert (`banded_blocks`: each expert's blocks padded to
+    a multiple of ``band``): every tile once, positions counting the padding; a band's blocks
+    are one expert's; inside a band's L1 (L2) tiles the n-block is slowest, so the band's
+    blocks take one weight tile at consecutive positions; a band's L2 tiles come right after
+    the L1 tiles of the band ``lag`` later (its own L1 when that is past the end)."""
     counts = COUNT_CASES[case]
     seq = dataflow_sequence(counts, *SHAPE, lag, band=band)
     assert Counter((s.phase, s.tile.pool_block, s.tile.n_block) for s in seq) == \
         _expected_runs(counts, 64)
-    blocks = sum(num_m_blocks(c, 64) for c in counts)
-    bands = -(-blocks // band)
+    banded = banded_blocks(counts, 64, band)
+    assert [b for b in banded if b is not None] == list(range(sum(num_m_blocks(c, 64)
+                                                                  for c in counts)))
+    assert len(banded) % band == 0
+    bands = len(banded) // band
+    unit = {b: v // band for v, b in enumerate(banded) if b is not None}
     assert len({s.position for s in seq}) == len(seq)
-    assert all(0 <= s.position < bands * band * (N1 + N2) for s in seq)
+    assert all(0 <= s.position < len(banded) * (N1 + N2) for s in seq)
     for s in seq:
         assert s.ring_slot == s.tile.pool_block % min_ring_slots(lag, band)
     for u in range(bands):
+        assert len({s.tile.expert for s in seq if unit[s.tile.pool_block] == u}) <= 1
         for phase in ("l1", "l2"):
-            mine = [s for s in seq if s.phase == phase and s.tile.pool_block // band == u]
+            mine = [s for s in seq if s.phase == phase and unit[s.tile.pool_block] == u]
             assert [s.tile.n_block for s in mine] == sorted(s.tile.n_block for s in mine)
             assert all(b.position - a.position == 1 for a, b in zip(mine, mine[1:], strict=False)
                        if a.tile.n_block == b.tile.n_block)
-        l2 = min(s.position for s in seq if s.phase == "l2" and s.tile.pool_block // band == u)
+        assert any(b is not None for b in banded[u * band:(u + 1) * band])
+        l2 = min(s.position for s in seq if s.phase == "l2" and unit[s.tile.pool_block] == u)
         l1_after = max(s.position for s in seq if s.phase == "l1"
-                       and s.tile.pool_block // band == min(u + lag, bands - 1))
+                       and unit[s.tile.pool_block] == min(u + lag, bands - 1))
         assert l1_after < l2 and all(not (l1_after < s.position < l2) or s.phase == "l2"
                                      for s in seq)
 
@@ -288,6 +297,40 @@ def test_a_decode_call_wants_its_first_grid_of_positions_all_l1():
     runs = {lag: simulate_dataflow(counts, *shape, 132, lag) for lag in (6, 7, 9, 12)}
     assert all(run.completed for run in runs.values())
     assert [runs[lag].makespan for lag in (6, 7, 9, 12)] == [9.0, 5.5, 5.5, 5.5]
+
+
+def test_weight_reads_of_the_walks_at_8192_tokens():
+    """An LRU model of a 40 MB L2 cache (`weight_reads`), 132 tiles at a time, one rank of 128
+    experts at 8192 tokens x 8 (about 4.5 blocks of 128 per expert), DeepSeek-V3 tiles
+    (FP8 weight tiles of 1.75 / 0.5 MiB): the phase walk (raster bands of 18 / 64 blocks,
+    within an expert) reads each weight tile once; the ticket walk with one-block bands reads
+    an expert's tiles again for later blocks of the expert (once the other phase's tiles in
+    between evict them), about 1.75x; bands of 8 blocks of one expert read them once again.
+    The measured ticket walk (one-block bands) took 1.04x the phase walk's time at 8192
+    (H200, `layer-20261207T180425.json`). Abstract: a comparison of orders, not bytes."""
+    rng = random.Random(1)
+    counts = [0] * 128
+    for _ in range(8192 * 8):
+        counts[rng.randrange(128)] += 1
+    shape = (128, 256, 4096, 256, 7168)
+    tile_bytes = {"l1": 256 * 7168, "l2": 256 * 2048}
+    once = sum(1 for c in counts if c) * (16 * tile_bytes["l1"] + 28 * tile_bytes["l2"])
+
+    def reads(order):
+        return weight_reads(order, tile_bytes, 40 << 20, 132) / once
+
+    phases = [("l1", t.expert, t.n_block) for t in grouped_gemm_tiles(counts, 128, 256, 4096,
+                                                                      18)]
+    phases += [("l2", t.expert, t.n_block) for t in grouped_gemm_tiles(counts, 128, 256, 7168,
+                                                                       64)]
+
+    def tickets(lag, band):
+        return [(s.phase, s.tile.expert, s.tile.n_block)
+                for s in dataflow_sequence(counts, *shape, lag, band=band)]
+
+    assert reads(phases) == 1.0
+    assert reads(tickets(dataflow_lag(132, 16, 28), 1)) == pytest.approx(1.75, abs=0.05)
+    assert reads(tickets(dataflow_lag(132, 16, 28, band=8), 8)) == 1.0
 
 
 def test_the_note_states_the_bound_and_the_sizes_the_code_gives():

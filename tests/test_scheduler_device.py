@@ -217,11 +217,14 @@ DATAFLOW_FIELDS = 6  # is_l2, expert, m_block, n_block, pool_block, valid_m
 def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: int, lag: int,
                           max_tiles: int, band: int = 1):
     """Every CTA walks positions cta, cta + S, ... of the dataflow sequence
-    (`scheduler.device.DataflowSequence`, bands of ``band`` blocks: the padding's positions
-    skipped), each tile found by its phase's scheduler."""
+    (`scheduler.device.DataflowSequence`, bands of ``band`` blocks of one expert, laid out by
+    the first warp: the padding's positions skipped), each tile found by its phase's
+    scheduler."""
+    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
+    from cute_megamoe.kernels.common.pool import build_pool_prefix
     from cute_megamoe.scheduler.device import DataflowSequence, ExpertTileScheduler
 
     class DataflowWalkKernel:
@@ -237,18 +240,37 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
 
         @cute.kernel
         def kernel(self, counts: cute.Tensor, out: cute.Pointer):
-            tidx, bidx, grid, block_start, row_start, record = _walk_prelude(
-                counts, out, num_experts, block_m, max_tiles * DATAFLOW_FIELDS)
+            # (`_walk_prelude`, with the banded blocks' prefix beside the pool's)
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            smem = cutlass.utils.SmemAllocator()
+            block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+            row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+            band_start = None
+            if cutlass.const_expr(band > 1):
+                band_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+            build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
+            cute.arch.sync_threads()
+            if cutlass.const_expr(band > 1):
+                self.sequence.build_band_start(block_start, band_start, num_experts)
+            words = max_tiles * DATAFLOW_FIELDS
+            record = cute.make_tensor(out + bidx * words, cute.make_layout(words))
             if tidx == 0:
                 num_blocks = block_start[num_experts]
-                end = self.sequence.num_positions(num_blocks)
+                end = self.sequence.num_positions(
+                    self.sequence.num_banded(block_start, band_start, num_experts))
                 position = Int32(bidx)
                 owner1 = Int32(0)  # (each phase's walk moves forward alone)
                 owner2 = Int32(0)
                 i = Int32(0)
                 while position < end:
-                    is_l2, pool_block, n = self.sequence.position(position, num_blocks)
-                    if pool_block < num_blocks:  # (else the last band's padding)
+                    is_l2, banded, n = self.sequence.position(
+                        position, self.sequence.num_banded(block_start, band_start,
+                                                           num_experts))
+                    pool_block = self.sequence.pool_block(banded, block_start, band_start,
+                                                          num_experts)
+                    if pool_block < num_blocks:  # (else an expert's band padding)
                         expert, m_block, n_block, block, valid_m = (Int32(0),) * 5
                         if is_l2 == 0:
                             owner1, expert, m_block, n_block, block, valid_m = self.l1.tile(
@@ -273,12 +295,14 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
 
 
 def test_host_dataflow_position_is_the_sequence():
-    """`host_model.dataflow_position` gives every entry of `dataflow_sequence`, and the last
-    band's padding (a block past the pool) at every other position: random counts (empty
-    experts, one row), both BLOCK_Ms, lags from 0 to past the block count, bands of 1-4."""
+    """`host_model.dataflow_position` over the banded blocks (`banded_blocks`) gives every
+    entry of `dataflow_sequence`, and an expert's band padding at every other position:
+    random counts (empty experts, one row), both BLOCK_Ms, lags from 0 to past the block
+    count, bands of 1-4."""
     import random
 
     from cute_megamoe.scheduler.host_model import (
+        banded_blocks,
         dataflow_position,
         dataflow_positions,
         dataflow_sequence,
@@ -292,13 +316,16 @@ def test_host_dataflow_position_is_the_sequence():
             rng.randint(0, 12)
         band = rng.choice((1, 1, 2, 3, 4))
         num_blocks = pool_block_offsets(counts, block_m)[-1]
+        banded = banded_blocks(counts, block_m, band)
         seq = dataflow_sequence(counts, block_m, 128, 128 * n1, 128, 128 * n2, lag, band=band)
         assert len(seq) == num_blocks * (n1 + n2)
         by_position = {e.position: (e.phase, e.tile.pool_block, e.tile.n_block) for e in seq}
-        for position in range(dataflow_positions(num_blocks, n1, n2, band)):
-            entry = dataflow_position(position, num_blocks, n1, n2, lag, band)
-            assert by_position.get(position, entry) == entry
-            assert (position in by_position) == (entry[1] < num_blocks)
+        for position in range(dataflow_positions(len(banded), n1, n2, band)):
+            phase, v, n_block = dataflow_position(position, len(banded), n1, n2, lag, band)
+            if banded[v] is None:  # (an expert's band padding)
+                assert position not in by_position
+            else:
+                assert by_position[position] == (phase, banded[v], n_block)
     with pytest.raises(ValueError, match="outside the sequence"):
         dataflow_position(12, 2, 3, 3, 1)
     with pytest.raises(ValueError, match="outside the sequence"):
@@ -311,7 +338,7 @@ DATAFLOW_CASES = [  # counts, block_m, L1 n-blocks, L2 n-blocks, lag, CTAs, band
     ([0, 0, 0, 0], 64, 3, 2, 2, 5, 1),
     ([0, 1, 0, 5, 0, 0, 129, 1], 128, 5, 3, 9, 3, 1),  # lag past the block count
     ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 64, 2, 3, 0, 16, 1),
-    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 2, 9, 3),  # bands, the last one padded
+    ([300, 41, 129, 1, 77, 256, 5, 200], 64, 4, 7, 2, 9, 3),  # bands, each expert's padded
     ([700, 3, 0, 1, 2, 0, 9, 4] * 4, 128, 16, 28, 2, 132, 4),
 ]
 

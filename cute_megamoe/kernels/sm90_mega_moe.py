@@ -409,6 +409,8 @@ class Sm90MegaMoEKernel:
             ring += packed * (k.block_n * (k.b_load_k() + 4) + 4 * k.packed_sfb_stride + 16)
             ring += num_stages * 8 + 3 * 128
         queue = TILE_QUEUE_SLOTS * (2 * 8 + 4) + 16 if self.tickets else 0
+        if self.tickets and self.sequence.band > 1:  # (`band_start`)
+            queue += (self.num_local_experts + 1) * 4 + 16
         return ring + k.staging_bytes + self.dispatch.smem_bytes() + queue + 3 * 1024
 
     @cute.jit
@@ -472,6 +474,9 @@ class Sm90MegaMoEKernel:
             if cutlass.const_expr(self.tickets):  # the tile queue: barriers, then positions
                 queue_mbar: cute.struct.MemRange[Int64, TILE_QUEUE_SLOTS * 2]
                 queue: cute.struct.Align[cute.struct.MemRange[Int32, TILE_QUEUE_SLOTS], 16]
+            if cutlass.const_expr(self.tickets and self.sequence.band > 1):  # (`band_start`)
+                band_start: cute.struct.Align[
+                    cute.struct.MemRange[Int32, self.num_local_experts + 1], 16]
 
         self.shared_storage = SharedStorage
         per_expert = cute.make_layout(self.num_local_experts)
@@ -536,6 +541,10 @@ class Sm90MegaMoEKernel:
             if tidx == 0:  # (ordered before any use by the barriers ahead of the roles)
                 cute.make_tensor(storage.consumer_progress.data_ptr(),
                                  cute.make_layout(1))[0] = Int32(0)
+        band_start = None  # (the ticket walk's banded blocks per expert, bands of > 1 block)
+        if cutlass.const_expr(self.tickets and self.sequence.band > 1):
+            band_start = cute.make_tensor(storage.band_start.data_ptr(),
+                                          cute.make_layout(self.num_local_experts + 1))
         queue = None  # (`walk` "tickets": the tile queue and its positions)
         if cutlass.const_expr(self.tickets):
             queue = (pipeline.PipelineAsync.create(
@@ -574,9 +583,10 @@ class Sm90MegaMoEKernel:
             row_start, block_start = self.dispatch.count_locally(
                 my_base, topk_idx, num_tokens, expert_recv_tokens, stats, dispatch)
             self.stamp(stamps, "counts_seen", tidx == 0, fenced=False)
+            self.build_band_start(block_start, band_start, warp)
             if cutlass.const_expr(self.early_weights):  # (as the exchanged dispatch's below)
-                preloaded, first_ticket = self.load_early_weights(early, block_start,
-                                                                  row_start, pool_block_ready)
+                preloaded, first_ticket = self.load_early_weights(
+                    early, block_start, row_start, pool_block_ready, band_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
             self.place_locally(x, topk_weights, my_base, num_tokens, dispatch, batch,
                                tidx, bidx, grid, lane)
@@ -587,11 +597,12 @@ class Sm90MegaMoEKernel:
             counts, row_start, block_start = self.dispatch.exchange_counts(
                 peer_bases, rank, num_tokens, expert_recv_tokens, stats, dispatch,
                 self.dispatch_stamp(stamps, tidx), metadata=not self.early_weights)
+            self.build_band_start(block_start, band_start, warp)
             if cutlass.const_expr(self.early_weights):
                 # the first L1 tile's weights stream in while this CTA writes metadata and
                 # pushes rows (its rows follow in `produce`)
-                preloaded, first_ticket = self.load_early_weights(early, block_start,
-                                                                  row_start, pool_block_ready)
+                preloaded, first_ticket = self.load_early_weights(
+                    early, block_start, row_start, pool_block_ready, band_start)
                 self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
                                              block_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
@@ -607,6 +618,7 @@ class Sm90MegaMoEKernel:
             row_start, block_start = self.dispatch.run(peer_bases, rank, num_tokens,
                                                        expert_recv_tokens, stats, smem,
                                                        self.dispatch_stamp(stamps, tidx))
+            self.build_band_start(block_start, band_start, warp)  # (the barrier syncs first)
             grid_barrier(barrier, grid, self.timeout_ns, self.dispatch.scope)
             self.stamp(stamps, "prefix_ready", tidx == 0)
 
@@ -626,7 +638,8 @@ class Sm90MegaMoEKernel:
                         (tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, l1_acts_sf, w1_sf),
                         (tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, l2_acts_sf, w2_sf), sa,
                         sb_load, sfa, sfb, ring, queue, pool_block_ready, block_start,
-                        row_start, lane, state, barrier, rows_arrived, first_ticket, preloaded)
+                        row_start, lane, state, barrier, rows_arrived, first_ticket, preloaded,
+                        band_start)
                 else:
                     log = tile_log if cutlass.const_expr(self.tile_log) else None
                     state, tile = self.l1.produce(
@@ -697,7 +710,7 @@ class Sm90MegaMoEKernel:
                     tiled_mma, sa, sb, sfa, sfb, ring, queue, block_start, row_start, wg - 1,
                     warp % 4, lane, l1_topk_weights, l2_acts, l2_acts_sf, peer_bases_ptr,
                     token_src_metadata, staging, state, pool_block_ready, barrier,
-                    tile_log if cutlass.const_expr(self.tile_clock) else None)
+                    tile_log if cutlass.const_expr(self.tile_clock) else None, band_start)
             else:
                 state, prev, tile = self.l1.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, l1_tiles, bidx, grid,
@@ -757,7 +770,7 @@ class Sm90MegaMoEKernel:
                           pool_block_ready: cute.Pointer, block_start: cute.Tensor,
                           row_start: cute.Tensor, lane: Int32, state, barrier: cute.Pointer,
                           rows_arrived: cute.Pointer, first_ticket: Int32 = None,
-                          preloaded: Int32 = None):
+                          preloaded: Int32 = None, band_start: cute.Tensor = None):
         """Warp 0 with `walk` "tickets": take positions of the lag-ordered sequence until it
         is done, hand each to the consumers (`publish`) and load its tile's stages as
         the phase's own walk would (a walk of one tile, pool block ``b`` and n-block ``n``
@@ -769,7 +782,8 @@ class Sm90MegaMoEKernel:
         tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, a1_sf, w1_sf = l1_loads
         tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, a2_sf, w2_sf = l2_loads
         num_blocks = block_start[self.num_local_experts]
-        num_positions = self.sequence.num_positions(num_blocks)
+        num_positions = self.sequence.num_positions(
+            self.sequence.num_banded(block_start, band_start, self.num_local_experts))
         ticket = pool_block_ready + self.num_pool_blocks
         slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                             TILE_QUEUE_SLOTS)
@@ -780,7 +794,7 @@ class Sm90MegaMoEKernel:
             # the next ticket's atomic runs while this tile loads (its value is read when
             # published): the consumers find their next position ready
             upcoming = self.take_ticket(ticket, lane)
-            is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
+            is_l2, pool_block, n_block = self.ticket_tile(position, block_start, band_start)
             if pool_block >= num_blocks:  # the last band's padding: no tile
                 pass
             elif is_l2 == 0:
@@ -802,6 +816,28 @@ class Sm90MegaMoEKernel:
                     state, pool_block_ready, barrier)
             position, slot = self.publish(queue, slot, upcoming, barrier, lane)
         return state
+
+    @cute.jit
+    def ticket_tile(self, position: Int32, block_start: cute.Tensor,
+                    band_start: cute.Tensor = None):
+        """The tile at ``position`` of the lag-ordered sequence: ``(is_l2, pool block,
+        n-block)``, the pool block the pool's block count for an expert's band padding or a
+        position past the end (no tile; `DataflowSequence`)."""
+        is_l2, banded, n_block = self.sequence.position(
+            position, self.sequence.num_banded(block_start, band_start, self.num_local_experts))
+        return is_l2, self.sequence.pool_block(banded, block_start, band_start,
+                                               self.num_local_experts), n_block
+
+    @cute.jit
+    def build_band_start(self, block_start: cute.Tensor, band_start: cute.Tensor,
+                         warp: Int32):
+        """Bands of > 1 block: warp 0 lays out the banded blocks (`DataflowSequence.
+        build_band_start`) once the pool's prefix sums are in; the other warps read them
+        after the CTA's next sync."""
+        if cutlass.const_expr(band_start is not None):
+            if warp == 0:
+                self.sequence.build_band_start(block_start, band_start,
+                                               self.num_local_experts)
 
     @cute.jit
     def take_ticket(self, ticket: cute.Pointer, lane: Int32) -> Int32:
@@ -834,7 +870,8 @@ class Sm90MegaMoEKernel:
                           l2_acts: cute.Pointer, l2_acts_sf: cute.Pointer,
                           peer_bases: cute.Pointer, token_src_metadata: cute.Pointer,
                           staging: cute.Pointer, state, pool_block_ready: cute.Pointer,
-                          barrier: cute.Pointer, clock: cute.Pointer = None):
+                          barrier: cute.Pointer, clock: cute.Pointer = None,
+                          band_start: cute.Tensor = None):
         """A consumer warp with `walk` "tickets": the positions warp 0 took, in its order,
         each a walk of one tile of its phase (`produce_by_ticket`). An L1 tile signals its
         pool block's readiness one tile late, after the next L1 tile's mainloop, while its
@@ -843,7 +880,8 @@ class Sm90MegaMoEKernel:
         (`TILE_CLOCK_TILES`): the first consumer thread records each tile's span. Returns the
         ring's consumer state."""
         num_blocks = block_start[self.num_local_experts]
-        num_positions = self.sequence.num_positions(num_blocks)
+        num_positions = self.sequence.num_positions(
+            self.sequence.num_banded(block_start, band_start, self.num_local_experts))
         slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                             TILE_QUEUE_SLOTS)
         prev = state.clone()
@@ -852,7 +890,7 @@ class Sm90MegaMoEKernel:
         clocks = mma_wg == 0 and warp_in_wg == 0 and lane == 0
         position, slot = self.read_position(queue, slot, barrier, lane)
         while position < num_positions:
-            is_l2, pool_block, n_block = self.sequence.position(position, num_blocks)
+            is_l2, pool_block, n_block = self.ticket_tile(position, block_start, band_start)
             start = Int64(0)
             if cutlass.const_expr(clock is not None):
                 start = cute.arch.globaltimer()
@@ -939,7 +977,7 @@ class Sm90MegaMoEKernel:
 
     @cute.jit
     def load_early_weights(self, early, block_start: cute.Tensor, row_start: cute.Tensor,
-                           pool_block_ready: cute.Pointer):
+                           pool_block_ready: cute.Pointer, band_start: cute.Tensor = None):
         """With the early weights, warp 0 once the pool's prefix sums are in: its first L1
         tile's first stages' weights (`Sm90ExpertGemmKernel.load_first_weights`; ``early``:
         what it loads them with). The ticket walk's first tile is its first ticket's, taken
@@ -956,8 +994,8 @@ class Sm90MegaMoEKernel:
             if warp == 0:
                 first_ticket = self.take_ticket(pool_block_ready + self.num_pool_blocks, lane)
                 num_blocks = block_start[self.num_local_experts]
-                is_l2, pool_block, n_block = self.sequence.position(
-                    cute.arch.shuffle_sync(first_ticket, 0), num_blocks)
+                is_l2, pool_block, n_block = self.ticket_tile(
+                    cute.arch.shuffle_sync(first_ticket, 0), block_start, band_start)
                 tile = pool_block * self.l1.num_n_blocks + n_block
                 # (an L2 tile, the last band's padding or the sequence's end: none, as past
                 # the L1 tiles)

@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from ..kernels.common.warp import warp_inclusive_sum
 from .host_model import _non_negative, _positive
 
 OWNER_SEARCHES = ("linear", "gallop")
@@ -126,11 +127,14 @@ class ExpertTileScheduler:
 
 class DataflowSequence:
     """The dataflow kernel's lag-ordered L1 / L2 sequence (`host_model.dataflow_sequence`;
-    docs/notes/dataflow.md): an entry's (phase, pool block, n-block) from its position, as a
+    docs/notes/dataflow.md): an entry's (phase, banded block, n-block) from its position, as a
     CTA finds its next tile from a ticket. The device twin of `host_model.dataflow_position`,
-    with bands of ``band`` pool blocks (the last padded: a pool block past the pool holds no
-    tile); the pool block's expert, m-block and valid rows then come from the phase's
-    `ExpertTileScheduler` (with one-block raster bands, tile ``pool_block * n + n_block``)."""
+    with bands of ``band`` blocks of one expert (`host_model.banded_blocks`: each expert's
+    blocks padded to a multiple of ``band``; `pool_block` maps a banded block to its pool
+    block, or past the pool for the padding, which holds no tile); the pool block's expert,
+    m-block and valid rows then come from the phase's `ExpertTileScheduler` (with one-block
+    raster bands, tile ``pool_block * n + n_block``). With ``band`` > 1 the banded blocks' own
+    prefix (``band_start``, `build_band_start`) sits in shared memory beside ``block_start``."""
 
     def __init__(self, num_n1: int, num_n2: int, lag: int, band: int = 1):
         self.num_n1 = _positive("num_n1", num_n1)
@@ -139,14 +143,69 @@ class DataflowSequence:
         self.band = _positive("band", band)
 
     @cute.jit
+    def build_band_start(self, block_start: cute.Tensor, band_start: cute.Tensor,
+                         num_experts: cutlass.Constexpr):
+        """``band_start[e]``: the first banded block of expert ``e`` (the exclusive prefix of
+        its blocks rounded up to ``band``), ``num_experts + 1`` entries. Call from one whole
+        warp; its lanes (or, after a CTA sync, every thread) may then read it."""
+        lane = cute.arch.lane_idx()
+        carry = Int32(0)
+        for base in cutlass.range(0, num_experts, 32):
+            e = base + lane
+            banded = Int32(0)
+            if e < num_experts:
+                blocks = block_start[e + 1] - block_start[e]
+                banded = (blocks + self.band - 1) // self.band * self.band
+            incl = warp_inclusive_sum(banded)
+            if e < num_experts:
+                band_start[e + 1] = carry + incl
+            carry += cute.arch.shuffle_sync(incl, 31)
+        if lane == 0:
+            band_start[0] = 0
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def num_banded(self, block_start: cute.Tensor, band_start: cute.Tensor,
+                   num_experts: cutlass.Constexpr) -> Int32:
+        """Banded blocks of the pool (`num_positions`' argument): the pool blocks with
+        one-block bands."""
+        total = block_start[num_experts]
+        if cutlass.const_expr(self.band > 1):
+            total = band_start[num_experts]
+        return total
+
+    @cute.jit
+    def pool_block(self, banded: Int32, block_start: cute.Tensor, band_start: cute.Tensor,
+                   num_experts: cutlass.Constexpr) -> Int32:
+        """The pool block of banded block ``banded`` (< `num_banded`), or the pool's block
+        count for an expert's padding (no tile): the last expert whose banded blocks start at
+        or before it, found by halving (empty experts start where the next one does)."""
+        block = banded
+        if cutlass.const_expr(self.band > 1):
+            lo, hi = Int32(0), Int32(num_experts)  # band_start[lo] <= banded < band_start[hi]
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if band_start[mid] <= banded:
+                    lo = mid
+                else:
+                    hi = mid
+            local = banded - band_start[lo]
+            block = block_start[num_experts]
+            if local < block_start[lo + 1] - block_start[lo]:
+                block = block_start[lo] + local
+        return block
+
+    @cute.jit
     def num_positions(self, num_blocks: Int32) -> Int32:
-        """Entries of the sequence over ``num_blocks`` pool blocks (the padding included)."""
+        """Entries of the sequence over ``num_blocks`` banded blocks (`num_banded`; the
+        padding included)."""
         return (num_blocks + self.band - 1) // self.band * self.band * (self.num_n1
                                                                           + self.num_n2)
 
     @cute.jit
     def position(self, position: Int32, num_blocks: Int32):
-        """Entry ``position`` (< `num_positions`): ``(is_l2, pool_block, n_block)``."""
+        """Entry ``position`` (< `num_positions`): ``(is_l2, banded block, n_block)`` (the
+        pool block itself with one-block bands; else `pool_block`)."""
         band, lag = self.band, self.lag
         u1, u2 = band * self.num_n1, band * self.num_n2  # a band's L1 / L2 entries
         num_bands = (num_blocks + band - 1) // band

@@ -42,6 +42,7 @@ __all__ = [
     "Tile",
     "assign_tiles",
     "dataflow_lag",
+    "banded_blocks",
     "dataflow_position",
     "dataflow_positions",
     "dataflow_sequence",
@@ -405,9 +406,11 @@ def dataflow_sequence(
 ) -> list[DataflowTile]:
     """The whole lag-ordered L1/L2 sequence of one rank's dataflow kernel.
 
-    Pool blocks in pool order (expert-major, :func:`pool_block_offsets`), in bands of
-    ``band`` consecutive blocks (the last one padded to ``band`` with blocks past the pool);
-    for ``j = 0, 1, ..., NB - 1 + lag`` over the ``NB`` bands: band ``j``'s L1 tiles if
+    Pool blocks in pool order (expert-major, :func:`pool_block_offsets`), each expert's in
+    bands of ``band`` consecutive blocks (its last band padded to ``band`` with blocks that
+    hold no tile, :func:`banded_blocks`: a band never mixes experts, so its weight tiles are
+    one expert's); for ``j = 0, 1, ..., NB - 1 + lag`` over the ``NB`` bands: band ``j``'s L1
+    tiles if
     ``j < NB``, then band ``j - lag``'s L2 tiles if ``j >= lag``; inside a band's tiles of a
     phase the n-block is slowest, so the band's blocks read each weight tile at neighbouring
     positions (at the same time on neighbouring CTAs). So the L2 of band ``u`` comes right
@@ -430,20 +433,21 @@ def dataflow_sequence(
     for e, count in enumerate(counts):
         blocks += [(e, m, min(block_m, count - m * block_m))
                    for m in range(num_m_blocks(count, block_m))]
+    banded = banded_blocks(counts, block_m, band)
     seq: list[DataflowTile] = []
     position = 0
 
     def emit(phase: str, unit: int, num_n: int) -> None:
         nonlocal position
         for nb in range(num_n):
-            for b in range(unit * band, (unit + 1) * band):
-                if b < len(blocks):
+            for b in banded[unit * band:(unit + 1) * band]:
+                if b is not None:
                     e, m, valid = blocks[b]
                     seq.append(DataflowTile(phase, Tile(e, m, nb, offsets[e] + m, valid),
                                             b % slots, position))
                 position += 1
 
-    num_bands = ceil_div(len(blocks), band)
+    num_bands = len(banded) // band
     for j in range(num_bands + lag):
         if j < num_bands:
             emit(PHASE_L1, j, num_n1)
@@ -452,17 +456,34 @@ def dataflow_sequence(
     return seq
 
 
+def banded_blocks(expert_counts: Sequence[int] | torch.Tensor, block_m: int,
+                  band: int = 1) -> list[int | None]:
+    """The banded blocks of :func:`dataflow_sequence`: every expert's pool blocks in order,
+    each expert's padded to a multiple of ``band`` with None (no tile); entry ``v`` is the
+    pool block of banded block ``v`` (with one-block bands, every pool block itself)."""
+    _positive("block_m", block_m)
+    _positive("band", band)
+    out: list[int | None] = []
+    first = 0
+    for count in _counts(expert_counts):
+        n = num_m_blocks(count, block_m)
+        out += list(range(first, first + n)) + [None] * (-n % band)
+        first += n
+    return out
+
+
 def dataflow_positions(num_blocks: int, num_n1: int, num_n2: int, band: int = 1) -> int:
-    """Positions of :func:`dataflow_sequence` over ``num_blocks`` pool blocks, the padding of
-    the last band included."""
+    """Positions of :func:`dataflow_sequence` over ``num_blocks`` banded blocks
+    (:func:`banded_blocks`; with one-block bands the pool blocks), padding included."""
     return ceil_div(num_blocks, band) * band * (num_n1 + num_n2)
 
 
 def dataflow_position(position: int, num_blocks: int, num_n1: int, num_n2: int,
                       lag: int, band: int = 1) -> tuple[str, int, int]:
-    """Entry ``position`` of :func:`dataflow_sequence` over ``num_blocks`` pool blocks, without
-    the list: (phase, pool block, n-block); a pool block past the pool (``>= num_blocks``) is
-    the last band's padding: no tile. Over ``NB`` bands of ``band`` blocks the sequence has
+    """Entry ``position`` of :func:`dataflow_sequence` over ``num_blocks`` banded blocks
+    (:func:`banded_blocks`), without the list: (phase, banded block, n-block); the banded
+    block's pool block is ``banded_blocks(...)[v]`` (None, or past ``num_blocks``: padding,
+    no tile). Over ``NB`` bands of ``band`` blocks the sequence has
     three parts: the L1 tiles of the first ``min(lag, NB)`` bands; then, per band ``j`` in
     ``[lag, NB)``, its L1 tiles followed by band ``j - lag``'s L2 tiles; then the L2 tiles of
     the last ``min(lag, NB)`` bands; inside a band's tiles of a phase the n-block is slowest.

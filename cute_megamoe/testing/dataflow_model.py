@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +44,8 @@ from ..scheduler.host_model import (
     num_m_blocks,
 )
 
-__all__ = ["ASSIGNMENTS", "DataflowCosts", "DataflowRun", "block_sources", "simulate_dataflow"]
+__all__ = ["ASSIGNMENTS", "DataflowCosts", "DataflowRun", "block_sources", "simulate_dataflow",
+           "weight_reads"]
 
 #: how CTAs get their positions of the sequence: "static", CTA c takes c, c + S, ... (as the
 #: fused kernel's walk today); "ticket", a free CTA takes the next position (one atomic add
@@ -249,3 +250,27 @@ def simulate_dataflow(
     tiles = Counter({label: n for label, n in runs.items() if label[0] != "rows"})
     return DataflowRun(completed=not stuck, makespan=now, tile_runs=tiles,
                        rows_moved=rows_moved, stuck=tuple(stuck))
+
+
+def weight_reads(tiles: Sequence[tuple[str, int, int]], tile_bytes: dict[str, int],
+                 cache_bytes: int, concurrent: int) -> int:
+    """The bytes of weight tiles a tile order reads from memory, in a least-recently-used
+    model of the L2 cache: ``tiles`` are ``(phase, expert, n_block)`` in the order CTAs start
+    them, ``concurrent`` at a time (a grid's worth: the tiles of one such round ask for a
+    weight tile once between them); a weight tile (``tile_bytes[phase]``) is read unless it
+    is still among the ``cache_bytes`` most recently used. Activations, partitions and
+    timing are not modelled: a comparison of orders, not a prediction of bytes."""
+    cache: OrderedDict = OrderedDict()
+    held = read = 0
+    for first in range(0, len(tiles), concurrent):
+        for key in dict.fromkeys(tiles[first:first + concurrent]):
+            if key in cache:
+                cache.move_to_end(key)
+                continue
+            size = tile_bytes[key[0]]
+            read += size
+            cache[key] = size
+            held += size
+            while held > cache_bytes:
+                held -= cache.popitem(last=False)[1]
+    return read
