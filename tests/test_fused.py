@@ -769,12 +769,13 @@ def test_ticket_walk_matches_staged(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", (64, 128))
-def test_ticket_walk_takes_every_position_once(block_m):
+@pytest.mark.parametrize("block_m,band", [(64, 1), (128, 1), (64, 3)])
+def test_ticket_walk_takes_every_position_once(block_m, band):
     """One ticket-walk call with its tile clock (``debug="tile_clock"``, R = 1, counted rows,
     H 1024, I 512: 4 + 4 n-blocks, 2048 tokens x 4): every L1 and L2 tile of every pool block
     recorded exactly once over the grid, each ending after it started, and each L2 tile
-    ending after every L1 tile of its block (its loads waited for their signal)."""
+    ending after every L1 tile of its block (its loads waited for their signal); with bands
+    of 3 blocks of one expert, warp 0 skipping the bands' padding."""
     _gpu()
     from bench.common import random_expert_weights
     from cute_megamoe import api
@@ -795,7 +796,7 @@ def test_ticket_walk_takes_every_position_once(block_m):
     grid = buffer_state(buf).num_sms
     config = default_fused_config(buf.layout, block_m, False,
                                   Sm90FusedConfig(walk="tickets", debug="tile_clock",
-                                                  row_transfer="counted"))
+                                                  row_transfer="counted", band=band))
     y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
     clock = torch.zeros(grid, TILE_CLOCK_TILES, 4, dtype=torch.int32, device="cuda")
     fused_call(buf, weights, n, y, grid, None, 10.0, True, config, debug=clock)()

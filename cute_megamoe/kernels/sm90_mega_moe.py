@@ -789,13 +789,15 @@ class Sm90MegaMoEKernel:
                                             TILE_QUEUE_SLOTS)
         if cutlass.const_expr(first_ticket is None):
             first_ticket = self.take_ticket(ticket, lane)
-        position, slot = self.publish(queue, slot, first_ticket, barrier, lane)
+        position = self.skip_padding(first_ticket, num_positions, num_blocks, block_start,
+                                     band_start, ticket, lane)
+        position, slot = self.publish(queue, slot, position, barrier, lane)
         while position < num_positions:
             # the next ticket's atomic runs while this tile loads (its value is read when
             # published): the consumers find their next position ready
             upcoming = self.take_ticket(ticket, lane)
             is_l2, pool_block, n_block = self.ticket_tile(position, block_start, band_start)
-            if pool_block >= num_blocks:  # the last band's padding: no tile
+            if pool_block >= num_blocks:  # (a guard: warp 0 publishes no band padding)
                 pass
             elif is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
@@ -814,6 +816,8 @@ class Sm90MegaMoEKernel:
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, a2_sf, w2_sf, ring,
                     block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
                     state, pool_block_ready, barrier)
+            upcoming = self.skip_padding(upcoming, num_positions, num_blocks, block_start,
+                                         band_start, ticket, lane)
             position, slot = self.publish(queue, slot, upcoming, barrier, lane)
         return state
 
@@ -827,6 +831,25 @@ class Sm90MegaMoEKernel:
             position, self.sequence.num_banded(block_start, band_start, self.num_local_experts))
         return is_l2, self.sequence.pool_block(banded, block_start, band_start,
                                                self.num_local_experts), n_block
+
+    @cute.jit
+    def skip_padding(self, mine: Int32, num_positions: Int32, num_blocks: Int32,
+                     block_start: cute.Tensor, band_start: cute.Tensor, ticket: cute.Pointer,
+                     lane: Int32) -> Int32:
+        """Warp 0, bands of > 1 block: the position lane 0 took (``mine``), or past an
+        expert's band padding the first position a further ticket gives that holds a tile
+        (or lies past the end), so that the consumers never wait on a position without a
+        tile. One-block bands have no padding: ``mine`` as it is."""
+        position = mine
+        if cutlass.const_expr(band_start is not None):
+            position = cute.arch.shuffle_sync(mine, 0)
+            _, block, _ = self.ticket_tile(position, block_start, band_start)
+            padding = (position < num_positions) & (block >= num_blocks)
+            while padding:
+                position = cute.arch.shuffle_sync(self.take_ticket(ticket, lane), 0)
+                _, block, _ = self.ticket_tile(position, block_start, band_start)
+                padding = (position < num_positions) & (block >= num_blocks)
+        return position
 
     @cute.jit
     def build_band_start(self, block_start: cute.Tensor, band_start: cute.Tensor,
@@ -894,7 +917,7 @@ class Sm90MegaMoEKernel:
             start = Int64(0)
             if cutlass.const_expr(clock is not None):
                 start = cute.arch.globaltimer()
-            if pool_block >= num_blocks:  # the last band's padding: no tile
+            if pool_block >= num_blocks:  # (a guard: warp 0 publishes no band padding)
                 pass
             elif is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
@@ -997,7 +1020,7 @@ class Sm90MegaMoEKernel:
                 is_l2, pool_block, n_block = self.ticket_tile(
                     cute.arch.shuffle_sync(first_ticket, 0), block_start, band_start)
                 tile = pool_block * self.l1.num_n_blocks + n_block
-                # (an L2 tile, the last band's padding or the sequence's end: none, as past
+                # (an L2 tile, an expert's band padding or the sequence's end: none, as past
                 # the L1 tiles)
                 num_tiles = cutlass.select_((is_l2 == 0) & (pool_block < num_blocks),
                                             tile + 1, Int32(0))
