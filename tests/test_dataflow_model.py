@@ -95,9 +95,10 @@ def test_a_lag_past_the_last_block_is_todays_fused_walk():
 def test_banded_sequences_read_each_weight_tile_at_neighbouring_positions(case, band, lag):
     """Bands of ``band`` blocks of one expert (`banded_blocks`: each expert's blocks padded to
     a multiple of ``band``): every tile once, positions counting the padding; a band's blocks
-    are one expert's; inside a band's L1 (L2) tiles the n-block is slowest, so the band's
-    blocks take one weight tile at consecutive positions; a band's L2 tiles come right after
-    the L1 tiles of the band ``lag`` later (its own L1 when that is past the end)."""
+    are one expert's, each phase's experts in position order; inside a band's L1 (L2) tiles
+    the n-block is slowest, so the band's blocks take one weight tile at consecutive
+    positions; a band's L2 tiles come right after the L1 tiles of the band ``lag`` later (its
+    own L1 when that is past the end)."""
     counts = COUNT_CASES[case]
     seq = dataflow_sequence(counts, *SHAPE, lag, band=band)
     assert Counter((s.phase, s.tile.pool_block, s.tile.n_block) for s in seq) == \
@@ -112,6 +113,10 @@ def test_banded_sequences_read_each_weight_tile_at_neighbouring_positions(case, 
     assert all(0 <= s.position < len(banded) * (N1 + N2) for s in seq)
     for s in seq:
         assert s.ring_slot == s.tile.pool_block % min_ring_slots(lag, band)
+    for phase in ("l1", "l2"):  # (what the kernel's owner hints rely on: any CTA's positions
+        # of a phase, an increasing subsequence, meet its experts in order)
+        experts = [s.tile.expert for s in seq if s.phase == phase]
+        assert experts == sorted(experts)
     for u in range(bands):
         assert len({s.tile.expert for s in seq if unit[s.tile.pool_block] == u}) <= 1
         for phase in ("l1", "l2"):

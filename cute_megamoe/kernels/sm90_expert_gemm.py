@@ -719,7 +719,8 @@ class Sm90ExpertGemmKernel:
                 lane: Int32, state, ready: cute.Pointer = None,
                 barrier_slots: cute.Pointer = None, tile_log: cute.Pointer = None,
                 log_first: Int32 = 0, rows_arrived: cute.Pointer = None,
-                arrivals_per_row: cutlass.Constexpr = 1, preloaded: Int32 = None):
+                arrivals_per_row: cutlass.Constexpr = 1, preloaded: Int32 = None,
+                owner_hint: Int32 = None):
         """Warp 0: TMA-load the A/B tiles (and scale vectors) of every k-block of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles`` (FP4 weights: A and
         the scale vectors; `produce_packed` loads the weights); in a cluster whose
@@ -735,7 +736,8 @@ class Sm90ExpertGemmKernel:
         ready. With ``tile_log`` (a diagnostic of the fused kernel): the CTA's ``i``-th tile of
         this walk is recorded as ``(phase 1 | 2, pool block, n-block, valid rows)`` at entry
         ``(log_first + i) * grid + CTA`` (int32 x 4). Returns ``(state, the first tile index
-        past num_tiles)``."""
+        past num_tiles)``; with ``owner_hint`` (an expert at or before the first tile's, as
+        `ExpertTileScheduler.owner_of` takes it, instead of 0) the last tile's owner too."""
         g_a = cute.local_tile(m_a, (self.a_box_rows, self.block_k), (None, None))
         # (the stages as A boxes: box t of stage s is slot s * boxes per block + t, the same
         # bytes and swizzle atoms as `sa`)
@@ -750,6 +752,8 @@ class Sm90ExpertGemmKernel:
         b_blocks_per_expert = self.n // WG_N
         tile = first_tile
         owner = Int32(0)
+        if cutlass.const_expr(owner_hint is not None):
+            owner = owner_hint
         while tile < num_tiles:
             owner, multicast, expert, n_block, pool_block, valid_m = self.pair_tile(
                 tile, owner, block_start, row_start, raster_group, rank)
@@ -837,6 +841,8 @@ class Sm90ExpertGemmKernel:
                 ab_pipe.producer_commit(state)
                 state.advance()
             tile += num_clusters
+        if cutlass.const_expr(owner_hint is not None):
+            return state, tile, owner
         return state, tile
 
     @cute.jit
@@ -1300,7 +1306,8 @@ class Sm90ExpertGemmKernel:
                 staging: cute.Pointer, state, prev, ready: cute.Pointer = None,
                 decoded: cute.Pointer = None, exchange: cute.Pointer = None, out_store=None,
                 progress: cute.Pointer = None, owed_block: Int32 = None,
-                signal_last: cutlass.Constexpr = True, barrier_slots: cute.Pointer = None):
+                signal_last: cutlass.Constexpr = True, barrier_slots: cute.Pointer = None,
+                owner_hint: Int32 = None):
         """Consumer warpgroup ``mma_wg``: rows ``[64 * mma_wg, 64 * mma_wg + 64)`` of tiles
         ``first_tile``, ``first_tile + num_clusters``, ... ``< num_tiles``; ``staging``: this
         warp's shared-memory staging rows; ``state`` / ``prev``: the ring's consumer state (BF16
@@ -1318,7 +1325,8 @@ class Sm90ExpertGemmKernel:
         its stores awaited, and it is returned after the state: ``(state, prev, tile,
         owed)``. With `ring_blocks` (the ticket walk's L1-output ring): L1 stores a tile's rows
         in its block's slot once the slot's previous block was read (a bounded wait, reported
-        through ``barrier_slots``), L2 counts a tile's loads into ``ready`` as done."""
+        through ``barrier_slots``), L2 counts a tile's loads into ``ready`` as done. With
+        ``owner_hint`` (as `produce`'s) the last tile's owner is returned last."""
         thr_mma = tiled_mma.get_slice(mma_wg * 128)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
@@ -1346,6 +1354,8 @@ class Sm90ExpertGemmKernel:
             store = (tma_out, t_s_out, t_g_out)
         tile = first_tile
         owner = Int32(0)
+        if cutlass.const_expr(owner_hint is not None):
+            owner = owner_hint
         pending = Int32(-1)  # the pool block of the previous tile, not signalled yet
         if cutlass.const_expr(owed_block is not None):
             pending = owed_block
@@ -1454,6 +1464,8 @@ class Sm90ExpertGemmKernel:
             pending = pool_block
             tile += num_clusters
         if cutlass.const_expr(not signal_last):
+            if cutlass.const_expr(owner_hint is not None):
+                return state, prev, tile, pending, owner
             return state, prev, tile, pending
         if cutlass.const_expr(self.signals_ready):
             if pending >= 0:
@@ -1461,6 +1473,8 @@ class Sm90ExpertGemmKernel:
         if lane < ROWS_PER_WARP:
             cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()
+        if cutlass.const_expr(owner_hint is not None):
+            return state, prev, tile, owner
         return state, prev, tile
 
     @property

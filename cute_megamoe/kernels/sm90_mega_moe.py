@@ -792,6 +792,9 @@ class Sm90MegaMoEKernel:
         position = self.skip_padding(first_ticket, num_positions, num_blocks, block_start,
                                      band_start, ticket, lane)
         position, slot = self.publish(queue, slot, position, barrier, lane)
+        # each phase's positions come in pool order (inside a band, one expert's blocks): a
+        # tile's owner is found from the phase's previous one (`ExpertTileScheduler.owner_of`)
+        owner1, owner2 = Int32(0), Int32(0)
         while position < num_positions:
             # the next ticket's atomic runs while this tile loads (its value is read when
             # published): the consumers find their next position ready
@@ -801,21 +804,21 @@ class Sm90MegaMoEKernel:
                 pass
             elif is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
-                state, _ = self.l1.produce(
+                state, _, owner1 = self.l1.produce(
                     tma_a1, m_a1, tma_b1, tma_b1_mc, m_b1, sa, sb, sfa, sfb, a1_sf, w1_sf, ring,
                     block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
                     state, barrier_slots=barrier,
                     rows_arrived=rows_arrived if cutlass.const_expr(self.rows_counted)
                     else None, arrivals_per_row=self.dispatch.arrivals_per_row,
-                    preloaded=preloaded)
+                    preloaded=preloaded, owner_hint=owner1)
                 if cutlass.const_expr(preloaded is not None):
                     preloaded = Int32(0)  # (the first tile's only)
             else:
                 tile = pool_block * self.l2.num_n_blocks + n_block
-                state, _ = self.l2.produce(
+                state, _, owner2 = self.l2.produce(
                     tma_a2, m_a2, tma_b2, tma_b2_mc, m_b2, sa, sb, sfa, sfb, a2_sf, w2_sf, ring,
                     block_start, row_start, tile + 1, tile, Int32(1), Int32(1), Int32(0), lane,
-                    state, pool_block_ready, barrier)
+                    state, pool_block_ready, barrier, owner_hint=owner2)
             upcoming = self.skip_padding(upcoming, num_positions, num_blocks, block_start,
                                          band_start, ticket, lane)
             position, slot = self.publish(queue, slot, upcoming, barrier, lane)
@@ -909,6 +912,7 @@ class Sm90MegaMoEKernel:
                                             TILE_QUEUE_SLOTS)
         prev = state.clone()
         owed = Int32(-1)  # the pool block of this warp's last L1 tile, not signalled yet
+        owner1, owner2 = Int32(0), Int32(0)  # (each phase's last owner, as warp 0's)
         clocked = Int32(0)  # (tiles recorded)
         clocks = mma_wg == 0 and warp_in_wg == 0 and lane == 0
         position, slot = self.read_position(queue, slot, barrier, lane)
@@ -921,22 +925,22 @@ class Sm90MegaMoEKernel:
                 pass
             elif is_l2 == 0:
                 tile = pool_block * self.l1.num_n_blocks + n_block
-                state, prev, _, owed = self.l1.consume(
+                state, prev, _, owed, owner1 = self.l1.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
                     pool_block_ready, owed_block=owed, signal_last=False,
-                    barrier_slots=barrier)
+                    barrier_slots=barrier, owner_hint=owner1)
             else:
                 if owed >= 0:
                     self.l1.signal_ready(pool_block_ready, owed, lane)
                     owed = Int32(-1)
                 tile = pool_block * self.l2.num_n_blocks + n_block
-                state, prev, _ = self.l2.consume(
+                state, prev, _, owner2 = self.l2.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
-                    pool_block_ready)
+                    pool_block_ready, owner_hint=owner2)
             if cutlass.const_expr(clock is not None):
                 if pool_block < num_blocks:
                     if clocks and clocked < TILE_CLOCK_TILES:
