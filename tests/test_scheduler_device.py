@@ -14,10 +14,11 @@ import torch
 FIELDS = 5  # expert, m_block, n_block, pool_block, valid_m
 
 
-def _walk_prelude(counts, out, num_experts, block_m, record_words):
+def _walk_prelude(counts, out, num_experts, block_m, record_words, sequence=None):
     """The walk kernels' start, in every CTA: the pool prefix in shared memory (as the grouped
     GEMMs build it), and the CTA's ``record_words`` of ``out``. Returns (thread, CTA, grid,
-    block_start, row_start, record)."""
+    block_start, row_start, record), and with a `DataflowSequence` ``sequence`` its banded
+    blocks' prefix last (`build_band_start`; None with one-block bands)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -30,10 +31,17 @@ def _walk_prelude(counts, out, num_experts, block_m, record_words):
     smem = cutlass.memory.SmemAllocator()
     block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
     row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
+    band_start = None
+    if cutlass.const_expr(sequence is not None and sequence.band > 1):
+        band_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
     build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
     cute.arch.sync_threads()
     record = cute.make_tensor(out + bidx * record_words, cute.make_layout(record_words))
-    return tidx, bidx, grid, block_start, row_start, record
+    if cutlass.const_expr(sequence is None):
+        return tidx, bidx, grid, block_start, row_start, record
+    if cutlass.const_expr(band_start is not None):
+        sequence.build_band_start(block_start, band_start, num_experts)
+    return tidx, bidx, grid, block_start, row_start, record, band_start
 
 
 def _walk_kernel(num_experts: int, block_m: int, num_n: int, max_tiles: int,
@@ -220,11 +228,9 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
     (`scheduler.device.DataflowSequence`, bands of ``band`` blocks of one expert, laid out by
     the first warp: the padding's positions skipped), each tile found by its phase's
     scheduler."""
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
-    from cute_megamoe.kernels.common.pool import build_pool_prefix
     from cute_megamoe.scheduler.device import DataflowSequence, ExpertTileScheduler
 
     class DataflowWalkKernel:
@@ -240,22 +246,8 @@ def _dataflow_walk_kernel(num_experts: int, block_m: int, num_n1: int, num_n2: i
 
         @cute.kernel
         def kernel(self, counts: cute.Tensor, out: cute.Pointer):
-            # (`_walk_prelude`, with the banded blocks' prefix beside the pool's)
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            smem = cutlass.utils.SmemAllocator()
-            block_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            row_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            band_start = None
-            if cutlass.const_expr(band > 1):
-                band_start = smem.allocate_tensor(Int32, cute.make_layout(num_experts + 1))
-            build_pool_prefix(counts, row_start, block_start, num_experts, block_m)
-            cute.arch.sync_threads()
-            if cutlass.const_expr(band > 1):
-                self.sequence.build_band_start(block_start, band_start, num_experts)
-            words = max_tiles * DATAFLOW_FIELDS
-            record = cute.make_tensor(out + bidx * words, cute.make_layout(words))
+            tidx, bidx, grid, block_start, row_start, record, band_start = _walk_prelude(
+                counts, out, num_experts, block_m, max_tiles * DATAFLOW_FIELDS, self.sequence)
             if tidx == 0:
                 num_blocks = block_start[num_experts]
                 end = self.sequence.num_positions(

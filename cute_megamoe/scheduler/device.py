@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from ..kernels.common.pool import expert_of_row
 from ..kernels.common.warp import warp_inclusive_sum
 from .host_model import _non_negative, _positive
 
@@ -182,17 +183,11 @@ class DataflowSequence:
         or before it, found by halving (empty experts start where the next one does)."""
         block = banded
         if cutlass.const_expr(self.band > 1):
-            lo, hi = Int32(0), Int32(num_experts)  # band_start[lo] <= banded < band_start[hi]
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if band_start[mid] <= banded:
-                    lo = mid
-                else:
-                    hi = mid
-            local = banded - band_start[lo]
+            expert = expert_of_row(band_start, banded, num_experts)  # (the same halving)
+            local = banded - band_start[expert]
             block = block_start[num_experts]
-            if local < block_start[lo + 1] - block_start[lo]:
-                block = block_start[lo] + local
+            if local < block_start[expert + 1] - block_start[expert]:
+                block = block_start[expert] + local
         return block
 
     @cute.jit
