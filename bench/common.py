@@ -182,9 +182,18 @@ def gpu_clocks() -> dict[str, str]:
 
 def _this_gpu() -> list[str]:
     """nvidia-smi's option for the current CUDA device (by its UUID; CUDA's device numbers
-    need not be nvidia-smi's), or none (every GPU) when torch does not know it."""
+    need not be nvidia-smi's), or none (every GPU) when torch does not know it or nvidia-smi
+    does not take it."""
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
-    return [f"--id=GPU-{uuid}"] if uuid else []
+    if not uuid:
+        return []
+    option = [f"--id=GPU-{str(uuid).removeprefix('GPU-')}"]
+    try:
+        probe = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader",
+                                *option], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return option if probe.returncode == 0 and probe.stdout.strip() else []
 
 
 def power_limit_w() -> float | None:
