@@ -64,8 +64,9 @@ ROW_TRANSFERS = ("barrier", "counted")
 #: with one atomic add
 WALKS = ("phases", "tickets")
 #: the ticket walk's lag, in grids' worth of tiles between a pool block's first L1 and first L2
-#: position (`scheduler.host_model.dataflow_lag`)
-LAG_GRIDS = (1, 2, 3, 4, 6, 8)
+#: position (`scheduler.host_model.dataflow_lag`; full bands: with bands of 8 a call of about
+#: 2.5 blocks per expert needs 16 for a lag of 6 bands, the model's choice from 2048 tokens)
+LAG_GRIDS = (1, 2, 3, 4, 6, 8, 16)
 #: the ticket walk's bands: pool blocks whose tiles take each weight tile at neighbouring
 #: positions (`scheduler.host_model.dataflow_sequence`)
 WALK_BANDS = (1, 2, 3, 4, 8)
