@@ -338,6 +338,38 @@ def test_weight_reads_of_the_walks_at_8192_tokens():
     assert reads(tickets(dataflow_lag(132, 16, 28, band=8), 8)) == 1.0
 
 
+@pytest.mark.parametrize("tokens", [4096, 8192])
+def test_bands_of_8_want_a_lag_of_6_bands(tokens):
+    """Bands of 8 blocks of one expert read the weights once, but `dataflow_lag` counts full
+    bands: at 4096 tokens an expert has about 2.5 blocks, so lag_grids 2 (1 band) or 4 (2)
+    leaves L2 positions a few real blocks behind their L1, and CTAs wait for it (the model,
+    no ring: 1.34x / 1.04x the bound); lag_grids 16 (6 bands) stays within 1.005x from 2048
+    tokens up, weights still read once. One-block bands at lag 6: within 1.015x, reads 1.3x
+    (4096) / 1.75x (8192). Abstract units, as above."""
+    rng = random.Random(1)
+    counts = [0] * 128
+    for _ in range(tokens * 8):
+        counts[rng.randrange(128)] += 1
+    shape = (128, 256, 4096, 256, 7168)
+    tile_bytes = {"l1": 256 * 7168, "l2": 256 * 2048}
+    once = sum(1 for c in counts if c) * (16 * tile_bytes["l1"] + 28 * tile_bytes["l2"])
+    bound = sum(num_m_blocks(c, 128) for c in counts) * (16 * 3.5 + 28) / 132
+
+    def run(lag_grids, band):
+        lag = dataflow_lag(132, 16, 28, lag_grids, band)
+        order = [(s.phase, s.tile.expert, s.tile.n_block)
+                 for s in dataflow_sequence(counts, *shape, lag, band=band)]
+        span = simulate_dataflow(counts, *shape, 132, lag, ring_slots=1 << 20, band=band)
+        return span.makespan / bound, weight_reads(order, tile_bytes, 40 << 20, 132) / once
+
+    assert dataflow_lag(132, 16, 28, 16, 8) == 6
+    span, reads = run(16, 8)
+    assert span <= 1.005 and reads == 1.0
+    assert run(2, 8)[0] > 1.03 and run(4, 8)[0] > (1.03 if tokens == 4096 else 1.0)
+    span, reads = run(2, 1)
+    assert span <= 1.015 and reads > 1.3
+
+
 def test_the_note_states_the_bound_and_the_sizes_the_code_gives():
     """docs/notes/dataflow.md: at most 150 lines, and its numbers are the code's."""
     from cute_megamoe.layout.dataflow import dataflow_buffer_bytes
