@@ -2,8 +2,9 @@
 
     python3 -m bench.buffer_sizes [--ranks 2 8] [--tokens 4096 8192]
 
-Ours: `layout.MegaMoELayout.num_bytes`; the proposed dataflow kernel's (issue 65, not built):
-`layout.dataflow.dataflow_buffer_bytes` (the pools as rings). DeepGEMM's: the formula of its
+Ours: `layout.MegaMoELayout.num_bytes`, also with the fused ticket walk's L1-output ring of
+`OUT_RING_ROWS` rows (`l1_output_rows`, built); the dataflow design's (issue 65, rows ring not
+built): `layout.dataflow.dataflow_buffer_bytes` (both pools as rings). DeepGEMM's: the formula of its
 FP8xFP4 / BF16 buffer (reference doc section 2: a workspace, the inputs, L1 / L2 activation
 rings of `Rg` tokens with their scale rings, the combine buffer; section 1.1 and 7.4 for `T`
 and `Rg`), evaluated here without DeepGEMM (its sizing entry point is registered only where its
@@ -83,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from cute_megamoe.layout import MegaMoELayout
-    from cute_megamoe.layout.dataflow import dataflow_buffer_bytes
+    from cute_megamoe.layout.dataflow import OUT_RING_ROWS, dataflow_buffer_bytes
 
     gib = float(1 << 30)
     res = Results("buffer_sizes", meta={"experts": args.experts, "topk": args.topk,
@@ -98,7 +99,9 @@ def main() -> None:
             theirs = deepgemm_buffer_bytes(*shape, fp8=True)
             theirs_bf16 = deepgemm_buffer_bytes(*shape, fp8=False)
             dataflow = dataflow_buffer_bytes(*shape, "fp8xfp8")["total"]
+            ring = MegaMoELayout(*shape, "fp8xfp8", l1_output_rows=OUT_RING_ROWS).num_bytes
             res.add(ranks=r, tokens=t, ours_fp8xfp8_gib=ours["fp8xfp8"] / gib,
+                    ours_l1_ring_fp8xfp8_gib=ring / gib,
                     dataflow_fp8xfp8_gib=dataflow / gib,
                     ours_fp8xfp4_gib=ours["fp8xfp4"] / gib,
                     deepgemm_fp8xfp4_gib=theirs["total"] / gib,
@@ -108,7 +111,8 @@ def main() -> None:
                     ours_pool_rows=MegaMoELayout(*shape, "fp8xfp8").num_pool_rows,
                     ours_over_deepgemm_fp8=ours["fp8xfp4"] / theirs["total"])
     print(f"saved {res.save()}")
-    print(res.table(["ranks", "tokens", "ours_fp8xfp8_gib", "dataflow_fp8xfp8_gib",
+    print(res.table(["ranks", "tokens", "ours_fp8xfp8_gib", "ours_l1_ring_fp8xfp8_gib",
+                     "dataflow_fp8xfp8_gib",
                      "ours_fp8xfp4_gib",
                      "deepgemm_fp8xfp4_gib", "ours_bf16_gib", "deepgemm_bf16_gib",
                      "ours_pool_rows", "deepgemm_ring_tokens", "ours_over_deepgemm_fp8"]))

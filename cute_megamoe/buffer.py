@@ -77,6 +77,8 @@ class SymmBuffer:
         intermediate_hidden: int,
         mma_type: str = "fp8xfp4",
         device: torch.device | str | int | None = None,
+        *,
+        l1_output_rows: int | None = None,
     ) -> None:
         if group is not None and not _is_process_group(group):
             raise TypeError(
@@ -106,6 +108,7 @@ class SymmBuffer:
             hidden=hidden,
             intermediate_hidden=intermediate_hidden,
             recipe=mma_type,
+            l1_output_rows=l1_output_rows,
         )
 
         self.layout: MegaMoELayout = layout
@@ -194,7 +197,8 @@ class SymmBuffer:
     def loopback(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int,
                  num_topk: int, hidden: int, intermediate_hidden: int,
                  mma_type: str = "fp8xfp8",
-                 device: torch.device | str | int | None = None) -> list[SymmBuffer]:
+                 device: torch.device | str | int | None = None, *,
+                 l1_output_rows: int | None = None) -> list[SymmBuffer]:
         """The buffers of all ``num_ranks`` ranks of a group, on one GPU, each one's peer table
         pointing at the others: a whole expert-parallel group in one process, for testing the
         cross-rank protocol (counts, tags, barriers, the agreement checks) where only one GPU
@@ -204,7 +208,7 @@ class SymmBuffer:
         the host only once every rank's call is launched: the buffers' ``num_sms`` is set to
         that share, which the entry points use when not told otherwise."""
         layout = MegaMoELayout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk,
-                               hidden, intermediate_hidden, mma_type)
+                               hidden, intermediate_hidden, mma_type, l1_output_rows)
         dev = torch.device("cuda" if device is None else device)
         allocations = [torch.zeros(layout.num_bytes, dtype=torch.uint8, device=dev)
                        for _ in range(num_ranks)]
@@ -456,6 +460,7 @@ def get_symm_buffer_for_mega_moe(
     activation: str = "swiglu",
     *,
     device: torch.device | str | int | None = None,
+    l1_output_rows: int | None = None,
 ) -> SymmBuffer:
     """Allocate (collectively, with several ranks) and zero the buffer for a Mega MoE layer.
 
@@ -467,7 +472,9 @@ def get_symm_buffer_for_mega_moe(
     ``'fp8xfp8'``, ``'bf16xbf16'``, ``'fp8xfp4_sm90'`` (laid out as ``'fp8xfp8'``: only its
     weights differ, `tables.activation_recipe`). ``use_fp8_dispatch`` is deprecated in
     DeepGEMM and only checked against ``mma_type`` (FP8 activations for the fp8 recipes);
-    ``activation`` must be ``'swiglu'``.
+    ``activation`` must be ``'swiglu'``. ``l1_output_rows`` (ours, keyword only): keep the L1
+    outputs in a ring of that many rows instead of a row per pool row (`MegaMoELayout`); only
+    the fused kernel's ticket walk with an L1-output ring that fits it runs on such a buffer.
     """
     if activation != "swiglu":
         raise ValueError(f"activation: only 'swiglu' is implemented, got {activation!r}")
@@ -487,4 +494,5 @@ def get_symm_buffer_for_mega_moe(
         intermediate_hidden,
         mma_type=mma_type,
         device=device,
+        l1_output_rows=l1_output_rows,
     )

@@ -510,10 +510,24 @@ def _arch_gemm_config(gemm: Sm90GemmConfig, arch: str) -> Sm90GemmConfig | None:
     return None
 
 
+def check_whole_l1_outputs(sym_buffer: SymmBuffer) -> None:
+    """The staged GEMMs keep an L1-output row per pool row: a buffer laid out with an
+    L1-output ring (`MegaMoELayout.l1_output_rows`) is the fused kernel's only."""
+    layout = sym_buffer.layout
+    if layout.num_l1_output_rows < layout.num_pool_rows:
+        raise ValueError(
+            f"the staged kernels keep an L1-output row per pool row ({layout.num_pool_rows}); "
+            f"this buffer holds {layout.num_l1_output_rows} (l1_output_rows "
+            f"{layout.l1_output_rows}): only the fused kernel's ticket walk with an L1-output "
+            f"ring of at most that many rows runs on it (Sm90FusedConfig(walk='tickets', "
+            f"l1_ring_rows=...))")
+
+
 def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
                             send_to_combine, gemm: Sm90GemmConfig
                             ) -> tuple[list[KernelCall], torch.Tensor | None]:
     _check_kernel_weights(sym_buffer, weights)
+    check_whole_l1_outputs(sym_buffer)
     state = buffer_state(sym_buffer)
     if state.expert_out is None and not send_to_combine:
         state.expert_out = torch.empty(dispatched.num_pool_rows, sym_buffer.hidden,

@@ -473,8 +473,12 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         variants.append(_compile(recipe, block_m, walk="tickets", band=3)[1])
     if (recipe, block_m) == ("fp8xfp8", 64):  # the L1-output ring: L1 waits for its slot,
         # L2 counts its loads (BF16's epilogue reaches its ring rows the same way)
-        ringed, ring_art = _compile(recipe, block_m, walk="tickets", l1_ring_rows=1024)
+        # (in a buffer laid out for it: the L1 outputs' rows and scale strides, 1024)
+        ring_layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe, l1_output_rows=1024)
+        ringed, ring_art = _compile(recipe, block_m, layout=ring_layout, walk="tickets",
+                                    l1_ring_rows=1024)
         assert (ringed.ring_blocks, ringed.l1.ring_reads) == (16, 16 * 4 + 28)  # (one MMA wg)
+        assert ringed.l1.out_rows == ringed.l2.a_rows == 1024
         for op in ("red.", "acquire.gpu"):  # (the L2 tiles' counts; the slot waits)
             assert ring_art.ptx.count(op) > art.ptx.count(op), op
         variants.append(ring_art)
@@ -490,6 +494,34 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
         assert built.count("HGMMA" if recipe == "bf16xbf16" else "QGMMA") > 0
         assert built.count("USETMAXREG") == 4
         _assert_no_spills_and_async_wgmma(built)
+
+
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_a_ring_buffer_takes_the_ticket_walk_with_a_ring_that_fits(recipe):
+    """A buffer laid out with an L1-output ring (`MegaMoELayout.l1_output_rows`): the fused
+    kernel builds on it only as the ticket walk with an L1-output ring of at most its rows
+    (the L1 outputs' row stride becomes the region's); the staged kernels refuse it; a
+    whole-pool buffer keeps the pool's stride with a ring too."""
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.staged import check_whole_l1_outputs
+
+    ring = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe, l1_output_rows=1024)
+    for fields in ({}, {"walk": "tickets"}, {"walk": "tickets", "l1_ring_rows": 2048}):
+        with pytest.raises(ValueError, match="ring of 1024 rows"):
+            _kernel(recipe, 64, ring, **fields)
+    kernel = _kernel(recipe, 64, ring, walk="tickets", l1_ring_rows=1024)
+    p = ring.num_pool_rows
+    assert (kernel.l1.a_rows, kernel.l1.out_rows, kernel.l2.a_rows, kernel.l2.out_rows) == (
+        p, 1024, 1024, p)
+    whole = _kernel(recipe, 64, walk="tickets", l1_ring_rows=1024)
+    assert whole.l1.out_rows == whole.l2.a_rows == p
+    buf = get_symm_buffer_for_mega_moe(None, 8, 64, 2, 256, 256, mma_type=recipe,
+                                       device="cpu", l1_output_rows=256)
+    assert buf.l2_acts.shape == (256, 256)
+    with pytest.raises(ValueError, match="L1-output row per pool row"):
+        check_whole_l1_outputs(buf)
+    check_whole_l1_outputs(get_symm_buffer_for_mega_moe(None, 8, 64, 2, 256, 256,
+                                                        mma_type=recipe, device="cpu"))
 
 
 def test_host_model_of_the_fused_walk():
@@ -766,6 +798,58 @@ def test_ticket_walk_matches_staged(recipe):
         pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
         pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
         check_fused_calls(pair, 20, 512, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_ring_buffer_matches_staged(recipe):
+    """A one-rank buffer laid out with an L1-output ring of 4096 rows (`l1_output_rows`, a
+    third of its 12288-row pool) under the ticket walk with that ring, bit for bit against the
+    staged layer on a whole-pool buffer: 2048 tokens x 4 wrap the ring twice at BLOCK_M 64;
+    0 / 1 tokens, masked slots, one expert taking everything; outputs poisoned first. The
+    staged layer refuses the ring buffer before any launch, and the next fused call on it is
+    still exact."""
+    _gpu()
+    from cute_megamoe import fused, staged
+    from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
+    from cute_megamoe.expert_gemm import ExpertWeights
+    from cute_megamoe.testing.ranks import make_call
+
+    e, t, k, h, inter = 16, 2048, 4, 1024, 512
+    ring = get_symm_buffer_for_mega_moe(None, e, t, k, h, inter, mma_type=recipe,
+                                        l1_output_rows=4096)
+    whole = get_symm_buffer_for_mega_moe(None, e, t, k, h, inter, mma_type=recipe)
+    assert ring.layout.num_l1_output_rows == 4096 < ring.layout.num_pool_rows == 12288
+    gen = torch.Generator().manual_seed(9)
+    w1 = (torch.randn(e, 2 * inter, h, generator=gen) / h**0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, h, inter, generator=gen) / inter**0.5).to(torch.bfloat16).cuda()
+    weights = ExpertWeights.from_bf16(w1, w2, recipe)
+    config = dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(
+        walk="tickets", lag_grids=1, l1_ring_rows=4096))
+
+    def check(n, routing, block_m, seed):
+        xs, idxs, ws = make_call(ring.layout, (n,), routing, seed)
+        x, idx, w = xs[0].cuda(), idxs[0].cuda(), ws[0].cuda()
+        ys = [torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]
+        fused.fused_mega_moe(ring, x, idx, w, weights, y=ys[0], activation_clamp=10.0,
+                             block_m=block_m, validate_routing=False, config=config)
+        staged.staged_mega_moe(whole, x, idx, w, weights, y=ys[1], activation_clamp=10.0,
+                               block_m=block_m, validate_routing=False)
+        torch.cuda.synchronize()
+        assert not ys[0].isnan().any() and torch.equal(ys[0].view(torch.int16),
+                                                       ys[1].view(torch.int16)), (
+            n, routing, block_m)
+        return x, idx, w
+
+    for i, (n, routing) in enumerate([(2048, "random"), (2048, "one_expert"), (777, "masked"),
+                                      (0, "random"), (1, "random")]):
+        for block_m in (64, 128):
+            x, idx, w = check(n, routing, block_m, 500 + i)
+    with pytest.raises(ValueError, match="L1-output row per pool row"):
+        staged.staged_mega_moe(ring, x, idx, w, weights, activation_clamp=10.0,
+                               validate_routing=False)
+    check(2048, "random", 64, 600)
 
 
 @pytest.mark.gpu

@@ -219,6 +219,31 @@ def test_frozen_equal_hashable():
         a.num_topk = 4  # type: ignore[misc]
 
 
+def test_l1_output_ring_shrinks_only_the_l1_outputs():
+    """``l1_output_rows``: the L1 outputs (``l2_acts`` and its MN-major scales) in a ring of
+    that many rows, capped at the pool; every other region keeps its shape, and the layouts
+    differ (cache keys)."""
+    whole = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8"))
+    ring = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8", l1_output_rows=512))
+    assert whole.num_l1_output_rows == whole.num_pool_rows and whole.l1_output_rows is None
+    assert ring.num_l1_output_rows == 512 < ring.num_pool_rows and ring != whole
+    assert ring.region("l2_acts").shape == (512, GOOD["intermediate_hidden"])
+    assert ring.region("l2_acts_sf").strides == (1, 512)
+    for reg in whole.regions:
+        if reg.name not in ("l2_acts", "l2_acts_sf"):
+            assert ring.region(reg.name).shape == reg.shape, reg.name
+    saved = (whole.num_pool_rows - 512) * GOOD["intermediate_hidden"] * (1 + 4 / 128)
+    assert whole.num_bytes - ring.num_bytes == pytest.approx(saved, abs=4 * 128)
+    assert "Q=512" in ring.summary()
+    capped = MegaMoELayout(**dict(GOOD, l1_output_rows=1 << 20))
+    assert capped.num_l1_output_rows == capped.num_pool_rows
+    for bad in (0, 100, -256):
+        with pytest.raises(ValueError, match="l1_output_rows"):
+            MegaMoELayout(**dict(GOOD, l1_output_rows=bad))
+    with pytest.raises(TypeError, match="l1_output_rows"):
+        MegaMoELayout(**dict(GOOD, l1_output_rows=512.0))
+
+
 def test_deepseek_v3_like_total_is_sane():
     r, e, m, k, h, i = 8, 256, 8192, 8, 7168, 2048
     lay = MegaMoELayout(r, e, m, k, h, i, recipe="fp8xfp4")

@@ -380,6 +380,10 @@ class Sm90ExpertGemmKernel:
         # adds that one per tile once its loads are complete
         self.ring_blocks = 0
         self.ring_reads = 0
+        # rows of ``a`` and ``out`` (and the row strides of their scales): the pool's, but the
+        # fused kernel's L1 outputs may live in a region of fewer (`MegaMoELayout.
+        # l1_output_rows`: L1's ``out``, L2's ``a``)
+        self.a_rows = self.out_rows = num_pool_rows
         self.timeout_ns = spin_timeout_ns()
         # bounded stage waits with stall reports in every role (`bounded_stage_wait`; the
         # fused kernel's FP4 experiment sets it)
@@ -451,7 +455,7 @@ class Sm90ExpertGemmKernel:
     def tma_store_out(self, out: cute.Pointer):
         """`tma_store`: the TMA atom and tensor of ``out`` ``[P, out_cols]`` in boxes of 16 rows
         x 128 bytes (host side of a `cute.jit` function)."""
-        m_out = cute.make_tensor(out, cute.make_layout((self.num_pool_rows, self.out_cols),
+        m_out = cute.make_tensor(out, cute.make_layout((self.out_rows, self.out_cols),
                                                        stride=(self.out_cols, 1)))
         box = cute.slice_(self.out_boxes_layout(), (None, None, 0))
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_out, box,
@@ -473,7 +477,7 @@ class Sm90ExpertGemmKernel:
         """TMA atoms and tensors of the A pool ``[P, K]`` and the weights ``[E * N, K]`` (FP4:
         their packed bytes ``[E * N, K / 2]`` into `raw_b_layout`) (host side of a `cute.jit`
         function): ``(tma_a, m_a, tma_b, m_b)``."""
-        m_a = cute.make_tensor(a, cute.make_layout((self.num_pool_rows, self.k),
+        m_a = cute.make_tensor(a, cute.make_layout((self.a_rows, self.k),
                                                    stride=(self.k, 1)))
         m_b = self.weight_tensor(b)
         tma_a, tma_m_a = cpasync.make_tiled_tma_atom(
@@ -766,7 +770,7 @@ class Sm90ExpertGemmKernel:
                 a_block = pool_block % self.ring_blocks
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
-            sf_block = cutlass.min(a_block, Int32(self.num_pool_rows // self.block_m - 1))
+            sf_block = cutlass.min(a_block, Int32(self.a_rows // self.block_m - 1))
             # `weights_first`: a tile whose pool block is not ready yet first loads the weights
             # of the stages it can take (they depend on nothing), then waits, then loads their
             # A; a ready tile loads A and B stage by stage (weights first there would delay its
@@ -905,7 +909,7 @@ class Sm90ExpertGemmKernel:
             if lane == 0:
                 prims.cp_async_bulk_shared_cluster_global(
                     sfa.iterator + stage * self.sfa_stride,
-                    a_sf + (Int64(kb) * self.num_pool_rows + sf_block * self.block_m),
+                    a_sf + (Int64(kb) * self.a_rows + sf_block * self.block_m),
                     bar, Int32(self.sfa_len * 4))
 
     @cute.jit
@@ -1822,7 +1826,7 @@ class Sm90ExpertGemmKernel:
                 sf_bits = (exponent + 127) << 23
                 if exponent == -127:
                     sf_bits = Int32(0x00400000)
-                sf = cute.make_tensor(out_sf + (Int64(n_block) * self.num_pool_rows + row_base),
+                sf = cute.make_tensor(out_sf + (Int64(n_block) * self.out_rows + row_base),
                                       cute.make_layout(self.block_m))
                 sf[row] = sf_bits.bitcast(Float32)
         for c, q in enumerate(qs):

@@ -340,8 +340,19 @@ class Sm90MegaMoEKernel:
         # `l1_ring_rows` (the ticket walk): the L1 outputs in a ring of pool blocks, each
         # reused once the L2 tiles of its previous block loaded their rows (the readiness
         # counter counts those too); deadlock-free from `min_ring_slots` slots on
-        # (docs/notes/dataflow.md, section 2). The buffer keeps the whole pool for now
+        # (docs/notes/dataflow.md, section 2). The buffer's L1-output region holds the whole
+        # pool or, laid out for it (`MegaMoELayout.l1_output_rows`), at least the ring's slots
         self.ring_blocks = config.l1_ring_rows // block_m
+        ring_region = layout.num_l1_output_rows
+        if ring_region < layout.num_pool_rows and not (
+                self.ring_blocks and self.ring_blocks * block_m <= ring_region):
+            raise ValueError(
+                f"the buffer keeps the L1 outputs in a ring of {ring_region} rows "
+                f"(l1_output_rows {layout.l1_output_rows}); the fused kernel runs on it with "
+                f"walk='tickets' and l1_ring_rows <= {ring_region} only, got walk "
+                f"{config.walk!r}, l1_ring_rows {config.l1_ring_rows}")
+        # (the region's rows: the L1 outputs' and their scales' row stride)
+        self.l1.out_rows = self.l2.a_rows = ring_region
         if self.ring_blocks:
             fewest = min_ring_slots(self.sequence.lag, config.band)
             if self.ring_blocks < fewest:

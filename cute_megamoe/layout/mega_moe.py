@@ -102,9 +102,13 @@ Data:
     Pool scales, MN-major (pool row fastest) as the GEMM's scale loads want. Local.
 ``l1_topk_weights`` float32 [P]
     Routing weight of each pool row, written by the dispatch, read by the L1 epilogue. Local.
-``l2_acts`` [P, I] (dtype of ``x``)
+``l2_acts`` [Q, I] (dtype of ``x``)
     L2 GEMM input pool, written by the L1 epilogue (SwiGLU, weight, requantization). Local.
-``l2_acts_sf`` [P, I / 128] strides (1, P) (dtype of ``x_sf``; absent for ``bf16xbf16``)
+    ``Q = P`` (a row per pool row), or with ``l1_output_rows`` a ring of
+    ``Q = min(l1_output_rows, P)`` rows that only the fused kernel's ticket walk with an
+    L1-output ring of at most ``Q`` rows can use (``Sm90FusedConfig.l1_ring_rows``: pool block
+    ``b`` in slot ``b mod (ring rows / BM)``; docs/notes/dataflow.md, W2).
+``l2_acts_sf`` [Q, I / 128] strides (1, Q) (dtype of ``x_sf``; absent for ``bf16xbf16``)
     Written by the L1 epilogue. Local.
 ``combine`` bfloat16 [K, T, H]
     ``combine[k, t]`` is the L2 output of this rank's token ``t``, slot ``k``. Remote-written by
@@ -322,12 +326,14 @@ class MegaMoELayout:
     hidden: int
     intermediate_hidden: int
     recipe: str = "fp8xfp4"
+    l1_output_rows: int | None = None
 
     # Derived (filled in by __post_init__).
     num_local_experts: int = field(init=False)
     num_tokens: int = field(init=False)
     block_m_max: int = field(init=False)
     num_pool_rows: int = field(init=False)
+    num_l1_output_rows: int = field(init=False)
     num_pool_blocks_max: int = field(init=False)
     act_dtype: torch.dtype = field(init=False)
     sf_dtype: torch.dtype | None = field(init=False)
@@ -369,6 +375,13 @@ class MegaMoELayout:
         t = align(m, TOKEN_ALIGNMENT)
         p = align(r * t * min(k, e_l) + e_l * (BLOCK_M_MAX - 1), BLOCK_M_MAX)
         num_pool_blocks = p // MIN_BLOCK_M
+        q = p  # the L1 outputs' rows: the whole pool, or a ring
+        if self.l1_output_rows is not None:
+            ring = _check_int("l1_output_rows", self.l1_output_rows)
+            if ring < 1 or ring % BLOCK_M_MAX != 0:
+                raise ValueError(f"l1_output_rows must be None or a positive multiple of "
+                                 f"{BLOCK_M_MAX} (whole blocks of every BLOCK_M), got {ring}")
+            q = min(ring, p)
 
         act_recipe = activation_recipe(self.recipe)
         if act_recipe == "bf16xbf16":
@@ -396,8 +409,8 @@ class MegaMoELayout:
             ("l1_acts", act_dtype, (p, h), None),
             ("l1_acts_sf", sf_dtype, (p, h // 128), (1, p)),
             ("l1_topk_weights", torch.float32, (p,), None),
-            ("l2_acts", act_dtype, (p, i), None),
-            ("l2_acts_sf", sf_dtype, (p, i // 128), (1, p)),
+            ("l2_acts", act_dtype, (q, i), None),
+            ("l2_acts_sf", sf_dtype, (q, i // 128), (1, q)),
             ("combine", torch.bfloat16, (k, t, h), None),
         ]
         regions: list[Region] = []
@@ -430,6 +443,7 @@ class MegaMoELayout:
         sets(self, "num_tokens", t)
         sets(self, "block_m_max", BLOCK_M_MAX)
         sets(self, "num_pool_rows", p)
+        sets(self, "num_l1_output_rows", q)
         sets(self, "num_pool_blocks_max", num_pool_blocks)
         sets(self, "act_dtype", act_dtype)
         sets(self, "sf_dtype", sf_dtype)
@@ -509,7 +523,8 @@ class MegaMoELayout:
             f"MegaMoELayout(recipe={self.recipe}, R={self.num_ranks}, E={self.num_experts}, "
             f"E_l={self.num_local_experts}, T={self.num_tokens} "
             f"(from {self.num_max_tokens_per_rank}), K={self.num_topk}, H={self.hidden}, "
-            f"I={self.intermediate_hidden}, P={self.num_pool_rows})"
+            f"I={self.intermediate_hidden}, P={self.num_pool_rows}"
+            + ("" if self.l1_output_rows is None else f", Q={self.num_l1_output_rows}") + ")"
         )
         rows = [head, f"  {'region':<22} {'offset':>14} {'shape':<24} {'dtype':<14} {'MiB':>11}"]
         for reg in self.regions:
