@@ -4,8 +4,8 @@
 
 Ours: `layout.MegaMoELayout.num_bytes`, also with the fused ticket walk's L1-output ring of
 `OUT_RING_ROWS` rows (`l1_output_rows`, built); the dataflow design's (issue 65, rows ring not
-built): `layout.dataflow.dataflow_buffer_bytes` (both pools as rings). DeepGEMM's: the formula of its
-FP8xFP4 / BF16 buffer (reference doc section 2: a workspace, the inputs, L1 / L2 activation
+built): `layout.dataflow.dataflow_buffer_bytes` (both pools as rings). DeepGEMM's: the formula
+of its FP8xFP4 / BF16 buffer (reference doc section 2: a workspace, the inputs, L1 / L2 activation
 rings of `Rg` tokens with their scale rings, the combine buffer; section 1.1 and 7.4 for `T`
 and `Rg`), evaluated here without DeepGEMM (its sizing entry point is registered only where its
 SM100 kernels build).

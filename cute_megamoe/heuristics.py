@@ -235,8 +235,10 @@ FUSED_WALK = "phases"
 #: the ticket walk's lag in grids of tiles (`config.LAG_GRIDS`): the dataflow model's choice
 #: (docs/notes/dataflow.md, section 5), not measured against the others yet
 FUSED_LAG_GRIDS = 2
-#: the ticket walk's bands of pool blocks (`config.WALK_BANDS`): one block, as modelled; wider
-#: bands (each weight tile at neighbouring positions) not measured yet
+#: the ticket walk's bands of pool blocks (`config.WALK_BANDS`): one block. At 8192 tokens on an
+#: H100 bands of 8 blocks of one expert at lag_grids 16 took 0.70x its time (6835 / 9818 us,
+#: `layer-20261207T222459.json`; each weight tile read once): BLOCK_M 128's default to be, once
+#: the ticket walk's GPU tests have run with it (BLOCK_M 64, about a block per expert: not yet)
 FUSED_WALK_BAND = 1
 #: the ticket walk's L1-output ring (`config.L1_RING_ROWS`): none, the whole pool, until a ring
 #: has been measured against it on a GPU
