@@ -232,14 +232,16 @@ FUSED_ROW_STORES = "lanes"
 #: how the fused kernel's CTAs take their GEMM tiles: "phases" (every L1 tile, then every L2
 #: tile) until the ticket walk of the dataflow design has been measured against it on a GPU.
 FUSED_WALK = "phases"
-#: the ticket walk's lag in grids of tiles (`config.LAG_GRIDS`): the dataflow model's choice
-#: (docs/notes/dataflow.md, section 5), not measured against the others yet
-FUSED_LAG_GRIDS = 2
-#: the ticket walk's bands of pool blocks (`config.WALK_BANDS`): one block. At 8192 tokens on an
-#: H100 bands of 8 blocks of one expert at lag_grids 16 took 0.70x its time (6835 / 9818 us,
-#: `layer-20261207T222459.json`; each weight tile read once): BLOCK_M 128's default to be, once
-#: the ticket walk's GPU tests have run with it (BLOCK_M 64, about a block per expert: not yet)
-FUSED_WALK_BAND = 1
+#: the ticket walk's bands of pool blocks by BLOCK_M (`config.WALK_BANDS`): at 128, bands of 8
+#: blocks of one expert, each weight tile read once (the dataflow model); at 8192 tokens on an
+#: H100 they took 0.70x the time of one-block bands (6835 / 9818 us, graph,
+#: `layer-20261207T222459.json`). At 64 (about a block per expert) one block, not measured.
+FUSED_WALK_BAND = {64: 1, 128: 8}
+#: the ticket walk's lag in grids of tiles (`config.LAG_GRIDS`) by band: `dataflow_lag` counts
+#: full bands, and a call of 2048-4096 tokens has 1.5-2.5 blocks per expert, so bands of 8
+#: take 16 (6 bands; the model: within 1.005x of the bound from 2048 tokens), others 2
+FUSED_LAG_GRIDS = {8: 16}
+FUSED_LAG_GRIDS_OTHERWISE = 2
 #: the ticket walk's L1-output ring (`config.L1_RING_ROWS`): none, the whole pool, until a ring
 #: has been measured against it on a GPU
 FUSED_L1_RING_ROWS = 0
@@ -361,6 +363,7 @@ def default_fused_config(layout, block_m: int, given_x: bool,
     if local is None:
         local = (layout.num_ranks == 1 and row_transfer == "counted" and stages and not fp4
                  and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS)
+    band = config.band or FUSED_WALK_BAND[block_m]
     weights_first = config.weights_first
     if weights_first is None:
         weights_first = row_transfer == "counted" and block_m == 64
@@ -376,8 +379,8 @@ def default_fused_config(layout, block_m: int, given_x: bool,
                    row_stores=config.row_stores or FUSED_ROW_STORES,
                    decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
                    else FUSED_DECODE_TABLES, walk=config.walk or FUSED_WALK,
-                   lag_grids=config.lag_grids or FUSED_LAG_GRIDS,
-                   band=config.band or FUSED_WALK_BAND,
+                   lag_grids=config.lag_grids or FUSED_LAG_GRIDS.get(
+                       band, FUSED_LAG_GRIDS_OTHERWISE), band=band,
                    l1_ring_rows=FUSED_L1_RING_ROWS if config.l1_ring_rows is None
                    else config.l1_ring_rows)
 

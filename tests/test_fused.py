@@ -434,8 +434,10 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
     plain, plain_art = _compile(recipe, block_m)
     assert kernel.tickets and not plain.tickets and plain.config.walk == "phases"
     assert (kernel.sequence.num_n1, kernel.sequence.num_n2) == (16, 28)
-    assert kernel.sequence.lag == 6  # ceil(2 * 132 / 44): `lag_grids` 2
-    assert _kernel(recipe, block_m, walk="tickets", lag_grids=4).sequence.lag == 12
+    # BLOCK_M 64: one-block bands, lag ceil(2 * 132 / 44); 128: bands of 8 blocks of one
+    # expert, lag_grids 16: ceil(16 * 132 / (8 * 44)) bands (`heuristics.FUSED_WALK_BAND`)
+    assert (kernel.sequence.band, kernel.sequence.lag) == (1 if block_m == 64 else 8, 6)
+    assert _kernel(recipe, block_m, walk="tickets", band=1, lag_grids=4).sequence.lag == 12
     banded = _kernel(recipe, block_m, walk="tickets", band=4).sequence
     assert (banded.band, banded.lag) == (4, 2)  # ceil(2 * 132 / (4 * 44))
     assert kernel.smem_bytes() <= 227 * 1024 - 2048
@@ -462,7 +464,7 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
     assert kernel.ring_blocks == 0 and kernel.config.l1_ring_rows == 0  # (the whole pool)
     # too few slots for the lag: 1024 rows are 8 blocks of 128 or 16 of 64; lag 12 needs 13
     with pytest.raises(ValueError, match="fewer than the 13"):
-        _kernel(recipe, 128, walk="tickets", lag_grids=4, l1_ring_rows=1024)
+        _kernel(recipe, 128, walk="tickets", band=1, lag_grids=4, l1_ring_rows=1024)
     assert _kernel(recipe, 64, walk="tickets", lag_grids=4, l1_ring_rows=1024).ring_blocks == 16
     # (each variant in one of the four builds: the suite's time)
     variants = [art]
