@@ -2,13 +2,14 @@
 
     python3 -m bench.buffer_sizes [--ranks 2 8] [--tokens 4096 8192]
 
-Ours: `layout.MegaMoELayout.num_bytes`, also with the fused ticket walk's L1-output ring of
-`OUT_RING_ROWS` rows (`l1_output_rows`, built); the dataflow design's (issue 65, rows ring not
-built): `layout.dataflow.dataflow_buffer_bytes` (both pools as rings). DeepGEMM's: the formula
-of its FP8xFP4 / BF16 buffer (reference doc section 2: a workspace, the inputs, L1 / L2 activation
-rings of `Rg` tokens with their scale rings, the combine buffer; section 1.1 and 7.4 for `T`
-and `Rg`), evaluated here without DeepGEMM (its sizing entry point is registered only where its
-SM100 kernels build).
+Ours: `layout.MegaMoELayout.num_bytes`, also with both pools as rings, built: the fused
+ticket walk's L1-output ring of `OUT_RING_ROWS` rows (`l1_output_rows`) and the pulled rows'
+received-rows ring of `ROW_RING_ROWS` rows (`received_rows`); the dataflow design's (issue 65):
+`layout.dataflow.dataflow_buffer_bytes` (both pools as rings, plus its per-block L2 and
+per-token arrival counters). DeepGEMM's: the formula of its FP8xFP4 / BF16 buffer (reference
+doc section 2: a workspace, the inputs, L1 / L2 activation rings of `Rg` tokens with their
+scale rings, the combine buffer; section 1.1 and 7.4 for `T` and `Rg`), evaluated here
+without DeepGEMM (its sizing entry point is registered only where its SM100 kernels build).
 `deepgemm_buffer_bytes` reproduces the doc's own table (section 2.4; `tests/test_buffer_sizes.py`).
 Nothing runs on a GPU; the JSON goes to `bench/results/` (or `CUTE_MEGAMOE_RESULTS_DIR`).
 """
@@ -84,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from cute_megamoe.layout import MegaMoELayout
-    from cute_megamoe.layout.dataflow import OUT_RING_ROWS, dataflow_buffer_bytes
+    from cute_megamoe.layout.dataflow import OUT_RING_ROWS, ROW_RING_ROWS, dataflow_buffer_bytes
 
     gib = float(1 << 30)
     res = Results("buffer_sizes", meta={"experts": args.experts, "topk": args.topk,
@@ -100,8 +101,11 @@ def main() -> None:
             theirs_bf16 = deepgemm_buffer_bytes(*shape, fp8=False)
             dataflow = dataflow_buffer_bytes(*shape, "fp8xfp8")["total"]
             ring = MegaMoELayout(*shape, "fp8xfp8", l1_output_rows=OUT_RING_ROWS).num_bytes
+            rings = MegaMoELayout(*shape, "fp8xfp8", l1_output_rows=OUT_RING_ROWS,
+                                  received_rows=ROW_RING_ROWS).num_bytes
             res.add(ranks=r, tokens=t, ours_fp8xfp8_gib=ours["fp8xfp8"] / gib,
                     ours_l1_ring_fp8xfp8_gib=ring / gib,
+                    ours_rings_fp8xfp8_gib=rings / gib,
                     dataflow_fp8xfp8_gib=dataflow / gib,
                     ours_fp8xfp4_gib=ours["fp8xfp4"] / gib,
                     deepgemm_fp8xfp4_gib=theirs["total"] / gib,
@@ -112,7 +116,7 @@ def main() -> None:
                     ours_over_deepgemm_fp8=ours["fp8xfp4"] / theirs["total"])
     print(f"saved {res.save()}")
     print(res.table(["ranks", "tokens", "ours_fp8xfp8_gib", "ours_l1_ring_fp8xfp8_gib",
-                     "dataflow_fp8xfp8_gib",
+                     "ours_rings_fp8xfp8_gib", "dataflow_fp8xfp8_gib",
                      "ours_fp8xfp4_gib",
                      "deepgemm_fp8xfp4_gib", "ours_bf16_gib", "deepgemm_bf16_gib",
                      "ours_pool_rows", "deepgemm_ring_tokens", "ours_over_deepgemm_fp8"]))

@@ -64,7 +64,9 @@ class SymmBuffer:
     indexed by rank), ``handle`` (the symmetric-memory handle; None with one rank), and one
     view property per region (``x``, ``x_sf``, ..., ``combine`` and the workspace regions).
     A region the recipe lacks (``x_sf`` and friends for ``bf16xbf16``) raises
-    :class:`~cute_megamoe.layout.AbsentRegionError` on access.
+    :class:`~cute_megamoe.layout.AbsentRegionError` on access. ``l1_output_rows`` and
+    ``received_rows`` (keyword only) lay out the L1 outputs or the received rows as rings
+    (`get_symm_buffer_for_mega_moe`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class SymmBuffer:
         device: torch.device | str | int | None = None,
         *,
         l1_output_rows: int | None = None,
+        received_rows: int | None = None,
     ) -> None:
         if group is not None and not _is_process_group(group):
             raise TypeError(
@@ -109,6 +112,7 @@ class SymmBuffer:
             intermediate_hidden=intermediate_hidden,
             recipe=mma_type,
             l1_output_rows=l1_output_rows,
+            received_rows=received_rows,
         )
 
         self.layout: MegaMoELayout = layout
@@ -198,7 +202,8 @@ class SymmBuffer:
                  num_topk: int, hidden: int, intermediate_hidden: int,
                  mma_type: str = "fp8xfp8",
                  device: torch.device | str | int | None = None, *,
-                 l1_output_rows: int | None = None) -> list[SymmBuffer]:
+                 l1_output_rows: int | None = None,
+                 received_rows: int | None = None) -> list[SymmBuffer]:
         """The buffers of all ``num_ranks`` ranks of a group, on one GPU, each one's peer table
         pointing at the others: a whole expert-parallel group in one process, for testing the
         cross-rank protocol (counts, tags, barriers, the agreement checks) where only one GPU
@@ -206,9 +211,11 @@ class SymmBuffer:
         collective kernels must run at the same time: launch rank r's calls on a stream of its
         own, with at most SMs / ``num_ranks`` CTAs each (``num_sms``), and synchronize with
         the host only once every rank's call is launched: the buffers' ``num_sms`` is set to
-        that share, which the entry points use when not told otherwise."""
+        that share, which the entry points use when not told otherwise. ``l1_output_rows``
+        and ``received_rows``: the rings, as for `get_symm_buffer_for_mega_moe`."""
         layout = MegaMoELayout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk,
-                               hidden, intermediate_hidden, mma_type, l1_output_rows)
+                               hidden, intermediate_hidden, mma_type, l1_output_rows,
+                               received_rows)
         dev = torch.device("cuda" if device is None else device)
         allocations = [torch.zeros(layout.num_bytes, dtype=torch.uint8, device=dev)
                        for _ in range(num_ranks)]
@@ -461,6 +468,7 @@ def get_symm_buffer_for_mega_moe(
     *,
     device: torch.device | str | int | None = None,
     l1_output_rows: int | None = None,
+    received_rows: int | None = None,
 ) -> SymmBuffer:
     """Allocate (collectively, with several ranks) and zero the buffer for a Mega MoE layer.
 
@@ -475,6 +483,9 @@ def get_symm_buffer_for_mega_moe(
     ``activation`` must be ``'swiglu'``. ``l1_output_rows`` (ours, keyword only): keep the L1
     outputs in a ring of that many rows instead of a row per pool row (`MegaMoELayout`); only
     the fused kernel's ticket walk with an L1-output ring that fits it runs on such a buffer.
+    ``received_rows`` (ours, keyword only): likewise the received rows (the L1 inputs and
+    their scales) in a ring of that many rows; only the fused kernel with
+    ``row_transfer='pulled'`` runs on such a buffer.
     """
     if activation != "swiglu":
         raise ValueError(f"activation: only 'swiglu' is implemented, got {activation!r}")
@@ -495,4 +506,5 @@ def get_symm_buffer_for_mega_moe(
         mma_type=mma_type,
         device=device,
         l1_output_rows=l1_output_rows,
+        received_rows=received_rows,
     )

@@ -97,6 +97,9 @@ def supports(sym_buffer: SymmBuffer, weights: object,
     if arch != "sm_90a" and layout.num_l1_output_rows < layout.num_pool_rows:
         return (f"the {arch} fused kernel keeps an L1-output row per pool row; this buffer "
                 f"holds a ring (l1_output_rows {layout.l1_output_rows})")
+    if arch != "sm_90a" and layout.num_received_rows < layout.num_pool_rows:
+        return (f"the {arch} fused kernel keeps a received row per pool row; this buffer "
+                f"holds a ring (received_rows {layout.received_rows})")
     if arch == "sm_90a" and (layout.hidden % _SM90_TILE_N
                              or (2 * layout.intermediate_hidden) % _SM90_TILE_N):
         return (f"the sm_90a fused kernel needs hidden ({layout.hidden}) and 2 * intermediate "

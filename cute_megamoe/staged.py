@@ -261,6 +261,7 @@ def _prepare_dispatch(sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m
     not made yet; and the result they will fill."""
     layout = sym_buffer.layout
     check_choice("transfer", transfer, TRANSFERS)
+    check_whole_received_rows(sym_buffer)
     stats = cumulative_local_expert_recv_stats
     launches, num_tokens, block_m = prepare_layer_call(
         sym_buffer, x, topk_idx, topk_weights, num_tokens, block_m, stats, validate_routing)
@@ -523,10 +524,24 @@ def check_whole_l1_outputs(sym_buffer: SymmBuffer) -> None:
             f"l1_ring_rows=...))")
 
 
+def check_whole_received_rows(sym_buffer: SymmBuffer) -> None:
+    """The staged dispatch writes every received row at its pool row, and the staged GEMMs
+    read it there: a buffer laid out with a received-rows ring
+    (`MegaMoELayout.received_rows`) is the fused kernel's only."""
+    layout = sym_buffer.layout
+    if layout.num_received_rows < layout.num_pool_rows:
+        raise ValueError(
+            f"the staged kernels keep a received row per pool row ({layout.num_pool_rows}); "
+            f"this buffer holds {layout.num_received_rows} (received_rows "
+            f"{layout.received_rows}): only the fused kernel with row_transfer='pulled' runs "
+            f"on it")
+
+
 def _prepare_kernel_experts(sym_buffer, dispatched, weights, activation_clamp, fast_math,
                             send_to_combine, gemm: Sm90GemmConfig
                             ) -> tuple[list[KernelCall], torch.Tensor | None]:
     _check_kernel_weights(sym_buffer, weights)
+    check_whole_received_rows(sym_buffer)
     check_whole_l1_outputs(sym_buffer)
     state = buffer_state(sym_buffer)
     if state.expert_out is None and not send_to_combine:

@@ -115,6 +115,38 @@ def test_bad_arguments(kwargs, exc, word):
         get_symm_buffer_for_mega_moe(**full)
 
 
+def test_a_received_rows_ring_buffer_is_the_fused_kernels_only():
+    """``received_rows``: the buffer's received rows (``l1_acts`` and its scales) in a ring of
+    that many rows (`MegaMoELayout.received_rows`), also in a loopback group; the staged
+    kernels refuse it before any launch (`staged.check_whole_received_rows`: the dispatch
+    gives the call up), and take a whole-pool buffer."""
+    from cute_megamoe import staged
+    from cute_megamoe.layout import BarrierSlots
+
+    for recipe in ("fp8xfp8", "bf16xbf16"):
+        ring = get_symm_buffer_for_mega_moe(None, *ARGS, mma_type=recipe, device="cpu",
+                                            received_rows=256)
+        assert ring.layout == MegaMoELayout(1, *ARGS, recipe=recipe, received_rows=256)
+        assert ring.l1_acts.shape == (256, ARGS[3])
+        assert ring.l2_acts.shape[0] == ring.token_src_metadata.shape[0] == (
+            ring.layout.num_pool_rows) > 256
+        if ring.has("l1_acts_sf"):
+            assert ring.l1_acts_sf.stride() == (1, 256)
+        with pytest.raises(ValueError, match="received_rows 256"):
+            staged.check_whole_received_rows(ring)
+        staged.check_whole_received_rows(make(recipe))
+        tag = int(ring.barrier[BarrierSlots.CALL_TAG])
+        with pytest.raises(ValueError, match="received row per pool row"):
+            staged.dispatch(ring, None, None, None, num_tokens=0)
+        assert int(ring.barrier[BarrierSlots.CALL_TAG]) == tag + 1  # (given up)
+    both = SymmBuffer(None, *ARGS, mma_type="fp8xfp8", device="cpu", l1_output_rows=256,
+                      received_rows=512)
+    assert (both.l1_acts.shape[0], both.l2_acts.shape[0]) == (512, 256)
+    group = SymmBuffer.loopback(2, *ARGS, device="cpu", received_rows=256)
+    assert all(buf.layout.num_received_rows == 256 for buf in group)
+    assert group[0].layout == group[1].layout
+
+
 @pytest.fixture
 def fake_group():
     """A default process group of the 'fake' backend (no communication) of a given size."""

@@ -244,6 +244,63 @@ def test_l1_output_ring_shrinks_only_the_l1_outputs():
         MegaMoELayout(**dict(GOOD, l1_output_rows=512.0))
 
 
+def test_received_rows_ring_shrinks_only_the_received_rows():
+    """``received_rows``: the received rows (``l1_acts`` and its MN-major scales) in a ring of
+    that many rows, capped at the pool; every other region keeps its shape (the per-row tables
+    and per-block counters their ``P`` rows), the regions stay back to back, and the layouts
+    differ (cache keys)."""
+    h = GOOD["hidden"]
+    whole = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8"))
+    ring = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8", received_rows=512))
+    p = whole.num_pool_rows
+    assert whole.num_received_rows == p and whole.received_rows is None
+    assert ring.num_received_rows == 512 < ring.num_pool_rows == p and ring != whole
+    assert ring.num_l1_output_rows == p  # (the other ring is separate)
+    acts, scales = ring.region("l1_acts"), ring.region("l1_acts_sf")
+    assert (acts.shape, acts.strides) == ((512, h), (h, 1))
+    assert (scales.shape, scales.strides) == ((512, h // 128), (1, 512))
+    for reg in whole.regions:
+        if reg.name not in ("l1_acts", "l1_acts_sf"):
+            assert ring.region(reg.name).shape == reg.shape, reg.name
+    for name in ("token_src_metadata", "l1_topk_weights", "pool_block_arrivals",
+                 "pool_block_ready"):
+        assert ring.region(name).nbytes == whole.region(name).nbytes, name
+    # regions up to the ring keep their offsets; the rest move down, back to back
+    for reg in ring.regions[:[r.name for r in ring.regions].index("l1_acts") + 1]:
+        assert reg.offset == whole.offset(reg.name), reg.name
+    for a, b in itertools.pairwise(ring.regions):
+        assert a.end <= b.offset < a.end + 128 and b.offset % 128 == 0, b.name
+    saved = (p - 512) * h * (1 + 4 / 128)
+    assert whole.num_bytes - ring.num_bytes == pytest.approx(saved, abs=4 * 128)
+    buf = torch.zeros(ring.num_bytes, dtype=torch.uint8)
+    assert ring.view(buf, "l1_acts_sf").stride() == (1, 512)
+    assert "Pr=512" in ring.summary() and "Pr=" not in whole.summary()
+    capped = MegaMoELayout(**dict(GOOD, received_rows=1 << 20))
+    assert capped.num_received_rows == capped.num_pool_rows
+    assert capped.region("l1_acts").shape == whole.region("l1_acts").shape
+    for bad in (0, 100, -256):
+        with pytest.raises(ValueError, match="received_rows"):
+            MegaMoELayout(**dict(GOOD, received_rows=bad))
+    with pytest.raises(TypeError, match="received_rows"):
+        MegaMoELayout(**dict(GOOD, received_rows=512.0))
+
+
+def test_both_rings_shrink_both_pools():
+    """``l1_output_rows`` with ``received_rows``: each pool its own ring, the savings add up,
+    and the layout differs from either ring alone (sizes at DeepSeek-V3's shapes:
+    tests/test_buffer_sizes.py)."""
+    whole = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8"))
+    rows = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8", received_rows=512))
+    outs = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8", l1_output_rows=256))
+    both = MegaMoELayout(**dict(GOOD, recipe="fp8xfp8", received_rows=512, l1_output_rows=256))
+    assert (both.num_received_rows, both.num_l1_output_rows) == (512, 256)
+    assert both.region("l1_acts").shape[0] == 512 and both.region("l2_acts").shape[0] == 256
+    assert len({whole, rows, outs, both}) == 4
+    saved = (whole.num_bytes - rows.num_bytes) + (whole.num_bytes - outs.num_bytes)
+    assert whole.num_bytes - both.num_bytes == pytest.approx(saved, abs=2 * 128)
+    assert "Q=256, Pr=512)" in both.summary()
+
+
 def test_deepseek_v3_like_total_is_sane():
     r, e, m, k, h, i = 8, 256, 8192, 8, 7168, 2048
     lay = MegaMoELayout(r, e, m, k, h, i, recipe="fp8xfp4")

@@ -95,10 +95,14 @@ Data:
     Routing (-1 = masked). User-filled, read locally by the dispatch warps.
 ``topk_weights`` float32 [T, K]
     Routing weights. User-filled, read by peers (their dispatch copies each weight into its pool).
-``l1_acts`` [P, H] (dtype of ``x``)
+``l1_acts`` [Pr, H] (dtype of ``x``)
     L1 GEMM input pool: rows written by the source ranks' dispatch (push, remote-written) or by
-    this rank's (pull); read by the L1 GEMM.
-``l1_acts_sf`` [P, H / 128] strides (1, P) (dtype of ``x_sf``; absent for ``bf16xbf16``)
+    this rank's (pull); read by the L1 GEMM. ``Pr = P`` (a row per pool row), or with
+    ``received_rows`` a ring of ``Pr = min(received_rows, P)`` rows that only the fused kernel
+    with ``row_transfer='pulled'`` can use (pool block ``b``'s rows in slot
+    ``b mod (Pr / BM)``, each slot refilled once every L1 tile of its previous block is done;
+    docs/notes/dataflow.md, W4).
+``l1_acts_sf`` [Pr, H / 128] strides (1, Pr) (dtype of ``x_sf``; absent for ``bf16xbf16``)
     Pool scales, MN-major (pool row fastest) as the GEMM's scale loads want. Local.
 ``l1_topk_weights`` float32 [P]
     Routing weight of each pool row, written by the dispatch, read by the L1 epilogue. Local.
@@ -327,6 +331,7 @@ class MegaMoELayout:
     intermediate_hidden: int
     recipe: str = "fp8xfp4"
     l1_output_rows: int | None = None
+    received_rows: int | None = None
 
     # Derived (filled in by __post_init__).
     num_local_experts: int = field(init=False)
@@ -334,6 +339,7 @@ class MegaMoELayout:
     block_m_max: int = field(init=False)
     num_pool_rows: int = field(init=False)
     num_l1_output_rows: int = field(init=False)
+    num_received_rows: int = field(init=False)
     num_pool_blocks_max: int = field(init=False)
     act_dtype: torch.dtype = field(init=False)
     sf_dtype: torch.dtype | None = field(init=False)
@@ -382,6 +388,13 @@ class MegaMoELayout:
                 raise ValueError(f"l1_output_rows must be None or a positive multiple of "
                                  f"{BLOCK_M_MAX} (whole blocks of every BLOCK_M), got {ring}")
             q = min(ring, p)
+        pr = p  # the received rows (L1 inputs): the whole pool, or a ring
+        if self.received_rows is not None:
+            ring = _check_int("received_rows", self.received_rows)
+            if ring < 1 or ring % BLOCK_M_MAX != 0:
+                raise ValueError(f"received_rows must be None or a positive multiple of "
+                                 f"{BLOCK_M_MAX} (whole blocks of every BLOCK_M), got {ring}")
+            pr = min(ring, p)
 
         act_recipe = activation_recipe(self.recipe)
         if act_recipe == "bf16xbf16":
@@ -406,8 +419,8 @@ class MegaMoELayout:
             ("x_sf", sf_dtype, (t, h // 128), None),
             ("topk_idx", torch.int64, (t, k), None),
             ("topk_weights", torch.float32, (t, k), None),
-            ("l1_acts", act_dtype, (p, h), None),
-            ("l1_acts_sf", sf_dtype, (p, h // 128), (1, p)),
+            ("l1_acts", act_dtype, (pr, h), None),
+            ("l1_acts_sf", sf_dtype, (pr, h // 128), (1, pr)),
             ("l1_topk_weights", torch.float32, (p,), None),
             ("l2_acts", act_dtype, (q, i), None),
             ("l2_acts_sf", sf_dtype, (q, i // 128), (1, q)),
@@ -444,6 +457,7 @@ class MegaMoELayout:
         sets(self, "block_m_max", BLOCK_M_MAX)
         sets(self, "num_pool_rows", p)
         sets(self, "num_l1_output_rows", q)
+        sets(self, "num_received_rows", pr)
         sets(self, "num_pool_blocks_max", num_pool_blocks)
         sets(self, "act_dtype", act_dtype)
         sets(self, "sf_dtype", sf_dtype)
@@ -524,7 +538,8 @@ class MegaMoELayout:
             f"E_l={self.num_local_experts}, T={self.num_tokens} "
             f"(from {self.num_max_tokens_per_rank}), K={self.num_topk}, H={self.hidden}, "
             f"I={self.intermediate_hidden}, P={self.num_pool_rows}"
-            + ("" if self.l1_output_rows is None else f", Q={self.num_l1_output_rows}") + ")"
+            + ("" if self.l1_output_rows is None else f", Q={self.num_l1_output_rows}")
+            + ("" if self.received_rows is None else f", Pr={self.num_received_rows}") + ")"
         )
         rows = [head, f"  {'region':<22} {'offset':>14} {'shape':<24} {'dtype':<14} {'MiB':>11}"]
         for reg in self.regions:
