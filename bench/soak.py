@@ -33,7 +33,10 @@ same calls, and they stop together (a flag reduced over the group every 64 calls
 ``default``: the buffer's); a comma list gives the processes these in turn
 (``counted,barrier``: half of them each). ``--config KEY=VALUE`` (repeatable): the fused
 layer's configuration on top of that (`bench.common.parse_config`, e.g.
-``fused_kernel.walk=tickets``); the JSON's meta and rows carry it.
+``fused_kernel.walk=tickets``); the JSON's meta and rows carry it. ``--received-rows N``
+(loopback, with ``pulled`` rows only): the fused layer's buffers keep their received rows in a
+ring of N rows (`MegaMoELayout.received_rows`), the staged oracle runs on whole-pool buffers
+of the same group.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROW_TRANSFERS = ("default", "counted", "barrier")
+ROW_TRANSFERS = ("default", "counted", "barrier", "pulled")
 #: the routings the calls take in turn: the checks' (`fused_checks.ROUTINGS`) and "bad" (about
 #: 5 % of the slots out of range or repeated, which both layers' dispatch masks alike)
 SOAK_ROUTINGS = ("random", "masked", "one_expert", "skewed", "bad")
@@ -78,6 +81,7 @@ def worker(index: int, args, out: Path) -> None:
     row_transfer = args.row_transfer.split(",")[index % len(args.row_transfer.split(","))]
     row = dict(process=index, ranks=args.ranks, processes=args.processes,
                row_transfer=row_transfer, config=" ".join(args.config), recipe=args.recipe,
+               received_rows=args.received_rows,
                seconds=0.0, calls=0, stalls=0, mismatches=0,
                gpu=torch.cuda.get_device_name(), error=None)
 
@@ -86,10 +90,12 @@ def worker(index: int, args, out: Path) -> None:
 
     save()
     s = SHAPE
-    layer = FusedLayer(Ranks.loopback(args.ranks, s["num_experts"], s["max_tokens"],
-                                      s["num_topk"], s["hidden"], s["intermediate"],
-                                      args.recipe),
-                       seed=index, configs=_configs(row_transfer, args.ranks, args.config))
+    shape = (s["num_experts"], s["max_tokens"], s["num_topk"], s["hidden"], s["intermediate"],
+             args.recipe)
+    ring = dict(received_rows=args.received_rows) if args.received_rows else {}
+    layer = FusedLayer(Ranks.loopback(args.ranks, *shape, **ring),
+                       seed=index, configs=_configs(row_transfer, args.ranks, args.config),
+                       staged_ranks=Ranks.loopback(args.ranks, *shape) if ring else None)
     layer.warm_up((64, 128))
     rng = random.Random(1000 * args.seed + index)
     start = time.monotonic()
@@ -181,6 +187,9 @@ def main() -> None:
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="the fused layer's configuration (repeatable; config.LayerConfig "
                              "fields, dotted: fused_kernel.walk=tickets)")
+    parser.add_argument("--received-rows", type=int, default=0, metavar="N",
+                        help="loopback, pulled rows: the fused layer's buffers keep their "
+                             "received rows in a ring of N rows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spin-timeout-s", type=float, default=20.0,
                         help="the kernels' spin limit (CUTE_MEGAMOE_SPIN_TIMEOUT_S)")
@@ -196,6 +205,8 @@ def main() -> None:
         parser.error(f"--row-transfer: one of {ROW_TRANSFERS}, or a comma list of them")
     if args.gpus and (args.gpus < 2 or args.ranks != 1 or "," in args.row_transfer):
         parser.error("--gpus: at least 2, with one --row-transfer and without --ranks")
+    if args.received_rows and (args.gpus or args.row_transfer != "pulled"):
+        parser.error("--received-rows: loopback groups with --row-transfer pulled only")
     if args.gpus:
         args.processes = args.gpus
     from bench.common import parse_config
@@ -218,6 +229,7 @@ def main() -> None:
                    "--seconds", str(args.seconds), "--row-transfer", args.row_transfer,
                    "--recipe", args.recipe, "--seed", str(args.seed), "--until", str(until),
                    "--gpus", str(args.gpus), "--port", str(args.port),
+                   "--received-rows", str(args.received_rows),
                    *(a for setting in args.config for a in ("--config", setting))]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
@@ -235,7 +247,7 @@ def main() -> None:
             row = json.loads(out.read_text()) if out.exists() and out.stat().st_size else \
                 dict(process=i, ranks=args.gpus or args.ranks, processes=args.processes,
                      row_transfer=transfers[i % len(transfers)], config=" ".join(args.config),
-                     recipe=args.recipe, calls=0,
+                     recipe=args.recipe, received_rows=args.received_rows, calls=0,
                      stalls=0, mismatches=0, error=None)
             if proc.returncode != 0 and not (row["stalls"] or row["mismatches"]):
                 row["stalls"] += 1  # (it died or hung without a report of its own)
@@ -247,6 +259,7 @@ def main() -> None:
                                         gpus=args.gpus,
                                         row_transfer=args.row_transfer,
                                         config=" ".join(args.config), recipe=args.recipe,
+                                        received_rows=args.received_rows,
                                         seconds=args.seconds,
                                         spin_timeout_s=args.spin_timeout_s))
     for row in rows:

@@ -55,9 +55,12 @@ ROW_STORES = ("bulk", "lanes")
 #: how the sm_90a decode of MXFP4 weights builds a batch's tables: a branch per item, or the
 #: integer adds for the batch with the float path behind one warp vote
 DECODE_TABLES = ("item", "vote")
-#: how the sm_90a fused kernel moves the rows: every rank meets once they moved, or each row
-#: is counted into its pool block and an L1 tile starts once its block is complete
-ROW_TRANSFERS = ("barrier", "counted")
+#: how the sm_90a fused kernel moves the rows: every rank meets once they moved ("barrier"),
+#: or each row is counted into its pool block and an L1 tile starts once its block is
+#: complete, the rows pushed by their sources ("counted") or pulled by the destination's own
+#: puller warps in its pool order ("pulled": with walk "tickets"; the one transfer that runs on
+#: a buffer whose received rows are a ring, `MegaMoELayout.received_rows`)
+ROW_TRANSFERS = ("barrier", "counted", "pulled")
 #: how the sm_90a fused kernel's CTAs walk the GEMM tiles: "phases", CTA c takes tiles c,
 #: c + G, ... of every L1 tile followed by every L2 tile; "tickets", the lag-ordered L1 / L2
 #: sequence of the dataflow design (docs/notes/dataflow.md), each CTA taking its next position
@@ -209,8 +212,8 @@ class Sm90FusedConfig(_Config):
     heuristics' choice (`heuristics.default_fused_config`), except ``debug`` (None: off).
 
     block_m: pool rows per tile, 64 or 128.
-    row_transfer: how the rows move, `ROW_TRANSFERS`. "barrier" and "counted" are different row
-        protocols: every rank of a call must use the same (a mismatch traps).
+    row_transfer: how the rows move, `ROW_TRANSFERS`. Each is a row protocol of its own: every
+        rank of a call must use the same (a mismatch traps). "pulled" with walk "tickets" only.
     weights_first: tiles that find their pool block not ready load their first stages' weights
         before they wait (with counted rows, each CTA's first L1 tile's right after the counts).
     stages_inputs: the kernel quantizes the caller's activations into the buffer itself (step
@@ -253,7 +256,7 @@ class Sm90FusedConfig(_Config):
     def __post_init__(self) -> None:
         self._check_fields()
         name = "Sm90FusedConfig"
-        if self.local_dispatch and (self.row_transfer == "barrier"
+        if self.local_dispatch and (self.row_transfer in ("barrier", "pulled")
                                     or self.stages_inputs is False):
             raise ValueError(f"{name}.local_dispatch: with counted rows and stages_inputs "
                              f"only, got row_transfer={self.row_transfer!r}, "
@@ -265,6 +268,11 @@ class Sm90FusedConfig(_Config):
         if self.l1_ring_rows and self.walk != "tickets":
             # (the phase walk runs every L1 tile before any L2 tile: a ring would wait forever)
             raise ValueError(f"{name}.l1_ring_rows: a ring with walk='tickets' only, got "
+                             f"walk={self.walk!r}")
+        if self.row_transfer == "pulled" and self.walk == "phases":
+            # (a puller waits for the L1 tiles of its ring slot's previous block, which the
+            # phase walk's static split does not order before the tiles that wait for its rows)
+            raise ValueError(f"{name}.row_transfer: 'pulled' with walk='tickets' only, got "
                              f"walk={self.walk!r}")
         if self.debug == "tile_clock" and self.walk != "tickets":
             raise ValueError(f"{name}.debug: 'tile_clock' with walk='tickets' only, got "

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .config import Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
+from .config import L1_RING_ROWS, Sm90FusedConfig, Sm90GemmConfig, Sm100GemmConfig
 from .tables import BLOCK_MS, normalize_arch
 from .utils import ceil_div
 
@@ -265,7 +265,10 @@ LOCAL_MAX_TOKENS = 256
 
 def default_row_transfer(layout) -> str:
     """The fused kernel's row transfer on the buffer ``layout`` (a `MegaMoELayout`) when none
-    is configured (see `COUNTED_ROWS_MAX_TOKENS`)."""
+    is configured (see `COUNTED_ROWS_MAX_TOKENS`); "pulled" on a buffer whose received rows
+    are a ring (`MegaMoELayout.received_rows`), the one transfer that runs on it."""
+    if layout.num_received_rows < layout.num_pool_rows:
+        return "pulled"
     if layout.recipe == "fp8xfp4_sm90":
         return "barrier"
     return "counted" if layout.num_max_tokens_per_rank <= COUNTED_ROWS_MAX_TOKENS else "barrier"
@@ -342,7 +345,10 @@ def default_fused_config(layout, block_m: int, given_x: bool,
     `MegaMoELayout`) at ``block_m``, for calls that give ``x`` (``given_x``; else the caller
     staged the rows): the fields ``config`` sets, the heuristics' choice for the rest.
 
-    The defaults: the row transfer by the buffer's token capacity (`default_row_transfer`); the
+    The defaults: the row transfer by the buffer's token capacity and rings
+    (`default_row_transfer`); the walk `FUSED_WALK`, but "tickets" where the rows are pulled or
+    the buffer keeps the L1 outputs in a ring (`MegaMoELayout.l1_output_rows`; the ring then
+    the region's rows); the
     kernel stages the caller's ``x`` itself (the MXFP4 experiment launches the staging, as it
     was measured); the local dispatch for one-rank buffers of at most `LOCAL_MAX_TOKENS` tokens
     with counted rows that stage their inputs; ``weights_first`` with counted rows at BLOCK_M
@@ -363,6 +369,15 @@ def default_fused_config(layout, block_m: int, given_x: bool,
     if local is None:
         local = (layout.num_ranks == 1 and row_transfer == "counted" and stages and not fp4
                  and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS)
+    out_ring = layout.num_l1_output_rows < layout.num_pool_rows
+    walk = config.walk or ("tickets" if row_transfer == "pulled" or out_ring else FUSED_WALK)
+    l1_ring_rows = config.l1_ring_rows
+    if l1_ring_rows is None and walk != "tickets":
+        l1_ring_rows = FUSED_L1_RING_ROWS  # (a ring buffer then refuses the walk, naming why)
+    elif l1_ring_rows is None:
+        # (the largest ring of `config.L1_RING_ROWS` the buffer's region holds)
+        l1_ring_rows = max((r for r in L1_RING_ROWS if 0 < r <= layout.num_l1_output_rows),
+                           default=0) if out_ring else FUSED_L1_RING_ROWS
     band = config.band or FUSED_WALK_BAND[block_m]
     weights_first = config.weights_first
     if weights_first is None:
@@ -378,11 +393,9 @@ def default_fused_config(layout, block_m: int, given_x: bool,
                    promotion=promotion, k_unroll=k_unroll,
                    row_stores=config.row_stores or FUSED_ROW_STORES,
                    decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
-                   else FUSED_DECODE_TABLES, walk=config.walk or FUSED_WALK,
+                   else FUSED_DECODE_TABLES, walk=walk,
                    lag_grids=config.lag_grids or FUSED_LAG_GRIDS.get(
-                       band, FUSED_LAG_GRIDS_OTHERWISE), band=band,
-                   l1_ring_rows=FUSED_L1_RING_ROWS if config.l1_ring_rows is None
-                   else config.l1_ring_rows)
+                       band, FUSED_LAG_GRIDS_OTHERWISE), band=band, l1_ring_rows=l1_ring_rows)
 
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:

@@ -159,6 +159,9 @@ REPORT_NAMES = (
     # its L1-output ring (`Sm90ExpertGemmKernel.consume`: value / target, the readiness
     # counter of the block before in the slot: its L1 warps' signals and L2 tiles' loads)
     "L2 tiles of an L1-output ring slot's previous block",
+    # its received-rows ring (`DispatchKernel.pull_in_pool_order`: value / target, the
+    # readiness counter of the block before in the slot: its L1 warps' signals)
+    "L1 tiles of a received-rows ring slot's previous block",
 )
 
 

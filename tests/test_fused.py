@@ -502,15 +502,17 @@ def test_ticket_walk_compiles(recipe, block_m, monkeypatch):
 def test_a_ring_buffer_takes_the_ticket_walk_with_a_ring_that_fits(recipe):
     """A buffer laid out with an L1-output ring (`MegaMoELayout.l1_output_rows`): the fused
     kernel builds on it only as the ticket walk with an L1-output ring of at most its rows
-    (the L1 outputs' row stride becomes the region's); the staged kernels refuse it; a
-    whole-pool buffer keeps the pool's stride with a ring too."""
+    (the L1 outputs' row stride becomes the region's), which the defaults choose there; the
+    staged kernels refuse it; a whole-pool buffer keeps the pool's stride with a ring too."""
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
     from cute_megamoe.staged import check_whole_l1_outputs
 
     ring = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe, l1_output_rows=1024)
-    for fields in ({}, {"walk": "tickets"}, {"walk": "tickets", "l1_ring_rows": 2048}):
+    for fields in ({"walk": "phases"}, {"walk": "tickets", "l1_ring_rows": 0},
+                   {"walk": "tickets", "l1_ring_rows": 2048}):
         with pytest.raises(ValueError, match="ring of 1024 rows"):
             _kernel(recipe, 64, ring, **fields)
+    assert _kernel(recipe, 64, ring).config.l1_ring_rows == 1024
     kernel = _kernel(recipe, 64, ring, walk="tickets", l1_ring_rows=1024)
     p = ring.num_pool_rows
     assert (kernel.l1.a_rows, kernel.l1.out_rows, kernel.l2.a_rows, kernel.l2.out_rows) == (
@@ -852,6 +854,42 @@ def test_ring_buffer_matches_staged(recipe):
         staged.staged_mega_moe(ring, x, idx, w, weights, activation_clamp=10.0,
                                validate_routing=False)
     check(2048, "random", 64, 600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_pulled_rows_match_staged(recipe):
+    """"pulled" rows (the ticket walk's pullers) on buffers whose received rows are a ring of
+    2048 rows and L1 outputs a ring of 4096 (`received_rows`, `l1_output_rows`; 32 / 16 row
+    slots at BLOCK_M 64 / 128), bit for bit against the staged layer on whole-pool buffers of
+    the same group: R = 1 with 2048 tokens x 4 (the row ring wraps four times and more),
+    skewed, masked, one expert taking everything, 0 and 1 tokens, both BLOCK_Ms; then an R = 2
+    loopback group with different BLOCK_M and token counts per rank, 0 tokens on a rank and
+    20 back-to-back calls; outputs poisoned first, every row checked."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.ranks import Ranks
+
+    rings = dict(received_rows=2048, l1_output_rows=4096)
+    pulled = dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(
+        row_transfer="pulled", lag_grids=1))
+    one = FusedLayer(Ranks.loopback(1, 16, 2048, 4, 1024, 512, recipe, **rings),
+                     configs={0: pulled},
+                     staged_ranks=Ranks.loopback(1, 16, 2048, 4, 1024, 512, recipe))
+    assert one.ranks.layout.num_received_rows == 2048 < one.ranks.layout.num_pool_rows
+    one.warm_up((64, 128))
+    cases = [(2048, "random"), (2048, "skewed"), (1500, "one_expert"), (777, "masked"),
+             (0, "random"), (1, "random")]
+    for i, (n, routing) in enumerate(cases):
+        for block_m in (64, 128):
+            one.check_call((n,), routing, {0: block_m}, seed=700 + i)
+    pair = FusedLayer(Ranks.loopback(2, 16, 1024, 4, 1024, 512, recipe, **rings),
+                      configs={0: pulled, 1: pulled},
+                      staged_ranks=Ranks.loopback(2, 16, 1024, 4, 1024, 512, recipe))
+    pair.warm_up((64, 128))
+    pair.check_call((1024, 0), "random", {0: 128, 1: 64}, seed=1)
+    pair.check_call((1, 1000), "one_expert", {0: 64, 1: 128}, seed=2)
+    check_fused_calls(pair, 20, 1024, seed=3)
 
 
 @pytest.mark.gpu
@@ -1290,15 +1328,14 @@ def test_default_row_transfer_follows_the_token_capacity():
 @pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
                                             ("fp8xfp4_sm90", 64), ("fp8xfp4_sm90", 128)])
 def test_row_transfers_compile(recipe, block_m, monkeypatch):
-    """The two row transfers: "barrier" (the staged dispatch's settings, no arrival counts)
-    and "counted" (its count words say so; the metadata counted into the own pool with
-    GPU-scope releases, the rows with a fence per batch of rows and relaxed adds at system
-    scope, R = 2 here); neither spills."""
-    from cute_megamoe.config import ROW_TRANSFERS
+    """The row transfers of the phase walk: "barrier" (the staged dispatch's settings, no
+    arrival counts) and "counted" (its count words say so; the metadata counted into the own
+    pool with GPU-scope releases, the rows with a fence per batch of rows and relaxed adds at
+    system scope, R = 2 here); neither spills ("pulled": `test_pulled_rows_compile`)."""
     from cute_megamoe.layout import CountWord
 
     monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
-    built = {t: _compile(recipe, block_m, row_transfer=t) for t in ROW_TRANSFERS}
+    built = {t: _compile(recipe, block_m, row_transfer=t) for t in ("barrier", "counted")}
     # (512 tokens per rank: counted rows, but "barrier" for the FP4 experiment)
     default = _compile(recipe, block_m)[0]
     assert default.row_transfer == ("barrier" if recipe == "fp8xfp4_sm90" else "counted")
@@ -1319,6 +1356,64 @@ def test_row_transfers_compile(recipe, block_m, monkeypatch):
             assert art.count("STL") == 0 and art.resource_usage()["LOCAL"] == 0, t
     with pytest.raises(ValueError, match="row_transfer"):
         _compile(recipe, block_m, row_transfer="later")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe,block_m,received_rows", [("fp8xfp8", 64, 2048),
+                                                         ("fp8xfp8", 128, 2048),
+                                                         ("bf16xbf16", 128, None)])
+def test_pulled_rows_compile(recipe, block_m, received_rows, monkeypatch):
+    """"pulled" rows (R = 2): the ticket walk by default, its count words say pulled and
+    counted (a pushing peer's would differ in the push bit: both trap), the metadata carries no
+    scale words (the pullers copy them into the ring's MN-major scales), the pullers count
+    their rows with GPU-scope adds and no system-scope ones (the rows are stored here); on a
+    buffer whose received rows are a ring, its slots are the region's blocks. The pullers run
+    at the loads' warpgroup's 40 registers: a few stack words there (the row count), no local
+    memory elsewhere."""
+    from cute_megamoe.layout import CountWord
+
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe, received_rows=received_rows)
+    kernel, art = _compile(recipe, block_m, layout, row_transfer="pulled", stages_inputs=True)
+    _, counted = _compile(recipe, block_m, walk="tickets", stages_inputs=True)
+    assert kernel.config.walk == "tickets" and kernel.rows_pulled and kernel.rows_counted
+    assert kernel.dispatch.pulls_in_pool_order
+    settings = CountWord.decode(kernel.dispatch.settings << CountWord.COUNT_BITS)
+    assert settings["rows_counted"] and not settings["push"]
+    ring = received_rows // block_m if received_rows else 0
+    assert kernel.rows_ring_blocks == ring and kernel.l1.a_ring_blocks == ring
+    assert kernel.l1.a_rows == layout.num_received_rows
+    assert "red.relaxed.gpu.global.add.s32" in art.ptx
+    assert "red.relaxed.sys.global.add.s32" in counted.ptx
+    assert "red.relaxed.sys.global.add.s32" not in art.ptx
+    if art.sass is not None:
+        assert art.resource_usage()["LOCAL"] == 0 and art.resource_usage()["STACK"] <= 16
+
+
+def test_received_rows_ring_refusals():
+    """A buffer whose received rows are a ring runs the fused kernel with pulled rows only,
+    which the defaults choose there (with the ticket walk); every other transfer, the phase
+    walk and a ring of fewer than two bands are refused before any launch, naming why."""
+    from cute_megamoe.heuristics import default_fused_config
+
+    ring = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8", received_rows=2048)
+    config = default_fused_config(ring, 128, True)
+    assert (config.row_transfer, config.walk, config.band) == ("pulled", "tickets", 8)
+    assert _kernel("fp8xfp8", 128, ring).rows_ring_blocks == 16
+    for transfer in ("counted", "barrier"):
+        with pytest.raises(ValueError, match="received_rows 2048.*'pulled'"):
+            _kernel("fp8xfp8", 128, ring, row_transfer=transfer)
+    with pytest.raises(ValueError, match="'pulled' with walk='tickets' only"):
+        Sm90FusedConfig(row_transfer="pulled", walk="phases")
+    with pytest.raises(ValueError, match="local_dispatch"):
+        Sm90FusedConfig(row_transfer="pulled", local_dispatch=True)
+    small = MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp8", received_rows=1024)
+    with pytest.raises(ValueError, match="8 blocks of 128 rows, fewer than the 2 bands of 8"):
+        _kernel("fp8xfp8", 128, small)
+    assert _kernel("fp8xfp8", 128, small, band=4).rows_ring_blocks == 8
+    with pytest.raises(ValueError, match="'tickets' with FP8 / BF16 weights only"):
+        _kernel("fp8xfp4_sm90", 128, MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90",
+                                                   received_rows=2048))
 
 
 @pytest.mark.compile

@@ -61,7 +61,12 @@ How (the seed analysis' count -> prefix -> scatter):
    `pool_block_arrivals`); the fused kernel then pushes the rows in each destination's pool
    order, counting every row into the destination's `pool_block_arrivals`
    (`push_in_pool_order`), and step 8 is left to the fused kernel: a pool block is ready when
-   its counter reaches `arrivals_per_row` per valid row, with no barrier in between.
+   its counter reaches `arrivals_per_row` per valid row, with no barrier in between. With
+   `pool_order` and transfer "pull" (the fused kernel's "pulled" rows) no rank sends rows: the
+   destination's puller warps pull them in its own pool order (`pull_in_pool_order`), with
+   their scale words (step 6 then writes none), into a ring where the buffer keeps its
+   received rows in one (`MegaMoELayout.received_rows`), each slot refilled once every L1
+   tile of its previous block is done.
 8. Grid barrier (all rows moved); CTA 0 enters the cross-rank barrier (system-scope release and
    acquire) and records the call as finished. After it every rank's pool is complete, and no
    peer reads this rank's inputs or counts for this call any more: the next call may restage
@@ -111,6 +116,7 @@ from .common.sync import (
     report_disagreement,
     spin_timeout_ns,
     wait_call_tag,
+    wait_reached,
 )
 
 TRANSFERS = ("push", "pull")  # how the rows cross (module doc, step 7)
@@ -147,11 +153,18 @@ class DispatchKernel:
         self.scope = group_scope(layout.num_ranks)  # of its barriers, flags and count words
         self.transfer = transfer
         self.push = transfer == "push"
-        # `pool_order` (the fused kernel): steps 1-6 by `exchange_counts`, then the rows pushed
-        # in each destination's pool order with arrival counts (`push_in_pool_order`)
-        if pool_order and not self.push:
-            raise ValueError("pool_order: the rows are pushed in pool order; transfer='push'")
+        # `pool_order` (the fused kernel): steps 1-6 by `exchange_counts`, then the rows moved
+        # in each destination's pool order with arrival counts: pushed by their sources
+        # (`push_in_pool_order`) or, transfer "pull", pulled by the destination's puller warps
+        # (`pull_in_pool_order`), into its received-rows ring where the buffer has one, with
+        # their scale words (step 6 then writes none)
         self.pool_order = pool_order
+        self.pulls_in_pool_order = pool_order and not self.push
+        if layout.num_received_rows < layout.num_pool_rows and not self.pulls_in_pool_order:
+            raise ValueError(
+                f"the buffer keeps the received rows in a ring of {layout.num_received_rows} "
+                f"rows (received_rows {layout.received_rows}): only the fused kernel's pulled "
+                f"rows fill it (row_transfer='pulled')")
         # `local` (the fused kernel, one-rank groups): every CTA counts all pairs itself and
         # places its own share (`count_locally`, `place_pairs`), with no other CTA in between
         if local and (layout.num_ranks != 1 or not pool_order):
@@ -180,7 +193,7 @@ class DispatchKernel:
         self.sf_vec = next(w for w in (4, 2, 1) if self.sf_words % w == 0)
         self.row_bytes = layout.hidden * layout.region("x").element_size
         self.rows = BulkRowPipeline(self.row_bytes)
-        if not self.push:
+        if not self.push and not pool_order:
             self.rows.check_fits(self.num_warps)
         self.timeout_ns = spin_timeout_ns()
 
@@ -703,7 +716,8 @@ class DispatchKernel:
             src_base = Int64(peer_bases[src])
             token = packed // K
             weight = cute.arch.load(self.regions.ptr(src_base, "topk_weights") + packed, Float32)
-            self.copy_scales(src_base, token, my_base, pool_row)
+            if cutlass.const_expr(not self.pulls_in_pool_order):  # (the pullers copy them)
+                self.copy_scales(src_base, token, my_base, pool_row)
             meta = cute.make_rmem_tensor((4,), Int32)  # (source rank, token, k, 0)
             meta[0] = src
             meta[1] = token
@@ -716,15 +730,16 @@ class DispatchKernel:
             row += num_ctas * self.num_threads
 
     @cute.jit
-    def copy_scales(self, src_base: Int64, token: Int32, my_base: Int64, pool_row: Int32):
-        """The source token's scale words into the MN-major pool scales, SF_GROUP_WORDS at a
-        time, all loads of a group issued before its stores (which would otherwise wait for
-        each load in turn)."""
+    def copy_scales(self, src_base: Int64, token: Int32, my_base: Int64, pool_row: Int32,
+                    group: cutlass.Constexpr = SF_GROUP_WORDS):
+        """The source token's scale words into the MN-major pool scales (row stride: the
+        region's rows, `MegaMoELayout.num_received_rows`), ``group`` at a time, all loads of a
+        group issued before its stores (which would otherwise wait for each load in turn)."""
         if cutlass.const_expr(self.has_sf):
             row = src_base + self.regions.offset("x_sf") + Int64(token) * (self.sf_words * 4)
             pool_sf = self.regions.ptr(my_base, "l1_acts_sf", dtype=Int32)
-            for first in cutlass.range_constexpr(0, self.sf_words, SF_GROUP_WORDS):
-                num_vecs = min(SF_GROUP_WORDS, self.sf_words - first) // self.sf_vec
+            for first in cutlass.range_constexpr(0, self.sf_words, group):
+                num_vecs = min(group, self.sf_words - first) // self.sf_vec
                 vecs = []
                 for v in cutlass.range_constexpr(num_vecs):
                     r = cute.make_rmem_tensor((self.sf_vec,), Int32)
@@ -734,7 +749,8 @@ class DispatchKernel:
                 for v in cutlass.range_constexpr(num_vecs):
                     for j in cutlass.range_constexpr(self.sf_vec):
                         word = first + v * self.sf_vec + j
-                        cute.arch.store(pool_sf + word * self.num_pool_rows + pool_row, vecs[v][j])
+                        cute.arch.store(pool_sf + word * self.layout.num_received_rows
+                                        + pool_row, vecs[v][j])
 
     @cute.jit
     def push_rows(self, peer_bases: cute.Tensor, my_base: Int64, rank: Int32,
@@ -838,19 +854,87 @@ class DispatchKernel:
             first += 32 * num_senders
 
     @cute.jit
-    def count_arrival(self, dest_base: Int64, pool_block: Int32, fenced: cutlass.Constexpr):
+    def pull_in_pool_order(self, peer_bases: cute.Tensor, my_base: Int64, puller: Int32,
+                           num_pullers: Int32, lane: Int32, recv_count: cute.Tensor,
+                           row_start: cute.Tensor, block_start: cute.Tensor,
+                           ready: cute.Pointer, slot_reads: cutlass.Constexpr,
+                           barrier: cute.Pointer):
+        """Step 7 for the fused kernel with pulled rows (`pulls_in_pool_order`), by puller warp
+        ``puller`` of ``num_pullers``: this rank's received rows in its pool order, batch j of
+        32 received rows by puller j mod V. A lane finds one row's pool row, source and token
+        (`received_row`); where the received rows are a ring (`MegaMoELayout.received_rows`:
+        pool block b in slot b mod S) it waits until its slot is free, every L1 tile of the
+        slot's previous block b - S done (``ready[b - S]`` reached ``slot_reads``, acquired).
+        The warp copies the batch's rows from their sources' ``x`` (16-byte register copies),
+        each lane its row's scale words into the MN-major ring scales, and every lane counts
+        its row into its pool block's `pool_block_arrivals` after one fence (step 6 counts the
+        row's metadata, the block's other arrival per row). A puller waits for nothing else
+        and takes its rows in pool order, so with the ticket walk (an L1 tile of block b after
+        every L1 tile of block b - S) the waits always end (docs/notes/dataflow.md, W4)."""
+        E_l, K = self.num_local_experts, self.num_topk
+        ring_blocks = self.layout.num_received_rows // self.block_m
+        num_rows = row_start[E_l]
+        table = self.regions.ptr(my_base, "src_token_topk_idx")
+        pool = my_base + self.regions.offset("l1_acts")
+        first = puller * 32
+        while first < num_rows:
+            row = first + lane
+            slot_row = Int32(-1)  # -1: past the received rows
+            block = Int32(0)
+            src = Int32(0)
+            token = Int32(0)
+            if row < num_rows:
+                pool_row, src, packed = self.received_row(row, recv_count, row_start,
+                                                          block_start, table)
+                token = packed // K
+                block = pool_row // self.block_m
+                slot_row = pool_row - (block - block % ring_blocks) * self.block_m
+                previous = block - ring_blocks  # (the slot's previous block)
+                if cutlass.const_expr(ring_blocks < self.num_pool_rows // self.block_m):
+                    if previous >= 0:
+                        wait_reached(
+                            barrier, ready + previous, Int32(slot_reads), "gpu",
+                            "L1 tiles of a received-rows ring slot's previous block",
+                            self.timeout_ns)
+                        # (their TMA reads of the slot are done: the stores below come after)
+                        cute.arch.fence_proxy("async.global")
+            cute.arch.sync_warp()
+            for j in cutlass.range(32):
+                row_j = cute.arch.shuffle_sync(slot_row, j)
+                if row_j >= 0:
+                    src_j = cute.arch.shuffle_sync(src, j)
+                    token_j = cute.arch.shuffle_sync(token, j)
+                    copy_row_in_registers(
+                        Int64(peer_bases[src_j]) + self.regions.offset("x")
+                        + Int64(token_j) * self.row_bytes,
+                        pool + Int64(row_j) * self.row_bytes, lane, self.row_bytes)
+            if slot_row >= 0:  # (a vector at a time: the pullers hold 40 registers)
+                self.copy_scales(Int64(peer_bases[src]), token, my_base, slot_row,
+                                 group=self.sf_vec)
+            # the warp's stores of the batch, then one fence and a count per row (GPU scope:
+            # the rows are stored here, and only this rank's L1 tiles read them)
+            cute.arch.sync_warp()
+            if slot_row >= 0:
+                self.count_arrival(my_base, block, fenced=True, scope="gpu")
+            first += 32 * num_pullers
+
+    @cute.jit
+    def count_arrival(self, dest_base: Int64, pool_block: Int32, fenced: cutlass.Constexpr,
+                      scope: cutlass.Constexpr = None):
         """+1 on ``pool_block``'s counter in the `pool_block_arrivals` at ``dest_base``, after
         this thread's (and, through a warp barrier before, its warp's) stores: with a fence
-        first at the group's scope (`sync.group_scope`) and a relaxed add when ``fenced``, else
-        a release add at GPU scope (this rank's own pool)."""
+        first at ``scope`` (default the group's, `sync.group_scope`) and a relaxed add when
+        ``fenced``, else a release add at GPU scope (this rank's own pool)."""
         arrivals = self.regions.ptr(dest_base, "pool_block_arrivals")
         if cutlass.const_expr(not fenced):
             cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
                           sem="release", scope="gpu")
         else:
-            fence_acq_rel(self.scope)
+            if cutlass.const_expr(scope is None):
+                scope = self.scope
+            fence_acq_rel(scope)
             cute.arch.red(arrivals + pool_block, Int32(1), op="add", dtype="s32",
-                          sem="relaxed", scope=self.scope)
+                          sem="relaxed", scope=scope)
 
     @cute.jit
     def pull_rows(self, peer_bases: cute.Tensor, my_base: Int64, warp: Int32, lane: Int32,

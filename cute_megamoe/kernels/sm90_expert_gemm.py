@@ -380,9 +380,13 @@ class Sm90ExpertGemmKernel:
         # adds that one per tile once its loads are complete
         self.ring_blocks = 0
         self.ring_reads = 0
+        # where the tile's rows are: pool block b's in slot b mod a_ring_blocks of ``a`` (0: at
+        # b): L2's the L1-output ring's, L1's the fused kernel's received-rows ring
+        # (`MegaMoELayout.received_rows`)
+        self.a_ring_blocks = 0
         # rows of ``a`` and ``out`` (and the row strides of their scales): the pool's, but the
-        # fused kernel's L1 outputs may live in a region of fewer (`MegaMoELayout.
-        # l1_output_rows`: L1's ``out``, L2's ``a``)
+        # fused kernel's received rows and L1 outputs may live in regions of fewer
+        # (`MegaMoELayout.received_rows`: L1's ``a``; `l1_output_rows`: L1's ``out``, L2's ``a``)
         self.a_rows = self.out_rows = num_pool_rows
         self.timeout_ns = spin_timeout_ns()
         # bounded stage waits with stall reports in every role (`bounded_stage_wait`; the
@@ -765,9 +769,9 @@ class Sm90ExpertGemmKernel:
                 self.log_tile(tile_log, log_first + (tile - first_tile) // num_clusters,
                               pool_block, n_block, valid_m, lane)
             b_block = expert * b_blocks_per_expert + n_block * self.chunks
-            a_block = pool_block  # (where the block's rows are: its slot of the L1-output ring)
-            if cutlass.const_expr(self.ring_blocks > 0 and self.phase == "l2"):
-                a_block = pool_block % self.ring_blocks
+            a_block = pool_block  # (where the block's rows are: their ring slot)
+            if cutlass.const_expr(self.a_ring_blocks > 0):
+                a_block = pool_block % self.a_ring_blocks
             # a dummy block may lie past the pool: TMA fills zeros, the scale copy must not read
             # past the scale tensor
             sf_block = cutlass.min(a_block, Int32(self.a_rows // self.block_m - 1))

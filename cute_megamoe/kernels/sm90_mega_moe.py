@@ -43,8 +43,15 @@ warpgroups, 512 in all), launched cooperatively.
      rows from the caller's activations straight into their pool rows
      (`InputStagingKernel.stage_rows`, the staging kernel's numerics; the buffer's `x` is not
      written) and counts each row into its pool block (`count_placed`, 2 per row as above).
-   "barrier" and "counted" are different row protocols, which every rank of a call must share
-   (checked through the count words).
+   * "pulled" (the ticket walk only): every thread runs steps 1-6 as for "counted" (without
+     the scale words), then warps 1-3 of the loads' warpgroup pull this rank's rows from their
+     sources in its pool order while the GEMM roles run (`DispatchKernel.pull_in_pool_order`),
+     counting each into its pool block; on a buffer that keeps the received rows in a ring
+     (`MegaMoELayout.received_rows`) a slot is refilled once every L1 tile of its previous
+     block is done (docs/notes/dataflow.md, W4), the L1 loads reading block b's rows from
+     slot b mod the ring's blocks.
+   Each is a row protocol of its own, which every rank of a call must share (checked through
+   the count words).
 2. Grouped GEMMs (warp-specialized as `sm90_expert_gemm`: warp 0 loads by TMA, the other
    warpgroups run WGMMA and the epilogues). One walk over the L1 tiles followed by the L2 tiles
    (CTA c takes tiles c, c + G, ... of the concatenation,
@@ -234,7 +241,10 @@ class Sm90MegaMoEKernel:
         # different row protocols, which every rank of a call must share (published in the
         # count words and checked, `layout.CountWord`); ranks may mix BLOCK_Ms
         self.row_transfer = config.row_transfer
-        self.rows_counted = config.row_transfer == "counted"
+        # "counted" and "pulled" count every row into its pool block (no barrier); "pulled":
+        # warps 1-3 of the loads' warpgroup pull this rank's rows (`pull_in_pool_order`)
+        self.rows_counted = config.row_transfer in ("counted", "pulled")
+        self.rows_pulled = config.row_transfer == "pulled"
         # `stages_inputs`: this kernel quantizes the caller's activations into the buffer and
         # copies the routing itself (step 0), instead of a staging launch before it: one launch
         # per layer call. Each CTA copies the routing of the (token, slot) pairs it counts next
@@ -249,13 +259,15 @@ class Sm90MegaMoEKernel:
         # all of the call's pairs itself, so each knows the pool's layout without any other
         # CTA, and quantizes its own pairs' rows straight into their pool rows (step 1's
         # "local" form); no count exchange, no staged rows in between
-        if config.local_dispatch and not (self.num_ranks == 1 and self.rows_counted
+        if config.local_dispatch and not (self.num_ranks == 1
+                                          and config.row_transfer == "counted"
                                           and self.stages_inputs and not self.fp4_weights):
             raise ValueError("config.local_dispatch: one-rank groups with counted rows that "
                              "stage their own inputs, FP8 / BF16 weights")
         self.local_dispatch = config.local_dispatch
         self.dispatch = DispatchKernel(layout, block_m, num_threads=self.num_threads,
-                                       has_stats=has_stats, transfer="push",
+                                       has_stats=has_stats,
+                                       transfer="pull" if self.rows_pulled else "push",
                                        pool_order=self.rows_counted, local=self.local_dispatch)
         self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
                                      send_mode="epilogue")
@@ -353,6 +365,7 @@ class Sm90MegaMoEKernel:
                 f"{config.walk!r}, l1_ring_rows {config.l1_ring_rows}")
         # (the region's rows: the L1 outputs' and their scales' row stride)
         self.l1.out_rows = self.l2.a_rows = ring_region
+        self.l2.a_ring_blocks = self.ring_blocks
         if self.ring_blocks:
             fewest = min_ring_slots(self.sequence.lag, config.band)
             if self.ring_blocks < fewest:
@@ -364,6 +377,29 @@ class Sm90MegaMoEKernel:
             for phase in (self.l1, self.l2):
                 phase.ring_blocks = self.ring_blocks
             self.l1.ring_reads = self.l1.tile_signals() + n2
+        # "pulled" rows (the ticket walk): the received rows in a ring of pool blocks where
+        # the buffer lays them out so (`MegaMoELayout.received_rows`), a slot refilled once
+        # every L1 tile of its previous block is done (W4); deadlock-free with slots of at
+        # least a band, and from two bands on a consumer's one-tile-late L1 signal never
+        # holds back the rows of its next L1 tile (`consume_by_ticket`)
+        if self.rows_pulled and not self.tickets:
+            raise ValueError("config.row_transfer: 'pulled' with walk='tickets' only")
+        rows_region = layout.num_received_rows
+        self.rows_ring_blocks = 0
+        if rows_region < layout.num_pool_rows:
+            if not self.rows_pulled:
+                raise ValueError(
+                    f"the buffer keeps the received rows in a ring of {rows_region} rows "
+                    f"(received_rows {layout.received_rows}); the fused kernel fills it with "
+                    f"row_transfer='pulled' only, got {config.row_transfer!r}")
+            self.rows_ring_blocks = rows_region // block_m
+            if self.rows_ring_blocks < 2 * config.band:
+                raise ValueError(
+                    f"the buffer's received-rows ring holds {self.rows_ring_blocks} blocks of "
+                    f"{block_m} rows, fewer than the 2 bands of {config.band} the ticket walk "
+                    f"needs")
+        self.l1.a_rows = rows_region
+        self.l1.a_ring_blocks = self.rows_ring_blocks
         # (the ticket walk: of its first ticket's tile, taken as soon as the prefix sums are in)
         self.early_weights = (self.l1.weights_first and self.rows_counted and block_m == 64
                               and not self.fp4_weights)
@@ -617,10 +653,11 @@ class Sm90MegaMoEKernel:
                 self.dispatch.write_metadata(peer_bases, my_base, counts, row_start,
                                              block_start)
             self.stamp(stamps, "prefix_ready", tidx == 0)
-            num_warps = self.num_threads // 32
-            self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
-                                             grid * num_warps, lane, dispatch)
-            self.stamp(stamps, "rows_sent", tidx == 0)
+            if cutlass.const_expr(not self.rows_pulled):  # ("pulled": the pullers, below)
+                num_warps = self.num_threads // 32
+                self.dispatch.push_in_pool_order(peer_bases, rank, bidx * num_warps + warp,
+                                                 grid * num_warps, lane, dispatch)
+                self.stamp(stamps, "rows_sent", tidx == 0)
             # every warp of a warpgroup must reach its setmaxnreg below together (the warps
             # finish their metadata rows, and rows, at different times; without this a
             # two-rank call with counted rows hung)
@@ -694,6 +731,14 @@ class Sm90MegaMoEKernel:
                         self.watch_consumers(ring, decoded,
                                              storage.consumer_progress.data_ptr(), barrier,
                                              l1_tiles, l2_tiles, bidx, grid, lane)
+            elif cutlass.const_expr(self.rows_pulled):
+                # warps 1-3 pull this rank's rows (GEMM roles wait for them, they wait for L1
+                # tiles only: they must not share threads with the GEMMs, W4)
+                self.dispatch.pull_in_pool_order(
+                    peer_bases, my_base, bidx * 3 + warp - 1, grid * 3, lane,
+                    dispatch[1], row_start, block_start, pool_block_ready,
+                    self.l1.tile_signals(), barrier)
+                self.stamp(stamps, "rows_sent", tidx == 32)
             # the registers for the combine come from the consumers' decrease: wait until the
             # consumers hold theirs for the GEMMs (`REGS_TAKEN_BARRIER`; setmaxnreg is
             # warpgroup-wide, and this also lets the four warps meet: warp 0 comes late)
@@ -913,7 +958,9 @@ class Sm90MegaMoEKernel:
         each a walk of one tile of its phase (`produce_by_ticket`). An L1 tile signals its
         pool block's readiness one tile late, after the next L1 tile's mainloop, while its
         stores drain (as in the phase walk), but before any L2 tile's: an L2 tile (of this CTA
-        or any other) never waits for a signal held behind a wait of its own. ``clock``
+        or any other) never waits for a signal held behind a wait of its own; with a
+        received-rows ring, neither does an L1 tile's (its rows wait for L1 signals only of
+        blocks a ring back, which go out first). ``clock``
         (`TILE_CLOCK_TILES`): the first consumer thread records each tile's span. Returns the
         ring's consumer state."""
         num_blocks = block_start[self.num_local_experts]
@@ -935,6 +982,15 @@ class Sm90MegaMoEKernel:
             if pool_block >= num_blocks:  # (a guard: warp 0 publishes no band padding)
                 pass
             elif is_l2 == 0:
+                if cutlass.const_expr(self.rows_ring_blocks > 0):
+                    # this tile's rows may wait for a ring slot, for the L1 tiles of blocks a
+                    # ring back: a signal owed for a block that far back (less a band: the
+                    # blocks it waits for are then in earlier bands, whose L1 tiles all come
+                    # first) goes out before this tile's mainloop instead of after it
+                    far = self.rows_ring_blocks - self.sequence.band
+                    if owed >= 0 and pool_block - owed >= far:
+                        self.l1.signal_ready(pool_block_ready, owed, lane)
+                        owed = Int32(-1)
                 tile = pool_block * self.l1.num_n_blocks + n_block
                 state, prev, _, owed, owner1 = self.l1.consume(
                     tiled_mma, sa, sb, sfa, sfb, ring, block_start, row_start, tile + 1, tile,

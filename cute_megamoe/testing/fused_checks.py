@@ -37,10 +37,17 @@ class FusedLayer:
     """Per-rank weights (random BF16 masters, quantized per recipe) and the two layers."""
 
     def __init__(self, ranks: Ranks, seed: int = 0, activation_clamp: float = 10.0,
-                 configs: dict | None = None, fused_tiled: bool = False):
+                 configs: dict | None = None, fused_tiled: bool = False,
+                 staged_ranks: Ranks | None = None):
         from ..expert_gemm import ExpertWeights
 
         self.ranks = ranks
+        # the buffers the staged oracle runs on (default ``ranks``'): whole-pool buffers of the
+        # same group where ``ranks``' keep rings (`MegaMoELayout.received_rows`,
+        # `l1_output_rows`), which the staged kernels refuse
+        self.staged_ranks = staged_ranks or ranks
+        if [b.rank for b in self.staged_ranks.buffers] != [b.rank for b in ranks.buffers]:
+            raise ValueError("staged_ranks: the same ranks as ranks")
         # per rank: the fused layer's configuration (`rows_config`; default `EXPERIMENTS`)
         self.configs = configs or {}
         layout = ranks.layout
@@ -79,6 +86,12 @@ class FusedLayer:
         from .. import fused, staged
 
         kinds = kind if isinstance(kind, dict) else {b.rank: kind for b in self.ranks.buffers}
+        ranks = self.ranks
+        if set(kinds.values()) == {"staged"}:
+            ranks = self.staged_ranks
+        elif "staged" in kinds.values() and self.staged_ranks is not self.ranks:
+            raise ValueError("a call mixing the layers runs on one group of buffers: not with "
+                             "staged_ranks")
 
         def step(buf):
             x, idx, w = inputs[buf.rank]
@@ -93,7 +106,7 @@ class FusedLayer:
                 staged.staged_mega_moe(buf, x, idx, w, self.weights[buf.rank], **kwargs)
 
         try:
-            self.ranks.run(step)
+            ranks.run(step)
         except Exception as error:
             # an earlier call's failed kernel surfaces at a later launch (torch's or the CuTe
             # DSL's CUDA error): name it with the reports, as `synchronize` does
@@ -143,16 +156,17 @@ class FusedLayer:
     def _warm_up_call(self, staged, tokens: tuple[int, ...], block_m: int) -> None:
         """One phased staged call and one fused call of ``tokens`` per rank at ``block_m``."""
         _, _, _, inputs = self.inputs(tokens, "random", block_m + sum(tokens))
+        oracle = self.staged_ranks
         results = dict(zip(
-            [b.rank for b in self.ranks.buffers],
-            self.ranks.run(lambda buf: staged.dispatch(
+            [b.rank for b in oracle.buffers],
+            oracle.run(lambda buf: staged.dispatch(
                 buf, *inputs[buf.rank], block_m=block_m, validate_routing=False,
                 cumulative_local_expert_recv_stats=self.stats[buf.rank]["staged"])),
             strict=True))
-        self.ranks.run(lambda buf: staged.kernel_experts(
+        oracle.run(lambda buf: staged.kernel_experts(
             buf, results[buf.rank], self.weights[buf.rank], self.clamp, send_to_combine=True,
             config=self.config(buf.rank)))
-        self.ranks.run(lambda buf: staged.combine(buf, None, results[buf.rank]))
+        oracle.run(lambda buf: staged.combine(buf, None, results[buf.rank]))
         ys = {b.rank: torch.empty(tokens[b.rank], self.ranks.layout.hidden,
                                   dtype=torch.bfloat16, device=self.device)
               for b in self.ranks.buffers}

@@ -33,11 +33,13 @@ class Ranks:
 
     @classmethod
     def loopback(cls, num_ranks: int, num_experts: int, max_tokens: int, num_topk: int,
-                 hidden: int, intermediate: int, recipe: str) -> Ranks:
+                 hidden: int, intermediate: int, recipe: str, **rings) -> Ranks:
+        """A loopback group (`SymmBuffer.loopback`; ``rings``: its ``l1_output_rows`` /
+        ``received_rows``)."""
         from ..buffer import SymmBuffer
 
         buffers = SymmBuffer.loopback(num_ranks, num_experts, max_tokens, num_topk, hidden,
-                                      intermediate, recipe)
+                                      intermediate, recipe, **rings)
         return cls(buffers, [torch.cuda.Stream() for _ in buffers])
 
     @property
