@@ -26,6 +26,10 @@ parse_config`: ``gemm.promotion=chunk``, ``fused_kernel.row_transfer=barrier``,
 those row transfers too (graph, alternating with the rest); `--staged-config
 gemm.transposed=1` / `--fused-config ...`: the staged / fused layer with those settings too
 (`A=1+B=4`: both in one variant; outputs checked equal to the default's before timing).
+`--rings R,Q`: the fused layer also on a buffer whose received rows and L1 outputs are rings of
+R and Q rows (`MegaMoELayout.received_rows`, `l1_output_rows`; 0: the whole pool), with the
+defaults that buffer chooses (pulled rows, the ticket walk), outputs checked equal (columns
+fused_rings_R_Q_graph_us, ...).
 `--power S` (one rank): also each layer (and variant) and each staged step back to back for
 about S seconds, in turn, `--power-rounds` times (`bench.common.sustained_power`): its time,
 watts, SM clock and energy per call under a steady load, and the steps' energy over the power
@@ -63,7 +67,7 @@ def _variant(setting: str, base, option: str):
 
 def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter, out_dir,
             quick=False, fused_rows=(), staged_configs=(), fused_configs=(), storage_ab=False,
-            settings=(), power=0.0, power_rounds=1):
+            settings=(), power=0.0, power_rounds=1, rings=()):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(rank)
@@ -99,6 +103,12 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
     del w1, w2
     buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, experts, max(tokens), topk, hidden,
                                        inter, mma_type=recipe)
+    ring_buf, ring_label = None, None  # `--rings`: the fused layer on a ring buffer too
+    if rings:
+        ring_buf = get_symm_buffer_for_mega_moe(
+            dist.group.WORLD, experts, max(tokens), topk, hidden, inter, mma_type=recipe,
+            received_rows=rings[0] or None, l1_output_rows=rings[1] or None)
+        ring_label = f"rings_{rings[0]}_{rings[1]}"
     weight_bytes = sum(t.numel() * t.element_size() for t in (
         kernel_weights.w1, kernel_weights.w2, kernel_weights.w1_sf, kernel_weights.w2_sf)
         if t is not None)
@@ -130,8 +140,9 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                                           block_m=block_m, validate_routing=False,
                                           l2_sends=l2_sends, config=config)
 
-        def fused_layer(x=x, idx=idx, w=w, block_m=block_m, wts=kernel_weights, config=base):
-            return fused.fused_mega_moe(buf, x, idx, w, wts, activation_clamp=10.0,
+        def fused_layer(x=x, idx=idx, w=w, block_m=block_m, wts=kernel_weights, config=base,
+                        buffer=buf):
+            return fused.fused_mega_moe(buffer, x, idx, w, wts, activation_clamp=10.0,
                                         block_m=block_m, validate_routing=False, config=config)
 
         def ours_pool_order(x=x, idx=idx, w=w, block_m=block_m):
@@ -152,6 +163,8 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         if fused_ok:
             env_fns.update({("fused", label): partial(fused_layer, config=config)
                             for label, config in fused_variants.items()})
+            if ring_buf is not None:
+                env_fns[("fused", ring_label)] = partial(fused_layer, buffer=ring_buf)
         storage_fns = {}  # the layers on the weights in the other storage order
         if other_weights is not None:
             storage_fns["ours"] = partial(ours, wts=other_weights)
@@ -228,6 +241,8 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 runs["fused"] = fused_layer
                 runs.update({f"fused_{label}": partial(fused_layer, config=config)
                              for label, config in fused_variants.items()})
+                if ring_buf is not None:
+                    runs[f"fused_{ring_label}"] = partial(fused_layer, buffer=ring_buf)
             runs.update({f"staged_{label}": partial(ours, config=config)
                          for label, config in staged_variants.items()})
             runs.update(steps)
@@ -264,7 +279,8 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
                 "ours_over_fp8_floor"]
         for rows in fused_rows:
             cols += [f"fused_{rows}_graph_us", f"fused_{rows}_over_floor"]
-        for layer, variants in (("ours", staged_variants), ("fused", fused_variants)):
+        for layer, variants in (("ours", staged_variants),
+                                ("fused", [*fused_variants, *([ring_label] if rings else [])])):
             for label in variants:
                 cols += [f"{layer}_{label}_graph_us", f"{layer}_{label}_over_fp8_floor"]
         if storage_ab:
@@ -277,12 +293,15 @@ def _worker(rank, num_ranks, port, tokens, recipe, experts, topk, hidden, inter,
         print(res.table(cols))
         if power:  # (a table of its own: per run, its time, watts, clock and energy)
             names = ["staged", "fused", *(f"fused_{v}" for v in fused_variants),
+                     *([f"fused_{ring_label}"] if rings else []),
                      *(f"staged_{v}" for v in staged_variants), "dispatch", "experts", "combine"]
             print(res.table(["tokens", "power_floor_us", "staged_over_fused_sustained"]))
             for name in names:
                 print(res.table(["tokens"] + [f"{name}_{col}" for col in (
                     "sustained_us", "watts", "sm_mhz", "mj", "over_power_floor")]))
     buf.destroy()
+    if ring_buf is not None:
+        ring_buf.destroy()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -321,6 +340,10 @@ def main() -> None:
                         "boxes, fp8xfp4_sm90 to rows), alternating in the graph rounds, "
                         "outputs checked equal (columns ours_other_storage_graph_us, "
                         "fused_other_storage_graph_us)")
+    p.add_argument("--rings", default="", metavar="R,Q",
+                   help="the fused layer also on a buffer with a received-rows ring of R rows "
+                        "and an L1-output ring of Q (0: the whole pool; columns "
+                        "fused_rings_R_Q_graph_us)")
     p.add_argument("--power", type=float, default=0.0, metavar="S",
                    help="one rank: also each layer, variant and staged step back to back for "
                         "about S seconds in turn (watts, SM clock, energy per call; "
@@ -332,6 +355,9 @@ def main() -> None:
         p.error("--power: one rank only (the watts of one GPU)")
     if a.power < 0 or a.power_rounds < 1:
         p.error("--power: seconds >= 0; --power-rounds: at least 1")
+    rings = tuple(int(r) for r in a.rings.split(",")) if a.rings else ()
+    if rings and (len(rings) != 2 or min(rings) < 0 or rings == (0, 0)):
+        p.error("--rings: R,Q, rows of the two rings (0: none), not both 0")
     # (every setting read here first: a bad one stops before any GPU work)
     base = parse_config(a.config)
     staged = tuple(e for e in a.staged_config.split(",") if e)
@@ -343,7 +369,7 @@ def main() -> None:
                             a.experts, a.topk, a.hidden, a.intermediate,
                             os.environ.get("CUTE_MEGAMOE_RESULTS_DIR", ""), a.quick,
                             tuple(r for r in a.fused_rows.split(",") if r), staged, fused,
-                            a.storage_ab, tuple(a.config), a.power, a.power_rounds),
+                            a.storage_ab, tuple(a.config), a.power, a.power_rounds, rings),
              nprocs=a.ranks, join=True)
 
 
