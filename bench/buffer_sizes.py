@@ -5,11 +5,11 @@
 Ours: `layout.MegaMoELayout.num_bytes`, also with both pools as rings, built: the fused
 ticket walk's L1-output ring of `OUT_RING_ROWS` rows (`l1_output_rows`) and the pulled rows'
 received-rows ring of `ROW_RING_ROWS` rows (`received_rows`); the dataflow design's (issue 65):
-`layout.dataflow.dataflow_buffer_bytes` (both pools as rings, plus its per-block L2 and
-per-token arrival counters). DeepGEMM's: the formula of its FP8xFP4 / BF16 buffer (reference
-doc section 2: a workspace, the inputs, L1 / L2 activation rings of `Rg` tokens with their
-scale rings, the combine buffer; section 1.1 and 7.4 for `T` and `Rg`), evaluated here
-without DeepGEMM (its sizing entry point is registered only where its SM100 kernels build).
+`layout.dataflow.dataflow_buffer_bytes` (both pools as rings; now the same size).
+DeepGEMM's: the formula of its FP8xFP4 / BF16 buffer (reference doc section 2: a workspace,
+the inputs, L1 / L2 activation rings of `Rg` tokens with their scale rings, the combine
+buffer; section 1.1 and 7.4 for `T` and `Rg`), evaluated here without DeepGEMM (its sizing
+entry point is registered only where its SM100 kernels build).
 `deepgemm_buffer_bytes` reproduces the doc's own table (section 2.4; `tests/test_buffer_sizes.py`).
 Nothing runs on a GPU; the JSON goes to `bench/results/` (or `CUTE_MEGAMOE_RESULTS_DIR`).
 """

@@ -340,6 +340,8 @@ class SymmBuffer:
     token_src_metadata = _region_property("token_src_metadata")
     pool_block_arrivals = _region_property("pool_block_arrivals")
     pool_block_ready = _region_property("pool_block_ready")
+    pool_block_l2_done = _region_property("pool_block_l2_done")
+    token_arrivals = _region_property("token_arrivals")
     cta_progress = _region_property("cta_progress")
     # Data regions.
     x = _region_property("x")

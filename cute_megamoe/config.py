@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 __all__ = [
+    "COMBINES",
     "DEBUG_MODES",
     "DEBUG_TENSOR_MODES",
     "DECODE_TABLES",
@@ -77,6 +78,12 @@ WALK_BANDS = (1, 2, 3, 4, 8)
 #: stores its block's rows in slot ``block mod (rows / BLOCK_M)`` once the L2 tiles of the
 #: block before in that slot have read theirs (docs/notes/dataflow.md, W2); 0: the whole pool
 L1_RING_ROWS = (0, 1024, 2048, 4096, 8192)
+#: how the sm_90a fused kernel reduces its tokens: every CTA once every rank's tiles are done
+#: (the split barriers, "barriers"), or each token once its own L2 rows are in ("tokens": the
+#: last L2 tile of a pool block signals its rows' tokens in their source ranks'
+#: `token_arrivals`; with walk "tickets" and the exchanged dispatch; every rank of a call
+#: must use the same, or a "tokens" rank's wait for a token times out)
+COMBINES = ("barriers", "tokens")
 #: the fused kernel's diagnostics: each CTA's phase boundaries (`sm90_mega_moe.PHASE_STAMPS`),
 #: or every CTA's tiles (`testing.fused_checks.check_tile_walk`), or with the ticket walk each
 #: tile's start and end (`sm90_mega_moe.TILE_CLOCK_TILES`), into the launch's debug tensor
@@ -226,6 +233,8 @@ class Sm90FusedConfig(_Config):
     band: the ticket walk's bands of pool blocks, `WALK_BANDS` (unused by "phases").
     l1_ring_rows: the ticket walk's L1-output ring, `L1_RING_ROWS` (0: the whole pool; a ring
         with walk "tickets" only, of at least ``(lag + 1) * band`` slots).
+    combine: how the tokens are reduced, `COMBINES` ("tokens": with walk "tickets", not with
+        the local dispatch; every rank of a call must use the same).
     debug: a diagnostic, `DEBUG_MODES`: "phase_clock", "tile_log" and (the ticket walk's)
         "tile_clock" write into the launch's debug tensor; "hold_cta" and "late_consumers" are
         test builds with an injected delay.
@@ -244,12 +253,13 @@ class Sm90FusedConfig(_Config):
     lag_grids: int | None = None
     band: int | None = None
     l1_ring_rows: int | None = None
+    combine: str | None = None
     debug: str | None = None
 
     _choices = {"block_m": (64, 128), "row_transfer": ROW_TRANSFERS, "promotion": PROMOTIONS,
                 "k_unroll": K_UNROLLS, "row_stores": ROW_STORES, "decode_tables": DECODE_TABLES,
                 "walk": WALKS, "lag_grids": LAG_GRIDS, "band": WALK_BANDS,
-                "l1_ring_rows": L1_RING_ROWS, "debug": DEBUG_MODES}
+                "l1_ring_rows": L1_RING_ROWS, "combine": COMBINES, "debug": DEBUG_MODES}
     _flags = ("weights_first", "stages_inputs", "local_dispatch")
     _optional = ("debug",)
 
@@ -274,6 +284,16 @@ class Sm90FusedConfig(_Config):
             # phase walk's static split does not order before the tiles that wait for its rows)
             raise ValueError(f"{name}.row_transfer: 'pulled' with walk='tickets' only, got "
                              f"walk={self.walk!r}")
+        if self.combine == "tokens" and self.walk == "phases":
+            # (the token signals go out after each L2 tile of the ticket walk's consumers; the
+            # phase walk's are the staged GEMM's walk, left as it is)
+            raise ValueError(f"{name}.combine: 'tokens' with walk='tickets' only, got "
+                             f"walk={self.walk!r}")
+        if self.combine == "tokens" and self.local_dispatch:
+            # (the local dispatch zeroes nothing at the start and leaves each token's routing
+            # to one CTA, with no grid-wide order before another CTA's reduction reads it)
+            raise ValueError(f"{name}.combine: 'tokens' with the exchanged dispatch only, got "
+                             f"local_dispatch=True")
         if self.debug == "tile_clock" and self.walk != "tickets":
             raise ValueError(f"{name}.debug: 'tile_clock' with walk='tickets' only, got "
                              f"walk={self.walk!r}")

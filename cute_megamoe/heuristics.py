@@ -232,6 +232,9 @@ FUSED_ROW_STORES = "lanes"
 #: how the fused kernel's CTAs take their GEMM tiles: "phases" (every L1 tile, then every L2
 #: tile) until the ticket walk of the dataflow design has been measured against it on a GPU.
 FUSED_WALK = "phases"
+#: how the fused kernel reduces its tokens (`config.COMBINES`): once every rank's tiles are
+#: done ("barriers"), until the per-token combine has run on a GPU
+FUSED_COMBINE = "barriers"
 #: the ticket walk's bands of pool blocks by BLOCK_M (`config.WALK_BANDS`): at 128, bands of 8
 #: blocks of one expert, each weight tile read once (the dataflow model); at 8192 tokens on an
 #: H100 they took 0.70x the time of one-block bands (6835 / 9818 us, graph,
@@ -346,14 +349,15 @@ def default_fused_config(layout, block_m: int, given_x: bool,
     staged the rows): the fields ``config`` sets, the heuristics' choice for the rest.
 
     The defaults: the row transfer by the buffer's token capacity and rings
-    (`default_row_transfer`); the walk `FUSED_WALK`, but "tickets" where the rows are pulled or
-    the buffer keeps the L1 outputs in a ring (`MegaMoELayout.l1_output_rows`; the ring then
-    the region's rows); the
-    kernel stages the caller's ``x`` itself (the MXFP4 experiment launches the staging, as it
-    was measured); the local dispatch for one-rank buffers of at most `LOCAL_MAX_TOKENS` tokens
-    with counted rows that stage their inputs; ``weights_first`` with counted rows at BLOCK_M
-    64 (1 token 108 us graph against 114 at R = 1; with barrier rows, loading the weights first
-    for every waiting tile delayed the ready tiles' first stages, 1.02-1.04x at 4096-8192; at
+    (`default_row_transfer`); the combine `FUSED_COMBINE`; the walk `FUSED_WALK`, but
+    "tickets" where the rows are pulled, the tokens combined one by one or the buffer keeps
+    the L1 outputs in a ring (`MegaMoELayout.l1_output_rows`; the ring then the region's
+    rows); the kernel stages the caller's ``x`` itself (the MXFP4 experiment launches the
+    staging, as it was measured); the local dispatch for one-rank buffers of at most
+    `LOCAL_MAX_TOKENS` tokens with counted rows that stage their inputs (not with the
+    per-token combine); ``weights_first`` with counted rows at BLOCK_M 64 (1 token 108 us
+    graph against 114 at R = 1; with barrier rows, loading the weights first for every
+    waiting tile delayed the ready tiles' first stages, 1.02-1.04x at 4096-8192; at
     BLOCK_M 128 the producer warp's 40 registers spill 3 with it); the grouped GEMMs'
     promotion and loop unroll (MXFP4: chunk), `FUSED_ROW_STORES`, `FUSED_DECODE_TABLES`."""
     config = config or Sm90FusedConfig()
@@ -365,12 +369,15 @@ def default_fused_config(layout, block_m: int, given_x: bool,
     fp8 = recipe != "bf16xbf16"
     row_transfer = config.row_transfer or default_row_transfer(layout)
     stages = given_x and (not fp4 if config.stages_inputs is None else config.stages_inputs)
+    combine = config.combine or FUSED_COMBINE
     local = config.local_dispatch
     if local is None:
         local = (layout.num_ranks == 1 and row_transfer == "counted" and stages and not fp4
-                 and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS)
+                 and layout.num_max_tokens_per_rank <= LOCAL_MAX_TOKENS
+                 and combine != "tokens")
     out_ring = layout.num_l1_output_rows < layout.num_pool_rows
-    walk = config.walk or ("tickets" if row_transfer == "pulled" or out_ring else FUSED_WALK)
+    walk = config.walk or ("tickets" if row_transfer == "pulled" or out_ring
+                           or combine == "tokens" else FUSED_WALK)
     l1_ring_rows = config.l1_ring_rows
     if l1_ring_rows is None and walk != "tickets":
         l1_ring_rows = FUSED_L1_RING_ROWS  # (a ring buffer then refuses the walk, naming why)
@@ -395,7 +402,8 @@ def default_fused_config(layout, block_m: int, given_x: bool,
                    decode_tables=(config.decode_tables or FUSED_DECODE_TABLES) if fp4
                    else FUSED_DECODE_TABLES, walk=walk,
                    lag_grids=config.lag_grids or FUSED_LAG_GRIDS.get(
-                       band, FUSED_LAG_GRIDS_OTHERWISE), band=band, l1_ring_rows=l1_ring_rows)
+                       band, FUSED_LAG_GRIDS_OTHERWISE), band=band, l1_ring_rows=l1_ring_rows,
+                   combine=combine)
 
 
 #: Rounds of the pool-order combine (token classes per round, of 8) by tokens on the rank:

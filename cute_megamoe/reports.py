@@ -50,6 +50,9 @@ class ReportKind:
     # a split barrier's wait timed out: `value` seen, `target` awaited, at barrier `expert`, of
     # which `source` of this rank's CTAs had arrived (0: all, the last reset the count)
     SPLIT_STALL = 5
+    # the per-token combine's wait for a token's rows timed out: `value` rows arrived of
+    # `target`, token `expert` (`token_arrivals`)
+    TOKEN_STALL = 6
 
 
 class Progress:
@@ -162,6 +165,9 @@ REPORT_NAMES = (
     # its received-rows ring (`DispatchKernel.pull_in_pool_order`: value / target, the
     # readiness counter of the block before in the slot: its L1 warps' signals)
     "L1 tiles of a received-rows ring slot's previous block",
+    # the per-token combine (`CombineKernel`, "tokens": value / target, the token's L2 rows
+    # arrived and its valid slots; `ReportKind.TOKEN_STALL` names the token)
+    "the L2 rows of a token (token_arrivals)",
 )
 
 
@@ -182,6 +188,11 @@ def format_report(words, rank: int) -> str | None:
                    "every CTA of this rank has arrived")
         return (f"cute_megamoe: wait on {name} {f['expert']} stalled ({where}): value "
                 f"{f['value']}, target {f['target']}; {arrived}{_laggards(list(words))}")
+    if f["kind"] == ReportKind.TOKEN_STALL:
+        return (f"cute_megamoe: wait on {name} stalled ({where}): token {f['expert']} has "
+                f"{f['value']} of its {f['target']} rows (a rank that owns one of its experts "
+                f"did not send it, or does not signal tokens: every rank of a call must use "
+                f"the same combine)")
     if f["kind"] == ReportKind.DISAGREE:
         return (f"cute_megamoe: ranks disagree on {name} ({where}): a peer's {f['value']}, "
                 f"this rank's {f['target']}")

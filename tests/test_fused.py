@@ -893,6 +893,54 @@ def test_pulled_rows_match_staged(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", STABLE_RECIPES)
+def test_token_combine_matches_staged(recipe):
+    """``combine="tokens"`` (each token reduced once its own rows are in) against the staged
+    layer, bit for bit: at R = 1 (H 1024, I 512, 2048 tokens x 4: L2 tiles between later
+    blocks' L1 tiles, tokens signalled while others still run) with random, skewed, masked and
+    one-expert routings, 0, 1 and 3 tokens, both BLOCK_Ms; with pulled rows into a received-rows
+    ring and an L1-output ring; then R = 2 loopback groups (counted, barrier and pulled rows)
+    with different BLOCK_M and token counts per rank, 0 tokens on a rank, and 20 back-to-back
+    calls (the next call's counts, zeroing and restaged inputs while a peer may still
+    reduce); outputs poisoned first, every row checked."""
+    _gpu()
+    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.protocol_checks import Ranks
+
+    def config(**fields):
+        return dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(
+            combine="tokens", **fields))
+
+    tokens, barrier = config(), config(row_transfer="barrier")
+    pulled = config(row_transfer="pulled", lag_grids=1)
+    rings = dict(received_rows=2048, l1_output_rows=4096)
+    cases = [(2048, "random"), (2048, "skewed"), (1500, "one_expert"), (777, "masked"),
+             (0, "random"), (1, "random"), (3, "masked")]
+    layer = FusedLayer(_one_rank(recipe, 16, 2048, 4, 1024, 512), configs={0: tokens})
+    layer.warm_up((64, 128))
+    for i, (n, routing) in enumerate(cases):
+        for block_m in (64, 128):
+            layer.check_call((n,), routing, {0: block_m}, seed=800 + i)
+    one = FusedLayer(Ranks.loopback(1, 16, 2048, 4, 1024, 512, recipe, **rings),
+                     configs={0: pulled},
+                     staged_ranks=Ranks.loopback(1, 16, 2048, 4, 1024, 512, recipe))
+    one.warm_up((64, 128))
+    for i, (n, routing) in enumerate(cases):
+        for block_m in (64, 128):
+            one.check_call((n,), routing, {0: block_m}, seed=900 + i)
+    for configs, ringed in (({0: tokens, 1: tokens}, False), ({0: barrier, 1: barrier}, False),
+                            ({0: pulled, 1: pulled}, True)):
+        pair = FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe,
+                                         **(rings if ringed else {})), configs=configs,
+                          staged_ranks=Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe)
+                          if ringed else None)
+        pair.warm_up((64, 128))
+        pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
+        pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
+        check_fused_calls(pair, 20, 512, seed=3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_m,band", [(64, 1), (128, 1), (64, 3)])
 def test_ticket_walk_takes_every_position_once(block_m, band):
     """One ticket-walk call with its tile clock (``debug="tile_clock"``, R = 1, counted rows,
@@ -1414,6 +1462,84 @@ def test_received_rows_ring_refusals():
     with pytest.raises(ValueError, match="'tickets' with FP8 / BF16 weights only"):
         _kernel("fp8xfp4_sm90", 128, MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90",
                                                    received_rows=2048))
+
+
+TOKEN_WAIT = "the L2 rows of a token (token_arrivals)"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe,block_m", [("fp8xfp8", 64), ("fp8xfp8", 128),
+                                            ("bf16xbf16", 128)])
+def test_token_combine_compiles(recipe, block_m, monkeypatch):
+    """``combine="tokens"`` (docs/notes/dataflow.md, 1.6; R = 2): the ticket walk by default;
+    a consumer warp counts each L2 tile into its pool block's `pool_block_l2_done` (acq_rel,
+    GPU scope), and the one that completes the block signals its rows' tokens with
+    system-scope release adds into their source ranks' `token_arrivals`; the reduction
+    acquires each token's count at system scope before it loads the token's rows; the
+    default (split-barrier) combine has none of it. No spills; with pulled rows at BLOCK_M
+    64 the pullers' stack grows from 16 to 24 bytes (the loads' warpgroup at 40 registers
+    keeps the arrivals' pointer there). With stall reports (the spin limit set) the token
+    wait's report names the token."""
+    from cute_megamoe.reports import REPORT_NAMES
+
+    assert TOKEN_WAIT in REPORT_NAMES
+    monkeypatch.setenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S", "0")
+    kernel, art = _compile(recipe, block_m, combine="tokens", stages_inputs=True)
+    assert kernel.config.walk == "tickets" and kernel.combine_tokens
+    assert kernel.combine.per_token and kernel.combine.scope == "sys"
+    assert kernel.l2.tile_signals() == 28 * (block_m // 64) * 4  # (the block's last count)
+    builds = [art]
+    pulled_art = None
+    if (recipe, block_m) == ("fp8xfp8", 64):
+        plain, plain_art = _compile(recipe, block_m, walk="tickets", stages_inputs=True)
+        assert plain.config.combine == "barriers" and not plain.combine.per_token
+        for op in ("red.release.sys.global.add.s32",  # (the tokens' signals)
+                   "atom.global.acq_rel.add",  # (the blocks' L2 counts)
+                   "ld.acquire.sys.global"):  # (the tokens' waits)
+            assert art.ptx.count(op) > plain_art.ptx.count(op), op
+        layout = MegaMoELayout(2, 64, 512, 8, 7168, 2048, recipe, received_rows=2048)
+        pulled, pulled_art = _compile(recipe, block_m, layout, row_transfer="pulled",
+                                      combine="tokens", stages_inputs=True)
+        assert pulled.rows_pulled and pulled.combine_tokens
+    if (recipe, block_m) == ("bf16xbf16", 128):  # (the waits' reports: traced, no spills)
+        monkeypatch.delenv("CUTE_MEGAMOE_SPIN_TIMEOUT_S")
+        builds.append(_compile(recipe, block_m, combine="tokens", stages_inputs=True)[1])
+    if art.sass is None:
+        pytest.skip("nvdisasm not available: PTX only")
+    for built in builds:
+        assert built.count("HGMMA" if recipe == "bf16xbf16" else "QGMMA") > 0
+        usage = built.resource_usage()
+        assert built.count("STL") == 0 and usage["LOCAL"] == usage["STACK"] == 0, usage
+    if pulled_art is not None:
+        usage = pulled_art.resource_usage()
+        assert usage["LOCAL"] == 0 and usage["STACK"] <= 24, usage
+
+
+def test_token_combine_refusals():
+    """``combine="tokens"`` needs the ticket walk (which the defaults then choose) and the
+    exchanged dispatch (the defaults' local dispatch of small one-rank buffers is off with
+    it), FP8 / BF16 weights; the combine kernel counts tokens only in its "epilogue" mode.
+    The default stays "barriers"."""
+    from cute_megamoe.heuristics import default_fused_config
+    from cute_megamoe.kernels.combine import CombineKernel
+
+    with pytest.raises(ValueError, match="combine: 'tokens' with walk='tickets' only"):
+        Sm90FusedConfig(combine="tokens", walk="phases")
+    with pytest.raises(ValueError, match="combine: 'tokens' with the exchanged dispatch"):
+        Sm90FusedConfig(combine="tokens", local_dispatch=True)
+    with pytest.raises(ValueError, match="combine"):
+        Sm90FusedConfig(combine="rows")
+    one = MegaMoELayout(1, 64, 256, 8, 7168, 2048, "fp8xfp8")
+    default = default_fused_config(one, 64, True)
+    assert (default.combine, default.walk, default.local_dispatch) == ("barriers", "phases", True)
+    tokens = default_fused_config(one, 64, True, Sm90FusedConfig(combine="tokens"))
+    assert (tokens.combine, tokens.walk, tokens.local_dispatch) == ("tokens", "tickets", False)
+    assert _kernel("fp8xfp8", 64, one, combine="tokens", stages_inputs=True).combine_tokens
+    with pytest.raises(ValueError, match="'tickets' with FP8 / BF16 weights only"):
+        _kernel("fp8xfp4_sm90", 128, MegaMoELayout(2, 64, 512, 8, 7168, 2048, "fp8xfp4_sm90"),
+                combine="tokens")
+    with pytest.raises(ValueError, match="per_token"):
+        CombineKernel(one, 64, send_mode="registers", per_token=True)
 
 
 @pytest.mark.compile

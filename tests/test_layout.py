@@ -49,6 +49,8 @@ def expected_regions(r, e, m, k, h, i, recipe):
         "token_src_metadata": (torch.int32, (p, 4), (4, 1)),
         "pool_block_arrivals": (torch.int32, (p // 16,), (1,)),
         "pool_block_ready": (torch.int32, (p // 16 + 1,), (1,)),
+        "pool_block_l2_done": (torch.int32, (p // 16,), (1,)),
+        "token_arrivals": (torch.int32, (t,), (1,)),
         "cta_progress": (torch.int32, (256, 4), (4, 1)),
         "x": (act, (t, h), (h, 1)),
         "x_sf": (sf, (t, h // 128), (h // 128, 1)),
@@ -315,6 +317,8 @@ def test_deepseek_v3_like_total_is_sane():
         + p * 16
         + p // 16 * 4
         + (p // 16 + 1) * 4
+        + p // 16 * 4
+        + t * 4
         + 256 * 4 * 4
         + t * h
         + t * (h // 128) * 4

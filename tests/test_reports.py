@@ -34,6 +34,10 @@ def test_an_empty_record_is_no_report():
     (ReportKind.NOT_PUBLISHED, "expert_recv_count",
      "cute_megamoe: wait on expert_recv_count stalled (rank 1, cta 3, thread 70): rank 1 has "
      "not published expert 12 for call 9 (its word holds call 5)"),
+    (ReportKind.TOKEN_STALL, "the L2 rows of a token (token_arrivals)",
+     "cute_megamoe: wait on the L2 rows of a token (token_arrivals) stalled (rank 1, cta 3, "
+     "thread 70): token 12 has 5 of its 9 rows (a rank that owns one of its experts did not "
+     "send it, or does not signal tokens: every rank of a call must use the same combine)"),
 ])
 def test_messages(kind, name, message):
     assert format_report(_record(kind, name), 1) == message

@@ -38,8 +38,20 @@ stores to complete before it exits; the split barriers' arrival (proxy fence, sy
 fence and release; GPU scope in a one-rank group that opts in) orders them before this rank's
 signal, as it does for this kernel's own sends in the other modes.
 
+`per_token` (the fused kernel's ticket walk, "epilogue" only): each token is reduced once
+its own rows are in. They are counted in this rank's `token_arrivals[t]`: the last warp to
+finish an L2 tile of a pool block adds 1 per row of the block to the row's token on its source
+rank, a release at the group's scope once every row of the block is stored
+(`Sm90MegaMoEKernel.signal_tokens`); a thread acquires the token's count until it reaches the
+token's valid slots, then loads and sums them as above. The split barriers stay, out of the
+reduction's way: every CTA arrives once its rows are stored (as above) and waits after its
+reduction, so that when the call ends every CTA of every rank is past its walk (it has read
+this rank's counts, which the next call overwrites, and this rank's counters are free).
+
 Ranks may use different modes and `rounds` in one call: every mode delivers all of a rank's
 rows before its arrival at the barrier of their token class, and the barriers are the same.
+Not `per_token`: it needs the token counts of every rank that owns one of its experts (a rank
+that does not send them leaves its tokens' waits to time out).
 
 Constraints:
 * launched cooperatively, at most one CTA per SM; every rank launches it once per call;
@@ -74,6 +86,7 @@ from .common.sync import (
     split_barrier_finish,
     split_barrier_target,
     split_barrier_wait,
+    wait_reached,
 )
 
 VEC = 8  # BF16 features per thread in the reduction (16 bytes)
@@ -85,9 +98,14 @@ class CombineKernel:
 
     def __init__(self, layout: MegaMoELayout, block_m: int, num_threads: int | None = None,
                  send_mode: str = "registers", reduce_unroll: int = 2,
-                 rounds: tuple[int, ...] = (SPLIT_BARRIER_COUNT,)):
+                 rounds: tuple[int, ...] = (SPLIT_BARRIER_COUNT,), per_token: bool = False):
         if send_mode not in SEND_MODES:
             raise ValueError(f"send_mode: expected one of {SEND_MODES}, got {send_mode!r}")
+        if per_token and send_mode != "epilogue":
+            raise ValueError(f"per_token: with send_mode='epilogue' only (the rows' senders "
+                             f"count them per token), got {send_mode!r}")
+        # each token reduced once its rows are counted in `token_arrivals` (module doc)
+        self.per_token = per_token
         rounds = tuple(rounds)
         if (not all(isinstance(r, int) and r > 0 for r in rounds)
                 or sum(rounds) != SPLIT_BARRIER_COUNT
@@ -218,11 +236,25 @@ class CombineKernel:
         cute.autovec_copy(out, self._vec(y_base + (Int64(token) * self.hidden + col) * 2))
 
     @cute.jit
+    def wait_for_rows(self, my_base: Int64, token: Int32, valid: Int32):
+        """`per_token`: until this rank's `token_arrivals[token]` has counted a row per valid
+        slot of the token (acquire at the group's scope: the rows, stored before the count's
+        release, are then visible to the loads that follow)."""
+        count = Int32(0)
+        for k in cutlass.range_constexpr(self.num_topk):
+            count += (valid >> k) & 1
+        barrier = self.regions.ptr(my_base, "barrier")
+        arrivals = self.regions.ptr(my_base, "token_arrivals") + token
+        wait_reached(barrier, arrivals, count, self.scope,
+                     "the L2 rows of a token (token_arrivals)", self.timeout_ns, token=token)
+
+    @cute.jit
     def reduce_tokens(self, my_base: Int64, num_tokens: Int32, first: Int32,
                       classes: cutlass.Constexpr, y_base: Int64):
         """The grid reduces the tokens t < num_tokens with first <= t % CLASSES < first +
         classes (CLASSES = SPLIT_BARRIER_COUNT; all tokens when classes == CLASSES): one
-        thread per 8 features, `reduce_unroll` vectors per thread per step."""
+        thread per 8 features, `reduce_unroll` vectors per thread per step (`per_token`: each
+        vector's slots loaded once its token's rows are in, `wait_for_rows`)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -242,8 +274,13 @@ class CombineKernel:
                 j = vu // vecs_per_token  # the j-th token of the classes
                 token = (j // classes) * CLASSES + first + j % classes
                 col = (vu % vecs_per_token) * VEC
-                loads.append((token, col, self.load_slots(my_base, token, col),
-                              self.valid_slots(my_base, token)))
+                if cutlass.const_expr(self.per_token):
+                    valid = self.valid_slots(my_base, token)
+                    self.wait_for_rows(my_base, token, valid)
+                    loads.append((token, col, self.load_slots(my_base, token, col), valid))
+                else:
+                    loads.append((token, col, self.load_slots(my_base, token, col),
+                                  self.valid_slots(my_base, token)))
             for u in cutlass.range_constexpr(self.reduce_unroll):
                 token, col, parts, valid = loads[u]
                 if v + u * stride < num_vecs:
@@ -258,7 +295,8 @@ class CombineKernel:
         """The rounds (one in the bulk and epilogue modes; unrolled: at most 8). Round c takes
         the next `rounds[c]` token classes: send the rows of its tokens, arrive at its split
         barriers, then wait for round c - 1's and reduce its tokens while round c's stores
-        drain and the other CTAs still send. `pipe`: the bulk mode's staging."""
+        drain and the other CTAs still send (`per_token`: reduce each token once its rows are
+        in, then wait). `pipe`: the bulk mode's staging."""
         target = split_barrier_target(barrier, self.num_ranks)
         progress = None
         if cutlass.const_expr(self.progress_warpgroups > 0):
@@ -279,7 +317,13 @@ class CombineKernel:
                 split_barrier_arrive(barrier, peer_bases, self.regions.offset("barrier"),
                                      Int32(firsts[c]), rounds[c], self.num_ranks, num_ctas,
                                      self.scope)
-            if cutlass.const_expr(c > 0):
+            if cutlass.const_expr(c > 0 and self.per_token):
+                self.reduce_tokens(my_base, num_tokens, Int32(firsts[c - 1]), rounds[c - 1],
+                                   y_base)
+                split_barrier_wait(barrier, Int32(firsts[c - 1]), rounds[c - 1], target,
+                                   self.timeout_ns, self.scope, progress,
+                                   self.progress_warpgroups)
+            elif cutlass.const_expr(c > 0):
                 split_barrier_wait(barrier, Int32(firsts[c - 1]), rounds[c - 1], target,
                                    self.timeout_ns, self.scope, progress,
                                    self.progress_warpgroups)

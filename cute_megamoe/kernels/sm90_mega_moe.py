@@ -73,9 +73,18 @@ warpgroups, 512 in all), launched cooperatively.
    barriers meet the other ranks once every CTA's rows are delivered, then the top-k
    reduction in ascending k writes `y`; with the counted row transfers, CTA 0 then records the
    call as finished (`common.sync.finish_call`; the dispatch's closing barrier does otherwise).
+   With `combine` "tokens" (the ticket walk, exchanged dispatch; docs/notes/dataflow.md, 1.6)
+   no CTA waits for the other ranks before it reduces: the consumer warp that completes a
+   pool block's L2 tiles (`pool_block_l2_done`) adds 1 per row of the block to the row's token
+   in its source rank's `token_arrivals` (`signal_tokens`: the rows' stores, fenced at the
+   group's scope, released to the token), and every CTA, once its walk is done, arrives at
+   the split barriers, reduces its share of the tokens as above, each once its count reaches
+   its valid slots (`CombineKernel`'s `per_token`), then waits at the barriers (by then
+   every rank is past its walk: they end the call, as below).
 
 4. Every CTA zeroes its share of the readiness and arrival counters once the combine's
-   barriers are past (every rank is done with them).
+   barriers are past (every rank is done with them; the token counts: at the next call's
+   start, since other CTAs may still reduce).
 
 Readiness and arrival counters are per call: every call leaves them at 0 (step 4; a fresh
 buffer is zeroed), which is all the local dispatch relies on; the exchanged one also zeroes its
@@ -91,6 +100,11 @@ rows into a peer's pool only with the peer's counts of the same call (published 
 peer's previous call has ended), an L2 epilogue writes into a peer's combine buffer only rows
 that peer sent in this call, and a rank's next call rewrites its inputs and scatter tables only
 after this call's combine barriers, which every rank passes after its own dispatch.
+With `combine` "tokens" the same holds: its barriers are passed at the end of the call, once
+every CTA of every rank is past its walk; and a peer reads this rank's inputs for a row only
+before the row's L1 tile, so before it signals the row's token, which this rank's call waits
+for before it ends. The token counts a peer signals are this call's: it holds this rank's
+counts of the call first, published after the counters were zeroed.
 
 `weights_first` (default: on with the counted row transfers at BLOCK_M 64, FP8 / BF16
 weights): tiles that find their pool block not ready load their first stages' weights before
@@ -122,6 +136,7 @@ from ..scheduler.host_model import dataflow_lag, min_ring_slots
 from .combine import CombineKernel
 from .common.sync import (
     call_tags,
+    fence_acq_rel,
     finish_call,
     grid_barrier,
     report,
@@ -269,8 +284,19 @@ class Sm90MegaMoEKernel:
                                        has_stats=has_stats,
                                        transfer="pull" if self.rows_pulled else "push",
                                        pool_order=self.rows_counted, local=self.local_dispatch)
+        # `combine` "tokens" (docs/notes/dataflow.md, 1.6): the last consumer warp to finish
+        # an L2 tile of a pool block signals the block's rows' tokens in their source ranks'
+        # `token_arrivals` (`signal_tokens`), and each token is reduced once its rows are in,
+        # without waiting for the other ranks (`CombineKernel`'s `per_token`). Its tile hook is
+        # the ticket walk's, and it needs counters zeroed before any rank signals a token:
+        # at the call's start, ordered by the exchanged dispatch's count publication
+        self.combine_tokens = config.combine == "tokens"
+        if self.combine_tokens and not (config.walk == "tickets" and not config.local_dispatch):
+            raise ValueError(f"config.combine: 'tokens' with walk='tickets' and the exchanged "
+                             f"dispatch only, got walk={config.walk!r}, local_dispatch="
+                             f"{config.local_dispatch!r}")
         self.combine = CombineKernel(layout, block_m, num_threads=self.num_threads,
-                                     send_mode="epilogue")
+                                     send_mode="epilogue", per_token=self.combine_tokens)
         # the combine's barriers wait behind every other wait of the call: a CTA stalled
         # anywhere else is seen there first, so they get twice the time limit and the stalled
         # wait itself makes the rank's report (one per rank: the first to time out)
@@ -611,6 +637,11 @@ class Sm90MegaMoEKernel:
         rows_arrived = self.regions.ptr(my_base, "pool_block_arrivals")
         if cutlass.const_expr(not self.local_dispatch):
             self.zero_counters(pool_block_ready, rows_arrived, tidx, bidx, grid)
+        # (`combine` "tokens": this call's token counts start at 0 too, and only here: a CTA
+        # still reduces its tokens once another has passed the end of the call; every rank
+        # that signals a token of this rank has its counts of the call first)
+        if cutlass.const_expr(self.combine_tokens):
+            self.zero_token_arrivals(pool_block_ready, num_tokens, tidx, bidx, grid)
 
         if cutlass.const_expr(self.stages_inputs and not self.local_dispatch):
             self.stage_inputs(x, topk_idx, topk_weights, my_base, num_tokens, tidx, bidx, grid,
@@ -960,7 +991,8 @@ class Sm90MegaMoEKernel:
         stores drain (as in the phase walk), but before any L2 tile's: an L2 tile (of this CTA
         or any other) never waits for a signal held behind a wait of its own; with a
         received-rows ring, neither does an L1 tile's (its rows wait for L1 signals only of
-        blocks a ring back, which go out first). ``clock``
+        blocks a ring back, which go out first). With `combine` "tokens" each L2 tile is
+        counted once stored (`signal_tokens`: it waits for nothing). ``clock``
         (`TILE_CLOCK_TILES`): the first consumer thread records each tile's span. Returns the
         ring's consumer state."""
         num_blocks = block_start[self.num_local_experts]
@@ -1008,6 +1040,9 @@ class Sm90MegaMoEKernel:
                     Int32(1), Int32(1), Int32(0), mma_wg, warp_in_wg, lane, l1_topk_weights,
                     l2_acts, l2_acts_sf, peer_bases, token_src_metadata, staging, state, prev,
                     pool_block_ready, owner_hint=owner2)
+                if cutlass.const_expr(self.combine_tokens):  # (its rows are stored: `consume`)
+                    self.signal_tokens(pool_block, tile, owner2, block_start, row_start,
+                                       peer_bases, token_src_metadata, barrier, lane)
             if cutlass.const_expr(clock is not None):
                 if pool_block < num_blocks:
                     if clocks and clocked < TILE_CLOCK_TILES:
@@ -1023,6 +1058,53 @@ class Sm90MegaMoEKernel:
         if owed >= 0:  # (waits for the stores, as a phase walk's end)
             self.l1.signal_ready(pool_block_ready, owed, lane)
         return state
+
+    @cute.jit
+    def signal_tokens(self, pool_block: Int32, tile: Int32, owner: Int32,
+                      block_start: cute.Tensor, row_start: cute.Tensor, peer_bases: cute.Pointer,
+                      token_src_metadata: cute.Pointer, barrier: cute.Pointer, lane: Int32):
+        """A consumer warp with `combine` "tokens", after its part of L2 tile ``tile`` (pool
+        block ``pool_block``, expert ``owner``), whose rows `consume` stored into the source
+        ranks' combine buffers and waited for: one count in the block's `pool_block_l2_done`
+        (``barrier``: this rank's barrier slots, where the region's offset is taken from). The
+        warp whose count completes the block (`tile_signals`: every consumer warp of each of
+        its L2 tiles) adds 1 per valid row of the block to the row's token in its source rank's
+        `token_arrivals`, which that rank's reduction waits for (dataflow.md 1.6).
+
+        Memory order, as the split barriers' (`sync.split_barrier_arrive`): every warp orders
+        its row stores (bulk stores: the proxy fence; to peers: the fence at the group's scope,
+        system for several ranks) before its count, a release at GPU scope (the counter is
+        this GPU's); the completing count (acq_rel) acquires all of them, its fence at the
+        group's scope makes them cumulative, and the warp sync hands that to every lane
+        before its release add to a token. A reader that acquires the token's count then
+        sees each of its rows of the block, whichever CTA stored them."""
+        scope = self.dispatch.scope
+        target = self.l2.tile_signals()
+        l2_done = self.beside(barrier, "barrier", "pool_block_l2_done")
+        cute.arch.fence_proxy("async.global")
+        cute.arch.sync_warp()
+        count = Int32(0)
+        if lane == 0:
+            fence_acq_rel(scope)
+            count = cute.arch.atomic_add(l2_done + pool_block, Int32(1), sem="acq_rel",
+                                         scope="gpu")
+            if count == target - 1:
+                fence_acq_rel(scope)
+        cute.arch.sync_warp()
+        if cute.arch.shuffle_sync(count, 0) == target - 1:
+            _, _, _, _, _, valid_m = self.l2.scheduler.tile(tile, owner, block_start, row_start,
+                                                            Int32(1))
+            peers = cute.make_tensor(peer_bases, cute.make_layout(self.num_ranks))
+            row = lane
+            while row < valid_m:
+                meta = token_src_metadata + (pool_block * self.block_m + row) * 4
+                source, token = cute.arch.load(meta, Int32), cute.arch.load(meta + 1, Int32)
+                arrivals = cute.make_ptr(
+                    Int32, peers[source] + self.regions.offset("token_arrivals") + Int64(token) * 4,
+                    cute.AddressSpace.gmem, assumed_align=4)
+                cute.arch.red(arrivals, Int32(1), op="add", dtype="s32", sem="release",
+                              scope=scope)
+                row += 32
 
     @cute.jit
     def read_position(self, queue, slot, barrier: cute.Pointer, lane: Int32):
@@ -1110,12 +1192,38 @@ class Sm90MegaMoEKernel:
                       tidx: Int32, bidx: Int32, grid: Int32):
         """The grid's share of this call's readiness and arrival counters set to 0, and the
         pair past the pool's last block (no tile of this kernel counts there since the
-        clusters and the gate on all L1 tiles went; kept so that the build stays as it was)."""
+        clusters and the gate on all L1 tiles went; kept so that the build stays as it was);
+        with `combine` "tokens", of the L2 tiles done per block too."""
         i = bidx * self.num_threads + tidx
         while i < self.num_pool_blocks + 1:
             cute.arch.store(pool_block_ready + i, Int32(0))
             cute.arch.store(rows_arrived + i, Int32(0))
+            if cutlass.const_expr(self.combine_tokens):
+                if i < self.num_pool_blocks:
+                    cute.arch.store(self.beside(pool_block_ready, "pool_block_ready",
+                                                "pool_block_l2_done") + i, Int32(0))
             i += grid * self.num_threads
+
+    def beside(self, ptr: cute.Pointer, region: str, other: str) -> cute.Pointer:
+        """The int32 region ``other`` of the buffer in which ``ptr`` is region ``region``'s
+        start (a constant offset from a pointer the caller holds: no buffer base kept in
+        registers for it)."""
+        return ptr + (self.regions.offset(other) - self.regions.offset(region)) // 4
+
+    @cute.jit
+    def zero_token_arrivals(self, pool_block_ready: cute.Pointer, num_tokens: Int32,
+                            tidx: Int32, bidx: Int32, grid: Int32):
+        """`combine` "tokens", at the call's start: the grid's share of this call's token
+        counts (`token_arrivals`) set to 0. Peers add to them only once they hold this rank's
+        counts of the call, which it publishes after every CTA's arrival behind this (and its
+        own CTAs only after they read those counts); the previous call's adds have all landed,
+        since it ended only once every token had all of its rows. (``pool_block_ready``: the
+        kernel's argument, this rank's region, from which the offset is taken.)"""
+        token_arrivals = self.beside(pool_block_ready, "pool_block_ready", "token_arrivals")
+        t = bidx * self.num_threads + tidx
+        while t < num_tokens:
+            cute.arch.store(token_arrivals + t, Int32(0))
+            t += grid * self.num_threads
 
     @cute.jit
     def place_locally(self, x: cute.Pointer, topk_weights: cute.Pointer, my_base: Int64,

@@ -14,11 +14,10 @@ kernel keeps every region of today's layout except the two pools, which become r
 each capped at the worst-case pool ``P`` (a buffer whose pool fits the ring never wraps). The
 per-row tables the L1 and L2 epilogues index by logical pool row (``token_src_metadata``,
 ``l1_topk_weights``) keep their ``P`` rows (16 + 4 bytes a row), as do the per-block counters,
-so nothing indexed by a logical row or block is reused within a call. Two regions are added:
-``pool_block_l2_done`` int32 like ``pool_block_ready`` (per block, its L2 tiles done: the
-L1-output slot's release) and ``token_arrivals`` int32 ``[T]`` (per token, the L2 rows that
-came back in this call: the combine's per-token wait). The tile ticket takes a free slot of the
-``barrier`` region.
+so nothing indexed by a logical row or block is reused within a call. The per-token combine's
+two counters are the layout's own (``pool_block_l2_done``, per block its L2 tiles done, and
+``token_arrivals``, per token the L2 rows that came back in this call); the tile ticket is the
+counter past ``pool_block_ready``'s blocks.
 """
 
 from __future__ import annotations
@@ -68,8 +67,6 @@ def dataflow_buffer_bytes(
         if ring is not None:
             nbytes = nbytes // pool * rings[ring]  # (every pool region is a whole row per row)
         parts[region.name] = align(nbytes, REGION_ALIGNMENT)
-    parts["pool_block_l2_done"] = parts["pool_block_ready"]
-    parts["token_arrivals"] = align(4 * layout.num_tokens, REGION_ALIGNMENT)
     parts["total"] = sum(parts.values())
     parts["row_ring_rows"] = rings["row"]
     parts["out_ring_rows"] = rings["out"]

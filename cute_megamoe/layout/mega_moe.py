@@ -76,6 +76,17 @@ next call needs no host memset; :meth:`SymmBuffer.zero_workspace_` is for recove
     Per pool block, the fused kernel's L1 tiles done (every consumer warp adds 1 once its rows
     of the block are stored; the block's L2 tiles wait for all of them), and one counter past
     them. Local. Every fused call leaves it at 0 (its last step).
+``pool_block_l2_done`` int32 [P / 16]
+    Per pool block, with the fused kernel's per-token combine (``Sm90FusedConfig.combine``
+    "tokens"): its L2 tiles done (every consumer warp adds 1 once its rows of a tile are
+    stored in the source ranks' combine buffers; the last add signals the block's tokens in
+    ``token_arrivals``). Local. Zeroed by this rank at the start of each call and at its end.
+``token_arrivals`` int32 [T]
+    Per token of this rank, with the per-token combine: 1 per L2 row of the token stored in
+    this rank's ``combine`` (release adds by the rank that owns the expert; remote-written);
+    the token is reduced once it reaches its valid slots. Zeroed by this rank at the start of
+    each call, before it publishes its counts (no peer signals a token before it has this
+    rank's counts of the call).
 ``cta_progress`` int32 [MAX_PROGRESS_CTAS, 4]
     Per CTA and warpgroup of the fused kernel, where it is in the call (`reports.Progress`):
     written by each warpgroup's first thread as it enters a step, read only by a stall
@@ -182,6 +193,8 @@ WORKSPACE_REGION_NAMES = (
     "token_src_metadata",
     "pool_block_arrivals",
     "pool_block_ready",
+    "pool_block_l2_done",
+    "token_arrivals",
     "cta_progress",
 )
 DATA_REGION_NAMES = (
@@ -414,6 +427,8 @@ class MegaMoELayout:
             ("token_src_metadata", torch.int32, (p, 4), None),
             ("pool_block_arrivals", torch.int32, (num_pool_blocks,), None),
             ("pool_block_ready", torch.int32, (num_pool_blocks + 1,), None),
+            ("pool_block_l2_done", torch.int32, (num_pool_blocks,), None),
+            ("token_arrivals", torch.int32, (t,), None),
             ("cta_progress", torch.int32, (MAX_PROGRESS_CTAS, PROGRESS_WARPGROUPS), None),
             ("x", act_dtype, (t, h), None),
             ("x_sf", sf_dtype, (t, h // 128), None),

@@ -228,12 +228,13 @@ def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
                  scope: cutlass.Constexpr, what: cutlass.Constexpr,
                  timeout_ns: cutlass.Constexpr, arrivals: cute.Pointer = None,
                  barrier: Int32 = 0, progress: cute.Pointer = None,
-                 warpgroups: cutlass.Constexpr = 0):
+                 warpgroups: cutlass.Constexpr = 0, token: Int32 = None):
     """Spin until the int32 counter at `ptr` has reached `target` (acquire at `scope`), for
     counters that only grow and may wrap: `value - target >= 0` in 32-bit arithmetic. With
     ``arrivals`` (a split barrier's: `split_barrier_wait`), a stall report also carries this
     rank's arrival count at split barrier ``barrier`` (`reports.ReportKind.SPLIT_STALL`), and
-    with ``progress`` the CTAs that did not arrive (`report`)."""
+    with ``progress`` the CTAs that did not arrive (`report`); with ``token`` (the per-token
+    combine's), the token (`reports.ReportKind.TOKEN_STALL`)."""
     value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
     if value - target < 0:
         start = cute.arch.globaltimer()
@@ -241,7 +242,10 @@ def wait_reached(barrier_slots: cute.Pointer, ptr: cute.Pointer, target: Int32,
             value = cute.arch.load(ptr, Int32, sem="acquire", scope=scope)
             if cutlass.const_expr(timeout_ns > 0):
                 if cute.arch.globaltimer() - start > Int64(timeout_ns):
-                    if cutlass.const_expr(arrivals is None):
+                    if cutlass.const_expr(token is not None):
+                        report(barrier_slots, ReportKind.TOKEN_STALL, what, value, target,
+                               expert=token)
+                    elif cutlass.const_expr(arrivals is None):
                         _report_stall(barrier_slots, what, value, target)
                     else:
                         report(barrier_slots, ReportKind.SPLIT_STALL, what, value, target,
