@@ -754,6 +754,18 @@ def test_fused_matches_staged_uneven_shape(recipe, monkeypatch):
         layer.check_call((n,), routing, {0: 64 if i % 2 else 128}, seed=100 + i)
 
 
+def _check_pair(pair, max_tokens: int) -> None:
+    """A two-rank loopback layer against the staged layer: warmed up at both BLOCK_Ms, all of
+    one rank's tokens with 0 on the other (different BLOCK_Ms), 1 token against one expert
+    taking everything, then 20 back-to-back random calls."""
+    from cute_megamoe.testing.fused_checks import check_fused_calls
+
+    pair.warm_up((64, 128))
+    pair.check_call((max_tokens, 0), "random", {0: 128, 1: 64}, seed=1)
+    pair.check_call((1, max_tokens - 12), "one_expert", {0: 64, 1: 128}, seed=2)
+    check_fused_calls(pair, 20, max_tokens, seed=3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", STABLE_RECIPES)
 def test_ticket_walk_matches_staged(recipe):
@@ -765,7 +777,7 @@ def test_ticket_walk_matches_staged(recipe):
     then a two-rank loopback group with different BLOCK_M and token counts per rank, 0 tokens
     on a rank, barrier rows, one rank walking in phases, and back-to-back calls."""
     _gpu()
-    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.protocol_checks import Ranks
 
     tickets = dataclasses.replace(EXPERIMENTS, fused_kernel=Sm90FusedConfig(walk="tickets"))
@@ -797,11 +809,8 @@ def test_ticket_walk_matches_staged(recipe):
     # (the walk is a rank's own: one rank may take tickets while the other walks in phases)
     for configs in ({0: tickets, 1: tickets}, {0: barrier, 1: barrier},
                     {0: tickets, 1: EXPERIMENTS}):
-        pair = FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe), configs=configs)
-        pair.warm_up((64, 128))
-        pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
-        pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
-        check_fused_calls(pair, 20, 512, seed=3)
+        _check_pair(FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe),
+                               configs=configs), 512)
 
 
 @pytest.mark.gpu
@@ -867,7 +876,7 @@ def test_pulled_rows_match_staged(recipe):
     loopback group with different BLOCK_M and token counts per rank, 0 tokens on a rank and
     20 back-to-back calls; outputs poisoned first, every row checked."""
     _gpu()
-    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.ranks import Ranks
 
     rings = dict(received_rows=2048, l1_output_rows=4096)
@@ -883,13 +892,10 @@ def test_pulled_rows_match_staged(recipe):
     for i, (n, routing) in enumerate(cases):
         for block_m in (64, 128):
             one.check_call((n,), routing, {0: block_m}, seed=700 + i)
-    pair = FusedLayer(Ranks.loopback(2, 16, 1024, 4, 1024, 512, recipe, **rings),
-                      configs={0: pulled, 1: pulled},
-                      staged_ranks=Ranks.loopback(2, 16, 1024, 4, 1024, 512, recipe))
-    pair.warm_up((64, 128))
-    pair.check_call((1024, 0), "random", {0: 128, 1: 64}, seed=1)
-    pair.check_call((1, 1000), "one_expert", {0: 64, 1: 128}, seed=2)
-    check_fused_calls(pair, 20, 1024, seed=3)
+    _check_pair(FusedLayer(Ranks.loopback(2, 16, 1024, 4, 1024, 512, recipe, **rings),
+                           configs={0: pulled, 1: pulled},
+                           staged_ranks=Ranks.loopback(2, 16, 1024, 4, 1024, 512, recipe)),
+                1024)
 
 
 @pytest.mark.gpu
@@ -904,7 +910,7 @@ def test_token_combine_matches_staged(recipe):
     calls (the next call's counts, zeroing and restaged inputs while a peer may still
     reduce); outputs poisoned first, every row checked."""
     _gpu()
-    from cute_megamoe.testing.fused_checks import FusedLayer, check_fused_calls
+    from cute_megamoe.testing.fused_checks import FusedLayer
     from cute_megamoe.testing.protocol_checks import Ranks
 
     def config(**fields):
@@ -930,14 +936,10 @@ def test_token_combine_matches_staged(recipe):
             one.check_call((n,), routing, {0: block_m}, seed=900 + i)
     for configs, ringed in (({0: tokens, 1: tokens}, False), ({0: barrier, 1: barrier}, False),
                             ({0: pulled, 1: pulled}, True)):
-        pair = FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe,
-                                         **(rings if ringed else {})), configs=configs,
-                          staged_ranks=Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe)
-                          if ringed else None)
-        pair.warm_up((64, 128))
-        pair.check_call((512, 0), "random", {0: 128, 1: 64}, seed=1)
-        pair.check_call((1, 500), "one_expert", {0: 64, 1: 128}, seed=2)
-        check_fused_calls(pair, 20, 512, seed=3)
+        _check_pair(FusedLayer(Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe,
+                                              **(rings if ringed else {})), configs=configs,
+                               staged_ranks=Ranks.loopback(2, 16, 512, 4, 1024, 512, recipe)
+                               if ringed else None), 512)
 
 
 @pytest.mark.gpu

@@ -279,6 +279,18 @@ class CountWord:
                 "rows_counted": bool(settings >> CountWord.ROWS_COUNTED_SHIFT)}
 
 
+def _ring_rows(name: str, rows: int | None, pool_rows: int) -> int:
+    """The rows of a pool region laid out as a ring of ``rows`` (None: the whole pool), capped
+    at the pool: whole blocks of every BLOCK_M."""
+    if rows is None:
+        return pool_rows
+    ring = _check_int(name, rows)
+    if ring < 1 or ring % BLOCK_M_MAX != 0:
+        raise ValueError(f"{name} must be None or a positive multiple of {BLOCK_M_MAX} (whole "
+                         f"blocks of every BLOCK_M), got {ring}")
+    return min(ring, pool_rows)
+
+
 class AbsentRegionError(LookupError):
     """Raised when a region that exists for other recipes is absent from this layout."""
 
@@ -394,20 +406,8 @@ class MegaMoELayout:
         t = align(m, TOKEN_ALIGNMENT)
         p = align(r * t * min(k, e_l) + e_l * (BLOCK_M_MAX - 1), BLOCK_M_MAX)
         num_pool_blocks = p // MIN_BLOCK_M
-        q = p  # the L1 outputs' rows: the whole pool, or a ring
-        if self.l1_output_rows is not None:
-            ring = _check_int("l1_output_rows", self.l1_output_rows)
-            if ring < 1 or ring % BLOCK_M_MAX != 0:
-                raise ValueError(f"l1_output_rows must be None or a positive multiple of "
-                                 f"{BLOCK_M_MAX} (whole blocks of every BLOCK_M), got {ring}")
-            q = min(ring, p)
-        pr = p  # the received rows (L1 inputs): the whole pool, or a ring
-        if self.received_rows is not None:
-            ring = _check_int("received_rows", self.received_rows)
-            if ring < 1 or ring % BLOCK_M_MAX != 0:
-                raise ValueError(f"received_rows must be None or a positive multiple of "
-                                 f"{BLOCK_M_MAX} (whole blocks of every BLOCK_M), got {ring}")
-            pr = min(ring, p)
+        q = _ring_rows("l1_output_rows", self.l1_output_rows, p)  # the L1 outputs' rows
+        pr = _ring_rows("received_rows", self.received_rows, p)  # the received rows'
 
         act_recipe = activation_recipe(self.recipe)
         if act_recipe == "bf16xbf16":
