@@ -380,3 +380,22 @@ def test_the_note_states_the_bound_and_the_sizes_the_code_gives():
     assert f"**{total:.1f} ({total / 1024:.2f} GiB)**" in note
     lag = dataflow_lag(132, 16, 28)
     assert "`S >= lag + 1`" in note and f"dataflow_lag(132, 16, 28) = {lag}" in note
+
+
+@pytest.mark.parametrize("band,row_slots", [(1, 2), (2, 4), (2, 5)])
+def test_late_l1_signals_go_out_first_a_row_ring_away(band, row_slots):
+    """The kernel's consumers signal an L1 tile one tile late (after their next L1 tile's
+    mainloop). With a row ring that alone deadlocks: a CTA whose next L1 tile lies a ring
+    ahead waits for rows whose slot waits for the signal it holds (found under jittered
+    timings with tickets). The kernel's rule, signal first when the next L1 block is at least
+    ``row_slots - band`` later (`Sm90MegaMoEKernel.consume_by_ticket`), completes every run."""
+    counts = [300, 5, 0, 200, 700, 64, 1, 900]
+    runs = {far: [simulate_dataflow(counts, *SHAPE, grid, 2, row_slots=row_slots, band=band,
+                                    jitter=8.0, seed=seed, late_signals=True, signal_far=far)
+                  for seed in range(40) for grid in (2, 3, 5)]
+            for far in (None, row_slots - band)}
+    assert any(not run.completed for run in runs[None])
+    assert all("waits for" in line for run in runs[None] for line in run.stuck)
+    assert all(run.completed for run in runs[row_slots - band])
+    assert all(run.tile_runs == runs[row_slots - band][0].tile_runs
+               for run in runs[row_slots - band])

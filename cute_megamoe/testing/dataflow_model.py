@@ -25,7 +25,9 @@ completes under every timing otherwise. The durations (``DataflowCosts``, option
 jitter) only decide the makespan. Each item starts once its executor is free and its waits
 are met (``start = max(executor free, last awaited finish)``): no contention for memory or
 NVLink is modelled, and a CTA runs one tile at a time (the kernel's producer runs ahead of its
-consumers, which adds only waits from earlier to later positions of the same list).
+consumers, which adds only waits from earlier to later positions of the same list). With
+``late_signals`` (the consumers' one-tile-late L1 signal) a signal waits for the CTA's next
+item, which with tickets depends on timing: the jittered runs then explore timings.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def simulate_dataflow(
     assignment: str = "ticket",
     senders_on_ctas: bool = False,
     band: int = 1,
+    late_signals: bool = False,
+    signal_far: int | None = None,
 ) -> DataflowRun:
     """Run one rank's dataflow schedule (see the module docstring).
 
@@ -128,6 +132,10 @@ def simulate_dataflow(
     `ASSIGNMENTS`; ``senders_on_ctas``: the rows are moved by the CTAs themselves, each its
     share (round-robin over (source, block) items) before its tiles, as the fused kernel's
     threads do today, instead of by senders of their own (the negative case of the note).
+    ``late_signals``: as the kernel's consumers, a CTA signals an L1 tile once its next item's
+    L1 mainloop is done, before an L2 tile starts, or at the end of its list; with
+    ``signal_far`` it signals first when its next L1 tile's block is at least that many blocks
+    later (the kernel's rule with a row ring: ``row_slots - band``, note section 2).
     """
     counts = [int(c) for c in expert_counts]
     seq = dataflow_sequence(counts, block_m, l1_block_n, l1_n, l2_block_n, l2_n, lag,
@@ -196,6 +204,8 @@ def simulate_dataflow(
     waiters: dict[tuple[int, int], list[int]] = {}
     head = [0] * len(executors)  # (tickets: the CTAs' lists fill as they take positions)
     held: list[tuple | None] = [None] * len(executors)  # the item an executor waits to start
+    running = [False] * len(executors)
+    owed: list[tuple[int, int] | None] = [None] * len(executors)  # (`late_signals`)
     events: list[tuple[float, int, int]] = []  # (finish time, order, executor)
     runs: Counter = Counter()
     counter = itertools.count()
@@ -214,16 +224,28 @@ def simulate_dataflow(
             held[x] = executors[x][head[x]]
         return held[x]
 
+    def complete(group: tuple[int, int]) -> list[int]:
+        done[group] += 1
+        return waiters.pop(group, []) if done[group] == target[group] else []
+
     def try_start(x: int) -> None:
+        if running[x]:
+            return
         item = next_item(x)
-        if item is None:
-            return
-        waits, _, dur, _ = item
-        blocked = next((w for w in waits if done[w] < target[w]), None)
-        if blocked is not None:
-            waiters.setdefault(blocked, []).append(x)
-            return
-        heapq.heappush(events, (now + dur, next(counter), x))
+        woken = []
+        if owed[x] is not None and (item is None or item[1][0] != _L1 or (
+                signal_far is not None and item[1][1] - owed[x][1] >= signal_far)):
+            woken, owed[x] = complete(owed[x]), None
+        if item is not None:
+            waits, _, dur, _ = item
+            blocked = next((w for w in waits if done[w] < target[w]), None)
+            if blocked is not None:
+                waiters.setdefault(blocked, []).append(x)
+            else:
+                running[x] = True
+                heapq.heappush(events, (now + dur, next(counter), x))
+        for w in woken:
+            try_start(w)
 
     for x in range(len(executors)):
         try_start(x)
@@ -231,10 +253,14 @@ def simulate_dataflow(
         now, _, x = heapq.heappop(events)
         _, group, _, label = held[x]
         held[x] = None
+        running[x] = False
         head[x] += 1
-        done[group] += 1
         runs[label] += 1
-        woken = waiters.pop(group, []) if done[group] == target[group] else []
+        if late_signals and x < num_ctas and group[0] == _L1:
+            woken = complete(owed[x]) if owed[x] is not None else []
+            owed[x] = group  # (signalled after this CTA's next L1 tile, or before an L2 tile)
+        else:
+            woken = complete(group)
         for w in [x] + woken:
             try_start(w)
     names = {_ROWS: "rows of block", _L1: "L1 tiles of block", _L2: "L2 tiles of block"}
