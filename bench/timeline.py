@@ -15,7 +15,10 @@ is `bench.bench_layer`'s ``fused_graph_us``.
 
 ``--walk tickets``: the ticket walk (`config.Sm90FusedConfig.walk`), whose L1 and L2 tiles
 interleave, built with its tile clock (``debug="tile_clock"``: each CTA's consumers record
-every tile's position and span); `tile_spans` turns them into one bar per tile.
+every tile's position and span); `tile_spans` turns them into one bar per tile. ``--config
+KEY=VALUE`` (repeatable, `bench.common.parse_config`: ``fused_kernel.row_transfer=pulled``,
+``fused_kernel.combine=tokens``) and ``--rings R,Q`` (a buffer whose received rows and L1
+outputs are rings of R and Q rows, 0: none) draw the dataflow kernel's variants.
 """
 
 from __future__ import annotations
@@ -108,12 +111,13 @@ def plot(spans: list[tuple], num_ctas: int, title: str, out: Path) -> Path:
 def record(args) -> tuple[dict, list, list[str]]:
     """One phase-clocked fused call on the GPU: (meta, per-CTA stamps, their names); with
     ``--walk tickets`` the tile clock's: (meta, per CTA its recorded tiles, [])."""
+    from dataclasses import replace
+
     import torch
 
-    from bench.common import gpu_clocks, random_expert_weights
+    from bench.common import gpu_clocks, parse_config, random_expert_weights
     from cute_megamoe import api
     from cute_megamoe.buffer import get_symm_buffer_for_mega_moe
-    from cute_megamoe.config import Sm90FusedConfig
     from cute_megamoe.heuristics import block_m_for_call, default_fused_config
     from cute_megamoe.kernels.sm90_mega_moe import PHASE_STAMPS, TILE_CLOCK_TILES
     from cute_megamoe.launch import buffer_state, fused_call
@@ -122,14 +126,18 @@ def record(args) -> tuple[dict, list, list[str]]:
     gen = torch.Generator().manual_seed(0)
     e, h, inter, n = args.experts, args.hidden, args.intermediate, args.tokens
     weights = random_expert_weights(e, h, inter, args.recipe)
-    buf = get_symm_buffer_for_mega_moe(None, e, n, args.topk, h, inter, mma_type=args.recipe)
+    rings = [int(r) for r in args.rings.split(",")] if args.rings else [0, 0]
+    buf = get_symm_buffer_for_mega_moe(None, e, n, args.topk, h, inter, mma_type=args.recipe,
+                                       received_rows=rings[0] or None,
+                                       l1_output_rows=rings[1] or None)
     idx, w = make_routing(n, e, args.topk, "random", gen)
     x = torch.randn(n, h, generator=gen).to(torch.bfloat16).cuda()
     api.stage_inputs(buf, x, idx.cuda(), w.cuda(), validate_routing=False)
     grid = buffer_state(buf).num_sms
     block_m = block_m_for_call(n, 1, args.topk, e, "sm_90a")
     tickets = args.walk == "tickets"
-    config = default_fused_config(buf.layout, block_m, False, Sm90FusedConfig(
+    config = default_fused_config(buf.layout, block_m, False, replace(
+        parse_config(args.config).fused_kernel,
         debug="tile_clock" if tickets else "phase_clock", walk=args.walk))
     y = torch.empty(n, h, dtype=torch.bfloat16, device="cuda")
     clock = torch.zeros((grid, TILE_CLOCK_TILES, 4) if tickets else (grid, len(PHASE_STAMPS)),
@@ -142,7 +150,8 @@ def record(args) -> tuple[dict, list, list[str]]:
     torch.cuda.synchronize()
     meta = {"gpu": torch.cuda.get_device_name(), "tokens": n, "experts": e, "topk": args.topk,
             "hidden": h, "intermediate": inter, "recipe": args.recipe, "block_m": block_m,
-            "ctas": grid, "walk": args.walk, "clocks": gpu_clocks()}
+            "ctas": grid, "walk": args.walk, "config": list(args.config), "rings": rings,
+            "clocks": gpu_clocks()}
     stamps = clock.cpu().tolist()
     buf.destroy()
     if tickets:  # (each CTA's recorded tiles only)
@@ -161,6 +170,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--walk", default="phases", choices=("phases", "tickets"),
                         help="the fused kernel's walk (tickets: its tile clock, a bar per tile)")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="the fused kernel's settings (repeatable: "
+                             "fused_kernel.row_transfer=pulled)")
+    parser.add_argument("--rings", default="", metavar="R,Q",
+                        help="a buffer with a received-rows ring of R rows and an L1-output "
+                             "ring of Q (0: none)")
     parser.add_argument("--from", dest="source", type=Path, default=None,
                         help="plot the stamps of an earlier run's JSON instead of running")
     parser.add_argument("--out", type=Path, default=None, help="the PNG (default: none)")
@@ -169,6 +184,14 @@ def main() -> None:
         parser.error("--tokens must be positive")
     if args.source is not None and args.out is None:
         parser.error("--from needs --out (the PNG to draw)")
+    if args.rings and (len(args.rings.split(",")) != 2
+                       or not all(r.isdigit() for r in args.rings.split(","))):
+        parser.error("--rings: R,Q, rows of the two rings (0: none)")
+    from bench.common import parse_config
+    try:  # (a bad setting stops here, named, before any GPU work)
+        parse_config(args.config)
+    except SystemExit as error:
+        parser.error(str(error))
     if args.source is not None:
         data = json.loads(args.source.read_text())
         meta, stamps, names = data["meta"], data["meta"]["stamps"], data["meta"]["stamp_names"]
@@ -186,7 +209,9 @@ def main() -> None:
         print(f"saved {res.save()}")
         print(res.table(["phase", "ctas", "median_end_us", "last_end_us"]))
     if args.out is not None:
-        title = (f"fused layer ({meta.get('walk', 'phases')} walk), {meta['tokens']} tokens, "
+        settings = " ".join(c.split(".")[-1] for c in meta.get("config", []))
+        title = (f"fused layer ({meta.get('walk', 'phases')} walk{', ' if settings else ''}"
+                 f"{settings}), {meta['tokens']} tokens, "
                  f"{meta['experts']} experts, {meta['recipe']}, BLOCK_M {meta['block_m']}, "
                  f"{meta['gpu']}")
         spans = (tile_spans(stamps) if meta.get("walk") == "tickets"
