@@ -47,12 +47,13 @@ def mega_moe(y: torch.Tensor, weights: ExpertWeights, sym_buffer: SymmBuffer, *,
     fails raises before any launch and counts the call as given up on this rank
     (`SymmBuffer.skip_call`), so that it cannot pair its next call with the peers' current
     one (the kernels trap naming the call numbers instead). ``fused``: the whole layer as one
-    persistent kernel (`fused.fused_mega_moe`; sm_90a, fp8xfp8 / bf16xbf16, push and L2
-    sends, bit-identical to the staged kernels): True raises before any launch where it cannot
-    run, False runs the staged kernels, None (default) ``config.fused``, else `fused.choose`:
-    the fused kernel for one-rank groups on sm_90a, else the staged kernels
-    (``CUTE_MEGAMOE_FUSED``). ``config``: the kernels' configuration (`config.LayerConfig`;
-    None: the heuristics'); any value gives the same outputs.
+    persistent kernel (`fused.fused_mega_moe`; sm_90a, fp8xfp8 / bf16xbf16, push and L2 sends,
+    bit-identical to the staged kernels): True raises before any launch where it cannot run,
+    False runs the staged kernels, None (default) ``config.fused``, else `fused.choose`: the
+    fused kernel for calls of at most `heuristics.FUSED_AUTO_MAX_TOKENS` tokens of one-rank
+    groups on sm_90a, else the staged kernels (``CUTE_MEGAMOE_FUSED``). ``config``: the
+    kernels' configuration (`config.LayerConfig`; None: the heuristics'); any value gives the
+    same outputs.
     """
     return _mega_moe(None, "mega_moe", y, weights, sym_buffer,
                      cumulative_local_expert_recv_stats, activation_clamp, fast_math, block_m,
@@ -79,7 +80,7 @@ def _mega_moe(recipes: tuple[str, ...] | None, name: str, y, weights, sym_buffer
     with gives_up_call_on_error(sym_buffer):
         n = _check_layer_call(recipes, name, y, weights, sym_buffer)
         check_cuda_buffer(sym_buffer)  # (before `choose_fused` asks the GPU)
-        fused = choose_fused(fused, sym_buffer, weights, transfer, l2_sends, config)
+        fused = choose_fused(fused, sym_buffer, weights, transfer, l2_sends, config, n)
     if fused:
         return fused_mega_moe(
             sym_buffer, None, None, None, weights, num_tokens=n, y=y,

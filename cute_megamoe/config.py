@@ -304,7 +304,7 @@ class LayerConfig(_Config):
     """A layer call's configuration (every field free per rank, the same outputs).
 
     fused: one persistent kernel for the layer (`fused.fused_mega_moe`) or the staged kernels;
-        None: `fused.choose` (``CUTE_MEGAMOE_FUSED``).
+        None: `fused.choose` per call (``CUTE_MEGAMOE_FUSED``).
     experimental_fused_multi_gpu: the fused kernel may run groups of several GPUs (one process
         per GPU; its test has not passed there yet).
     experimental_fused_fp4: the sm_90a fused kernel may run ``fp8xfp4_sm90`` (MXFP4 weights;

@@ -13,7 +13,7 @@ weights are exactly what `quant.transform_weights_for_mega_moe` returns with its
 (DeepGEMM's layout: L1 rows gate/up interleaved by 8, FP4 scales in UTCCP row order), with
 scales of any strides (DeepGEMM's MN-major ones or our contiguous ones). Where our grouped
 GEMMs run the recipe, the layer is our fused kernel where `fused.choose` picks it by default
-(one-rank groups on sm_90a; ``CUTE_MEGAMOE_FUSED``), else the staged kernels.
+(small calls of one-rank groups on sm_90a; ``CUTE_MEGAMOE_FUSED``), else the staged kernels.
 
 Where the GPU has no grouped-GEMM kernels for the recipe (`tables.GEMM_RECIPES`: fp8xfp4 on
 Hopper; fp8xfp8 on Blackwell), the call runs our dispatch and combine kernels with the expert
@@ -131,7 +131,7 @@ def _layer(name: str, recipes: tuple[str, ...], y, l1_weights, l2_weights, sym_b
         device = check_cuda_buffer(sym_buffer)
         n = check_layer_output(y, sym_buffer)
         weights = _weights_for(l1_weights, l2_weights, buffer_recipe, get_arch(device))
-        fused = choose_fused(None, sym_buffer, weights, config=config)
+        fused = choose_fused(None, sym_buffer, weights, config=config, num_tokens=n)
     # (the layers check the rest inside their own give-up blocks, before their first launch)
     layer = fused_mega_moe if fused else staged_mega_moe
     return layer(sym_buffer, None, None, None, weights, num_tokens=n, y=y,

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         if ours:
             weights = ExpertWeights.from_bf16(w1, w2, args.recipe, arch=arch)
             y_out = torch.empty_like(x)
-            one_kernel = fused.choose(None, buf, weights)  # what `api.mega_moe` runs
+            one_kernel = fused.choose(None, buf, weights, num_tokens=n)  # as `api.mega_moe`
 
             def run():
                 api.stage_inputs(buf, x, topk_idx, topk_w, validate_routing=False)

@@ -33,7 +33,7 @@ from .checks import (
 )
 from .config import LayerConfig, Sm90FusedConfig, Sm100GemmConfig
 from .expert_gemm import ExpertWeights
-from .heuristics import block_m_for_call, default_fused_config
+from .heuristics import FUSED_AUTO_MAX_TOKENS, block_m_for_call, default_fused_config
 from .launch import (
     FUSED_INPUT_SLOTS,
     FUSED_SLOTS,
@@ -58,7 +58,7 @@ from .staged import (
 )
 from .tables import EXPERIMENTAL_FUSED_RECIPES, FUSED_RECIPES
 
-__all__ = ["choose", "fused_mega_moe", "supports"]
+__all__ = ["choose", "fused_mega_moe", "fused_max_tokens", "supports"]
 
 # sm_90a runs its L1 and L2 tiles through one ring of 256-column tiles
 _SM90_TILE_N = 256
@@ -108,24 +108,27 @@ def supports(sym_buffer: SymmBuffer, weights: object,
 
 
 #: ``CUTE_MEGAMOE_FUSED``: what ``fused=None`` (the entry points' default) picks. "auto": the
-#: fused kernel for one-rank groups on sm_90a (fp8xfp8, bf16xbf16: GPU-tested, bit-identical
-#: to the staged kernels and as fast or faster at 1-8192 tokens, docs/performance.md), the
-#: staged kernels for larger groups (across GPUs the fused kernel's test has not passed yet:
-#: `supports` refuses it there unless the configuration asks for the experiment) and
-#: on sm_100a (compiled, never run); "1": the fused kernel wherever `supports` allows it;
-#: "0": the staged kernels. Every
-#: rank of a group should see the same value: a staged rank and a fused rank that counts its
-#: rows (buffers of at most 1024 tokens per rank) run different row protocols, and trap.
+#: fused kernel for calls of at most `heuristics.FUSED_AUTO_MAX_TOKENS` tokens of one-rank
+#: groups on sm_90a (fp8xfp8, bf16xbf16: GPU-tested, bit-identical to the staged kernels,
+#: faster at small calls, slower at large ones), else the staged kernels: for larger calls, for
+#: larger groups (across GPUs the fused kernel's test has not passed yet: `supports` refuses
+#: it there unless the configuration asks for the experiment) and on sm_100a (compiled, never
+#: run); "1": the fused kernel for every call wherever `supports` allows it; "0": the staged
+#: kernels. Every rank of a group should see the same value: a staged rank and a fused rank
+#: that counts its rows (buffers of at most 1024 tokens per rank) run different row
+#: protocols, and trap.
 FUSED_DEFAULTS = ("auto", "1", "0")
 
 
-def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
-           transfer: str = "push", l2_sends: bool = True,
-           config: LayerConfig | None = None) -> bool:
-    """Whether an entry point runs the fused kernel. ``fused`` (else ``config.fused``) True: it
-    must (raises `ValueError` naming why it cannot: push, L2 sends, `supports`); False: the
-    staged kernels; None: `FUSED_DEFAULTS` (``CUTE_MEGAMOE_FUSED``), quietly staged where the
-    fused kernel cannot run these arguments."""
+def fused_max_tokens(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
+                     transfer: str = "push", l2_sends: bool = True,
+                     config: LayerConfig | None = None) -> int | None:
+    """The most tokens per rank for which a call runs the fused kernel, the larger calls
+    running the staged kernels; None: every call runs the staged kernels. ``fused`` (else
+    ``config.fused``) True: every call (the buffer's limit; raises `ValueError` naming why it
+    cannot: push, L2 sends, `supports`); False: None; None: `FUSED_DEFAULTS`
+    (``CUTE_MEGAMOE_FUSED``), quietly staged where the fused kernel cannot run these
+    arguments."""
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: expected None or a bool, got {type(fused).__name__}")
     config = layer_config(config)
@@ -133,6 +136,8 @@ def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
         fused = config.fused
     elif config.fused is not None and config.fused != fused:
         raise ValueError(f"fused: {fused}, but config.fused is {config.fused}")
+    layout = sym_buffer.layout
+    every_call = layout.num_max_tokens_per_rank
     pushes = transfer == "push" and l2_sends is True
     if fused:
         if not pushes:
@@ -141,18 +146,28 @@ def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
         reason = supports(sym_buffer, weights, config)
         if reason is not None:
             raise ValueError(f"fused: {reason}")
-        return True
+        return every_call
     if fused is False or not pushes:
-        return False
+        return None
     mode = env_choice("CUTE_MEGAMOE_FUSED", FUSED_DEFAULTS)
     if mode == "0" or not isinstance(weights, ExpertWeights):
-        return False
+        return None
+    limit = every_call
     if mode == "auto":
-        layout = sym_buffer.layout
         if (layout.num_ranks != 1 or weights.arch != "sm_90a"
                 or layout.recipe in EXPERIMENTAL_FUSED_RECIPES["sm_90a"]):
-            return False
-    return supports(sym_buffer, weights, config) is None
+            return None
+        limit = min(FUSED_AUTO_MAX_TOKENS, every_call)
+    return limit if supports(sym_buffer, weights, config) is None else None
+
+
+def choose(fused: bool | None, sym_buffer: SymmBuffer, weights: object,
+           transfer: str = "push", l2_sends: bool = True,
+           config: LayerConfig | None = None, num_tokens: int | None = None) -> bool:
+    """Whether a call of ``num_tokens`` tokens on this rank runs the fused kernel (None:
+    whether some call does), by `fused_max_tokens` (its arguments, checks and errors)."""
+    limit = fused_max_tokens(fused, sym_buffer, weights, transfer, l2_sends, config)
+    return limit is not None and (num_tokens is None or num_tokens <= limit)
 
 
 def fused_mega_moe(sym_buffer: SymmBuffer, x: torch.Tensor | None,

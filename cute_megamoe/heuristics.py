@@ -25,6 +25,7 @@ from .utils import ceil_div
 __all__ = [
     "BLOCK_M_CANDIDATES",
     "DEFAULT_NUM_SMS",
+    "FUSED_AUTO_MAX_TOKENS",
     "block_m_for_call",
     "default_fused_config",
     "default_gemm_config",
@@ -229,6 +230,14 @@ FUSED_DECODE_TABLES = "item"
 #: against bulk row copies (fused layer, R = 1, graph time): FP8 0.975-0.992x at 4096 tokens
 #: and 0.986-0.989x at 8192 in four runs, BF16 0.959x / 0.994x.
 FUSED_ROW_STORES = "lanes"
+#: the most tokens per rank for which ``CUTE_MEGAMOE_FUSED=auto`` runs a one-rank call as the
+#: fused kernel; larger calls run the staged kernels. Fused / staged graph time, DeepSeek-V3
+#: shape, R = 1: 1 x H200 0.83-0.99x at 1 token, 0.99-1.00x at 128, 1.00-1.02x at 512-8192
+#: (`layer-20261202T095203.json`, `layer-20261203T110451.json`, `layer-20261207T180425.json`);
+#: 1 x H100 1.15x at 8192 (`layer-20261207T222459.json`). The fused kernel gains only where
+#: its one launch saves the staged layer's launch gaps.
+FUSED_AUTO_MAX_TOKENS = 128
+
 #: how the fused kernel's CTAs take their GEMM tiles: "phases" (every L1 tile, then every L2
 #: tile) until the ticket walk of the dataflow design has been measured against it on a GPU.
 FUSED_WALK = "phases"

@@ -17,7 +17,8 @@ Paths (`MegaMoEConfig.path`):
 * ``"kernels"``: CUDA, an arch with grouped-GEMM kernels for the recipe (`tables.GEMM_RECIPES`):
   every step on our kernels (`staged.staged_mega_moe` with `ExpertWeights`: staging, dispatch,
   L1, L2, combine; what ``stage_inputs`` + `api.mega_moe` run). Capturable in a CUDA graph
-  (unless ``validate_routing="host"``, which synchronizes).
+  (unless ``validate_routing="host"``, which synchronizes). Calls of at most
+  ``fused_max_tokens`` tokens run them as one persistent kernel (`fused.fused_mega_moe`).
 * ``"torch"``: CUDA, other recipes (fp8xfp4 on Hopper; fp8xfp8, fp8xfp4_sm90 on Blackwell):
   our staging, dispatch and combine kernels around ``torch._grouped_mm`` experts
   (`staged.TorchExpertWeights`); one host synchronization per call, so not capturable.
@@ -54,7 +55,7 @@ from .checks import (
 from .config import LayerConfig
 from .deepgemm_api import get_symm_buffer_for_mega_moe
 from .expert_gemm import ExpertWeights
-from .fused import choose as choose_fused
+from .fused import fused_max_tokens as fused_token_limit
 from .fused import fused_mega_moe
 from .layout import BLOCK_M_MAX, MegaMoELayout
 from .runtime import get_arch
@@ -81,8 +82,16 @@ class MegaMoEConfig:
     validate_routing: str  # "device", "host" or "off" (`checks.routing_check`)
     block_m: int | None  # None: the heuristics per call
     num_sms: int | None  # None: the buffer's default
-    fused: bool = False  # one persistent kernel for the layer (`fused.choose` decided)
+    #: the most tokens per rank for which a call runs as one persistent kernel (the fused
+    #: kernel), larger calls as the staged kernels; None: every call staged
+    #: (`fused.fused_max_tokens` decided)
+    fused_max_tokens: int | None = None
     layer: LayerConfig = LayerConfig()  # the kernels' configuration (None fields: heuristics)
+
+    @property
+    def fused(self) -> bool:
+        """Whether some calls run the fused kernel."""
+        return self.fused_max_tokens is not None
 
 
 _LAYERS: dict[int, weakref.ref] = {}
@@ -126,9 +135,10 @@ class MegaMoE(torch.nn.Module):
             path, push, L2 sends; sm_90a GPU-tested and bit-identical to the staged kernels,
             sm_100a compiled only); True raises where it cannot run, False keeps the staged
             kernels. None (default): ``config.fused``, else `fused.choose`
-            (``CUTE_MEGAMOE_FUSED``): the fused kernel for one-rank groups on sm_90a with
-            fp8xfp8 / bf16xbf16 weights, else the staged kernels. ``self.config.fused`` says
-            which runs.
+            (``CUTE_MEGAMOE_FUSED``): the fused kernel for calls of at most
+            `heuristics.FUSED_AUTO_MAX_TOKENS` tokens of one-rank groups on sm_90a with
+            fp8xfp8 / bf16xbf16 weights, else the staged kernels.
+            ``self.config.fused_max_tokens`` says which runs.
         config: the kernels' configuration (`config.LayerConfig`: the grouped GEMMs', the fused
             kernel's, the experimental fused paths); None: the heuristics'. Free per rank (the
             row transfer of the fused kernel aside: see `config.Sm90FusedConfig`); any value
@@ -199,7 +209,7 @@ class MegaMoE(torch.nn.Module):
                                  "the reference on the CPU)")
             self.sym_buffer: SymmBuffer | None = None
             self.weights = (w1.to(device), w2.to(device))
-            fused = False
+            fused_max_tokens = None
         else:
             arch = get_arch(device)
             path = _choose_path(arch, recipe, experts, weights)
@@ -217,20 +227,20 @@ class MegaMoE(torch.nn.Module):
                     intermediate_hidden, mma_type=recipe, device=device)
             self.weights = weights
             if path == "kernels":
-                fused = choose_fused(fused, self.sym_buffer, weights, transfer, l2_sends,
-                                     config)
+                fused_max_tokens = fused_token_limit(fused, self.sym_buffer, weights, transfer,
+                                                     l2_sends, config)
             elif fused:
                 raise ValueError(f"fused: it runs on the kernels path, this layer on the "
                                  f"{path} path")
             else:
-                fused = False
+                fused_max_tokens = None
         self.group = group
         self.layout = layout
         self.config = MegaMoEConfig(
             recipe=recipe, path=path, arch=arch, activation_clamp=activation_clamp,
             fast_math=fast_math, transfer=transfer, l2_sends=l2_sends,
             validate_routing=routing_check(validate_routing), block_m=block_m,
-            num_sms=num_sms, fused=fused, layer=config)
+            num_sms=num_sms, fused_max_tokens=fused_max_tokens, layer=config)
         self.layer_id = next(_IDS)
         _LAYERS[self.layer_id] = weakref.ref(self)
         weakref.finalize(self, _LAYERS.pop, self.layer_id, None)
@@ -259,7 +269,8 @@ class MegaMoE(torch.nn.Module):
                 f"num_max_tokens_per_rank={lay.num_max_tokens_per_rank}, "
                 f"num_topk={lay.num_topk}, hidden={lay.hidden}, "
                 f"intermediate_hidden={lay.intermediate_hidden}, recipe={cfg.recipe!r}, "
-                f"path={cfg.path!r}, arch={cfg.arch!r}, fused={cfg.fused}, "
+                f"path={cfg.path!r}, arch={cfg.arch!r}, "
+                f"fused_max_tokens={cfg.fused_max_tokens}, "
                 f"device={self.device}")
 
     def check_routing_errors(self) -> None:
@@ -314,7 +325,8 @@ class MegaMoE(torch.nn.Module):
                                    "host; build the layer with validate_routing='device' (the "
                                    "default) to capture it in a CUDA graph")
         with torch.cuda.device(self.sym_buffer.device):
-            if cfg.fused:
+            n = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+            if cfg.fused_max_tokens is not None and n <= cfg.fused_max_tokens:
                 return fused_mega_moe(
                     self.sym_buffer, x, topk_idx, topk_weights, self.weights,
                     activation_clamp=cfg.activation_clamp, fast_math=cfg.fast_math,

@@ -266,14 +266,17 @@ def precompile(num_experts: int, num_topk: int, hidden: int, intermediate_hidden
                max_tokens: int, recipe: str, *, num_ranks: int = 1, arch: str | None = None,
                activation_clamp: float | None = None, fast_math: bool = True,
                transfer: str = "push", l2_sends: bool = True, block_m: int | None = None,
-               tiled: bool | None = None, paths: Sequence[str] = PATHS) -> PrecompileReport:
+               tiled: bool | None = None, paths: Sequence[str] = PATHS,
+               fused_max_tokens: int | None = None) -> PrecompileReport:
     """Compile every kernel a `cute_megamoe.MegaMoE` of these arguments can launch for 0 to
     ``max_tokens`` tokens per rank (see the module doc), into this process's compile cache.
     ``arch`` defaults to the GPU's (without a GPU, give it: the kernels then compile for it and
     cannot run here). ``num_experts`` counts all ranks' experts; ``activation_clamp``,
     ``fast_math``, ``transfer``, ``l2_sends`` and ``block_m`` (None: the heuristics) as the
     layer's; ``tiled``: the weights' storage order (`ExpertWeights.tiled`; None: the
-    constructors' default); ``paths``: a subset of `PATHS`. Returns the compiles (those
+    constructors' default); ``paths``: a subset of `PATHS`; ``fused_max_tokens`` (with both
+    paths): the fused kernel for counts up to it, the staged kernels above (a layer's
+    `MegaMoEConfig.fused_max_tokens`; None: each path for every count). Returns the compiles (those
     already in the cache are not compiled again, nor listed)."""
     start = time.perf_counter()
     check_recipe(recipe)
@@ -284,6 +287,11 @@ def precompile(num_experts: int, num_topk: int, hidden: int, intermediate_hidden
         raise ValueError(f"paths: expected some of {PATHS}, got {paths!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
+    if fused_max_tokens is not None and (isinstance(fused_max_tokens, bool)
+                                         or not isinstance(fused_max_tokens, int)
+                                         or fused_max_tokens < 0):
+        raise ValueError(f"fused_max_tokens: expected None or an int >= 0, got "
+                         f"{fused_max_tokens!r}")
     layout = MegaMoELayout(num_ranks, num_experts, max_tokens, num_topk, hidden,
                            intermediate_hidden, recipe)
     buf = _stand_in_buffer(layout, arch)
@@ -291,6 +299,7 @@ def precompile(num_experts: int, num_topk: int, hidden: int, intermediate_hidden
         if has_gemm_kernels(arch, recipe) else None
     fused = ("fused" in paths and weights is not None and transfer == "push" and l2_sends
              and supports(buf, weights) is None)
+    split = fused_max_tokens if fused and "staged" in paths else None
     calls: dict[tuple, list[int]] = {}
     for n in range(max_tokens + 1):
         calls.setdefault(_choices(n, layout, weights, arch, block_m, l2_sends), []).append(n)
@@ -304,14 +313,16 @@ def precompile(num_experts: int, num_topk: int, hidden: int, intermediate_hidden
     try:
         with no_gpu:
             for choice, counts in calls.items():
-                n = counts[0]
-                if "staged" in paths:
+                staged_counts = [n for n in counts if split is None or n > split]
+                fused_counts = [n for n in counts if split is None or n <= split]
+                if "staged" in paths and staged_counts:
                     collect.serves = f"staged, BLOCK_M {choice[1]}"
-                    _staged_call(buf, weights, n, choice[1], choice[2], activation_clamp,
-                                 fast_math, transfer, l2_sends)
-                if fused:
+                    _staged_call(buf, weights, staged_counts[0], choice[1], choice[2],
+                                 activation_clamp, fast_math, transfer, l2_sends)
+                if fused and fused_counts:
                     collect.serves = f"fused, BLOCK_M {choice[1]}"
-                    _fused_call(buf, weights, n, choice[1], activation_clamp, fast_math)
+                    _fused_call(buf, weights, fused_counts[0], choice[1], activation_clamp,
+                                fast_math)
     finally:
         LOGGER.removeHandler(collect)
         LOGGER.setLevel(level)
@@ -335,18 +346,23 @@ def _describe(choice: tuple, counts: list[int]) -> str:
 
 def precompile_layer(layer, max_tokens: int | None = None) -> PrecompileReport:
     """`precompile` for a built `cute_megamoe.MegaMoE` (its shapes, settings and path; the
-    path it runs: fused or staged) and up to ``max_tokens`` tokens per rank (default: the
-    layer's maximum). Nothing to compile on the CPU path (the reference)."""
+    fused or staged kernels per call size, `MegaMoEConfig.fused_max_tokens`) and up to
+    ``max_tokens`` tokens per rank (default: the layer's maximum). Nothing to compile on
+    the CPU path (the reference)."""
     cfg, lay = layer.config, layer.layout
     if cfg.path == "reference":
         return PrecompileReport("cpu", "reference", [], 0.0)
+    max_tokens = max_tokens or lay.num_max_tokens_per_rank
+    limit = cfg.fused_max_tokens
+    paths = (("staged",) if limit is None else ("fused",) if limit >= max_tokens
+             else ("fused", "staged"))
     return precompile(lay.num_experts, lay.num_topk, lay.hidden, lay.intermediate_hidden,
-                      max_tokens or lay.num_max_tokens_per_rank, cfg.recipe,
+                      max_tokens, cfg.recipe,
                       num_ranks=lay.num_ranks, arch=cfg.arch,
                       activation_clamp=cfg.activation_clamp, fast_math=cfg.fast_math,
                       transfer=cfg.transfer, l2_sends=cfg.l2_sends, block_m=cfg.block_m,
                       tiled=getattr(layer.weights, "tiled", None),
-                      paths=("fused",) if cfg.fused else ("staged",))
+                      paths=paths, fused_max_tokens=limit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

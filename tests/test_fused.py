@@ -1163,7 +1163,7 @@ def test_module_refuses_fused_where_it_cannot_run():
 
 
 def _choose_case(monkeypatch, num_ranks=1, recipe="fp8xfp8", arch="sm_90a", reason=None,
-                 env=None):
+                 env=None, max_tokens=4096):
     """A stand-in buffer and weights for `fused.choose`, with `supports` answering
     ``reason``."""
     from types import SimpleNamespace
@@ -1173,7 +1173,8 @@ def _choose_case(monkeypatch, num_ranks=1, recipe="fp8xfp8", arch="sm_90a", reas
 
     weights = object.__new__(ExpertWeights)
     object.__setattr__(weights, "arch", arch)
-    buf = SimpleNamespace(layout=SimpleNamespace(num_ranks=num_ranks, recipe=recipe))
+    buf = SimpleNamespace(layout=SimpleNamespace(num_ranks=num_ranks, recipe=recipe,
+                                                 num_max_tokens_per_rank=max_tokens))
     monkeypatch.setattr(fused, "supports", lambda b, w, config=None: reason)
     if env is None:
         monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
@@ -1226,6 +1227,33 @@ def test_choose_runs_the_fused_kernel_by_default_where_it_ran(monkeypatch):
         fused.choose(True, buf, w, config=LayerConfig(fused=False))
 
 
+def test_choose_by_default_runs_the_fused_kernel_for_small_calls_only(monkeypatch):
+    """``fused=None`` ("auto"): at one rank on sm_90a, calls of at most
+    `heuristics.FUSED_AUTO_MAX_TOKENS` (128) tokens run the fused kernel, larger ones the
+    staged kernels (where the fused kernel is slower); True, ``CUTE_MEGAMOE_FUSED=1`` and
+    `LayerConfig.fused` take every call; a group of two ranks none."""
+    from cute_megamoe import fused
+    from cute_megamoe.heuristics import FUSED_AUTO_MAX_TOKENS
+
+    assert FUSED_AUTO_MAX_TOKENS == 128
+    buf, w = _choose_case(monkeypatch)
+    assert fused.fused_max_tokens(None, buf, w) == 128
+    for n, want in ((0, True), (1, True), (128, True), (129, False), (4096, False)):
+        assert fused.choose(None, buf, w, num_tokens=n) is want, n
+        assert fused.choose(True, buf, w, num_tokens=n) is True, n
+        assert fused.choose(False, buf, w, num_tokens=n) is False, n
+        assert fused.choose(None, buf, w, config=LayerConfig(fused=True), num_tokens=n), n
+    assert fused.choose(None, buf, w) is True  # (some calls do)
+    assert fused.fused_max_tokens(True, buf, w) == 4096
+    assert fused.fused_max_tokens(False, buf, w) is None
+    assert fused.fused_max_tokens(None, *_choose_case(monkeypatch, max_tokens=64)) == 64
+    assert fused.fused_max_tokens(None, *_choose_case(monkeypatch, env="1")) == 4096
+    assert fused.fused_max_tokens(None, *_choose_case(monkeypatch, env="0")) is None
+    buf, w = _choose_case(monkeypatch, num_ranks=2)
+    assert fused.fused_max_tokens(None, buf, w) is None
+    assert fused.choose(None, buf, w, num_tokens=1) is False
+
+
 def test_supports_refuses_groups_of_several_gpus_outside_the_experiment(monkeypatch):
     """A group of one process per GPU (a process group, R > 1) runs the fused kernel only as an
     experiment (`LayerConfig.experimental_fused_multi_gpu`; its one-rank-per-GPU test failed
@@ -1242,7 +1270,7 @@ def test_supports_refuses_groups_of_several_gpus_outside_the_experiment(monkeypa
 
     def buffer(num_ranks, group, recipe="fp8xfp8"):
         layout = SimpleNamespace(num_ranks=num_ranks, recipe=recipe, hidden=512,
-                                 intermediate_hidden=256)
+                                 intermediate_hidden=256, num_max_tokens_per_rank=64)
         return SimpleNamespace(layout=layout, group=group)
 
     reason = fused.supports(buffer(2, object()), weights)
@@ -1268,15 +1296,17 @@ def test_module_on_the_cpu_runs_the_reference_by_default():
         layer = cm.MegaMoE(None, 8, 64, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu",
                            fused=fused)
         assert layer.config.path == "reference" and layer.config.fused is False
-        assert "fused=False" in repr(layer)
+        assert layer.config.fused_max_tokens is None
+        assert "fused_max_tokens=None" in repr(layer)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_module_and_api_run_the_fused_kernel(recipe):
     """`MegaMoE(fused=True)` and `api.mega_moe(..., fused=True)` give the staged kernels' y;
-    so do the defaults (``fused=None``: the fused kernel at R = 1 for the GPU-tested recipes,
-    `fused.choose`), and DeepGEMM's entry point on an fp8xfp8 buffer."""
+    so do the defaults (``fused=None``: the fused kernel at R = 1 for the GPU-tested recipes
+    up to 128 tokens, the staged kernels above, `fused.choose`), and DeepGEMM's entry point on
+    an fp8xfp8 buffer."""
     _gpu()
     import cute_megamoe as cm
     from cute_megamoe import api, quant
@@ -1293,6 +1323,8 @@ def test_module_and_api_run_the_fused_kernel(recipe):
               for f in (False, True, None)}
     assert layers[True].config.fused and not layers[False].config.fused
     assert layers[None].config.fused == (recipe in STABLE_RECIPES)
+    assert layers[True].config.fused_max_tokens == 256
+    assert layers[None].config.fused_max_tokens == (128 if recipe in STABLE_RECIPES else None)
     from cute_megamoe.testing.dispatch_checks import make_routing
 
     for n in (1, 100, 256):

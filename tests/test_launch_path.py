@@ -513,7 +513,8 @@ def test_fused_layer_checks_run_before_any_launch(fake_cuda, monkeypatch):
 
 def test_entry_points_run_the_fused_kernel_by_default_at_one_rank(fake_cuda, monkeypatch):
     """On a (stubbed) sm_90a GPU, a one-rank buffer: `mega_moe` / `fp8_mega_moe` and DeepGEMM's
-    `fp8_fp4_mega_moe` (the caller staged the inputs) launch the fused kernel by default,
+    `fp8_fp4_mega_moe` (the caller staged the inputs) launch the fused kernel by default
+    (for calls of at most `heuristics.FUSED_AUTO_MAX_TOKENS` tokens, the staged kernels above),
     ``fused=False`` and ``CUTE_MEGAMOE_FUSED=0`` the staged kernels (a pull transfer too), and
     sm_100a (compiled, never run) the staged ones unless asked."""
     import cute_megamoe as cm
@@ -551,6 +552,15 @@ def test_entry_points_run_the_fused_kernel_by_default_at_one_rank(fake_cuda, mon
             assert [n for n, _ in log[before:]] == want, (name, kwargs, env)
     monkeypatch.delenv("CUTE_MEGAMOE_FUSED", raising=False)
     assert fused.choose(None, buf, weights) is True
+    # a call larger than the default's limit (5 tokens here) runs the staged kernels
+    monkeypatch.setattr(fused, "FUSED_AUTO_MAX_TOKENS", 4)
+    for name, call in calls.items():
+        before = len(log)
+        call()
+        assert [n for n, _ in log[before:]] == staged_kernels, name
+        before = len(log)
+        api.mega_moe(y[:4], weights, buf)
+        assert [n for n, _ in log[before:]] == ["Sm90MegaMoEKernel"], name
     monkeypatch.setattr(launch, "get_arch", lambda *args: "sm_100a")
     sm100 = ExpertWeights.from_bf16(w1, w2, "bf16xbf16", arch="sm_100a")
     bf16_buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, INTER, mma_type="bf16xbf16",

@@ -62,7 +62,7 @@ def no_compiles(monkeypatch):
     return keys
 
 
-def test_precompile_covers_every_choice_the_layer_makes(no_compiles):
+def test_precompile_covers_every_choice_the_layer_makes(no_compiles, monkeypatch):
     pytest.importorskip("cutlass")
     e, k, h, i, t = 256, 8, 7168, 2048, 8192
     report = pc.precompile(e, k, h, i, t, "fp8xfp8", arch="sm_90a")
@@ -84,6 +84,19 @@ def test_precompile_covers_every_choice_the_layer_makes(no_compiles):
     assert {key[0] for key in no_compiles} == {"staging", "dispatch", "expert_gemm", "combine",
                                                "mega_moe"}
     assert any("GEMMs transposed" in call for call in report.calls)
+    # a layer that runs the fused kernel up to 128 tokens (`MegaMoEConfig.fused_max_tokens`):
+    # its kernels for 0..128 tokens, the staged GEMMs for the larger calls only
+    served = []
+    for path in ("staged", "fused"):
+        call = getattr(pc, f"_{path}_call")
+        monkeypatch.setattr(pc, f"_{path}_call", lambda buf, w, n, *args, path=path, call=call:
+                            served.append((path, n)) or call(buf, w, n, *args))
+    no_compiles.clear()
+    pc.precompile(e, k, h, i, t, "fp8xfp8", arch="sm_90a", fused_max_tokens=128)
+    assert served and all((n <= 128) == (path == "fused") for path, n in served)
+    fused = {key[7].block_m for key in no_compiles if key[0] == "mega_moe"}
+    assert fused == {block_m_for_call(n, 1, k, e, "sm_90a") for n in range(129)}
+    assert {"staged", "fused"} == {path for path, _ in served}
     # eight ranks: no fused kernel; fp8xfp4 on Hopper: the torch experts between our kernels,
     # the combine's rounds by the token count
     no_compiles.clear()
@@ -105,6 +118,9 @@ def test_precompile_checks_its_arguments(monkeypatch, capsys, no_compiles):
         pc.precompile(8, 2, 256, 128, 16, "fp8xfp8", arch="sm_90a", paths=("both",))
     with pytest.raises(ValueError, match="max_tokens"):
         pc.precompile(8, 2, 256, 128, 0, "fp8xfp8", arch="sm_90a")
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="fused_max_tokens"):
+            pc.precompile(8, 2, 256, 128, 16, "fp8xfp8", arch="sm_90a", fused_max_tokens=bad)
     with pytest.raises(ValueError, match="recipe"):
         pc.precompile(8, 2, 256, 128, 16, "fp4xfp4", arch="sm_90a")
     assert no_compiles == []
