@@ -1254,6 +1254,35 @@ def test_choose_by_default_runs_the_fused_kernel_for_small_calls_only(monkeypatc
     assert fused.choose(None, buf, w, num_tokens=1) is False
 
 
+def test_module_forward_runs_the_kernels_its_config_picks_for_the_call(monkeypatch):
+    """`MegaMoE.forward` of a layer whose ``fused_max_tokens`` is 128 runs the fused layer for
+    calls of up to 128 tokens and the staged layer above, on one buffer (the layer functions
+    and the CUDA context stubbed: a CPU layer given the kernels path's config)."""
+    import contextlib
+
+    import cute_megamoe as cm
+    from cute_megamoe import module
+
+    w1 = torch.randn(8, 512, 512).to(torch.bfloat16)
+    w2 = torch.randn(8, 512, 256).to(torch.bfloat16)
+    layer = cm.MegaMoE(None, 8, 256, 2, 512, 256, "fp8xfp8", w1, w2, device="cpu")
+    layer.config = dataclasses.replace(layer.config, path="kernels", arch="sm_90a",
+                                       fused_max_tokens=128)
+    layer.sym_buffer = cm.get_symm_buffer_for_mega_moe(None, 8, 256, 2, 512, 256,
+                                                       mma_type="fp8xfp8", device="cpu")
+    ran = []
+    for name in ("fused_mega_moe", "staged_mega_moe"):
+        monkeypatch.setattr(module, name,
+                            lambda buf, x, *args, name=name, **kw: ran.append((name, len(x))))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for n in (0, 1, 128, 129, 256):
+        x = torch.zeros(n, 512, dtype=torch.bfloat16)
+        layer._forward_impl(x, torch.zeros(n, 2, dtype=torch.int64), torch.zeros(n, 2))
+    assert ran == [("fused_mega_moe", 0), ("fused_mega_moe", 1), ("fused_mega_moe", 128),
+                   ("staged_mega_moe", 129), ("staged_mega_moe", 256)]
+
+
 def test_supports_refuses_groups_of_several_gpus_outside_the_experiment(monkeypatch):
     """A group of one process per GPU (a process group, R > 1) runs the fused kernel only as an
     experiment (`LayerConfig.experimental_fused_multi_gpu`; its one-rank-per-GPU test failed
